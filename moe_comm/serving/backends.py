@@ -1,0 +1,386 @@
+"""Pluggable MoE communication backends: how a rank's tokens reach the experts and come back.
+
+Every backend is one rank's object with the same two calls (``MoEComm``):
+
+    x_e, counts, ctx = comm.dispatch(x, topk_idx)       # x [T, H] dtype; topk_idx [T, K] int64, -1 = not routed
+        x_e    [E_local, R, H] dtype, R = world * max_tokens: x_e[e, :counts[e]] are the rows for local expert e,
+               ordered by (source rank, token index); rows past a count are unspecified
+        counts [E_local] int32 on the device (never read on the host by the graph-capturable backends)
+    y = comm.combine(y_e, topk_weights, ctx)            # y_e [E_local, R, H]; topk_weights [T, K] float32
+        y [T, H] dtype: y[t] = sum over k with topk_idx[t, k] >= 0 of topk_weights[t, k] * y_e[row of (t, k)],
+        accumulated in float32 in k order (as EPBuffer.combine does)
+
+``phase="send" | "recv" | "both"`` splits each call in two for loopback worlds (all ranks' sends, then all
+receives); the torch.distributed baselines are emulated there by copies through shared memory.
+
+  sync     what serving code does today: counts exchanged, read on the host (.tolist()), then
+           all_to_all_single with exact splits. Eager only: a host read cannot be captured.
+  padded   the capturable workaround: all_to_all_single with every split padded to the capacity.
+  dynamic  moe_comm.AllToAllvDynamic (counts stay on the device) + a local permute; capturable.
+  fused    moe_comm.EPBuffer dispatch / combine; capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKEND_NAMES = ("sync", "padded", "dynamic", "fused")
+
+
+# ---- device-side layout helpers (no host reads) --------------------------------------------------
+
+def positions_by_key(key: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """key [N] int64 in [0, n_keys] (n_keys = "none") -> (pos [N] int64, counts [n_keys] int64).
+
+    pos[i] = how many earlier rows have the same key (-1 for key n_keys): a stable grouping without a sort.
+    """
+    onehot = (key[:, None] == torch.arange(n_keys, device=key.device)[None, :]).long()  # [N, n_keys]
+    pos = (onehot.cumsum(0) * onehot).sum(1) - 1
+    return pos, onehot.sum(0)
+
+
+def exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return counts.cumsum(0) - counts
+
+
+class PairLayout:
+    """Where each (token, k) pair of one rank goes. All tensors [T*K] (flattened row-major over [T, K]).
+
+    valid: topk_idx >= 0; dest: owning rank (world if invalid); local_eid: expert index on dest;
+    token: source row of x; pos: index among this rank's pairs to the same dest (token order);
+    send_counts [world] int64: pairs per destination rank.
+    """
+
+    def __init__(self, topk_idx: torch.Tensor, experts_per_rank: int, world: int):
+        flat = topk_idx.reshape(-1).long()
+        self.T, self.K = topk_idx.shape
+        self.valid = flat >= 0
+        self.dest = torch.where(self.valid, flat.div(experts_per_rank, rounding_mode="floor"), world)
+        self.local_eid = torch.where(self.valid, flat.remainder(experts_per_rank), -1)
+        self.token = torch.arange(flat.numel(), device=flat.device).div(self.K, rounding_mode="floor")
+        self.pos, self.send_counts = positions_by_key(self.dest, world)
+
+    def send_slots(self, dest_stride: torch.Tensor | int, dump: int) -> torch.Tensor:
+        """Row of each pair in a buffer grouped by destination (dest_stride: start of each dest), dump if invalid."""
+        start = dest_stride[self.dest.clamp(max=len(dest_stride) - 1)] if torch.is_tensor(dest_stride) \
+            else self.dest * dest_stride
+        return torch.where(self.valid, start + self.pos, dump)
+
+
+def scatter_to_experts(rows: torch.Tensor, local_eid: torch.Tensor, experts: int, rows_per_expert: int):
+    """Received rows [N, H] with expert ids [N] (-1 = empty) -> (x_e [E, R, H], counts [E] int32, slot [N]).
+
+    Rows keep their order within an expert. slot[i] = e*R + position of row i (E*R when empty).
+    """
+    key = torch.where(local_eid >= 0, local_eid, experts)
+    pos, counts = positions_by_key(key, experts)
+    dump = experts * rows_per_expert
+    slot = torch.where(local_eid >= 0, key * rows_per_expert + pos, dump)
+    buf = rows.new_empty(dump + 1, rows.shape[1])
+    buf.index_copy_(0, slot, rows)
+    return buf[:dump].view(experts, rows_per_expert, rows.shape[1]), counts.to(torch.int32), slot
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """src [N, H]; index [M] (anything where not valid) -> [M, H] with zeros where not valid."""
+    padded = torch.cat([src, src.new_zeros(1, src.shape[1])])
+    return padded[torch.where(valid, index, src.shape[0])]
+
+
+def weighted_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pair_rows [T*K, H] (zeros for unrouted pairs), topk_weights [T, K] -> [T, H] dtype, float32 in k order."""
+    t, k = topk_weights.shape
+    rows = pair_rows.view(t, k, -1).float()
+    acc = torch.zeros(t, rows.shape[2], dtype=torch.float32, device=rows.device)
+    for j in range(k):
+        acc = acc + topk_weights[:, j, None].float() * rows[:, j]
+    return acc.to(dtype)
+
+
+# ---- the interface ---------------------------------------------------------------------------------
+
+class MoEComm:
+    """One rank's MoE communication backend (see the module docstring for shapes)."""
+
+    name = "?"
+    capturable = False  # may be captured in a CUDA graph
+    emulated = False    # True when the transport is emulated (loopback copies instead of the real library)
+
+    def __init__(self, rank: int, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.rank, self.world, self.hidden, self.topk, self.dtype = rank, world, hidden, topk, dtype
+        self.num_experts, self.max_tokens, self.device = num_experts, max_tokens, torch.device(device)
+        if num_experts % world:
+            raise ValueError(f"{num_experts} experts do not split over {world} ranks")
+        self.experts_per_rank = num_experts // world
+        self.rows_per_expert = world * max_tokens  # a token reaches an expert at most once
+        self.capacity = max_tokens * min(topk, self.experts_per_rank)  # pairs one rank can send one peer
+
+    def _check(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != self.dtype:
+            raise ValueError(f"x must be [T, {self.hidden}] {self.dtype}, got {tuple(x.shape)} {x.dtype}")
+        if x.shape[0] > self.max_tokens:
+            raise ValueError(f"T={x.shape[0]} tokens > max_tokens={self.max_tokens}")
+        if tuple(topk_idx.shape) != (x.shape[0], self.topk):
+            raise ValueError(f"topk_idx must be [{x.shape[0]}, {self.topk}], got {tuple(topk_idx.shape)}")
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        raise NotImplementedError
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# ---- transports of the torch.distributed baselines -------------------------------------------------
+
+class DistExchange:
+    """all_to_all_single on the default torch.distributed group (gloo on CPU, NCCL on GPU).
+
+    ``post`` remembers the input; the matching ``fetch`` runs the collective (so only phase "both").
+    """
+
+    emulated = False
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self._posted = rank, world, {}
+
+    def post(self, key, inp, in_splits=None):
+        self._posted[key] = (inp, in_splits)
+
+    def fetch(self, key, out_splits=None):
+        import torch.distributed as dist  # noqa: PLC0415
+        inp, in_splits = self._posted.pop(key)
+        rows = inp.shape[0] if out_splits is None else sum(out_splits)
+        out = inp.new_empty(rows, *inp.shape[1:])
+        if self.world == 1:  # no process group needed for one rank; still a real device copy
+            out.copy_(inp[:rows])
+        else:
+            dist.all_to_all_single(out, inp, out_splits, in_splits)
+        return out
+
+
+class LoopbackExchange:
+    """Emulated all_to_all_single between the ranks of one process: ``post`` in the send phase leaves views
+    of each destination's rows in a shared mailbox, ``fetch`` in the receive phase concatenates them."""
+
+    emulated = True
+
+    def __init__(self, rank: int, world: int, mailbox: dict):
+        self.rank, self.world, self.mailbox = rank, world, mailbox
+
+    @staticmethod
+    def create_world(world: int) -> list["LoopbackExchange"]:
+        box: dict = {}
+        return [LoopbackExchange(r, world, box) for r in range(world)]
+
+    def post(self, key, inp, in_splits=None):
+        parts = inp.split(in_splits) if in_splits is not None else inp.chunk(self.world)
+        self.mailbox.setdefault(key, [None] * self.world)[self.rank] = parts
+
+    def fetch(self, key, out_splits=None):
+        row = self.mailbox[key]
+        return torch.cat([row[src][self.rank] for src in range(self.world)])
+
+
+# ---- baselines -------------------------------------------------------------------------------------
+
+class SyncAllToAll(MoEComm):
+    """Counts exchanged and read on the host, then all_to_all_single with exact splits (eager only)."""
+
+    name = "sync"
+
+    def __init__(self, exchange, **kw):
+        super().__init__(**kw)
+        self.ex, self.emulated, self._state = exchange, exchange.emulated, None
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        if phase in ("send", "both"):
+            self._check(x, topk_idx)
+            lay = PairLayout(topk_idx, self.experts_per_rank, self.world)
+            send_splits = lay.send_counts.tolist()  # host sync: the cost this baseline exists to show
+            n_send = sum(send_splits)
+            slot = lay.send_slots(exclusive_cumsum(lay.send_counts), n_send)
+            pair_of_row = torch.empty(n_send + 1, dtype=torch.int64, device=x.device)
+            pair_of_row.index_copy_(0, slot, torch.arange(slot.numel(), device=x.device))
+            pair_of_row = pair_of_row[:n_send]
+            self.ex.post("counts", lay.send_counts)
+            self.ex.post("rows", x[lay.token[pair_of_row]], send_splits)
+            self.ex.post("eids", lay.local_eid[pair_of_row], send_splits)
+            self._state = (lay, slot, send_splits, n_send)
+            if phase == "send":
+                return None
+        lay, slot, send_splits, n_send = self._state
+        recv_splits = self.ex.fetch("counts").tolist()  # host sync
+        rows = self.ex.fetch("rows", recv_splits)
+        eids = self.ex.fetch("eids", recv_splits)
+        x_e, counts, recv_slot = scatter_to_experts(rows, eids, self.experts_per_rank, self.rows_per_expert)
+        return x_e, counts, (lay, slot, send_splits, recv_splits, recv_slot, n_send)
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        lay, slot, send_splits, recv_splits, recv_slot, n_send = ctx
+        if phase in ("send", "both"):
+            back = y_e.reshape(-1, self.hidden)[recv_slot]
+            self.ex.post("back", back, recv_splits)
+            if phase == "send":
+                return None
+        out = self.ex.fetch("back", send_splits)
+        return weighted_sum(gather_rows(out, slot, lay.valid), topk_weights, self.dtype)
+
+
+class PaddedAllToAll(MoEComm):
+    """all_to_all_single with every split padded to the capacity: fixed shapes, capturable, more bytes."""
+
+    name = "padded"
+    capturable = True
+
+    def __init__(self, exchange, **kw):
+        super().__init__(**kw)
+        self.ex, self.emulated, self._state = exchange, exchange.emulated, None
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        cap, world = self.capacity, self.world
+        if phase in ("send", "both"):
+            self._check(x, topk_idx)
+            lay = PairLayout(topk_idx, self.experts_per_rank, world)
+            slot = lay.send_slots(cap, world * cap)
+            send = x.new_empty(world * cap + 1, self.hidden)
+            send.index_copy_(0, slot, x[lay.token])
+            eids = torch.full((world * cap + 1,), -1, dtype=torch.int64, device=x.device)
+            eids.index_copy_(0, slot, lay.local_eid)
+            self.ex.post("rows", send[:-1])
+            self.ex.post("eids", eids[:-1])
+            self._state = (lay, slot)
+            if phase == "send":
+                return None
+        lay, slot = self._state
+        rows, eids = self.ex.fetch("rows"), self.ex.fetch("eids")
+        x_e, counts, recv_slot = scatter_to_experts(rows, eids, self.experts_per_rank, self.rows_per_expert)
+        return x_e, counts, (lay, slot, recv_slot)
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        lay, slot, recv_slot = ctx
+        if phase in ("send", "both"):
+            flat = y_e.reshape(-1, self.hidden)
+            self.ex.post("back", flat[recv_slot.clamp(max=flat.shape[0] - 1)])  # empty slots: ignored garbage
+            if phase == "send":
+                return None
+        out = self.ex.fetch("back")
+        return weighted_sum(gather_rows(out, slot, lay.valid), topk_weights, self.dtype)
+
+
+# ---- ours --------------------------------------------------------------------------------------------
+
+class DynamicAllToAll(MoEComm):
+    """moe_comm.AllToAllvDynamic + local permute; counts never leave the device.
+
+    Each sent row is [x | local expert id]: the int32 id rides in the last 4 bytes of the row (bit-copied,
+    the a2a moves raw words), so one a2a per direction carries both.
+    """
+
+    name = "dynamic"
+    capturable = True
+
+    def __init__(self, group, **kw):
+        from ..alltoallv import AllToAllvDynamic  # noqa: PLC0415
+        super().__init__(**kw)
+        self.emulated = group.backend == "loopback" and group.world_size > 1
+        self.id_cols = 4 // torch.empty((), dtype=self.dtype).element_size()
+        self.width = self.hidden + self.id_cols
+        self.a2a = AllToAllvDynamic(group, self.capacity, (self.width,), self.dtype)
+        self._state = None
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        if phase in ("send", "both"):
+            self._check(x, topk_idx)
+            lay = PairLayout(topk_idx, self.experts_per_rank, self.world)
+            n = lay.valid.numel()
+            slot = lay.send_slots(exclusive_cumsum(lay.send_counts), n)
+            send = x.new_empty(n + 1, self.width)
+            ids = lay.local_eid.to(torch.int32)[:, None].view(self.dtype)  # [n, id_cols]
+            send.index_copy_(0, slot, torch.cat([x[lay.token], ids], dim=1))
+            self.a2a(send[:n], lay.send_counts, phase="send")
+            self._state = (lay, slot)
+            if phase == "send":
+                return None
+        lay, slot = self._state
+        res = self.a2a(phase="recv")
+        recv = res.recv.view(-1, self.width)  # [world*cap, width]
+        live = (torch.arange(self.capacity, device=recv.device)[None, :] < res.recv_counts[:, None]).reshape(-1)
+        eids = torch.where(live, recv[:, self.hidden:].contiguous().view(torch.int32)[:, 0].long(), -1)
+        x_e, counts, recv_slot = scatter_to_experts(recv[:, :self.hidden], eids, self.experts_per_rank,
+                                                    self.rows_per_expert)
+        return x_e, counts, (lay, slot, recv_slot, res.handle)
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        lay, slot, recv_slot, handle = ctx
+        if phase in ("send", "both"):
+            flat = y_e.reshape(-1, self.hidden)
+            rows = y_e.new_empty(self.world * self.capacity, self.width)
+            rows[:, :self.hidden] = flat[recv_slot.clamp(max=flat.shape[0] - 1)]
+            self.a2a.combine(rows.view(self.world, self.capacity, self.width), handle, phase="send")
+            if phase == "send":
+                return None
+        back = self.a2a.combine(phase="recv")[:, :self.hidden]  # [T*K, H] in send order
+        return weighted_sum(gather_rows(back, slot, lay.valid), topk_weights, self.dtype)
+
+    def close(self) -> None:
+        self.a2a.close()
+
+
+class FusedEP(MoEComm):
+    """moe_comm.EPBuffer: fused dispatch (one row per token per destination) and weighted combine."""
+
+    name = "fused"
+    capturable = True
+
+    def __init__(self, group, **kw):
+        from ..ep import EPBuffer  # noqa: PLC0415
+        super().__init__(**kw)
+        self.emulated = group.backend == "loopback" and group.world_size > 1
+        self.ep = EPBuffer(group, self.num_experts, self.hidden, self.max_tokens, self.topk, dtype=self.dtype)
+        self._args = None
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        if phase == "recv":
+            d = self.ep.dispatch(*self._args, phase="recv")
+        else:
+            self._args = (x, topk_idx)
+            d = self.ep.dispatch(x, topk_idx, phase=phase)
+        return None if d is None else (d.x, d.counts, d.handle)
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        return self.ep.combine(y_e, topk_weights, ctx, phase=phase)
+
+    def close(self) -> None:
+        close = getattr(self.ep, "close", None)
+        if close is not None:
+            close()
+
+
+# ---- factory -----------------------------------------------------------------------------------------
+
+def make_comms(name: str, groups: list, cfg, max_tokens: int) -> list[MoEComm]:
+    """One backend object per rank of ``groups`` (one CommGroup in a process-per-rank world, or every
+    loopback group of a one-process world, built in rank order)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; choose from {BACKEND_NAMES}")
+    g0 = groups[0]
+    world = g0.world_size
+    loopback = g0.backend == "loopback" and world > 1
+    exchanges = LoopbackExchange.create_world(world) if loopback else [DistExchange(g.rank, world) for g in groups]
+    out = []
+    for g, ex in zip(groups, exchanges):
+        kw = dict(rank=g.rank, world=world, num_experts=cfg.num_experts, hidden=cfg.hidden,
+                  max_tokens=max_tokens, topk=cfg.topk, dtype=cfg.dtype, device=g.device)
+        if name == "sync":
+            out.append(SyncAllToAll(ex, **kw))
+        elif name == "padded":
+            out.append(PaddedAllToAll(ex, **kw))
+        elif name == "dynamic":
+            out.append(DynamicAllToAll(g, **kw))
+        else:
+            out.append(FusedEP(g, **kw))
+    return out

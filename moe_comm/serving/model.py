@@ -1,0 +1,144 @@
+"""The tiny MoE decoder, one rank's part: data-parallel attention with a KV cache, expert-parallel MoE.
+
+Each rank holds a full copy of the attention / router / shared-expert weights and runs only its own
+requests through them; it holds experts [rank*E_local, (rank+1)*E_local) and computes, for every rank's
+tokens routed there, those experts. Tokens move through a pluggable ``MoEComm`` backend (backends.py).
+
+All shapes are static given the token count T, so one decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .weights import LayerWeights, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x [T, H] dtype, w [H] -> [T, H] dtype (statistics in float32)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP: x [T, H], gate/up [H, I], down [I, H] -> [T, H]."""
+    return (F.silu(x @ gate) * (x @ up)) @ down
+
+
+def batched_experts(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """Every local expert on its received rows, batched: x_e [E_local, R, H] -> [E_local, R, H].
+
+    counts [E_local] int32 on the device says rows x_e[e, :counts[e]] are valid. It is never read on the
+    host: every row is computed (an output row depends only on its input row, so garbage rows past a count
+    stay in their own rows, which combine ignores). gate/up [E_local, H, I], down [E_local, I, H].
+    Decode is bound by reading expert weights, which every expert does anyway, so the spare rows cost little.
+    """
+    del counts  # kept in the signature so a grouped-GEMM kernel that skips invalid rows can drop in
+    return torch.bmm(F.silu(torch.bmm(x_e, gate)) * torch.bmm(x_e, up), down)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router with renormalised top-k: h [T, H] -> (topk_idx [T, K] int64, topk_weights [T, K] float32)."""
+    probs = torch.softmax((h @ router).float(), dim=-1)
+    weights, idx = probs.topk(topk, dim=-1)
+    return idx, weights / weights.sum(-1, keepdim=True)
+
+
+def cached_attention(lw: LayerWeights, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Causal multi-head attention of T new tokens against a KV cache.
+
+    h [T, H]; k_cache/v_cache [num_slots, max_seq, heads, head_dim] (this layer's); slots/positions [T] int64:
+    token t is at position positions[t] of the sequence in cache slot slots[t]. All T keys/values are written
+    before any is read, so several tokens of one sequence (prefill) see each other causally.
+    """
+    t = h.shape[0]
+    q, k, v = ((h @ w).view(t, num_heads, head_dim) for w in (lw.wq, lw.wk, lw.wv))
+    k_cache[slots, positions] = k
+    v_cache[slots, positions] = v
+    keys, values = k_cache[slots], v_cache[slots]  # [T, max_seq, heads, head_dim]
+    scores = torch.einsum("thd,tshd->ths", q, keys).float() * head_dim ** -0.5
+    visible = torch.arange(k_cache.shape[1], device=h.device)[None, :] <= positions[:, None]  # [T, max_seq]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(h.dtype)
+    return torch.einsum("ths,tshd->thd", probs, values).reshape(t, num_heads * head_dim) @ lw.wo
+
+
+class MoEDecoder:
+    """One rank's decoder: its requests' attention + KV cache, its experts, and a MoE comm backend.
+
+    weights: this rank's share (``ModelWeights.for_rank``). comm: a ``MoEComm`` for this rank.
+    max_batch: most sequences this rank holds at once (cache slots 0..max_batch-1); slot ``pad_slot`` is
+    scratch that padding rows write to and read from, so they never touch a real sequence.
+    phased=True (loopback worlds): ``forward`` yields after every send phase so a driver can run all ranks'
+    send phases before their receive phases; otherwise it never yields (run it with ``run_to_end``).
+    """
+
+    def __init__(self, weights: ModelWeights, comm, max_batch: int, phased: bool = False):
+        cfg = weights.cfg
+        self.cfg, self.w, self.comm, self.max_batch, self.phased = cfg, weights, comm, max_batch, phased
+        self.device = weights.embed.device
+        self.pad_slot = max_batch
+        shape = (cfg.num_layers, max_batch + 1, cfg.max_seq, cfg.num_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+
+    def forward(self, tokens, slots, positions, valid):
+        """Generator; returns logits [T, vocab] float32 for tokens [T] int64 at (slots, positions) [T] int64.
+
+        valid [T] bool: False marks padding rows, whose outputs are garbage and which route nowhere
+        (topk_idx = -1), so they cannot change any real row. T may be 0 (an idle rank's dummy step).
+        """
+        cfg = self.cfg
+        x = self.w.embed[tokens]
+        for layer, lw in enumerate(self.w.layers):
+            x = x + cached_attention(lw, rms_norm(x, lw.attn_norm), self.k_cache[layer], self.v_cache[layer],
+                                     slots, positions, cfg.num_heads, cfg.head_dim)
+            x = x + (yield from self._moe(lw, rms_norm(x, lw.moe_norm), valid))
+        return (rms_norm(x, self.w.final_norm) @ self.w.lm_head).float()
+
+    def _moe(self, lw: LayerWeights, h, valid):
+        topk_idx, topk_weights = route(h, lw.router, self.cfg.topk)
+        topk_idx = torch.where(valid[:, None], topk_idx, -1)
+        x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
+        y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down)
+        routed = yield from self._phases(self.comm.combine, y_e, topk_weights, ctx)
+        if lw.shared_gate is None:
+            return routed
+        return gated_mlp(h, lw.shared_gate, lw.shared_up, lw.shared_down) + routed
+
+    def _phases(self, op, *args):
+        if not self.phased:
+            return op(*args, phase="both")
+        op(*args, phase="send")
+        yield
+        return op(*args, phase="recv")
+
+
+def run_to_end(gen):
+    """Run a generator that must not yield (an unphased forward) and return its value."""
+    try:
+        next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("forward yielded: a phased model must be driven by drive_lockstep")
+
+
+def drive_lockstep(gens: list):
+    """Advance one generator per rank round-robin, in rank order, until all finish; their return values.
+
+    Each yield ends a send phase, so every rank's send runs before any rank's matching receive.
+    """
+    results, live = [None] * len(gens), list(enumerate(gens))
+    while live:
+        still = []
+        for r, g in live:
+            try:
+                next(g)
+                still.append((r, g))
+            except StopIteration as stop:
+                results[r] = stop.value
+        live = still
+    return results
