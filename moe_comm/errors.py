@@ -28,8 +28,8 @@ class CapacityError(MoECommError, ValueError):
     def __init__(self, op: str, rank: int, peer: int, value: int, capacity: int):
         self.op, self.rank, self.peer, self.value, self.capacity = op, rank, peer, value, capacity
         super().__init__(
-            f"{op}: rank {rank} got count {value} for peer/expert {peer}, capacity is {capacity}; "
-            f"rows past the capacity were not written")
+            f"{op}: rank {rank}: the count for peer/expert {peer} needs {value} rows, only {capacity} "
+            f"are available (capacity, or rows of the input); the excess was neither read nor written")
 
 
 class InvalidIndexError(MoECommError, ValueError):

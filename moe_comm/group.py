@@ -192,20 +192,19 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                     failures[r] = f"still running {grace_s:g} s after another rank failed; killed"
                 break
             for r in sorted(pending):
-                if conns[r] in ready or (procs[r].sentinel in ready and conns[r].poll()):
-                    try:
-                        status, payload = conns[r].recv()
-                    except EOFError:
-                        status, payload = "err", "died without reporting"
-                    if status == "ok":
-                        results[r] = pickle.loads(payload)
-                    else:
-                        failures[r] = payload
-                    pending.discard(r)
-                elif procs[r].sentinel in ready:
+                if conns[r] not in ready and procs[r].sentinel not in ready:
+                    continue
+                pending.discard(r)
+                try:
+                    status, payload = conns[r].recv()
+                except EOFError:  # the process ended without sending its result
                     procs[r].join()
                     failures[r] = f"died with exit code {procs[r].exitcode} before returning a result"
-                    pending.discard(r)
+                    continue
+                if status == "ok":
+                    results[r] = pickle.loads(payload)
+                else:
+                    failures[r] = payload
             if failures and deadline is None:
                 deadline = time.monotonic() + grace_s
     finally:

@@ -1,0 +1,24 @@
+# `make test` and `make demo` each build .venv from nothing: torch 2.13.0 (on a CPU machine pip takes
+# the CPU build from the local wheel directory), then this project in editable mode.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: test demo clean
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+test: $(VENV)/.ready
+	$(PY) -m pytest -q -ra tests
+
+demo: $(VENV)/.ready
+	$(PY) -m moe_comm.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache

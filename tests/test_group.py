@@ -1,0 +1,129 @@
+"""CommGroup, init() and launch(): bootstrap, results in rank order, failures named, nothing leaked."""
+
+import importlib
+import os
+import time
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import CommTimeoutError, LaunchError
+
+
+def _shm_files():
+    return [f for f in os.listdir("/dev/shm") if f.startswith("moecomm_")]
+
+
+def _describe(group, tag):
+    group.barrier()
+    buf = group.heap.alloc("probe", (4,), torch.int64)
+    buf.local.fill_(group.rank + 10)
+    group.barrier()
+    # Read every peer's copy through its address: the symmetric mapping works both ways.
+    seen = [int(torch.frombuffer(
+        (__import__("ctypes").c_int64 * 4).from_address(int(p)), dtype=torch.int64)[0]) for p in buf.peer_ptrs]
+    group.barrier()
+    return (tag, group.rank, group.world_size, group.backend, str(group.device), seen)
+
+
+def test_launch_returns_rank_ordered_results_and_heap_maps_peers():
+    out = moe_comm.launch(_describe, 3, "x", backend="shm", timeout_s=20)
+    assert [o[:5] for o in out] == [("x", r, 3, "shm", "cpu") for r in range(3)]
+    assert all(o[5] == [10, 11, 12] for o in out)
+    assert _shm_files() == []
+
+
+def _raise_on_rank2(group):
+    if group.rank == 2:
+        raise KeyError("boom on two")
+    return group.rank
+
+
+def test_launch_names_the_rank_that_raised():
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_raise_on_rank2, 3, backend="shm", timeout_s=10)
+    err = info.value
+    assert set(err.failures) == {2}
+    assert "KeyError" in err.failures[2] and "boom on two" in err.failures[2]
+    assert err.results[:2] == [0, 1]
+    assert "rank 2" in str(err)
+
+
+def _dies_before_barrier(group):
+    if group.rank == 0:
+        os._exit(7)
+    t0 = time.monotonic()
+    try:
+        group.barrier()
+    except CommTimeoutError as e:
+        return (e.op, e.peer, time.monotonic() - t0)
+    return None
+
+
+def test_barrier_with_dead_peer_raises_comm_timeout_naming_it():
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_dies_before_barrier, 2, backend="shm", timeout_s=2)
+    err = info.value
+    assert set(err.failures) == {0} and "exit code 7" in err.failures[0]
+    op, peer, waited = err.results[1]
+    assert (op, peer) == ("barrier", 0) and waited < 4
+    assert _shm_files() == []
+
+
+def test_init_world1_without_torch_distributed():
+    with moe_comm.init(timeout_s=5) as g:
+        assert (g.rank, g.world_size, g.backend) == (0, 1, "shm")
+        assert g.device == torch.device("cpu")
+        g.barrier()
+        g.check()
+        assert "CommGroup(rank=0" in repr(g)
+    assert _shm_files() == []
+
+
+def test_loopback_groups_share_one_heap():
+    groups = moe_comm.init(backend="loopback", world_size=3, timeout_s=7)
+    assert [g.rank for g in groups] == [0, 1, 2]
+    assert all(g.world_size == 3 and g.backend == "loopback" and g.timeout_s == 7 for g in groups)
+    bufs = [g.heap.alloc("b", (5,), torch.float32) for g in groups]
+    assert all(torch.equal(b.peer_ptrs, bufs[0].peer_ptrs) for b in bufs)
+    assert [b.local.data_ptr() for b in bufs] == bufs[0].peer_ptrs.tolist()
+    with pytest.raises(RuntimeError, match="collective order"):
+        groups[0].heap.alloc("c", (5,), torch.float32)
+        groups[1].heap.alloc("other", (6,), torch.float32)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(backend="mpi"), ValueError, "backend must be one of"),
+    (dict(timeout_s=0), ValueError, "timeout_s"),
+    (dict(backend="loopback", world_size=0), ValueError, "world_size"),
+    (dict(world_size=4), ValueError, "torch.distributed has 1"),
+])
+def test_init_rejects_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_comm.init(**kwargs)
+
+
+def test_launch_rejects_loopback_and_bad_world():
+    with pytest.raises(ValueError, match="loopback"):
+        moe_comm.launch(_describe, 2, "x", backend="loopback")
+    with pytest.raises(ValueError, match="world_size"):
+        moe_comm.launch(_describe, 0, "x")
+
+
+def test_nvshmem_heap_imports_without_gpu_and_fails_clearly():
+    mod = importlib.import_module("moe_comm.heap.nvshmem")
+    assert mod.NvshmemHeap.kind == "nvshmem"
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA: the GPU tests cover the nvshmem heap")
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        moe_comm.init(backend="nvshmem")
+
+
+def test_error_word_decoding():
+    from moe_comm.errors import ERR_CAPACITY, ERR_INDEX, ERR_TIMEOUT, decode_error, op_id
+    e = decode_error([ERR_TIMEOUT, op_id("dispatch"), 3, 5, 0, 9], 2.5)
+    assert isinstance(e, CommTimeoutError) and (e.op, e.rank, e.peer) == ("dispatch", 3, 5)
+    assert isinstance(decode_error([ERR_CAPACITY, 0, 1, 2, 9, 4], 1.0), moe_comm.CapacityError)
+    assert isinstance(decode_error([ERR_INDEX, 2, 1, 0, 300, 256], 1.0), moe_comm.InvalidIndexError)
+    assert decode_error([0] * 8, 1.0) is None
