@@ -16,8 +16,7 @@ the capacity and to N, the clamped values kept for the reverse); reverse rows co
 import triton
 import triton.language as tl
 
-from ..errors import ERR_CAPACITY
-from .sync import arrive, as_ptr, record_error, signal, wait_flag
+from .sync import ERR_CAPACITY, arrive, as_ptr, record_error, signal, wait_flag
 
 
 @triton.jit

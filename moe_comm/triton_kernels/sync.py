@@ -16,7 +16,12 @@ import time
 import triton
 import triton.language as tl
 
-from ..errors import ERR_TIMEOUT
+from .. import errors
+
+# Error codes as constexpr: compiled @jit code may only read module globals that are constexpr.
+ERR_TIMEOUT = tl.constexpr(errors.ERR_TIMEOUT)
+ERR_CAPACITY = tl.constexpr(errors.ERR_CAPACITY)
+ERR_INDEX = tl.constexpr(errors.ERR_INDEX)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -73,7 +78,7 @@ def wait_flag(flag_ptr, target, timeout_ns, err_addr, op, rank, peer):
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     already_failed = tl.load(as_ptr(err_addr, tl.int64), volatile=True) == ERR_TIMEOUT
-    if (v < target) & (not already_failed):
+    if (v < target) & (already_failed == 0):
         t0 = now_ns()
         while (v < target) & (now_ns() - t0 < timeout_ns):
             v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
