@@ -5,7 +5,7 @@ VENV   ?= .venv
 TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: test demo clean
+.PHONY: test demo test-vllm clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ test: $(VENV)/.ready
 	$(PY) -m pytest -q -ra tests
 
 demo: $(VENV)/.ready
-	$(PY) -m moe_comm.demo
+	$(PY) -m moe_comm.serving.latency_bench
+
+# vLLM integration against vLLM's real classes: its own venv (.venv-vllm, ~6 GB), not part of `make test`.
+test-vllm:
+	bash scripts/test_vllm.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

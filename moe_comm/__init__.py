@@ -12,6 +12,7 @@ if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
 # ruff: noqa: E402  (the imports below must follow the interpreter switch)
 from . import reference
 from .alltoallv import A2AHandle, A2AResult, AllToAllvDynamic
+from .ep import DispatchResult, EPBuffer, EPHandle
 from .errors import CapacityError, CommTimeoutError, InvalidIndexError, LaunchError, MoECommError
 from .group import CommGroup, init, launch
 
@@ -24,6 +25,9 @@ __all__ = [
     "CapacityError",
     "CommGroup",
     "CommTimeoutError",
+    "DispatchResult",
+    "EPBuffer",
+    "EPHandle",
     "InvalidIndexError",
     "LaunchError",
     "MoECommError",

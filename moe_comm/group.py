@@ -72,6 +72,14 @@ class CommGroup:
         return False
 
 
+def _as_device(device) -> torch.device:
+    """torch.device with an explicit index for CUDA ("cuda" -> "cuda:<current>"), so tensors compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _default_device(backend: str, local_rank: int) -> torch.device:
     if backend in ("nvshmem", "auto") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -97,7 +105,7 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
         n = 1 if world_size is None else int(world_size)
         if n < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        dev = torch.device(device) if device is not None else _default_device("loopback", 0)
+        dev = _as_device(device) if device is not None else _default_device("loopback", 0)
         return [CommGroup(h, "loopback", timeout_s) for h in LoopbackHeap.create_world(n, dev)]
 
     import torch.distributed as dist  # noqa: PLC0415
@@ -113,7 +121,7 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "auto":
         backend = "nvshmem" if torch.cuda.is_available() else "shm"
-    dev = torch.device(device) if device is not None else _default_device(backend, local_rank)
+    dev = _as_device(device) if device is not None else _default_device(backend, local_rank)
     barrier = dist.barrier if world > 1 else (lambda: None)
     if backend == "shm":
         from .heap.shm import ShmHeap  # noqa: PLC0415

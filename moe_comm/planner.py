@@ -15,6 +15,7 @@ import torch
 # GPU launch shape: enough programs per peer to keep many SMs busy on large payloads.
 GPU_TARGET_PROGRAMS = 132
 GPU_BLOCK_BYTES = 4096
+GPU_TILE_ELEMS = 1024  # elements of one register tile (8 per thread at 4 warps)
 
 
 def next_pow2(n: int) -> int:
@@ -94,3 +95,160 @@ def plan_alltoallv(world: int, max_rows_per_peer: int, row_shape, dtype: torch.d
     return AllToAllvPlan(world, max_rows_per_peer, row_shape, dtype, copy,
                          data_shape=(2, world, max_rows_per_peer, copy.row_words),
                          ctrl_shape=(2, world, 2))
+
+
+# ---- EPBuffer (expert-parallel dispatch / combine) ------------------------------------------------
+
+FP8_GROUP = 128     # columns per float32 scale in fp8 dispatch
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class EPPlan:
+    """Buffers and launch shapes of one EPBuffer, from its static sizes only (nothing is allocated here).
+
+    Memory (bytes, per rank; W world, M max_tokens_per_rank, K topk, L experts per rank, H hidden,
+    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8):
+
+      symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token)
+                 combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
+                 control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
+      local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
+                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
+                 counters, scratch 2 * (8 + 4*(W+1)) + 4*max(H, K)
+
+    The DeepSeek-V3 decode shape (W=8, M=128, K=8, L=32, H=7168, bf16) needs 0.49 GiB per GPU (0.28 GiB
+    with fp8 dispatch), d.x included; DeepEP's low-latency buffer for the same shape is 1.78 GiB, before
+    the per-call receive tensors it allocates on top (see ``deepep_low_latency_bytes``).
+    """
+
+    world: int
+    num_experts: int
+    experts_per_rank: int     # L: experts owned by each rank
+    hidden: int
+    max_tokens: int           # M: max_tokens_per_rank
+    topk: int
+    dtype: torch.dtype        # token / expert-output dtype
+    fp8: bool                 # dispatch payload quantized to float8_e4m3fn + float32 scale per 128 columns
+    capacity: int             # rows per local expert in d.x: W * M (every token of every rank, once)
+    x_words: int              # 32-bit words of one dispatched payload row (dtype row, or fp8 bytes / 4)
+    scale_words: int          # float32 scales per dispatched row (H / 128 with fp8, else 0)
+    row_words: int            # dispatch landing row: payload, scales, then K int32 routing words
+    dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
+    out_words: int            # 32-bit words of one expert-output row (H * b / 4)
+    # Launch shapes (every kernel has a 1-D grid). The interpreter (CPU) pays per program and per op,
+    # not per element, so there every kernel is one wide program; a GPU gets many narrow ones.
+    block_tokens: int         # BT: tokens per iteration of the dispatch send and the combine reduction
+    block_slots: int          # BS: (landing row, k) slots per iteration of dispatch recv / combine send
+    # Copy tiles are [rows, BW] words (the dispatch send's [tokens, world, BW]); on a GPU BW shrinks with
+    # the rows of a tile so that its pointers stay in registers.
+    send_block_words: int     # BW of the dispatch send
+    recv_block_words: int     # BW of the dispatch receive
+    out_block_words: int      # BW of the combine send
+    block_hidden: int         # BH: elements per iteration of the combine reduction
+    fp8_block_groups: int     # 128-column groups per quantization iteration (divides H / 128)
+    route_tokens: int         # tokens per routing iteration (prefix sums over a one-hot [ranks, tokens*K, L])
+    route_ranks: int          # destination ranks whose routing one send program computes
+    send_programs: int        # grid of the dispatch send (>= world / route_ranks: every rank gets routed)
+    recv_programs: int        # grid of the dispatch receive and of the combine send
+    reduce_programs: int      # grid of the combine reduction
+
+    @property
+    def elem_size(self) -> int:
+        return elem_size(self.dtype)
+
+    @property
+    def dispatch_data_shape(self) -> tuple:
+        """int32 words [2 zones, W sources, M tokens, row_words] (zone = call % 2)."""
+        return (2, self.world, self.max_tokens, self.row_words)
+
+    @property
+    def combine_data_shape(self) -> tuple:
+        """int32 words [2 zones, M tokens, K slots, out_words]: each (token, k) has exactly one writer."""
+        return (2, self.max_tokens, self.topk, self.out_words)
+
+    @property
+    def symmetric_bytes(self) -> int:
+        w = self.world
+        return 4 * (numel(self.dispatch_data_shape) + numel(self.combine_data_shape)) + 8 * (
+            2 * w * self.dispatch_ctrl_words + 2 * w * 2)
+
+    @property
+    def local_bytes(self) -> int:
+        L, cap, w, m, k = self.experts_per_rank, self.capacity, self.world, self.max_tokens, self.topk
+        outputs = L * cap * 4 * (self.x_words + self.scale_words)
+        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4) + L * 8
+        counters = 2 * (8 + 4 * (w + 1)) + 4 * self.scratch_words  # channel seq/done, launch scratch
+        return outputs + metadata + counters
+
+    @property
+    def scratch_words(self) -> int:
+        """int32 words of the scratch tensor that stands in for empty inputs (T = 0)."""
+        return max(self.hidden, self.topk)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.symmetric_bytes + self.local_bytes
+
+
+def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
+            fp8: bool, device) -> EPPlan:
+    """Plan an EPBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+    device = torch.device(device)
+    L, b = num_experts // world, elem_size(dtype)
+    x_words = hidden // 4 if fp8 else hidden * b // 4
+    scale_words = hidden // FP8_GROUP if fp8 else 0
+    groups = hidden // FP8_GROUP
+    pow2_groups = groups & -groups if groups else 1  # largest power of two dividing the group count
+    one_hot = next_pow2(topk) * next_pow2(L)
+    if device.type == "cuda":
+        block_tokens, block_slots = 1, next_pow2(topk)
+        tile = GPU_TILE_ELEMS
+        send_block_words = min(next_pow2(x_words), max(32, tile // next_pow2(world)))
+        recv_block_words = min(next_pow2(x_words), max(32, tile // next_pow2(topk)))
+        out_block_words = min(next_pow2(hidden * b // 4), max(32, tile // next_pow2(topk)))
+        block_hidden = min(next_pow2(hidden), tile)
+        fp8_block_groups = min(pow2_groups, max(1, tile // (FP8_GROUP * next_pow2(world))))
+        route_ranks = 1
+        route_tokens = max(1, min(next_pow2(max_tokens), tile // one_hot))
+        send_programs = max(world, min(max_tokens, GPU_TARGET_PROGRAMS))
+        recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
+        reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
+    else:
+        block_tokens, block_slots = next_pow2(max_tokens), next_pow2(world * max_tokens) * next_pow2(topk)
+        send_block_words = recv_block_words = min(next_pow2(x_words), 4096)
+        out_block_words = min(next_pow2(hidden * b // 4), 4096)
+        block_hidden = min(next_pow2(hidden), 4096)
+        fp8_block_groups = min(pow2_groups, 32)
+        route_ranks = next_pow2(world)
+        route_tokens = max(1, min(next_pow2(max_tokens), 16384 // (one_hot * route_ranks)))
+        send_programs = recv_programs = reduce_programs = 1
+    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
+                  capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
+                  row_words=x_words + scale_words + topk, dispatch_ctrl_words=L + 2,
+                  out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
+                  send_block_words=send_block_words, recv_block_words=recv_block_words,
+                  out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
+                  route_tokens=route_tokens, route_ranks=route_ranks, send_programs=send_programs,
+                  recv_programs=recv_programs, reduce_programs=reduce_programs)
+
+
+def deepep_low_latency_bytes(max_tokens: int, hidden: int, world: int, num_experts: int) -> int:
+    """Size of DeepEP's low-latency buffer (``Buffer.get_low_latency_rdma_size_hint``), for comparison.
+
+    DeepEP (csrc/config.hpp, LowLatencyLayout) keeps two symmetric sets, each with a send buffer and a
+    receive buffer sized for the larger of dispatch and combine, plus signalling words:
+      dispatch message = 16 + max(2*H, H + 4*H/128) bytes;  combine message = 4*H/128 + 2*H bytes
+      send  = max(M * dispatch message, E * M * combine message)
+      recv  = max(E * M * dispatch message, E * M * combine message)
+      total = 2 * (send + recv + align128(8*E + 4*E/W)), rounded up to 128 bytes.
+    Its dispatch outputs (packed_recv_x, [L, W*M, H]) are allocated per call, outside this figure.
+    """
+    scales = hidden // FP8_GROUP
+    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_msg = scales * 4 + hidden * 2
+    send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    recv = max(num_experts * max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    signal = -(-(num_experts * 8 + num_experts // world * 4) // 128) * 128
+    total = 2 * (send + recv + signal)
+    return (total + 128) // 128 * 128

@@ -47,3 +47,104 @@ def alltoallv_combine(rows: list[torch.Tensor], send_counts: list[torch.Tensor],
             off += n
         out.append(res)
     return out
+
+
+# ---- EPBuffer dispatch / combine ---------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, group: int = 128):
+    """float8_e4m3fn quantization with one float32 scale per ``group`` columns (as the fp8 dispatch does).
+
+    x [..., H] floating, H % group == 0. Per group: scale = amax / 448 (1.0 for an all-zero group),
+    q = round_nearest_even(x / scale). Returns (q [..., H] float8_e4m3fn, scales [..., H // group] float32).
+    """
+    xf = x.float().unflatten(-1, (-1, group))
+    amax = xf.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (xf / scales.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Inverse of ``quantize_fp8``: float32 [..., H]."""
+    return (q.float().unflatten(-1, (-1, group)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+def ep_rows(topk_idxs: list[torch.Tensor], num_experts: int, max_tokens_per_rank: int):
+    """Where every routed slot lands. Returns ``rows[r][e]`` = list of (source rank s, token t, k) that
+    rank r's local expert e receives, in order (by s, then t, then k), truncated to the capacity
+    world * max_tokens_per_rank. Ids outside [0, num_experts) are not routed."""
+    world = len(topk_idxs)
+    local = num_experts // world
+    cap = world * max_tokens_per_rank
+    rows = [[[] for _ in range(local)] for _ in range(world)]
+    for s, idx in enumerate(topk_idxs):
+        for t, ids in enumerate(idx.tolist()):
+            for k, e in enumerate(ids):
+                if 0 <= e < num_experts:
+                    rows[e // local][e % local].append((s, t, k))
+    return [[lst[:cap] for lst in per_rank] for per_rank in rows]
+
+
+def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
+             max_tokens_per_rank: int, fp8: bool = False):
+    """EPBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r] [T_r, K] (-1 = not routed).
+
+    Returns per receiving rank a dict: x [E_local, R, H] (dtype, or float8_e4m3fn with fp8) and scales
+    [E_local, R, H/128] float32 or None, rows past a count zero; counts int32 [E_local]; src int32
+    [E_local, R] = s * max_tokens_per_rank + t per valid row, -1 past a count (R = world * M).
+    """
+    world = len(xs)
+    local, cap, m = num_experts // world, world * max_tokens_per_rank, max_tokens_per_rank
+    rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank)
+    out = []
+    for r in range(world):
+        H, dt = xs[r].shape[1], xs[r].dtype
+        x = torch.zeros((local, cap, H), dtype=dt)
+        src = torch.full((local, cap), -1, dtype=torch.int32)
+        counts = torch.zeros(local, dtype=torch.int32)
+        for e in range(local):
+            for i, (s, t, _k) in enumerate(rows[r][e]):
+                x[e, i] = xs[s][t].cpu()
+                src[e, i] = s * m + t
+            counts[e] = len(rows[r][e])
+        scales = None
+        if fp8:
+            x, scales = quantize_fp8(x)
+        out.append(dict(x=x, scales=scales, counts=counts, src=src))
+    return out
+
+
+def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_idxs: list[torch.Tensor],
+            num_experts: int, max_tokens_per_rank: int):
+    """EPBuffer.combine of every rank at once. expert_outs[r] [E_local, R, H] on rank r (row i of expert e
+    answers dispatch row i); topk_weights[r], topk_idxs[r] [T_r, K]. Returns per rank y [T_r, H]:
+    y[t] = sum over k ascending of routed slots of w[t, k] * row, in float32, cast to expert_outs' dtype.
+    A slot dropped for capacity contributes a zero row."""
+    world = len(expert_outs)
+    local = num_experts // world
+    rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank)
+    where = {}
+    for r in range(world):
+        for e in range(local):
+            for i, key in enumerate(rows[r][e]):
+                where[key] = (r, e, i)
+    out = []
+    for s in range(world):
+        idx, w = topk_idxs[s].tolist(), topk_weights[s].float().cpu()
+        T, K = len(idx), topk_weights[s].shape[1]
+        H, dt = expert_outs[0].shape[-1], expert_outs[0].dtype
+        y = torch.zeros((T, H), dtype=torch.float32)
+        for t in range(T):
+            acc = torch.zeros(H, dtype=torch.float32)
+            for k in range(K):
+                if not 0 <= idx[t][k] < num_experts:
+                    continue
+                hit = where.get((s, t, k))
+                row = expert_outs[hit[0]][hit[1], hit[2]].float().cpu() if hit else torch.zeros(H)
+                acc = acc + w[t, k] * row
+            y[t] = acc
+        out.append(y.to(dt))
+    return out

@@ -90,7 +90,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> 
 def weighted_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """pair_rows [T*K, H] (zeros for unrouted pairs), topk_weights [T, K] -> [T, H] dtype, float32 in k order."""
     t, k = topk_weights.shape
-    rows = pair_rows.view(t, k, -1).float()
+    rows = pair_rows.view(t, k, pair_rows.shape[1]).float()
     acc = torch.zeros(t, rows.shape[2], dtype=torch.float32, device=rows.device)
     for j in range(k):
         acc = acc + topk_weights[:, j, None].float() * rows[:, j]
@@ -155,10 +155,12 @@ class DistExchange:
         inp, in_splits = self._posted.pop(key)
         rows = inp.shape[0] if out_splits is None else sum(out_splits)
         out = inp.new_empty(rows, *inp.shape[1:])
-        if self.world == 1:  # no process group needed for one rank; still a real device copy
+        if dist.is_available() and dist.is_initialized():
+            dist.all_to_all_single(out, inp, out_splits, in_splits)
+        elif self.world == 1:  # one rank without a process group: the same device copy, no library call
             out.copy_(inp[:rows])
         else:
-            dist.all_to_all_single(out, inp, out_splits, in_splits)
+            raise RuntimeError("the sync/padded backends need torch.distributed initialised (moe_comm.init does)")
         return out
 
 
@@ -341,23 +343,20 @@ class FusedEP(MoEComm):
         super().__init__(**kw)
         self.emulated = group.backend == "loopback" and group.world_size > 1
         self.ep = EPBuffer(group, self.num_experts, self.hidden, self.max_tokens, self.topk, dtype=self.dtype)
-        self._args = None
 
     def dispatch(self, x, topk_idx, phase="both"):
-        if phase == "recv":
-            d = self.ep.dispatch(*self._args, phase="recv")
-        else:
-            self._args = (x, topk_idx)
-            d = self.ep.dispatch(x, topk_idx, phase=phase)
+        if phase != "recv":
+            self._check(x, topk_idx)
+        d = self.ep.dispatch(phase="recv") if phase == "recv" else self.ep.dispatch(x, topk_idx, phase=phase)
         return None if d is None else (d.x, d.counts, d.handle)
 
     def combine(self, y_e, topk_weights, ctx, phase="both"):
+        if phase == "recv":
+            return self.ep.combine(phase="recv")
         return self.ep.combine(y_e, topk_weights, ctx, phase=phase)
 
     def close(self) -> None:
-        close = getattr(self.ep, "close", None)
-        if close is not None:
-            close()
+        self.ep.close()
 
 
 # ---- factory -----------------------------------------------------------------------------------------

@@ -28,7 +28,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET:
     @triton.jit
     def now_ns():
-        # The interpreter runs this body as Python, so it can read the host clock.
+        # The interpreter runs this body as Python, so it can read the host clock. It is called once
+        # per poll of a wait: a short sleep hands the CPU to the peer processes being waited for
+        # (interpreted ranks often outnumber cores).
+        time.sleep(0.0002)
         return time.monotonic_ns()
 else:
     @triton.jit
@@ -77,13 +80,16 @@ def wait_flag(flag_ptr, target, timeout_ns, err_addr, op, rank, peer):
     If a timeout is already recorded on this rank, returns at once (after one look at the flag).
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    already_failed = tl.load(as_ptr(err_addr, tl.int64), volatile=True) == ERR_TIMEOUT
-    if (v < target) & (already_failed == 0):
-        t0 = now_ns()
-        while (v < target) & (now_ns() - t0 < timeout_ns):
-            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        if v < target:
-            record_error(err_addr, ERR_TIMEOUT, op, rank, peer, v, target)
+    if v < target:
+        # Only a late flag pays for reading the error word: it lives in pinned host memory, and a read
+        # per program on the fast path cost ~4 us each on an H100 (bench/NOTES.md).
+        already_failed = tl.load(as_ptr(err_addr, tl.int64), volatile=True) == ERR_TIMEOUT
+        if already_failed == 0:
+            t0 = now_ns()
+            while (v < target) & (now_ns() - t0 < timeout_ns):
+                v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            if v < target:
+                record_error(err_addr, ERR_TIMEOUT, op, rank, peer, v, target)
     tl.debug_barrier()  # the whole program sees the payload the flag covers
     return v >= target
 

@@ -1,0 +1,408 @@
+"""Kernel benchmarks: the floor first, then every op against the floor and against its peers (world 1).
+
+    python bench/kernels.py [--out-dir bench/results]      # a GPU: full sizes
+    python bench/kernels.py --dry [--out-dir DIR]          # no GPU: tiny sizes in Triton's interpreter
+
+1. Floor: device-to-device copy bandwidth (bytes read + written, one large buffer) and the time of an
+   empty Triton kernel (one launch). An op that must move B bytes cannot beat B / bandwidth + 1 launch.
+2. AllToAllvDynamic (world 1, rows of ``hidden`` bf16) vs torch.ops.symm_mem.all_to_all_vdev (separate
+   process: torch brings its own NVSHMEM) and NCCL all_to_all_single with host-read splits.
+3. EPBuffer dispatch / combine (bf16 and fp8 dispatch; EP=1) vs a pure-torch permute / unpermute.
+
+Every line (JSON) carries op, impl, sizes, p20/p50/p80 µs, GB/s (floor bytes / p50), the floor in µs
+and p50 / floor, plus device, versions and commit. A PNG and a table are written next to the lines.
+A --dry run only proves the script's logic; its numbers are labelled and mean nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch
+
+import moe_comm  # first: without CUDA it turns Triton's interpreter on, which must precede importing triton
+import triton  # noqa: E402
+from bench import peers
+from bench.common import DRY_LABEL, JsonLines, environment, read_jsonl, time_us
+
+GPU_SIZES = [1, 8, 64, 128, 512, 2048]
+DRY_SIZES = [1, 5]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry", action="store_true", help="CPU: tiny shapes, interpreter, a few iterations")
+    p.add_argument("--out-dir", help="where the .jsonl and .png go (default bench/results; --dry: a temp dir)")
+    p.add_argument("--sections", default="floor,a2a,ep,permute,nccl,vdev",
+                   help="comma separated subset of floor,a2a,ep,permute,nccl,vdev")
+    sizes = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--a2a-rows", type=sizes, help=f"rows per call (GPU {GPU_SIZES})")
+    p.add_argument("--tokens", type=sizes, help=f"T for dispatch/combine (GPU {GPU_SIZES})")
+    p.add_argument("--hidden", type=int, help="row width (GPU 7168; dry 256)")
+    p.add_argument("--experts", type=int, help="experts (GPU 256; dry 16)")
+    p.add_argument("--topk", type=int, help="top-k (GPU 8; dry 4)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="EPBuffer max_tokens_per_rank (0: equal to each T, the smallest buffer)")
+    p.add_argument("--iters", type=int, help="timed calls per point (GPU 200; dry 3)")
+    p.add_argument("--warmup", type=int, help="untimed calls first (GPU 20; dry 1)")
+    p.add_argument("--tag", default="", help="label stored in every line (e.g. the change being measured)")
+    p.add_argument("--child-vdev", metavar="JSONL", help=argparse.SUPPRESS)  # internal: the vdev process
+    p.add_argument("--floor", type=float, nargs=2, metavar=("GBPS", "LAUNCH_US"), help=argparse.SUPPRESS)
+    o = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not o.dry
+    if o.dry and torch.cuda.is_available():
+        p.error("--dry is for machines without a GPU (it labels its numbers as not GPU measurements)")
+    if not cuda and not o.dry:
+        p.error("no GPU here: use --dry (CPU interpreter, tiny shapes, labelled dry run)")
+    gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20)
+    dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1)
+    for k, v in (gpu if cuda else dry).items():
+        if getattr(o, k) is None:
+            setattr(o, k, v)
+    o.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if o.dry:
+        torch.set_num_threads(1)  # tiny CPU ops: a 2-thread pool only adds wake-up latency (index_add_: 0.1 s)
+    o.sections = o.sections.split(",")
+    if o.hidden % 128:
+        p.error("--hidden must be a multiple of 128 (fp8 dispatch scales 128 columns each)")
+    return o
+
+
+# ---- floor ---------------------------------------------------------------------------------------
+
+@triton.jit
+def empty_kernel(x_ptr):
+    pass
+
+
+def measure_floor(o, out: JsonLines) -> tuple[float, float]:
+    """(copy GB/s counting read + write, empty-kernel µs); both p50."""
+    n = (1 << 30) if o.device.type == "cuda" else (8 << 20)
+    src = torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, device=o.device)
+    dst = torch.empty_like(src)
+    copy = time_us(lambda i: dst.copy_(src), o.device, o.iters, o.warmup)
+    gbps = 2 * n / (copy["p50_us"] * 1e3)
+    out.write(kind="floor", op="copy", impl="torch.copy_", bytes=2 * n, GBps=gbps, **copy)
+    launch = time_us(lambda i: empty_kernel[(1,)](src), o.device, o.iters, o.warmup)
+    out.write(kind="floor", op="empty_kernel", impl="triton", bytes=0, **launch)
+    print(f"floor: copy {gbps:.0f} GB/s (read + write), empty kernel {launch['p50_us']:.2f} µs")
+    return gbps, launch["p50_us"]
+
+
+def result(out: JsonLines, floor, op, impl, bytes_moved, timing, **sizes) -> dict:
+    gbps, launch_us = floor
+    floor_us = bytes_moved / (gbps * 1e3) + launch_us
+    return out.write(kind="result", op=op, impl=impl, bytes=bytes_moved, GBps=bytes_moved / (timing["p50_us"] * 1e3),
+                     floor_us=floor_us, x_floor=timing["p50_us"] / floor_us,
+                     pct_of_floor=100.0 * floor_us / timing["p50_us"], **sizes, **timing)
+
+
+# ---- moe-comm ops at world 1 ---------------------------------------------------------------------
+
+def world1_group(device: torch.device):
+    """nvshmem heap on a GPU (as a user would run world 1); loopback otherwise (CPU, or no nvshmem4py)."""
+    if device.type == "cuda":
+        try:
+            return moe_comm.init(backend="nvshmem", timeout_s=30.0)
+        except ImportError as e:
+            print(f"nvshmem heap unavailable ({e}); using the loopback heap at world 1")
+    return moe_comm.init(backend="loopback", world_size=1, device=device, timeout_s=30.0)[0]
+
+
+def drive(call, group, *args, **kw):
+    """Call an op; loopback groups must be driven phase by phase (send, then recv with no tensors)."""
+    if group.backend != "loopback":
+        return call(*args, **kw)
+    call(*args, phase="send", **kw)
+    return call(*([None] * len(args)), phase="recv", **kw)
+
+
+def bench_a2a(o, out, floor, group):
+    dtype, h = torch.bfloat16, o.hidden
+    for n in o.a2a_rows:
+        op = moe_comm.AllToAllvDynamic(group, n, (h,), dtype)
+        send = torch.randn(n, h, device=o.device).to(dtype)
+        counts = torch.tensor([n], dtype=torch.int32, device=o.device)
+        res = drive(op, group, send, counts)
+        group.check()
+        assert torch.equal(res.recv[0, :n], send), "AllToAllvDynamic returned wrong rows"
+        t = time_us(lambda i: drive(op, group, send, counts), o.device, o.iters, o.warmup)
+        group.check()
+        result(out, floor, "alltoallv", "moe_comm", 2 * n * h * 2, t, rows=n, hidden=h, dtype="bf16",
+               heap=group.backend)
+        op.close()
+
+
+def ep_bytes(op: str, t: int, h: int, k: int, fp8: bool) -> int:
+    """Least bytes an EP=1 op must move (payload only): dispatch reads x [T, H] and writes T*K rows
+    (fp8: H bytes + H/128 float32 scales each); combine reads T*K expert rows and writes y [T, H]."""
+    if op == "dispatch":
+        return t * h * 2 + t * k * ((h + 4 * (h // 128)) if fp8 else 2 * h)
+    return t * k * h * 2 + t * h * 2
+
+
+def ep_class():
+    try:
+        from moe_comm.ep import EPBuffer  # noqa: PLC0415
+    except ImportError:
+        return None
+    return EPBuffer
+
+
+def bench_ep(o, out, floor, group):
+    EPBuffer = ep_class()
+    if EPBuffer is None:
+        out.write(kind="skip", op="dispatch/combine", impl="moe_comm", reason="moe_comm.ep.EPBuffer not available")
+        print("skip dispatch/combine: moe_comm.ep.EPBuffer not available in this checkout")
+        return
+    h, e, k = o.hidden, o.experts, o.topk
+    gen = torch.Generator().manual_seed(0)
+    for fp8 in (False, True):
+        for t in o.tokens:
+            cap = o.max_tokens or max(1, t)
+            ep = EPBuffer(group, e, h, cap, k, dtype=torch.bfloat16, fp8_dispatch=fp8)
+            x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device)
+            idx = peers.random_topk(t, e, k, gen).to(o.device)
+            w = torch.rand(t, k, generator=gen).to(o.device)
+            d = drive(ep.dispatch, group, x, idx)
+            group.check()
+            want = torch.bincount(idx.reshape(-1).cpu(), minlength=e).to(torch.int32)
+            assert torch.equal(d.counts.cpu(), want), "dispatch counts differ from the routing"
+            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, dtype="fp8" if fp8 else "bf16",
+                         heap=group.backend)
+            td = time_us(lambda i: drive(ep.dispatch, group, x, idx), o.device, o.iters, o.warmup)
+            result(out, floor, "dispatch", "moe_comm", ep_bytes("dispatch", t, h, k, fp8), td, **sizes)
+            d = drive(ep.dispatch, group, x, idx)
+            expert_out = d.x.to(torch.bfloat16)  # rows past the counts are never read
+            tc = time_us(lambda i: drive(ep.combine, group, expert_out, w, d.handle), o.device, o.iters, o.warmup)
+            group.check()
+            result(out, floor, "combine", "moe_comm", ep_bytes("combine", t, h, k, fp8), tc, **sizes)
+            del d, expert_out
+            if hasattr(ep, "close"):
+                ep.close()
+            del ep
+            if o.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ---- peers ---------------------------------------------------------------------------------------
+
+def bench_permute(o, out, floor):
+    h, e, k = o.hidden, o.experts, o.topk
+    gen = torch.Generator().manual_seed(1)
+    for fp8 in (False, True):
+        for t in o.tokens:
+            x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device)
+            idx = peers.random_topk(t, e, k, gen).to(o.device)
+            w = torch.rand(t, k, generator=gen).to(o.device)
+            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, dtype="fp8" if fp8 else "bf16")
+            tp = time_us(lambda i: peers.torch_permute(x, idx, e, fp8), o.device, o.iters, o.warmup)
+            result(out, floor, "dispatch", "torch_permute", ep_bytes("dispatch", t, h, k, fp8), tp, **sizes)
+            if fp8:
+                continue  # combine works on dtype rows either way: timed once, with the bf16 case
+            rows, _, _, order = peers.torch_permute(x, idx, e, False)
+            tu = time_us(lambda i: peers.torch_unpermute(rows, w, order), o.device, o.iters, o.warmup)
+            result(out, floor, "combine", "torch_unpermute", ep_bytes("combine", t, h, k, fp8), tu, **sizes)
+
+
+def bench_nccl(o, out, floor):
+    peers.init_world1(o.device)
+    impl = "nccl_host_splits" if o.device.type == "cuda" else "gloo_host_splits"
+    h = o.hidden
+    try:
+        for n in o.a2a_rows:
+            send = torch.randn(n, h, device=o.device).to(torch.bfloat16)
+            recv = torch.empty_like(send)
+            counts = torch.tensor([n], dtype=torch.int64, device=o.device)
+            scratch = torch.empty_like(counts)
+            assert torch.equal(peers.nccl_alltoallv(send, recv, counts, scratch), send)
+            t = time_us(lambda i: peers.nccl_alltoallv(send, recv, counts, scratch), o.device, o.iters, o.warmup)
+            result(out, floor, "alltoallv", impl, 2 * n * h * 2, t, rows=n, hidden=h, dtype="bf16")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def bench_vdev_child(o, out, floor):
+    """Runs in its own process (torch's NVSHMEM must not meet nvshmem4py's in one process)."""
+    peers.init_world1(o.device)
+    h = o.hidden
+    try:
+        for n in o.a2a_rows:
+            try:
+                op = peers.SymmMemAllToAllv(n, h, torch.bfloat16, o.device)
+            except RuntimeError as e:
+                if "global_ranks.size() > 1" not in str(e):
+                    raise
+                # torch's symmetric memory refuses a one-rank group, and one GPU cannot host two NVSHMEM
+                # ranks (several processes per GPU run in NVSHMEM's limited mode): no comparison here.
+                out.write(kind="skip", op="alltoallv", impl="torch_symm_mem_vdev",
+                          reason=f"torch {torch.__version__} symm_mem needs world > 1 (rendezvous: {e})"[:300])
+                print("skip torch all_to_all_vdev: torch symmetric memory needs world > 1")
+                return
+            op.input.copy_(torch.randn(n, h, device=o.device).to(torch.bfloat16))
+            op.set_counts(torch.tensor([n], dtype=torch.int64, device=o.device))
+            op()
+            torch.cuda.synchronize()
+            assert torch.equal(op.out[:n], op.input) and int(op.recv_counts()[0]) == n, "all_to_all_vdev wrong"
+            t = time_us(lambda i: op(), o.device, o.iters, o.warmup)
+            result(out, floor, "alltoallv", "torch_symm_mem_vdev", 2 * n * h * 2, t, rows=n, hidden=h, dtype="bf16")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_vdev(o, out, floor, argv):
+    if o.device.type != "cuda" or not peers.has_all_to_all_vdev():
+        why = "needs CUDA" if o.device.type != "cuda" else f"torch {torch.__version__} has no all_to_all_vdev"
+        out.write(kind="skip", op="alltoallv", impl="torch_symm_mem_vdev", reason=why)
+        print(f"skip torch all_to_all_vdev: {why}")
+        return
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child-vdev", out.path, "--floor", *map(str, floor)]
+    try:
+        proc = subprocess.run(cmd, timeout=600)
+        ok = proc.returncode == 0
+        why = f"child process exited with {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        ok, why = False, "child process timed out (600 s)"
+    if not ok:
+        out.write(kind="skip", op="alltoallv", impl="torch_symm_mem_vdev", reason=why)
+        print(f"torch all_to_all_vdev failed: {why}")
+
+
+def compile_report(out: JsonLines) -> None:
+    """Registers, spills, warps and shared memory of every moe_comm kernel compiled in this process."""
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+
+    import moe_comm.triton_kernels as tk  # noqa: PLC0415
+    for info in pkgutil.iter_modules(tk.__path__):
+        mod = importlib.import_module(f"{tk.__name__}.{info.name}")
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, triton.runtime.JITFunction) or not name.endswith("_kernel"):
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    try:
+                        kernel._init_handles()
+                    except Exception:  # noqa: BLE001  (interpreter, or no binary: nothing to report)
+                        continue
+                    md = kernel.metadata
+                    out.write(kind="compile", op=f"{info.name}.{name}", n_regs=kernel.n_regs,
+                              n_spills=kernel.n_spills, num_warps=md.num_warps, num_stages=md.num_stages,
+                              shared_bytes=md.shared)
+                    print(f"compiled {info.name}.{name}: {kernel.n_regs} registers, {kernel.n_spills} spills, "
+                          f"{md.num_warps} warps, {md.shared} B shared")
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+def table(lines: list[dict]) -> str:
+    rows = [f"{'op':<10} {'impl':<20} {'dtype':<5} {'size':>6} {'p50 µs':>10} {'GB/s':>8} "
+            f"{'floor µs':>9} {'x floor':>8}"]
+    for r in lines:
+        if r["kind"] == "result":
+            size = r.get("rows", r.get("tokens"))
+            rows.append(f"{r['op']:<10} {r['impl']:<20} {r['dtype']:<5} {size:>6} {r['p50_us']:>10.1f} "
+                        f"{r['GBps']:>8.1f} {r['floor_us']:>9.1f} {r['x_floor']:>8.2f}")
+        elif r["kind"] in ("skip", "error"):
+            what = "skipped" if r["kind"] == "skip" else "FAILED"
+            rows.append(f"{r['op']:<10} {r['impl']:<20} {what}: {r['reason'][:200]}")
+    return "\n".join(rows)
+
+
+def plot(lines: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    res = [r for r in lines if r["kind"] == "result"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    panels = [("alltoallv (world 1)", "rows", lambda r: r["op"] == "alltoallv"),
+              ("dispatch / combine (EP=1)", "tokens", lambda r: r["op"] != "alltoallv")]
+    for ax, (name, size_key, pick) in zip(axes, panels):
+        series: dict = {}
+        for r in filter(pick, res):
+            key = r["impl"] if r["op"] == "alltoallv" else f"{r['op']} {r['impl']} {r['dtype']}"
+            series.setdefault(key, []).append((r[size_key], r["p50_us"], r["floor_us"]))
+        for key, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+            if key.endswith("moe_comm") or " moe_comm " in key:
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color="gray")
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel=size_key, ylabel="µs (p50)", title=f"{name}; dotted = floor")
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    o = parse_args(argv)
+    env = environment(o.device)
+    if o.child_vdev:
+        bench_vdev_child(o, JsonLines(o.child_vdev, dict(env, tag=o.tag), o.dry), tuple(o.floor))
+        return 0
+    out_dir = o.out_dir or (tempfile.mkdtemp(prefix="moe-comm-bench-dry-") if o.dry else
+                            os.path.join("bench", "results"))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    slug = "dry" if o.dry else env["device"].replace(" ", "-")
+    base = os.path.join(out_dir, f"kernels-{slug}-{stamp}")
+    out = JsonLines(base + ".jsonl", dict(env, tag=o.tag), o.dry)
+    if o.dry:
+        print(f"*** {DRY_LABEL} ***")
+    print(f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+    failed = []
+
+    def section(name, fn, *args):
+        """Run one section; a failure is recorded (JSON line + exit status) and the others still run."""
+        if name not in o.sections:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            failed.append(name)
+            out.write(kind="error", op=name, impl="-", reason=f"{type(e).__name__}: {str(e)[:2000]}")
+            traceback.print_exc()
+            print(f"section {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
+
+    floor = measure_floor(o, out) if "floor" in o.sections else (1.0, 0.0)
+    if {"a2a", "ep"} & set(o.sections):
+        group = world1_group(o.device)
+        try:
+            section("a2a", bench_a2a, o, out, floor, group)
+            section("ep", bench_ep, o, out, floor, group)
+            if o.device.type == "cuda":
+                compile_report(out)
+        finally:
+            group.close()
+    section("permute", bench_permute, o, out, floor)
+    section("nccl", bench_nccl, o, out, floor)
+    section("vdev", run_vdev, o, out, floor, argv)
+    lines = read_jsonl(out.path)
+    title = f"{env['device']}  torch {env['torch']}  triton {env['triton']}  {env['commit'][:12]}"
+    plot(lines, base + ".png", (f"{DRY_LABEL}\n" if o.dry else "") + title)
+    print(table(lines))
+    print(f"wrote {out.path} and {base}.png")
+    if o.dry:
+        print(f"*** {DRY_LABEL} ***")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

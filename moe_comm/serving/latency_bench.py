@@ -1,0 +1,268 @@
+"""Decode-latency benchmark of the MoE comm backends on a tiny MoE model (``moe-comm-decode-bench``).
+
+For one model config: first every backend's greedy decoding is checked against the single-process reference
+model (abort on mismatch), then decode steps are timed per batch size and backend (warm-up, then p20 / p50 /
+p80 of the per-step latency, CUDA events on a GPU). Prints a table with each of our backends' improvement
+over ``sync`` and ``padded``, appends JSON lines and draws a PNG under ``--out-dir``.
+
+Where the ranks run:
+  CPU                         --world processes (default 4) over the shm heap, Triton interpreted, no graphs
+  one GPU                     world 1 over the nvshmem heap, CUDA graphs
+  one GPU, --heap loopback    --world ranks (2-8) emulated in one process on one GPU (labelled "emulated")
+  several GPUs                torchrun --nproc-per-node N (one rank per GPU, nvshmem heap)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+
+from .backends import BACKEND_NAMES
+from .bench_report import environment, format_table, percentiles, plot, slowest_rank_per_step, write_jsonl
+from .configs import CONFIG_NAMES, model_config
+
+CPU_DEFAULTS = dict(batches=[1, 2, 4, 8], world=4, steps=5, warmup=2)
+GPU_DEFAULTS = dict(batches=[1, 2, 4, 8, 16, 32, 64], world=1, steps=200, warmup=20)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moe-comm-decode-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="llama4-scout", choices=CONFIG_NAMES)
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+                   help="decode batch sizes per rank, comma separated (CPU 1,2,4,8; GPU 1,2,...,64)")
+    p.add_argument("--backends", type=lambda s: s.split(","), default=list(BACKEND_NAMES),
+                   help=f"comma separated subset of {','.join(BACKEND_NAMES)}")
+    p.add_argument("--world", type=int, help="ranks (CPU default 4; GPU 1; under torchrun: its world)")
+    p.add_argument("--heap", default="auto", choices=("auto", "shm", "nvshmem", "loopback"))
+    p.add_argument("--steps", type=int, help="timed decode steps per point (CPU 5, GPU 200)")
+    p.add_argument("--warmup", type=int, help="untimed decode steps first (CPU 2, GPU 20)")
+    p.add_argument("--prompt-len", type=int, default=4)
+    p.add_argument("--check-steps", type=int, default=3, help="decode steps compared with the reference")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    opts = p.parse_args(argv)
+    for b in opts.backends:
+        if b not in BACKEND_NAMES:
+            p.error(f"unknown backend {b!r}; choose from {BACKEND_NAMES}")
+    cuda = torch.cuda.is_available() if opts.device == "auto" else opts.device == "cuda"
+    opts.device = "cuda" if cuda else "cpu"
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    for k, v in defaults.items():
+        if getattr(opts, k) is None:
+            setattr(opts, k, int(os.environ["WORLD_SIZE"]) if k == "world" and torchrun else v)
+    if opts.heap == "auto":
+        opts.heap = "shm" if not cuda else ("loopback" if opts.world > 1 and not torchrun else "nvshmem")
+    opts.torchrun = torchrun
+    opts.max_batch = max(max(opts.batches), 3)
+    return opts
+
+
+# ---- work on the ranks ---------------------------------------------------------------------------------
+
+def _check_requests(rank: int, world: int, vocab: int, steps: int, prompt_len: int):
+    """A few requests of different lengths; the last rank of a multi-rank world gets none (idle rank)."""
+    from .engine import Request  # noqa: PLC0415
+    if world > 1 and rank == world - 1:
+        return []
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [Request(torch.randint(0, vocab, (prompt_len + i,), generator=g).tolist(), steps + 1) for i in range(3)]
+
+
+def _timing_requests(rank: int, batch: int, vocab: int, new_tokens: int, prompt_len: int):
+    from .engine import Request  # noqa: PLC0415
+    g = torch.Generator().manual_seed(2000 + 97 * rank + batch)
+    return [Request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), new_tokens) for _ in range(batch)]
+
+
+def run_ranks(groups: list, opts) -> dict:
+    """Check then time every backend on the ranks of ``groups`` (one, or every rank of a loopback world).
+
+    Returns {"timing": {backend: {batch: [step µs of this process]}}, "check": {backend: worst rel error},
+    "graphs": {backend: bool}, "emulated": {backend: bool}}.
+    """
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from .backends import make_comms  # noqa: PLC0415
+    from .check import ReferenceMismatch, check_generation, default_rtol  # noqa: PLC0415
+    from .engine import DecodeEngine, global_max  # noqa: PLC0415
+    from .model import MoEDecoder  # noqa: PLC0415
+    from .reference_model import ReferenceModel  # noqa: PLC0415
+    from .weights import build_weights  # noqa: PLC0415
+
+    device, world = groups[0].device, groups[0].world_size
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # streams, events and graphs use the current device
+    if device.type == "cpu":  # one process per rank shares the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world if len(groups) == 1 else 1)))
+    cfg = model_config(opts.config, device)
+    need = opts.prompt_len + max(2 + opts.check_steps, opts.warmup + opts.steps) + 1
+    if need > cfg.max_seq:
+        raise ValueError(f"prompt + steps need {need} positions > max_seq={cfg.max_seq}; use fewer --steps")
+    # Every expert once (the reference needs them; ranks of this process take views) or only this rank's.
+    full = build_weights(cfg, device) if len(groups) > 1 or world == 1 else None
+    e_local = cfg.experts_per_rank(world)
+    shares = ([full.for_rank(g.rank, world) for g in groups] if full is not None else
+              [build_weights(cfg, device, experts=(groups[0].rank * e_local, (groups[0].rank + 1) * e_local))])
+    ranks = [g.rank for g in groups]
+    out = dict(timing={}, check={}, graphs={}, emulated={})
+    bar = tqdm(total=len(opts.backends) * (1 + len(opts.batches)), disable=0 not in ranks, desc="decode bench",
+               unit="run", file=sys.stderr)
+
+    def engine_for(name):
+        comms = make_comms(name, groups, cfg, opts.max_batch)
+        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1) for w, c in zip(shares, comms)]
+        return DecodeEngine(models), comms
+
+    def release(comms):
+        for c in comms:
+            c.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # 1. every backend against the reference model, before any timing
+    ref = ReferenceModel(full if full is not None else build_weights(cfg, device))
+    for name in opts.backends:
+        bar.set_postfix_str(f"{name}: check vs reference")
+        engine, comms = engine_for(name)
+        reqs = [_check_requests(r, world, cfg.vocab, opts.check_steps, opts.prompt_len) for r in ranks]
+        gens = engine.generate(reqs, record_logits=True)
+        worst, failure = 0.0, None
+        try:
+            for r, rq, gs in zip(ranks, reqs, gens):
+                for i, (q, g) in enumerate(zip(rq, gs)):
+                    label = f"{name} rank {r} request {i}"
+                    worst = max(worst, check_generation(ref, q, g, default_rtol(cfg.dtype), label))
+        except ReferenceMismatch as e:
+            failure = e
+        if global_max([int(failure is not None)], device)[0]:  # every rank stops, not just the one that saw it
+            raise failure or ReferenceMismatch(f"{name}: another rank's outputs differ from the reference")
+        out["check"][name] = worst
+        del engine
+        release(comms)
+        bar.update()
+    del ref
+
+    # 2. timing
+    for name in opts.backends:
+        engine, comms = engine_for(name)
+        out["graphs"][name], out["emulated"][name] = engine.use_graphs, comms[0].emulated
+        out["timing"][name] = {}
+        for batch in opts.batches:
+            bar.set_postfix_str(f"{name}: batch {batch}")
+            reqs = [_timing_requests(r, batch, cfg.vocab, opts.warmup + opts.steps + 1, opts.prompt_len)
+                    for r in ranks]
+            engine.generate(reqs)
+            out["timing"][name][batch] = [engine.step_us[opts.warmup:]]
+            bar.update()
+        del engine
+        release(comms)
+    bar.close()
+    return out
+
+
+def _rank_entry(group, opts):
+    return run_ranks([group], opts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(opts) -> list[dict] | None:
+    """Run the ranks where ``opts`` says; per-process results on the reporting process, None elsewhere."""
+    import moe_comm  # noqa: PLC0415  (turns the Triton interpreter on without CUDA)
+    if opts.torchrun:
+        import torch.distributed as dist  # noqa: PLC0415
+        with moe_comm.init(opts.heap, timeout_s=opts.timeout_s) as group:
+            res = run_ranks([group], opts)
+            gathered = [None] * group.world_size if group.rank == 0 else None
+            dist.gather_object(res, gathered, dst=0)
+        return gathered
+    if opts.heap == "loopback":
+        device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+        groups = moe_comm.init("loopback", world_size=opts.world, timeout_s=opts.timeout_s, device=device)
+        return [run_ranks(groups, opts)]
+    if opts.device == "cuda":
+        if opts.world != 1:
+            raise SystemExit("several ranks on GPUs: use torchrun (one GPU per rank) or --heap loopback on one GPU")
+        import torch.distributed as dist  # noqa: PLC0415
+        # A one-rank process group so the sync/padded baselines really call NCCL's all_to_all_single.
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            with moe_comm.init(opts.heap, timeout_s=opts.timeout_s) as group:
+                return [run_ranks([group], opts)]
+        finally:
+            dist.destroy_process_group()
+    return moe_comm.launch(_rank_entry, opts.world, opts, backend=opts.heap, timeout_s=opts.timeout_s)
+
+
+# ---- report ------------------------------------------------------------------------------------------
+
+def _describe(opts, results) -> str:
+    if opts.device == "cpu":
+        where = (f"world {opts.world} emulated in one process (loopback heap)" if opts.heap == "loopback"
+                 else f"{opts.world} processes, {opts.heap} heap")
+        return f"CPU, {where}, Triton kernels interpreted (TRITON_INTERPRET=1), no CUDA graphs"
+    emulated = opts.heap == "loopback" and opts.world > 1
+    graphs = ", ".join(f"{b}: {'graph' if g else 'eager'}" for b, g in results[0]["graphs"].items())
+    where = (f"world {opts.world} EMULATED on one GPU (loopback heap: every rank's work runs on this GPU, "
+             f"one after another)" if emulated else f"world {opts.world}, {opts.heap} heap")
+    return f"GPU, {where}; {graphs}"
+
+
+def report(opts, results: list[dict]) -> dict:
+    cfg = model_config(opts.config, opts.device)
+    env = environment(torch.device(opts.device))
+    mode = _describe(opts, results)
+    records = []
+    for b in opts.backends:
+        for n in opts.batches:
+            per_process = [lst for res in results for lst in res["timing"][b][n]]
+            rec = dict(bench="decode_latency", op="decode_step", config=cfg.name, hidden=cfg.hidden, layers=cfg.num_layers,
+                       experts=cfg.num_experts, topk=cfg.topk, dtype=str(cfg.dtype).replace("torch.", ""),
+                       backend=b, batch_per_rank=n, world=opts.world, heap=opts.heap,
+                       emulated=bool(results[0]["emulated"][b]), cuda_graphs=bool(results[0]["graphs"][b]),
+                       warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
+                       **percentiles(slowest_rank_per_step(per_process)), **env,
+                       time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            records.append(rec)
+    os.makedirs(opts.out_dir, exist_ok=True)
+    stem = os.path.join(opts.out_dir, f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}")
+    write_jsonl(stem + ".jsonl", records)
+    title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
+             f"{rec['dtype']}")
+    plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
+    worst = {b: max(res["check"][b] for res in results) for b in opts.backends}
+    print(f"\n{title}\n{mode}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+    print("reference check passed: " + ", ".join(f"{b} max rel err {e:.1e}" for b, e in worst.items()))
+    print(f"decode step latency, µs: p50 [p20-p80] over {opts.steps} steps after {opts.warmup} warm-up "
+          f"(slowest rank per step); improvement = latency saved vs the baseline\n")
+    print(format_table(records, opts.backends, opts.batches))
+    if opts.device == "cpu":
+        print("\nNote: on the CPU the Triton kernels of dynamic/fused run in Triton's interpreter and the baselines "
+              "use gloo, so these numbers show the harness works, not how the designs compare on GPUs.")
+    print(f"\nJSON lines appended to {stem}.jsonl\nplot written to {stem}.png")
+    return dict(records=records, jsonl=stem + ".jsonl", png=stem + ".png")
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    results = _run(opts)
+    if results is not None and (not opts.torchrun or int(os.environ["RANK"]) == 0):
+        report(opts, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""vLLM plugin (entry point ``vllm.general_plugins``: ``moe_comm = moe_comm.serving.vllm_plugin:register``).
+
+Installed with moe-comm, vLLM calls ``register()`` in every process at start-up. It changes nothing
+unless the engine was started with a ``moe_comm`` section in its additional config, e.g.::
+
+    vllm serve MODEL --enable-expert-parallel --data-parallel-size 8 \
+        --additional-config '{"moe_comm": {"backend": "auto"}}'
+
+Then every MoE layer that runs expert parallel with an all-to-all (EP with DP > 1) gets
+``MoECommPrepareAndFinalize`` (moe_comm.serving.vllm) instead of vLLM's own all2all backend, and
+vLLM picks experts of the BatchedExperts activation format to go with it. Options: see
+``moe_comm.serving.vllm.make_prepare_finalize``.
+
+vLLM 0.32 has no registry for prepare/finalize implementations, so the hook wraps
+``all2all_utils.maybe_make_prepare_finalize`` (where vLLM builds them, and every module that imported it)
+and ``FusedMoEParallelConfig.use_batched_activation_format`` (what the kernel oracles read to choose the
+experts' format). Both fall through to vLLM's own code when moe-comm is not requested.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+_A2A_UTILS = "vllm.model_executor.layers.fused_moe.all2all_utils"
+_MOE_CONFIG = "vllm.model_executor.layers.fused_moe.config"
+CONFIG_KEY = "moe_comm"
+
+
+def requested_options() -> dict | None:
+    """The ``moe_comm`` section of the current vLLM config's additional_config (``{}`` for ``true``),
+    or None when moe-comm was not requested (or no vLLM config is current)."""
+    config_module = importlib.import_module("vllm.config")
+    get = getattr(config_module, "get_current_vllm_config_or_none", None)
+    try:
+        config = get() if get is not None else config_module.get_current_vllm_config()
+    except AssertionError:
+        config = None
+    extra = getattr(config, "additional_config", None)
+    if not isinstance(extra, dict) or not extra.get(CONFIG_KEY):
+        return None
+    section = extra[CONFIG_KEY]
+    return dict(section) if isinstance(section, dict) else {}
+
+
+def _wrap_maybe_make_prepare_finalize(original):
+    @functools.wraps(original)
+    def maybe_make_prepare_finalize(*args, **kwargs):
+        moe = kwargs["moe"] if "moe" in kwargs else args[0]
+        quant_config = kwargs["quant_config"] if "quant_config" in kwargs else args[1]
+        options = requested_options()
+        if (options is not None and moe.moe_parallel_config.use_all2all_kernels
+                and not kwargs.get("use_monolithic", False)):
+            from .vllm import make_prepare_finalize  # noqa: PLC0415
+            return make_prepare_finalize(moe, quant_config, options)
+        return original(*args, **kwargs)
+
+    maybe_make_prepare_finalize.moe_comm_original = original
+    return maybe_make_prepare_finalize
+
+
+def _wrap_batched_format(original: property) -> property:
+    def use_batched_activation_format(self) -> bool:
+        if original.fget(self):
+            return True
+        return bool(self.use_all2all_kernels) and requested_options() is not None
+
+    use_batched_activation_format.moe_comm_original = original
+    return property(use_batched_activation_format)
+
+
+def register() -> None:
+    """Install the hook (idempotent: vLLM may load plugins more than once per process)."""
+    try:
+        a2a_utils = importlib.import_module(_A2A_UTILS)
+        moe_config = importlib.import_module(_MOE_CONFIG)
+    except ImportError as e:  # a vLLM without the modular MoE kernel
+        logger.warning("moe-comm: vLLM plugin not installed (%s)", e)
+        return
+    original = a2a_utils.maybe_make_prepare_finalize
+    if not hasattr(original, "moe_comm_original"):
+        wrapped = _wrap_maybe_make_prepare_finalize(original)
+        for module in list(sys.modules.values()):  # modules that did `from all2all_utils import ...`
+            if getattr(module, "__name__", "").startswith("vllm") and \
+                    getattr(module, "maybe_make_prepare_finalize", None) is original:
+                module.maybe_make_prepare_finalize = wrapped
+    cls = moe_config.FusedMoEParallelConfig
+    prop = cls.__dict__.get("use_batched_activation_format")
+    if isinstance(prop, property) and not hasattr(prop.fget, "moe_comm_original"):
+        cls.use_batched_activation_format = _wrap_batched_format(prop)

@@ -1,0 +1,131 @@
+"""EP combine device code: send phase (expert outputs back to their tokens) and receive phase (reduce).
+
+Landing zone on every rank (symmetric int32 words): ``data[zone, t, k, :]`` = the expert output row of
+this rank's slot (t, k). Each slot has exactly one writer (the rank owning expert topk_idx[t, k]), so
+there is nothing to order between senders. Control words ``ctrl[zone, source, 1]`` = flag. Zone = call % 2.
+
+Send (grid = NBLK programs over the rows (s, t) of every token rank s): slot (s, t, k) routed here was
+received into row ``row_of[s, t, k]`` of the dispatch output (kept by the dispatch); store
+``expert_out`` of that row into s's landing zone at (t, k). A slot the dispatch dropped for capacity
+(code -2) sends zeros. The last program to finish publishes every rank's flag and advances the call
+counter.
+
+Receive (grid = NBLK token blocks): wait (bounded) for every rank's flag, then
+``y[t] = sum over k = 0..TOPK-1 with slot (t, k) routed of w[t, k] * landing[t, k]`` in float32, k in
+ascending order, cast to the output dtype. The sum sees each slot's row bit for bit as the expert wrote it
+and always in the same order, so y is bitwise reproducible across runs and world sizes.
+"""
+
+import triton
+import triton.language as tl
+
+from .quant import cast_rne
+from .sync import arrive, as_ptr, signal, wait_flag
+
+
+@triton.jit
+def combine_send_kernel(
+    expert_out_ptr,   # int32 words [ROWS, X_WORDS]: expert outputs, rows as in d.x ([L, CAP] flattened)
+    row_of_ptr,       # int32 [WORLD * M, TOPK]: dispatch's row of slot (s, t, k); -1 not here, -2 dropped
+    src_tokens_ptr,   # int32 [WORLD]: tokens T of every rank in that dispatch
+    data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, M, TOPK, X_WORDS]
+    ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, 2]
+    seq_ptr,          # int64 [1]: combine calls whose send phase ran (advanced here)
+    done_ptr,         # int32 [1+]: arrival counter, zero between launches
+    rank,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    call = tl.load(seq_ptr) + 1
+    zone = call % 2
+    w = tl.arange(0, WORLD_P2)
+    tokens = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + w, mask=w < WORLD, other=0), 0), M)
+    ww = tl.arange(0, BW)
+    # Slots i = (row q, k), q = (token rank s, token t) = s * M + t, as the dispatch's row_of is laid out.
+    for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
+        i = i0 + tl.arange(0, BS)
+        q = i // TOPK_P2
+        k = i % TOPK_P2
+        s = tl.minimum(q // M, WORLD - 1)
+        t = q % M
+        n_tokens = tl.sum(tl.where(s[:, None] == w[None, :], tokens[None, :], 0), axis=1)
+        live = (q < WORLD * M) & (k < TOPK) & (t < n_tokens)
+        code = tl.load(row_of_ptr + q * TOPK + k, mask=live, other=-1)
+        send = code != -1
+        has_row = (code >= 0) & (code < ROWS)
+        src = expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
+        landing = as_ptr(tl.load(data_ptrs_ptr + s), tl.int32) + zone.to(tl.int64) * M * TOPK * X_WORDS
+        dst = landing + (t * TOPK + k).to(tl.int64) * X_WORDS
+        for w0 in range(0, X_WORDS, BW):
+            w_live = (w0 + ww < X_WORDS)[None, :]
+            v = tl.load(src[:, None] + w0 + ww[None, :], mask=has_row[:, None] & w_live, other=0)
+            tl.store(dst[:, None] + w0 + ww[None, :], v, mask=send[:, None] & w_live)
+    # The last program publishes to every rank (lanes past WORLD repeat the last rank's flag with the
+    # same value) and advances the call counter.
+    if arrive(done_ptr, NBLK):
+        ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + tl.minimum(w, WORLD - 1)), tl.int64) + (zone * WORLD + rank) * 2
+        signal(ctrl + 1, call)
+        tl.store(seq_ptr, call)
+
+
+@triton.jit
+def combine_recv_kernel(
+    out_ptr,          # out [T, HIDDEN] dtype
+    weights_ptr,      # [T, TOPK] floating topk_weights
+    routed_ptr,       # int32 [M, TOPK]: 1 where slot (t, k) was routed by the dispatch
+    data_ptr,         # int32 words [2, M, TOPK, HIDDEN * elem / 4]: this rank's landing zone
+    ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's control words
+    seq_ptr,          # int64 [1]: already advanced by this call's send phase
+    err_addr, timeout_ns, rank, num_tokens,
+    OP: tl.constexpr, WORLD: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr, HIDDEN: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, NBLK: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    call = tl.load(seq_ptr)
+    zone = call % 2
+    for p in range(WORLD):
+        wait_flag(ctrl_ptr + (zone * WORLD + p) * 2 + 1, call, timeout_ns, err_addr, OP, rank, p)
+    landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN
+    c = tl.arange(0, BH)
+    for t0 in range(blk * BT, num_tokens, NBLK * BT):
+        t = t0 + tl.arange(0, BT)
+        live = t < num_tokens
+        for c0 in range(0, HIDDEN, BH):
+            c_live = (c0 + c < HIDDEN)[None, :]
+            acc = tl.zeros([BT, BH], dtype=tl.float32)
+            for k in tl.static_range(TOPK):
+                use = tl.load(routed_ptr + t * TOPK + k, mask=live, other=0) != 0
+                wk = tl.load(weights_ptr + t * TOPK + k, mask=live, other=0).to(tl.float32)
+                v = tl.load(landing + (t[:, None] * TOPK + k).to(tl.int64) * HIDDEN + c0 + c[None, :],
+                            mask=use[:, None] & c_live, other=0).to(tl.float32)
+                acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
+            tl.store(out_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
+                     cast_rne(acc, out_ptr.dtype.element_ty),
+                     mask=live[:, None] & c_live)
+
+
+def _compile_configs() -> list[dict]:
+    """DeepSeek-V3 decode on EP8 (hidden 7168 bf16, top-8, 128 tokens per rank), GPU launch shapes of the
+    planner: what ``compile_report`` compiles for sm_90 without a GPU."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import plan_ep  # noqa: PLC0415
+
+    p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
+    label = "DSV3 EP8 bf16"
+    return [
+        dict(kernel="combine_send_kernel", label=label, types=dict(
+            expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
+            ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", rank="i32"), constexprs=dict(
+            WORLD=8, WORLD_P2=8, M=128, ROWS=p.experts_per_rank * p.capacity, TOPK=8, TOPK_P2=8,
+            X_WORDS=p.out_words, BS=p.block_slots, BW=p.out_block_words, NBLK=p.recv_programs)),
+        dict(kernel="combine_recv_kernel", label=label, types=dict(
+            out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64",
+            seq_ptr="*i64", err_addr="i64", timeout_ns="i64", rank="i32", num_tokens="i32"), constexprs=dict(
+            OP=3, WORLD=8, M=128, TOPK=8, HIDDEN=7168, BT=p.block_tokens, BH=p.block_hidden,
+            NBLK=p.reduce_programs)),
+    ]
+
+
+COMPILE_CONFIGS = _compile_configs()

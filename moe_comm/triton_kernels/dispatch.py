@@ -1,0 +1,241 @@
+"""EP dispatch device code: send phase (routing + payload, fp8 quantization fused) and receive phase.
+
+Landing zone on every rank (symmetric int32 words): ``data[zone, source, t, :]`` = one row per
+(source rank, token): the token's payload (dtype bytes, or fp8 bytes then float32 scales), then TOPK
+routing words ``local_expert + L * position`` for each k routed to this rank (else -1). A source writes
+its token t at row t, so the send side needs no compaction, and a token crosses to a rank at most once
+however many of its top-k experts live there. Control words ``ctrl[zone, source, :]`` (int64) =
+(tokens T of the source, L per-local-expert slot counts from it, flag). Zone = call % 2.
+
+Send (grid = NBLK programs): program b computes the routing layout for destination ranks
+[b*R, (b+1)*R) with prefix sums (``routing.py``; R = 1 on a GPU, every rank on CPU) and writes the
+routing words of every token and the counts into their zones; every program stores the payload rows
+of its tokens into every rank holding one of the token's experts. The last program to finish publishes
+every rank's flag (release) and advances the call counter.
+
+Receive (grid = NBLK programs over the landing rows (s, t)): wait (bounded) for every source's flag;
+expert e's rows from source s start at ``base[s, e] = sum over s' < s of count[s', e]``; slot (s, t, k)
+with routing word (e, pos) is copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted
+by (source, token, k) without atomics. Counts read from peers are clamped so that no value can steer
+a store out of bounds; a row past the capacity is dropped and recorded (CapacityError).
+"""
+
+import triton
+import triton.language as tl
+
+from .quant import quantize_e4m3_groups
+from .routing import first_bad_slot, load_topk_chunk, positions_for_ranks
+from .sync import ERR_CAPACITY, ERR_INDEX, arrive, as_ptr, record_error, signal, wait_flag
+
+
+@triton.jit
+def dispatch_send_kernel(
+    x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
+    idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
+    routed_ptr,       # out int32 [M, TOPK]: 1 where slot (t, k) is routed (the combine's mask), else 0
+    data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
+    ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]
+    seq_ptr,          # int64 [1]: dispatch calls whose send phase ran (advanced here)
+    done_ptr,         # int32 [1+]: arrival counter, zero between launches
+    err_addr, rank, num_tokens, num_experts,
+    OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, HIDDEN: tl.constexpr,
+    X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
+    BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, ROUTE_RANKS: tl.constexpr,
+    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    call = tl.load(seq_ptr) + 1
+    zone = call % 2
+    first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
+    META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
+
+    # 1. Routing words and per-expert counts for destinations [blk * ROUTE_RANKS, + ROUTE_RANKS).
+    if blk * ROUTE_RANKS < WORLD:
+        dest = blk * ROUTE_RANKS + tl.arange(0, ROUTE_RANKS)
+        dest_live = dest < WORLD
+        dest_ok = tl.minimum(dest, WORLD - 1)  # masked lanes still get a valid address
+        landing = as_ptr(tl.load(data_ptrs_ptr + dest_ok), tl.int32) + first_row * ROW_WORDS
+        ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + dest_ok), tl.int64) + (zone * WORLD + rank) * CTRL_WORDS
+        running = tl.zeros([ROUTE_RANKS, EXPERTS_P2], dtype=tl.int32)
+        for t0 in range(0, num_tokens, ROUTE_T):
+            t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
+                                                          TOPK, TOPK_P2, ROUTE_T)
+            hit, local, pos, running = positions_for_ranks(idx, valid, dest, running, EXPERTS_PER_RANK, EXPERTS_P2)
+            word = tl.where(hit, local + pos * EXPERTS_PER_RANK, -1)
+            tl.store(landing[:, None] + t[None, :].to(tl.int64) * ROW_WORDS + META + k[None, :], word,
+                     mask=dest_live[:, None] & live[None, :])
+            if blk == 0:  # this rank's own bookkeeping, once: the combine's mask and bad ids
+                tl.store(routed_ptr + t * TOPK + k, valid.to(tl.int32), mask=live)
+                if tl.sum(bad.to(tl.int32)) > 0:
+                    slot, value = first_bad_slot(t, k, idx_ptr, bad, TOPK)
+                    record_error(err_addr, ERR_INDEX, OP, rank, slot, value, num_experts)
+        e = tl.arange(0, EXPERTS_P2)
+        tl.store(ctrl, num_tokens, mask=dest_live)
+        tl.store(ctrl[:, None] + 1 + e[None, :], running.to(tl.int64),
+                 mask=dest_live[:, None] & (e < EXPERTS_PER_RANK)[None, :])
+
+    # 2. Payload: token t goes once, to row t, of every rank holding one of its experts.
+    peer = tl.arange(0, WORLD_P2)
+    peer_ok = tl.minimum(peer, WORLD - 1)
+    landing_all = as_ptr(tl.load(data_ptrs_ptr + peer_ok), tl.int32) + first_row * ROW_WORDS   # [WORLD_P2]
+    kk = tl.arange(0, TOPK_P2)
+    for t0 in range(blk * BT, num_tokens, NBLK * BT):
+        t = t0 + tl.arange(0, BT)
+        t_live = t < num_tokens
+        raw = tl.load(idx_ptr + t[:, None].to(tl.int64) * TOPK + kk[None, :],
+                      mask=t_live[:, None] & (kk < TOPK)[None, :], other=-1)
+        owner = tl.where((raw >= 0) & (raw < num_experts), raw, -EXPERTS_PER_RANK) // EXPERTS_PER_RANK
+        send = tl.max((owner[:, :, None] == peer[None, None, :]).to(tl.int32), axis=1) > 0   # [BT, WORLD_P2]
+        send = send & t_live[:, None]
+        read = tl.max(send.to(tl.int32), axis=1) > 0
+        row = landing_all[None, :] + t[:, None].to(tl.int64) * ROW_WORDS                    # [BT, WORLD_P2]
+        if FP8:
+            COLS: tl.constexpr = FP8_GROUPS * 128
+            c = tl.arange(0, COLS)
+            g = tl.arange(0, FP8_GROUPS)
+            row_q = row.to(tl.pointer_type(tl.float8e4nv))  # payload bytes: 4 per word
+            row_s = (row + X_WORDS).to(tl.pointer_type(tl.float32))
+            for c0 in range(0, HIDDEN, COLS):
+                v = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
+                            mask=read[:, None], other=0.0).to(tl.float32)
+                q, scale = quantize_e4m3_groups(v, BT, FP8_GROUPS)
+                tl.store(row_q[:, :, None] + c0 + c[None, None, :], q[:, None, :], mask=send[:, :, None])
+                tl.store(row_s[:, :, None] + c0 // 128 + g[None, None, :], scale[:, None, :], mask=send[:, :, None])
+        else:
+            w = tl.arange(0, BW)
+            for w0 in range(0, X_WORDS, BW):
+                w_live = w0 + w < X_WORDS
+                v = tl.load(x_ptr + t[:, None].to(tl.int64) * X_WORDS + w0 + w[None, :],
+                            mask=read[:, None] & w_live[None, :])
+                tl.store(row[:, :, None] + w0 + w[None, None, :], v[:, None, :],
+                         mask=send[:, :, None] & w_live[None, None, :])
+
+    # 3. The last program publishes to every rank (lanes past WORLD repeat the last rank's flag with
+    #    the same value, which is harmless) and advances the call counter.
+    if arrive(done_ptr, NBLK):
+        ctrl_all = as_ptr(tl.load(ctrl_ptrs_ptr + peer_ok), tl.int64) + (zone * WORLD + rank) * CTRL_WORDS
+        signal(ctrl_all + CTRL_WORDS - 1, call)
+        tl.store(seq_ptr, call)
+
+
+@triton.jit
+def dispatch_recv_kernel(
+    out_x_ptr,        # out int32 words [EXPERTS_PER_RANK * CAP, X_WORDS]: d.x
+    out_scales_ptr,   # out int32 words [EXPERTS_PER_RANK * CAP, S_WORDS]: d.scales (FP8 only)
+    out_src_ptr,      # out int32 [EXPERTS_PER_RANK * CAP]: source_rank * M + token per row
+    out_counts_ptr,   # out int32 [EXPERTS_PER_RANK]: valid rows per local expert
+    row_of_ptr,       # out int32 [WORLD * M, TOPK]: e * CAP + row of slot (s, t, k); -1 not here, -2 dropped
+    src_tokens_ptr,   # out int32 [WORLD]: tokens T of every source (what the combine sends back)
+    stats_ptr,        # int64 [EXPERTS_PER_RANK]: rows received per local expert, accumulated over calls
+    data_ptr,         # int32 [2, WORLD * M, ROW_WORDS]: this rank's landing zone
+    ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words
+    seq_ptr,          # int64 [1]: already advanced by this call's send phase
+    err_addr, timeout_ns, rank,
+    OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
+    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    call = tl.load(seq_ptr)
+    zone = call % 2
+    ctrl = ctrl_ptr + zone * WORLD * CTRL_WORDS
+    META: tl.constexpr = X_WORDS + S_WORDS
+
+    # Every source's counts are needed for the bases; a missing source counts as sending nothing.
+    w = tl.arange(0, WORLD_P2)
+    arrived = w < 0
+    for p in range(WORLD):
+        ok = wait_flag(ctrl + p * CTRL_WORDS + CTRL_WORDS - 1, call, timeout_ns, err_addr, OP, rank, p)
+        arrived = arrived | ((w == p) & ok)
+    e = tl.arange(0, EXPERTS_P2)
+    e_live = e < EXPERTS_PER_RANK
+    counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],
+                     other=0, volatile=True)
+    counts = tl.minimum(tl.maximum(counts, 0), M * TOPK).to(tl.int32)   # [WORLD_P2, EXPERTS_P2]
+    tokens = tl.load(ctrl + w * CTRL_WORDS, mask=arrived, other=0, volatile=True)
+    tokens = tl.minimum(tl.maximum(tokens, 0), M).to(tl.int32)          # [WORLD_P2]
+    base = tl.cumsum(counts, 0) - counts   # rows of expert e from sources before s: the (s, e) base
+
+    if blk == 0:
+        total = tl.sum(counts, axis=0)
+        kept = tl.minimum(total, CAP)
+        tl.store(out_counts_ptr + e, kept, mask=e_live)
+        tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
+        tl.store(src_tokens_ptr + w, tokens, mask=w < WORLD)
+        if tl.max(total) > CAP:
+            record_error(err_addr, ERR_CAPACITY, OP, rank, tl.argmax(total, axis=0), tl.max(total), CAP)
+
+    # Slots i = (landing row q, k), q = (source s, token t) = s * M + t, k padded to TOPK_P2: one flat
+    # axis, so that every tile below is 2-D. Each slot picks the base and count of its (s, expert) pair
+    # out of the flattened [WORLD_P2 * EXPERTS_P2] tables.
+    SE: tl.constexpr = WORLD_P2 * EXPERTS_P2
+    base_flat = tl.reshape(base, (SE,))
+    count_flat = tl.reshape(counts, (SE,))
+    se = tl.arange(0, SE)
+    landing = data_ptr + zone.to(tl.int64) * WORLD * M * ROW_WORDS
+    ww = tl.arange(0, BW)
+    for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
+        i = i0 + tl.arange(0, BS)
+        q = i // TOPK_P2
+        k = i % TOPK_P2
+        slot_live = (q < WORLD * M) & (k < TOPK)
+        s = q // M
+        n_tokens = tl.sum(tl.where(s[:, None] == w[None, :], tokens[None, :], 0), axis=1)
+        src_row = landing + q.to(tl.int64) * ROW_WORDS
+        word = tl.load(src_row + META + k, mask=slot_live & (q % M < n_tokens), other=-1)
+        here = word >= 0
+        expert = tl.where(here, word % EXPERTS_PER_RANK, 0)
+        pos = tl.where(here, word // EXPERTS_PER_RANK, 0)
+        pick = (s * EXPERTS_P2 + expert)[:, None] == se[None, :]                   # [BS, SE]
+        row = tl.sum(tl.where(pick, base_flat[None, :], 0), axis=1) + pos
+        ok = here & (pos < tl.sum(tl.where(pick, count_flat[None, :], 0), axis=1)) & (row < CAP)
+        dst = expert.to(tl.int64) * CAP + row                                      # row of d.x as [L*CAP]
+        code = tl.where(ok, dst, tl.where(here, -2, -1)).to(tl.int32)
+        tl.store(row_of_ptr + q * TOPK + k, code, mask=slot_live)
+        tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = s * M + t
+        # A row routed to several local experts is read once per slot; the reads of one tile hit the
+        # same lines, so the copy costs one read of the row.
+        for w0 in range(0, X_WORDS, BW):
+            m = ok[:, None] & (w0 + ww < X_WORDS)[None, :]
+            v = tl.load(src_row[:, None] + w0 + ww[None, :], mask=m)
+            tl.store(out_x_ptr + dst[:, None] * X_WORDS + w0 + ww[None, :], v, mask=m)
+        if S_WORDS > 0:
+            sw = tl.arange(0, S_WORDS_P2)
+            m = ok[:, None] & (sw < S_WORDS)[None, :]
+            v = tl.load(src_row[:, None] + X_WORDS + sw[None, :], mask=m)
+            tl.store(out_scales_ptr + dst[:, None] * S_WORDS + sw[None, :], v, mask=m)
+
+
+def _compile_configs() -> list[dict]:
+    """DeepSeek-V3 decode on EP8 (256 experts, hidden 7168, top-8, 128 tokens per rank) with the GPU launch
+    shapes of the planner, bf16 and fp8: what ``compile_report`` compiles for sm_90 without a GPU."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import next_pow2, plan_ep  # noqa: PLC0415
+
+    out = []
+    for fp8 in (False, True):
+        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+        common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
+                      EXPERTS_P2=next_pow2(p.experts_per_rank), X_WORDS=p.x_words, S_WORDS=p.scale_words,
+                      ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
+        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
+        out.append(dict(kernel="dispatch_send_kernel", label=label, types=dict(
+            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", routed_ptr="*i32", data_ptrs_ptr="*i64",
+            ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", err_addr="i64", rank="i32",
+            num_tokens="i32", num_experts="i32"), constexprs=dict(
+            common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
+            ROUTE_RANKS=p.route_ranks,
+            FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
+        out.append(dict(kernel="dispatch_recv_kernel", label=label, types=dict(
+            out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
+            row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
+            seq_ptr="*i64", err_addr="i64", timeout_ns="i64", rank="i32"), constexprs=dict(
+            common, CAP=p.capacity, S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots,
+            BW=p.recv_block_words, NBLK=p.recv_programs)))
+    return out
+
+
+COMPILE_CONFIGS = _compile_configs()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# GPU check, offline, from the source tree (see ../shared/gpu.md): GPU tests, kernel benchmark, decode
+# benchmark, then a one-screen summary. Everything produced goes under OUT.
+#
+#   scripts/gpu_check.sh OUT            (or: make gpu-check OUT=dir)
+#
+# Without a GPU it still runs, as a dry run (CPU interpreter, tiny shapes, numbers labelled as not GPU
+# measurements): the GPU tests skip, bench/kernels.py gets --dry, the decode benchmark a small CPU setting.
+#
+# Env: PYTHON (default python3); GPU_CHECK_MARK (pytest -m expression, default "gpu"; "gpu and not slow"
+# leaves out the soak); GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS / GPU_CHECK_DECODE_ARGS (extra
+# words for each step); GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or
+# times out is recorded and the next one still runs; the exit status is the first failure's.
+set -u
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+say() { echo "== $*" | tee -a "$LOG"; }
+
+# nvshmem4py is not installed on the GPU machine: install the carried wheel into /tmp/site.
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/nvshmem ]; then
+    say "installing $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')into /tmp/site"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
+export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
+
+status=0
+step() {  # step NAME CMD...: run (output to the screen and OUT/NAME.log), remember the first failure
+    local name=$1; shift
+    say "$name: $*"
+    local t0=$SECONDS
+    timeout --kill-after=30 "${GPU_CHECK_STEP_TIMEOUT:-1800}" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    say "$name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
+    return 0
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())"
+  git rev-parse HEAD 2>/dev/null; git status --short --untracked-files=no 2>/dev/null; } > "$OUT/environment.txt" 2>&1
+tee -a "$LOG" < "$OUT/environment.txt"
+
+KERNEL_DRY="" DECODE_DRY=""
+if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    say "no GPU: dry run, CPU interpreter, not a GPU measurement"
+    KERNEL_DRY="--dry"
+    DECODE_DRY="--batches 1,2 --world 2 --steps 3 --warmup 1 --check-steps 2"
+fi
+
+# shellcheck disable=SC2086  (the extra-args variables are word lists on purpose)
+step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra -p no:cacheprovider \
+    --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
+# shellcheck disable=SC2086
+step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
+if [ -f bench/decode_latency.py ]; then
+    # shellcheck disable=SC2086
+    step decode $PY bench/decode_latency.py $DECODE_DRY --out-dir "$OUT" ${GPU_CHECK_DECODE_ARGS:-}
+else
+    say "decode: bench/decode_latency.py not in this checkout, skipped"
+fi
+$PY scripts/gpu_summary.py "$OUT" --markdown "$OUT/summary.md" | tee "$OUT/summary.txt"
+exit $status

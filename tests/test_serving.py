@@ -1,0 +1,179 @@
+"""Serving: every MoE comm backend's greedy decoding equals the single-process reference model.
+
+Tolerance: float32 on the CPU; logits may differ from the reference only by summation order (batched vs
+per-expert matmuls, cached vs full attention), so every step's logits must be within 1e-4 of the reference
+relative to the largest |logit| (observed: below 1e-6), and every generated token must be equal.
+Bucket padding must change nothing at all (bitwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.serving import (
+    DecodeEngine,
+    Generation,
+    MoEDecoder,
+    ReferenceModel,
+    Request,
+    build_weights,
+    bucket_sizes,
+    check_generation,
+    make_comms,
+    model_config,
+)
+from moe_comm.serving.backends import positions_by_key
+
+RTOL = 1e-4
+HAS_EP = importlib.util.find_spec("moe_comm.ep") is not None
+BACKENDS = ["sync", "padded", "dynamic"] + (["fused"] if HAS_EP else [])
+MAX_BATCH = 4
+
+
+def _requests(rank: int, world: int, vocab: int) -> list[Request]:
+    """Mixed prompt lengths and lengths to generate (the batch shrinks across buckets while decoding);
+    in a multi-rank world the last rank has no requests at all."""
+    if world > 1 and rank == world - 1:
+        return []
+    g = torch.Generator().manual_seed(7 + rank)
+    n = (3, 2, 1)[rank % 3]  # 3 live rows pad to bucket 4, then shrink
+    return [Request(torch.randint(0, vocab, (1 + (3 * i + rank) % 5,), generator=g).tolist(), 2 + (i + rank) % 3)
+            for i in range(n)]
+
+
+def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=False) -> dict:
+    """Run every backend on the ranks in ``groups`` -> {backend: per local rank [(tokens, logits)]}."""
+    torch.set_num_threads(1)
+    cfg = model_config(config, "cpu")
+    world = groups[0].world_size
+    full = build_weights(cfg)
+    out = {}
+    for name in backends:
+        comms = make_comms(name, groups, cfg, MAX_BATCH)
+        models = [MoEDecoder(full.for_rank(g.rank, world), c, MAX_BATCH, phased=len(groups) > 1)
+                  for g, c in zip(groups, comms)]
+        engine = DecodeEngine(models, buckets=buckets)
+        assert not engine.use_graphs  # CPU: never graphs
+        if poison_pad:  # junk in what padding rows read: their token and their scratch KV-cache slot
+            for m, seq in zip(models, engine.seq_tokens):
+                seq[m.pad_slot] = torch.randint(0, cfg.vocab, seq[m.pad_slot].shape)
+                m.k_cache[:, m.pad_slot].normal_(0, 100)
+                m.v_cache[:, m.pad_slot].normal_(0, 100)
+        reqs = [_requests(g.rank, world, cfg.vocab) for g in groups]
+        gens = engine.generate(reqs, record_logits=True)
+        out[name] = [[(g.tokens, g.logits) for g in per_rank] for per_rank in gens]
+        for c in comms:
+            c.close()
+    return out
+
+
+def _serve_rank(group, config, backends):
+    return _serve([group], config, backends)
+
+
+def _assert_matches_reference(config: str, world: int, per_backend: dict, ranks: list[int]):
+    cfg = model_config(config, "cpu")
+    ref = ReferenceModel(build_weights(cfg))
+    for name, per_rank in per_backend.items():
+        for rank, outs in zip(ranks, per_rank):
+            reqs = _requests(rank, world, cfg.vocab)
+            assert len(outs) == len(reqs)
+            for i, (req, (tokens, logits)) in enumerate(zip(reqs, outs)):
+                ref_tokens, _ = ref.generate(req.prompt, req.max_new_tokens)
+                assert tokens == ref_tokens, f"{name} rank {rank} request {i}"
+                check_generation(ref, req, Generation(tokens, logits), RTOL, f"{name} rank {rank} request {i}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,config", [(1, "llama4-maverick"), (2, "mixtral"), (4, "deepseek-v3")])
+def test_process_ranks_match_reference(world, config):
+    """One process per rank over the shm heap (gloo for the baselines); the last rank is idle when world > 1."""
+    results = moe_comm.launch(_serve_rank, world, config, BACKENDS, backend="shm", timeout_s=120)
+    per_backend = {name: [res[name][0] for res in results] for name in BACKENDS}
+    _assert_matches_reference(config, world, per_backend, list(range(world)))
+    if world > 1:
+        assert all(per_backend[name][-1] == [] for name in BACKENDS)
+
+
+@pytest.mark.timeout(120)
+def test_loopback_ranks_match_reference():
+    """Every rank in one process, driven phase by phase (how worlds are emulated on one GPU)."""
+    world, config = 2, "llama4-scout"
+    groups = moe_comm.init(backend="loopback", world_size=world)
+    per_backend = _serve(groups, config, BACKENDS)
+    _assert_matches_reference(config, world, per_backend, list(range(world)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bucket_padding_changes_nothing(backend):
+    """Padding rows cannot reach real rows: with junk in everything a padding row reads, every logit is
+    bitwise the same. Against unpadded batches (every size a bucket) the matmuls have other shapes, so
+    only the stated float32 tolerance applies there, and tokens must be equal."""
+    world, config = 2, "mixtral"
+    assert len(_requests(0, world, 128)) == 3  # 3 live rows pad to bucket 4, later 2 and 1 live rows
+    runs = {}
+    for label, kw in [("padded", {}), ("poisoned", dict(poison_pad=True)),
+                      ("unpadded", dict(buckets=list(range(1, MAX_BATCH + 1))))]:
+        groups = moe_comm.init(backend="loopback", world_size=world)
+        runs[label] = _serve(groups, config, [backend], **kw)[backend][0]
+    for (tok, lg), (tok_x, lg_x), (tok_u, lg_u) in zip(runs["padded"], runs["poisoned"], runs["unpadded"]):
+        assert tok == tok_x == tok_u
+        assert torch.equal(lg, lg_x)
+        assert ((lg - lg_u).abs().max() / lg_u.abs().max()).item() <= RTOL
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+
+
+@pytest.mark.parametrize("n,keys", [(0, 3), (1, 1), (17, 4)])
+def test_positions_by_key(n, keys):
+    key = torch.randint(0, keys + 1, (n,), generator=torch.Generator().manual_seed(n))
+    pos, counts = positions_by_key(key, keys)
+    seen = [0] * (keys + 1)
+    for i, k in enumerate(key.tolist()):
+        assert pos[i] == (seen[k] if k < keys else -1)
+        seen[k] += 1
+    assert counts.tolist() == seen[:keys]
+
+
+def test_bad_input_is_refused():
+    cfg = model_config("mixtral", "cpu")
+    [group] = moe_comm.init(backend="loopback", world_size=1)
+    comm = make_comms("padded", [group], cfg, 2)[0]
+    with pytest.raises(ValueError, match="max_tokens"):
+        comm.dispatch(torch.zeros(3, cfg.hidden), torch.zeros(3, cfg.topk, dtype=torch.int64))
+    engine = DecodeEngine([MoEDecoder(build_weights(cfg), comm, 2)])
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.generate([[Request([1], 1)] * 3])
+    with pytest.raises(ValueError, match="max_seq"):
+        engine.generate([[Request([1] * cfg.max_seq, 1)]])
+
+
+@pytest.mark.timeout(120)
+def test_decode_bench_writes_table_json_and_png(tmp_path, capsys):
+    """The benchmark end to end, tiny: loopback world 2 in this process, one batch size, two timed steps."""
+    import json  # noqa: PLC0415
+
+    from moe_comm.serving.latency_bench import main  # noqa: PLC0415
+    assert main(["--config", "mixtral", "--heap", "loopback", "--world", "2", "--batches", "2",
+                 "--backends", ",".join(BACKENDS), "--steps", "2", "--warmup", "1", "--check-steps", "2",
+                 "--out-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "reference check passed" in printed and "vs sync" in printed
+    [jsonl] = tmp_path.glob("*.jsonl")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {(r["backend"], r["batch_per_rank"]) for r in records} == {(b, 2) for b in BACKENDS}
+    for r in records:
+        assert r["steps"] == 2 and 0 < r["us_p20"] <= r["us_p50"] <= r["us_p80"]
+        assert r["emulated"] is True  # a loopback world is labelled as emulated, whatever the backend
+        assert r["device"].startswith("cpu") and r["cuda_graphs"] is False and r["commit"]
+    [png] = tmp_path.glob("*.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

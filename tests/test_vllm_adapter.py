@@ -1,0 +1,160 @@
+"""The vLLM adapter's logic without vLLM: prepare -> experts -> finalize equals the reference MoE.
+
+``EPBufferPrepareFinalize`` is what ``MoECommPrepareAndFinalize`` runs, minus vLLM's base class; the
+run against vLLM's real classes is tests/vllm/test_vllm_real.py (``make test-vllm``).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.serving import vllm_plugin
+from moe_comm.serving.vllm import EPBufferPrepareFinalize
+
+from moe_cases import close, make_inputs, reference_moe, toy_experts
+
+from moe_comm.ep import EPBuffer
+
+E, TOPK, HIDDEN, MAXT = 4, 2, 64, 4
+UNQUANTIZED = SimpleNamespace(quant_dtype=None, block_shape=None)
+
+
+def _layer(pf, rank, x, idx, w):
+    """One MoE layer as vLLM's modular kernel runs it; returns the finalized output [T, hidden]."""
+    out = torch.empty_like(x)
+    a, scales, meta, ids, weights = pf.prepare(x, w, idx, E, None, False, UNQUANTIZED)
+    assert scales is None and ids is None and weights is None
+    fused = toy_experts(rank, E // pf.num_dispatchers(), a)
+    pf.finalize(out, fused, w, idx, False, None)
+    return out, meta
+
+
+def test_queries_vllm_makes():
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    pf = EPBufferPrepareFinalize(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    assert pf.max_num_tokens_per_rank() == MAXT
+    assert pf.num_dispatchers() == 1
+    assert pf.output_is_reduced() is True
+    assert pf.topk_indices_dtype() is None
+    assert pf.supports_async() is True
+
+
+@pytest.mark.parametrize("tokens", [MAXT, 1, 0])
+def test_round_trip_equals_reference_world1(tokens):
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    pf = EPBufferPrepareFinalize(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    for seed in (0, 1):
+        (x,), (idx,), (w,) = make_inputs(1, [tokens], E, TOPK, HIDDEN, seed)
+        out, meta = _layer(pf, 0, x, idx, w)
+        assert close(out, reference_moe(x, idx, w))
+        counts = torch.bincount(idx[idx >= 0], minlength=E).to(torch.int32)
+        assert meta.expert_num_tokens_cpu is None
+        assert meta.expert_num_tokens.dtype == torch.int32 and torch.equal(meta.expert_num_tokens, counts)
+
+
+def test_router_weight_on_input_topk1():
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    pf = EPBufferPrepareFinalize(EPBuffer(g, E, HIDDEN, MAXT, 1, dtype=torch.bfloat16))
+    (x,), (idx,), (w,) = make_inputs(1, [3], E, 1, HIDDEN, 7)
+    out = torch.empty_like(x)
+    a, _, _, _, _ = pf.prepare(x, w, idx, E, None, True, UNQUANTIZED)
+    pf.finalize(out, toy_experts(0, E, a), w, idx, True, None)
+    assert close(out, reference_moe(x, idx, w))
+
+
+def test_async_phases_world2_loopback():
+    """prepare_async / finalize_async are the send and receive phases: drive two ranks in one process."""
+    groups = moe_comm.init(backend="loopback", world_size=2)
+    pfs = [EPBufferPrepareFinalize(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16)) for g in groups]
+    for seed in (0, 1):
+        xs, idxs, ws = make_inputs(2, [MAXT, 2], E, TOPK, HIDDEN, seed)
+        pending = [pf.prepare_async(x, w, i, E, None, False, UNQUANTIZED) for pf, x, i, w in zip(pfs, xs, idxs, ws)]
+        for hook, _ in pending:
+            hook()
+        results = [receiver() for _, receiver in pending]
+        outs = [torch.empty_like(x) for x in xs]
+        finals = [pf.finalize_async(out, toy_experts(r, E // 2, res[0]), w, i, False, None)
+                  for r, (pf, out, res, w, i) in enumerate(zip(pfs, outs, results, ws, idxs))]
+        for _, receiver in finals:
+            receiver()
+        for r in range(2):
+            assert close(outs[r], reference_moe(xs[r], idxs[r], ws[r])), f"rank {r}"
+
+
+def test_bad_configurations_raise():
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    pf = EPBufferPrepareFinalize(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    (x,), (idx,), (w,) = make_inputs(1, [2], E, TOPK, HIDDEN, 3)
+    with pytest.raises(ValueError, match="experts"):
+        pf.prepare(x, w, idx, E + 4, None, False, UNQUANTIZED)
+    with pytest.raises(ValueError, match="topk == 1"):
+        pf.prepare(x, w, idx, E, None, True, UNQUANTIZED)
+    with pytest.raises(RuntimeError, match="without a matching prepare"):
+        pf.finalize(torch.empty_like(x), torch.zeros(E, MAXT, HIDDEN, dtype=x.dtype), w, idx, False, None)
+    per_tensor_fp8 = SimpleNamespace(quant_dtype=torch.float8_e4m3fn, block_shape=None)
+    with pytest.raises(NotImplementedError):
+        pf.prepare(x, w, idx, E, None, False, per_tensor_fp8)
+
+
+def _shm_rank(group, seed):
+    world, rank = group.world_size, group.rank
+    pf = EPBufferPrepareFinalize(EPBuffer(group, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    errs = []
+    for step in range(2):
+        xs, idxs, ws = make_inputs(world, [MAXT, 1, 3][:world], E, TOPK, HIDDEN, seed + step)
+        out, _ = _layer(pf, rank, xs[rank], idxs[rank], ws[rank])
+        if not close(out, reference_moe(xs[rank], idxs[rank], ws[rank])):
+            errs.append(f"rank {rank} step {step}")
+    return errs
+
+
+@pytest.mark.timeout(300)
+def test_round_trip_equals_reference_shm_world2():
+    errs = moe_comm.launch(_shm_rank, 2, 0, backend="shm", timeout_s=120)
+    assert [e for r in errs for e in r] == []
+
+
+# ---- the plugin's routing, with vLLM's config replaced by stand-ins --------------------------------
+
+def _moe(use_all2all: bool):
+    return SimpleNamespace(moe_parallel_config=SimpleNamespace(use_all2all_kernels=use_all2all))
+
+
+def test_plugin_routes_only_when_requested(monkeypatch):
+    import moe_comm.serving.vllm as adapter
+
+    calls = []
+    original = lambda *a, **k: calls.append("vllm") or "vllm-pf"  # noqa: E731
+    monkeypatch.setattr(adapter, "make_prepare_finalize",
+                        lambda moe, qc, options: calls.append(("moe_comm", options)) or "moe-comm-pf")
+    wrapped = vllm_plugin._wrap_maybe_make_prepare_finalize(original)
+    assert wrapped.moe_comm_original is original
+
+    monkeypatch.setattr(vllm_plugin, "requested_options", lambda: None)
+    assert wrapped(moe=_moe(True), quant_config=None) == "vllm-pf"
+    monkeypatch.setattr(vllm_plugin, "requested_options", lambda: {"backend": "shm"})
+    assert wrapped(moe=_moe(False), quant_config=None) == "vllm-pf"          # no all2all: not ours
+    assert wrapped(moe=_moe(True), quant_config=None, use_monolithic=True) == "vllm-pf"
+    assert wrapped(_moe(True), None, allow_new_interface=True) == "moe-comm-pf"
+    assert calls == ["vllm", "vllm", "vllm", ("moe_comm", {"backend": "shm"})]
+
+
+def test_plugin_batched_format_flag(monkeypatch):
+    class ParallelConfig:
+        def __init__(self, all2all, deepep_ll=False):
+            self.use_all2all_kernels, self.deepep_ll = all2all, deepep_ll
+
+        @property
+        def use_batched_activation_format(self):
+            return self.deepep_ll
+
+    ParallelConfig.use_batched_activation_format = vllm_plugin._wrap_batched_format(
+        ParallelConfig.__dict__["use_batched_activation_format"])
+    monkeypatch.setattr(vllm_plugin, "requested_options", lambda: None)
+    assert not ParallelConfig(True).use_batched_activation_format
+    assert ParallelConfig(True, deepep_ll=True).use_batched_activation_format
+    monkeypatch.setattr(vllm_plugin, "requested_options", lambda: {})
+    assert ParallelConfig(True).use_batched_activation_format
+    assert not ParallelConfig(False).use_batched_activation_format

@@ -1,0 +1,157 @@
+"""The vLLM adapter against vLLM's real classes (``make test-vllm``; skipped where vLLM is not installed).
+
+On a CPU machine vLLM's CUDA extension (vllm._C) is absent and its platform is "unspecified", so three
+GPU-only helpers are replaced here, and only here: the fused SiLU-and-mul kernel (by the same math in
+torch), the CUDA-graph-capture probe (nothing is ever captured on a CPU) and the platform's is_cpu (so
+vLLM's modular kernel allocates its workspaces with torch.empty, its CPU path). Everything else is
+vLLM's own code: FusedMoEKernel, NaiveBatchedExperts, FusedMoEConfig / FusedMoEParallelConfig,
+ExpertTokensMetadata, TopKWeightAndReduceDelegate, the plugin entry point and the config lookup.
+"""
+
+import importlib.metadata
+
+import pytest
+import torch
+
+# Not just "vllm": with tests/ on sys.path, this directory itself imports as a namespace package "vllm".
+pytest.importorskip("vllm.model_executor.layers.fused_moe.modular_kernel")
+import vllm  # noqa: E402
+
+import moe_comm  # noqa: E402
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe import config as moe_config_module  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe  # noqa: E402
+
+from moe_comm.serving import vllm as adapter  # noqa: E402
+from moe_comm.serving import vllm_plugin  # noqa: E402
+
+from moe_comm.ep import EPBuffer  # noqa: E402
+
+E, TOPK, HIDDEN, INTER, MAXT = 4, 2, 64, 32, 4
+
+
+class CpuNaiveBatchedExperts(fused_batched_moe.NaiveBatchedExperts):
+    """vLLM's reference batched experts with SiLU-and-mul in torch (vllm._C is not built for CPUs)."""
+
+    def activation(self, activation, output, input, **kwargs):
+        n = input.shape[-1] // 2
+        output.copy_(torch.nn.functional.silu(input[..., :n].float()) * input[..., n:].float())
+
+
+def _cpu_shims():
+    mk.current_platform.is_cpu = lambda: True
+    fused_batched_moe._is_capturing_or_compiling = lambda: False
+
+
+def _parallel_config(world, rank):
+    return moe_config_module.FusedMoEParallelConfig(
+        tp_size=1, pcp_size=1, dp_size=world, ep_size=world, tp_rank=0, pcp_rank=0, dp_rank=rank,
+        ep_rank=rank, sp_size=1, use_ep=True, all2all_backend="allgather_reducescatter", enable_eplb=False)
+
+
+def _moe_config(world, rank):
+    return moe_config_module.FusedMoEConfig(
+        num_experts=E, experts_per_token=TOPK, hidden_dim=HIDDEN, intermediate_size=INTER,
+        num_local_experts=E // world, num_logical_experts=E, activation=MoEActivation.SILU, device="cpu",
+        routing_method=moe_config_module.RoutingMethodType.TopK,
+        moe_parallel_config=_parallel_config(world, rank), in_dtype=torch.bfloat16, max_num_tokens=MAXT)
+
+
+def _weights():
+    g = torch.Generator().manual_seed(1234)
+    w1 = (torch.randn(E, 2 * INTER, HIDDEN, generator=g) / 8).to(torch.bfloat16)
+    w2 = (torch.randn(E, HIDDEN, INTER, generator=g) / 8).to(torch.bfloat16)
+    return w1, w2
+
+
+def _inputs(world, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in [MAXT, 3, 1, 2][:world]:
+        x = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)]).to(torch.int32)
+        out.append((x, ids, torch.rand(t, TOPK, generator=g)))
+    return out
+
+
+def _reference(x, ids, weights, w1, w2):
+    """SiLU-gated MoE in float32: sum_k w[t,k] * W2[e] (silu(W1[e]_gate x) * W1[e]_up x)."""
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w1[e].float() @ x[t].float()
+            y[t] += weights[t, k] * (w2[e].float() @ (torch.nn.functional.silu(h[:INTER]) * h[INTER:]))
+    return y
+
+
+def _run_kernel(pf, world, rank, steps=2):
+    """vLLM's FusedMoEKernel(prepare/finalize, experts) on this rank's inputs; returns max errors."""
+    experts = CpuNaiveBatchedExperts(_moe_config(world, rank), moe_config_module.FUSED_MOE_UNQUANTIZED_CONFIG,
+                                     max_num_tokens=pf.max_num_tokens_per_rank(),
+                                     num_dispatchers=pf.num_dispatchers())
+    kernel = mk.FusedMoEKernel(pf, experts)
+    w1, w2 = _weights()
+    local = slice(rank * (E // world), (rank + 1) * (E // world))
+    errs = []
+    for step in range(steps):
+        x, ids, weights = _inputs(world, 10 + step)[rank]
+        y = kernel.apply(x, w1[local], w2[local], weights, ids, MoEActivation.SILU, E, None, False)
+        ref = _reference(x, ids, weights, w1, w2)
+        errs.append(float((y.float() - ref).abs().max()) if x.shape[0] else 0.0)
+    return errs
+
+
+def test_vllm_version_and_class_shape():
+    assert vllm.__version__.startswith("0.32"), vllm.__version__
+    cls = adapter.prepare_finalize_class()
+    assert issubclass(cls, getattr(mk, "FusedMoEPrepareAndFinalizeModular", mk.FusedMoEPrepareAndFinalize))
+    assert not getattr(cls, "__abstractmethods__", None)
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    pf = cls(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    assert pf.activation_format == mk.FusedMoEActivationFormat.BatchedExperts
+    assert (pf.max_num_tokens_per_rank(), pf.num_dispatchers(), pf.output_is_reduced()) == (MAXT, 1, True)
+
+
+def test_modular_kernel_world1_equals_reference():
+    _cpu_shims()
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    pf = adapter.prepare_finalize_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    assert max(_run_kernel(pf, 1, 0)) < 0.05
+
+
+def test_entry_point_is_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "moe_comm.serving.vllm_plugin:register" for ep in eps)
+
+
+def _plugin_rank(group):
+    """One shm rank: vLLM's own maybe_make_prepare_finalize, hooked by the plugin and asked through
+    --additional-config, builds our prepare/finalize; then vLLM's modular kernel runs on it."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+
+    _cpu_shims()
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent
+    adapter.use_group(group)
+    world, rank = group.world_size, group.rank
+    moe = _moe_config(world, rank)
+    plain = all2all_utils.maybe_make_prepare_finalize.moe_comm_original
+    assert all2all_utils.maybe_make_prepare_finalize.moe_comm_original is plain
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"),
+                                            additional_config={"moe_comm": {"backend": "shm"}})):
+        assert moe.moe_parallel_config.use_batched_activation_format
+        pf = all2all_utils.maybe_make_prepare_finalize(moe=moe, quant_config=None, allow_new_interface=True)
+        assert type(pf).__name__ == "MoECommPrepareAndFinalize"
+        errs = _run_kernel(pf, world, rank)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        assert not moe.moe_parallel_config.use_batched_activation_format
+    return errs
+
+
+@pytest.mark.timeout(600)
+def test_plugin_and_modular_kernel_world2_shm():
+    errs = moe_comm.launch(_plugin_rank, 2, backend="shm", timeout_s=120)
+    assert max(e for r in errs for e in r) < 0.05, errs
