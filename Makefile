@@ -5,7 +5,8 @@ VENV   ?= .venv
 TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: test demo test-vllm clean
+.PHONY: test demo test-vllm gpu-check clean
+OUT ?= bench/results/gpu-check
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,11 @@ demo: $(VENV)/.ready
 # vLLM integration against vLLM's real classes: its own venv (.venv-vllm, ~6 GB), not part of `make test`.
 test-vllm:
 	bash scripts/test_vllm.sh
+
+# On a GPU machine, offline, with that machine's own Python (no .venv: installing would fetch packages):
+# GPU tests, kernel benchmark, decode benchmark, summary table; everything under OUT.
+gpu-check:
+	PYTHON=$(PYTHON) scripts/gpu_check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
