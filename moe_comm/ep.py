@@ -16,6 +16,7 @@ from .errors import op_id
 from .planner import EPPlan, next_pow2, plan_ep
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
 from .triton_kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
+from .triton_kernels.routing import histogram_bins
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -100,7 +101,9 @@ class EPBuffer:
 
     Phases: ``phase="send"`` then ``phase="recv"`` split a call for overlap (the receive phase takes no
     tensors; the ones given to the send phase are used, except that ``topk_weights``/``out`` may be
-    given at either). Loopback worlds must be driven that way (all ranks' sends, then all receives).
+    given at either; the combine's receive reads this rank's own share of ``expert_out`` in place, so
+    keep it unchanged until then). Loopback worlds must be driven that way (all ranks' sends, then all
+    receives).
     Calls alternate between two buffer sets, so dispatch i+1 may start while the outputs of dispatch i
     are read, except d.x / d.scales, of which there is one set: they are overwritten by the next
     dispatch's receive phase.
@@ -265,10 +268,10 @@ class EPBuffer:
             dispatch_send_kernel[(p.send_programs,)](
                 xin, idx, s.routed, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
                 g.error_addr, g.rank, T, self.num_experts,
-                OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank,
-                EXPERTS_P2=next_pow2(p.experts_per_rank), HIDDEN=p.hidden, X_WORDS=p.x_words,
+                OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
                 S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
-                BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens, ROUTE_RANKS=p.route_ranks,
+                BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
+                BINS=histogram_bins(p.num_experts),
                 FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._common())
             ch.expect, self._pending = "recv", (handle, s)
             if not do_recv:
@@ -321,11 +324,11 @@ class EPBuffer:
                 ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done, g.rank,
                 ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                 BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
-            ch.expect, self._combine_pending = "recv", (handle, topk_weights, out)
+            ch.expect, self._combine_pending = "recv", (handle, expert_out.contiguous(), topk_weights, out)
             if not do_recv:
                 self._after_kernels()
                 return None
-        handle, w0, out0 = self._combine_pending
+        handle, expert_out, w0, out0 = self._combine_pending
         topk_weights = w0 if topk_weights is None else topk_weights
         out = out0 if out is None else out
         self._check_handle(handle)  # a dispatch between the phases may have reused its metadata
@@ -335,8 +338,9 @@ class EPBuffer:
         s = self._sets[handle.call_index % 2]
         combine_recv_kernel[(p.reduce_programs,)](
             out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
-            s.routed, ch.data.local, ch.ctrl.local, ch.seq, g.error_addr, g.timeout_ns, g.rank, T,
-            OP=op_id("combine"), WORLD=g.world_size, M=p.max_tokens, TOPK=p.topk, HIDDEN=p.hidden,
+            s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.seq, g.error_addr, g.timeout_ns,
+            g.rank, T, OP=op_id("combine"), WORLD=g.world_size, M=p.max_tokens,
+            ROWS=p.experts_per_rank * p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
             BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs)
         ch.expect, self._combine_pending = "send", None
         self._after_kernels()

@@ -101,6 +101,11 @@ def plan_alltoallv(world: int, max_rows_per_peer: int, row_shape, dtype: torch.d
 
 FP8_GROUP = 128     # columns per float32 scale in fp8 dispatch
 FP8_E4M3_MAX = 448.0
+# GPU copy tiles of the EP kernels: 4096 words (16 KB, 32 words per thread at 4 warps) per iteration, so
+# that a program has enough loads in flight to stream at HBM speed (1024-word tiles left the combine
+# send at ~0.5 TB/s: one program per SM, 28 dependent round trips per row).
+GPU_EP_COPY_WORDS = 4096
+GPU_ROUTE_TILE = 4096  # elements of the routing comparison tile [my slots, earlier slots]; 8192 spills
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,8 @@ class EPPlan:
     out_block_words: int      # BW of the combine send
     block_hidden: int         # BH: elements per iteration of the combine reduction
     fp8_block_groups: int     # 128-column groups per quantization iteration (divides H / 128)
-    route_tokens: int         # tokens per routing iteration (prefix sums over a one-hot [ranks, tokens*K, L])
-    route_ranks: int          # destination ranks whose routing one send program computes
-    send_programs: int        # grid of the dispatch send (>= world / route_ranks: every rank gets routed)
+    route_tokens: int         # tokens per chunk of the routing scans (earlier-slot comparison, histogram)
+    send_programs: int        # grid of the dispatch send
     recv_programs: int        # grid of the dispatch receive and of the combine send
     reduce_programs: int      # grid of the combine reduction
 
@@ -200,18 +204,18 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
     scale_words = hidden // FP8_GROUP if fp8 else 0
     groups = hidden // FP8_GROUP
     pow2_groups = groups & -groups if groups else 1  # largest power of two dividing the group count
-    one_hot = next_pow2(topk) * next_pow2(L)
+    slots = next_pow2(topk)
     if device.type == "cuda":
         block_tokens, block_slots = 1, next_pow2(topk)
         tile = GPU_TILE_ELEMS
-        send_block_words = min(next_pow2(x_words), max(32, tile // next_pow2(world)))
-        recv_block_words = min(next_pow2(x_words), max(32, tile // next_pow2(topk)))
-        out_block_words = min(next_pow2(hidden * b // 4), max(32, tile // next_pow2(topk)))
+        send_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(world)))
+        recv_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
+        out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)
         fp8_block_groups = min(pow2_groups, max(1, tile // (FP8_GROUP * next_pow2(world))))
-        route_ranks = 1
-        route_tokens = max(1, min(next_pow2(max_tokens), tile // one_hot))
-        send_programs = max(world, min(max_tokens, GPU_TARGET_PROGRAMS))
+        # One token's K slots against route_tokens tokens' slots per iteration: 64 tokens at K = 8.
+        route_tokens = max(1, min(next_pow2(max_tokens), GPU_ROUTE_TILE // (block_tokens * slots * slots)))
+        send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
     else:
@@ -220,8 +224,8 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         out_block_words = min(next_pow2(hidden * b // 4), 4096)
         block_hidden = min(next_pow2(hidden), 4096)
         fp8_block_groups = min(pow2_groups, 32)
-        route_ranks = next_pow2(world)
-        route_tokens = max(1, min(next_pow2(max_tokens), 16384 // (one_hot * route_ranks)))
+        # One program holds every token: its [T*K, route_tokens*K] comparison tile stays under 2**20.
+        route_tokens = max(1, min(next_pow2(max_tokens), 2 ** 20 // (block_tokens * slots * slots)))
         send_programs = recv_programs = reduce_programs = 1
     return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
@@ -229,7 +233,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
                   out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
                   send_block_words=send_block_words, recv_block_words=recv_block_words,
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
-                  route_tokens=route_tokens, route_ranks=route_ranks, send_programs=send_programs,
+                  route_tokens=route_tokens, send_programs=send_programs,
                   recv_programs=recv_programs, reduce_programs=reduce_programs)
 
 

@@ -190,7 +190,7 @@ def test_gpu_launch_shapes_in_the_interpreter(world, fp8):
         ep.plan = plan_ep(world, 4 * world, 256, 5, 4, torch.bfloat16, fp8, "cuda")
         ep.plan = dataclasses.replace(ep.plan, route_tokens=2, send_block_words=32, recv_block_words=32,
                                       out_block_words=64, block_hidden=128)
-    assert eps[0].plan.send_programs > 1 and eps[0].plan.recv_programs > 1 and eps[0].plan.route_ranks == 1
+    assert eps[0].plan.send_programs > 1 and eps[0].plan.recv_programs > 1 and eps[0].plan.block_tokens == 1
     for seed, routing in ((1, "random"), (2, "one_rank")):
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
         for ep in eps:
@@ -205,7 +205,8 @@ def test_gpu_launch_shapes_in_the_interpreter(world, fp8):
 # ---- routing layout, statistics ----------------------------------------------------------------
 
 @pytest.mark.parametrize("chunk", [None, 1, 2])
-@pytest.mark.parametrize("world,experts,topk,tokens", [(1, 4, 1, 5), (2, 8, 2, 7), (4, 16, 4, 3), (3, 15, 2, 0)])
+@pytest.mark.parametrize("world,experts,topk,tokens", [(1, 4, 1, 5), (2, 8, 2, 7), (4, 16, 4, 3), (3, 15, 2, 0),
+                                                         (1, 64, 8, 40)])
 def test_routing_layout_on_device(world, experts, topk, tokens, chunk):
     """Counts and positions from the device prefix sums; chunk=1/2 runs them over several chunks with
     running totals, as on a GPU."""

@@ -7,13 +7,16 @@ there is nothing to order between senders. Control words ``ctrl[zone, source, 1]
 Send (grid = NBLK programs over the rows (s, t) of every token rank s): slot (s, t, k) routed here was
 received into row ``row_of[s, t, k]`` of the dispatch output (kept by the dispatch); store
 ``expert_out`` of that row into s's landing zone at (t, k). A slot the dispatch dropped for capacity
-(code -2) sends zeros. The last program to finish publishes every rank's flag and advances the call
-counter.
+(code -2) sends zeros. This rank's own slots (s = rank) are skipped: the receive reads them straight
+from ``expert_out``, so at world 1 nothing is copied twice. The last program to finish publishes every
+rank's flag and advances the call counter.
 
 Receive (grid = NBLK token blocks): wait (bounded) for every rank's flag, then
-``y[t] = sum over k = 0..TOPK-1 with slot (t, k) routed of w[t, k] * landing[t, k]`` in float32, k in
-ascending order, cast to the output dtype. The sum sees each slot's row bit for bit as the expert wrote it
-and always in the same order, so y is bitwise reproducible across runs and world sizes.
+``y[t] = sum over k = 0..TOPK-1 with slot (t, k) routed of w[t, k] * row(t, k)`` in float32, k in
+ascending order, cast to the output dtype; row(t, k) is ``expert_out[row_of[rank, t, k]]`` when this
+rank holds the expert (zeros if dropped), else ``landing[t, k]``. The sum sees each slot's row bit for
+bit as the expert wrote it and always in the same order, so y is bitwise reproducible across runs and
+world sizes.
 """
 
 import triton
@@ -50,7 +53,7 @@ def combine_send_kernel(
         s = tl.minimum(q // M, WORLD - 1)
         t = q % M
         n_tokens = tl.sum(tl.where(s[:, None] == w[None, :], tokens[None, :], 0), axis=1)
-        live = (q < WORLD * M) & (k < TOPK) & (t < n_tokens)
+        live = (q < WORLD * M) & (k < TOPK) & (t < n_tokens) & (s != rank)  # own slots: read in place
         code = tl.load(row_of_ptr + q * TOPK + k, mask=live, other=-1)
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
@@ -74,12 +77,14 @@ def combine_recv_kernel(
     out_ptr,          # out [T, HIDDEN] dtype
     weights_ptr,      # [T, TOPK] floating topk_weights
     routed_ptr,       # int32 [M, TOPK]: 1 where slot (t, k) was routed by the dispatch
+    expert_out_ptr,   # [ROWS, HIDDEN] dtype: this rank's expert outputs (rows as in d.x)
+    row_of_ptr,       # int32 [WORLD * M, TOPK]: the dispatch's row of slot (s, t, k) on this rank
     data_ptr,         # int32 words [2, M, TOPK, HIDDEN * elem / 4]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's control words
     seq_ptr,          # int64 [1]: already advanced by this call's send phase
     err_addr, timeout_ns, rank, num_tokens,
-    OP: tl.constexpr, WORLD: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr, HIDDEN: tl.constexpr,
-    BT: tl.constexpr, BH: tl.constexpr, NBLK: tl.constexpr,
+    OP: tl.constexpr, WORLD: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, NBLK: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr)
@@ -88,17 +93,33 @@ def combine_recv_kernel(
         wait_flag(ctrl_ptr + (zone * WORLD + p) * 2 + 1, call, timeout_ns, err_addr, OP, rank, p)
     landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN
     c = tl.arange(0, BH)
+    kk = tl.arange(0, TOPK_P2)
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
         t = t0 + tl.arange(0, BT)
         live = t < num_tokens
+        # Per-slot words, loaded once per token block (not once per column block): routed, weight and
+        # this rank's row of the slot (-1: another rank's expert, in the landing zone).
+        slot = t[:, None] * TOPK + kk[None, :]
+        slot_live = live[:, None] & (kk < TOPK)[None, :]
+        use_all = tl.load(routed_ptr + slot, mask=slot_live, other=0) != 0
+        w_all = tl.load(weights_ptr + slot, mask=slot_live, other=0).to(tl.float32)
+        code_all = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=use_all, other=-1)
         for c0 in range(0, HIDDEN, BH):
             c_live = (c0 + c < HIDDEN)[None, :]
             acc = tl.zeros([BT, BH], dtype=tl.float32)
             for k in tl.static_range(TOPK):
-                use = tl.load(routed_ptr + t * TOPK + k, mask=live, other=0) != 0
-                wk = tl.load(weights_ptr + t * TOPK + k, mask=live, other=0).to(tl.float32)
-                v = tl.load(landing + (t[:, None] * TOPK + k).to(tl.int64) * HIDDEN + c0 + c[None, :],
-                            mask=use[:, None] & c_live, other=0).to(tl.float32)
+                pick = kk[None, :] == k
+                use = tl.sum(tl.where(pick, use_all.to(tl.int32), 0), axis=1) != 0
+                wk = tl.sum(tl.where(pick, w_all, 0.0), axis=1)
+                code = tl.sum(tl.where(pick, code_all, 0), axis=1)
+                here = code != -1
+                has_row = (code >= 0) & (code < ROWS)
+                # One load per slot: from expert_out in place, or from the landing zone; a dropped
+                # slot (-2) reads nothing and adds w * 0, as the zeros a peer sends for one.
+                row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
+                               landing + (t * TOPK + k).to(tl.int64) * HIDDEN)
+                v = tl.load(row[:, None] + c0 + c[None, :], mask=(use & (has_row | ~here))[:, None] & c_live,
+                            other=0).to(tl.float32)
                 acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
             tl.store(out_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
                      cast_rne(acc, out_ptr.dtype.element_ty),
@@ -121,9 +142,11 @@ def _compile_configs() -> list[dict]:
             WORLD=8, WORLD_P2=8, M=128, ROWS=p.experts_per_rank * p.capacity, TOPK=8, TOPK_P2=8,
             X_WORDS=p.out_words, BS=p.block_slots, BW=p.out_block_words, NBLK=p.recv_programs)),
         dict(kernel="combine_recv_kernel", label=label, types=dict(
-            out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64",
-            seq_ptr="*i64", err_addr="i64", timeout_ns="i64", rank="i32", num_tokens="i32"), constexprs=dict(
-            OP=3, WORLD=8, M=128, TOPK=8, HIDDEN=7168, BT=p.block_tokens, BH=p.block_hidden,
+            out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
+            data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", err_addr="i64", timeout_ns="i64", rank="i32",
+            num_tokens="i32"), constexprs=dict(
+            OP=3, WORLD=8, M=128, ROWS=p.experts_per_rank * p.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168,
+            BT=p.block_tokens, BH=p.block_hidden,
             NBLK=p.reduce_programs)),
     ]
 

@@ -7,11 +7,13 @@ its token t at row t, so the send side needs no compaction, and a token crosses 
 however many of its top-k experts live there. Control words ``ctrl[zone, source, :]`` (int64) =
 (tokens T of the source, L per-local-expert slot counts from it, flag). Zone = call % 2.
 
-Send (grid = NBLK programs): program b computes the routing layout for destination ranks
-[b*R, (b+1)*R) with prefix sums (``routing.py``; R = 1 on a GPU, every rank on CPU) and writes the
-routing words of every token and the counts into their zones; every program stores the payload rows
-of its tokens into every rank holding one of the token's experts. The last program to finish publishes
-every rank's flag (release) and advances the call counter.
+Send (grid = NBLK programs): each program takes its own tokens, computes the positions of their slots
+by comparing their expert ids with every earlier slot (``routing.py``; no program waits for another),
+and stores each token's routing words and payload into every rank's row t (routing words -1 where the
+rank holds none of the token's experts; payload only where it holds one). One program (the last, idle
+when T < NBLK) also histograms the expert ids into every rank's counts, writes the combine's mask and
+records bad ids. The last program to finish publishes every rank's flag (release) and advances the call
+counter.
 
 Receive (grid = NBLK programs over the landing rows (s, t)): wait (bounded) for every source's flag;
 expert e's rows from source s start at ``base[s, e] = sum over s' < s of count[s', e]``; slot (s, t, k)
@@ -24,8 +26,33 @@ import triton
 import triton.language as tl
 
 from .quant import quantize_e4m3_groups
-from .routing import first_bad_slot, load_topk_chunk, positions_for_ranks
+from .routing import count_earlier_same, first_bad_slot, load_topk_chunk
 from .sync import ERR_CAPACITY, ERR_INDEX, arrive, as_ptr, record_error, signal, wait_flag
+
+
+@triton.jit
+def count_and_check(idx_ptr, routed_ptr, ctrl_ptrs_ptr, ctrl_offset, err_addr, rank, num_tokens, num_experts,
+                    OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, TOPK: tl.constexpr,
+                    TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, CHUNK_T: tl.constexpr,
+                    BINS: tl.constexpr):
+    """Every rank's control words (tokens, per-local-expert counts: a histogram of the valid ids with
+    BINS >= E bins), the combine's mask (routed) and the first bad id, in one pass over the slots."""
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for t0 in range(0, num_tokens, CHUNK_T):
+        t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts, TOPK, TOPK_P2, CHUNK_T)
+        counts += tl.histogram(idx, BINS, mask=valid)
+        tl.store(routed_ptr + t * TOPK + k, valid.to(tl.int32), mask=live)
+        if tl.sum(bad.to(tl.int32)) > 0:  # chunks in order, first error wins: the first bad slot is recorded
+            slot, value = first_bad_slot(t, k, idx_ptr, bad, TOPK)
+            record_error(err_addr, ERR_INDEX, OP, rank, slot, value, num_experts)
+    peer = tl.arange(0, WORLD_P2)
+    ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + tl.minimum(peer, WORLD - 1)), tl.int64) + ctrl_offset
+    tl.store(ctrl, num_tokens, mask=peer < WORLD)
+    expert = tl.arange(0, BINS)
+    owner = tl.minimum(expert // EXPERTS_PER_RANK, WORLD - 1)
+    ctrl_of_expert = as_ptr(tl.load(ctrl_ptrs_ptr + owner), tl.int64) + ctrl_offset
+    tl.store(ctrl_of_expert + 1 + expert % EXPERTS_PER_RANK, counts.to(tl.int64),
+             mask=expert < WORLD * EXPERTS_PER_RANK)
 
 
 @triton.jit
@@ -39,9 +66,9 @@ def dispatch_send_kernel(
     done_ptr,         # int32 [1+]: arrival counter, zero between launches
     err_addr, rank, num_tokens, num_experts,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, HIDDEN: tl.constexpr,
+    TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
-    BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, ROUTE_RANKS: tl.constexpr,
+    BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, BINS: tl.constexpr,
     FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr,
 ):
     blk = tl.program_id(0)
@@ -49,44 +76,33 @@ def dispatch_send_kernel(
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
-
-    # 1. Routing words and per-expert counts for destinations [blk * ROUTE_RANKS, + ROUTE_RANKS).
-    if blk * ROUTE_RANKS < WORLD:
-        dest = blk * ROUTE_RANKS + tl.arange(0, ROUTE_RANKS)
-        dest_live = dest < WORLD
-        dest_ok = tl.minimum(dest, WORLD - 1)  # masked lanes still get a valid address
-        landing = as_ptr(tl.load(data_ptrs_ptr + dest_ok), tl.int32) + first_row * ROW_WORDS
-        ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + dest_ok), tl.int64) + (zone * WORLD + rank) * CTRL_WORDS
-        running = tl.zeros([ROUTE_RANKS, EXPERTS_P2], dtype=tl.int32)
-        for t0 in range(0, num_tokens, ROUTE_T):
-            t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
-                                                          TOPK, TOPK_P2, ROUTE_T)
-            hit, local, pos, running = positions_for_ranks(idx, valid, dest, running, EXPERTS_PER_RANK, EXPERTS_P2)
-            word = tl.where(hit, local + pos * EXPERTS_PER_RANK, -1)
-            tl.store(landing[:, None] + t[None, :].to(tl.int64) * ROW_WORDS + META + k[None, :], word,
-                     mask=dest_live[:, None] & live[None, :])
-            if blk == 0:  # this rank's own bookkeeping, once: the combine's mask and bad ids
-                tl.store(routed_ptr + t * TOPK + k, valid.to(tl.int32), mask=live)
-                if tl.sum(bad.to(tl.int32)) > 0:
-                    slot, value = first_bad_slot(t, k, idx_ptr, bad, TOPK)
-                    record_error(err_addr, ERR_INDEX, OP, rank, slot, value, num_experts)
-        e = tl.arange(0, EXPERTS_P2)
-        tl.store(ctrl, num_tokens, mask=dest_live)
-        tl.store(ctrl[:, None] + 1 + e[None, :], running.to(tl.int64),
-                 mask=dest_live[:, None] & (e < EXPERTS_PER_RANK)[None, :])
-
-    # 2. Payload: token t goes once, to row t, of every rank holding one of its experts.
     peer = tl.arange(0, WORLD_P2)
+    peer_live = peer < WORLD
     peer_ok = tl.minimum(peer, WORLD - 1)
-    landing_all = as_ptr(tl.load(data_ptrs_ptr + peer_ok), tl.int32) + first_row * ROW_WORDS   # [WORLD_P2]
-    kk = tl.arange(0, TOPK_P2)
+    landing_all = as_ptr(tl.load(data_ptrs_ptr + peer_ok), tl.int32) + first_row * ROW_WORDS
+
+    # 1. Bookkeeping, by one program: per-expert counts (a histogram of the valid ids; BINS >= E) into
+    #    each rank's control words, the combine's mask, the first bad id.
+    if blk == NBLK - 1:
+        count_and_check(idx_ptr, routed_ptr, ctrl_ptrs_ptr, (zone * WORLD + rank) * CTRL_WORDS, err_addr, rank,
+                        num_tokens, num_experts, OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS)
+
+    # 2. This program's tokens: routing words to every rank, payload once to row t of every rank holding
+    #    one of the token's experts.
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
+        ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
+                                                        TOPK, TOPK_P2, BT)
+        end = tl.minimum(t0 + BT, num_tokens)
+        pos = count_earlier_same(idx, ts * TOPK + ks, idx_ptr, end, num_experts, TOPK, TOPK_P2, ROUTE_T)
+        owner = tl.where(valid, idx // EXPERTS_PER_RANK, -1)
+        word = tl.where(owner[None, :] == peer[:, None], idx % EXPERTS_PER_RANK + pos * EXPERTS_PER_RANK, -1)
+        tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
+                 mask=peer_live[:, None] & live[None, :])
+
         t = t0 + tl.arange(0, BT)
         t_live = t < num_tokens
-        raw = tl.load(idx_ptr + t[:, None].to(tl.int64) * TOPK + kk[None, :],
-                      mask=t_live[:, None] & (kk < TOPK)[None, :], other=-1)
-        owner = tl.where((raw >= 0) & (raw < num_experts), raw, -EXPERTS_PER_RANK) // EXPERTS_PER_RANK
-        send = tl.max((owner[:, :, None] == peer[None, None, :]).to(tl.int32), axis=1) > 0   # [BT, WORLD_P2]
+        slot_owner = tl.reshape(owner, (BT, TOPK_P2))
+        send = tl.max((slot_owner[:, :, None] == peer[None, None, :]).to(tl.int32), axis=1) > 0   # [BT, WORLD_P2]
         send = send & t_live[:, None]
         read = tl.max(send.to(tl.int32), axis=1) > 0
         row = landing_all[None, :] + t[:, None].to(tl.int64) * ROW_WORDS                    # [BT, WORLD_P2]
@@ -114,8 +130,8 @@ def dispatch_send_kernel(
     # 3. The last program publishes to every rank (lanes past WORLD repeat the last rank's flag with
     #    the same value, which is harmless) and advances the call counter.
     if arrive(done_ptr, NBLK):
-        ctrl_all = as_ptr(tl.load(ctrl_ptrs_ptr + peer_ok), tl.int64) + (zone * WORLD + rank) * CTRL_WORDS
-        signal(ctrl_all + CTRL_WORDS - 1, call)
+        ctrl_last = as_ptr(tl.load(ctrl_ptrs_ptr + peer_ok), tl.int64) + (zone * WORLD + rank) * CTRL_WORDS
+        signal(ctrl_last + CTRL_WORDS - 1, call)
         tl.store(seq_ptr, call)
 
 
@@ -214,12 +230,13 @@ def _compile_configs() -> list[dict]:
     import torch  # noqa: PLC0415
 
     from ..planner import next_pow2, plan_ep  # noqa: PLC0415
+    from .routing import histogram_bins  # noqa: PLC0415
 
     out = []
     for fp8 in (False, True):
         p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
         common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
-                      EXPERTS_P2=next_pow2(p.experts_per_rank), X_WORDS=p.x_words, S_WORDS=p.scale_words,
+                      X_WORDS=p.x_words, S_WORDS=p.scale_words,
                       ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
         label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
         out.append(dict(kernel="dispatch_send_kernel", label=label, types=dict(
@@ -227,13 +244,12 @@ def _compile_configs() -> list[dict]:
             ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", err_addr="i64", rank="i32",
             num_tokens="i32", num_experts="i32"), constexprs=dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            ROUTE_RANKS=p.route_ranks,
-            FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
+            BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
         out.append(dict(kernel="dispatch_recv_kernel", label=label, types=dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
             row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
             seq_ptr="*i64", err_addr="i64", timeout_ns="i64", rank="i32"), constexprs=dict(
-            common, CAP=p.capacity, S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots,
+            common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank), S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots,
             BW=p.recv_block_words, NBLK=p.recv_programs)))
     return out
 

@@ -3,16 +3,19 @@
 Given one rank's ``topk_idx`` [T, K] (expert ids, -1 = not routed) and E experts spread evenly over W
 ranks (L = E / W per rank, rank r owns experts [r*L, (r+1)*L)), a slot (t, k) with a valid id goes to
 rank ``idx // L``, local expert ``idx % L``. Its *position* is the number of earlier slots of this rank
-(in (t, k) row-major order) routed to the same expert. Positions come from prefix sums over a one-hot
-[slots, L] matrix, chunk by chunk with running per-expert totals: no atomics, so the layout, and
-everything built on it, is deterministic.
+(in (t, k) row-major order) routed to the same expert.
+
+A block of slots gets its positions by comparing its ids with every earlier slot (``count_earlier_same``:
+an equality matrix summed over chunks of earlier slots). Blocks depend on nothing but ``topk_idx``, so
+every program computes its own tokens' positions at once: no serial chain of prefix sums, no atomics,
+and the layout, and everything built on it, is deterministic. The work is O((T*K)^2) compares spread
+over all programs (about 0.5M at T = 128, K = 8). Per-expert counts are a histogram of the valid ids.
 
 Ids outside [-1, E) are not routed; ``load_topk_chunk`` reports them so the caller can record the error.
 
-The helpers are fused into the dispatch send kernel (``dispatch.py``), where each program computes
-the layout for a block of destination ranks (one rank per program on a GPU, all of them on CPU);
-``routing_kernel`` / ``compute_routing`` expose the same computation on its own (one program, for
-tests and for callers that want the layout).
+The helpers are fused into the dispatch send kernel (``dispatch.py``); ``routing_kernel`` /
+``compute_routing`` expose the same computation on its own (one program, for tests and for callers that
+want the layout).
 """
 
 from __future__ import annotations
@@ -57,20 +60,21 @@ def first_bad_slot(t, k, raw_idx_ptr, bad, TOPK: tl.constexpr):
 
 
 @triton.jit
-def positions_for_ranks(idx, valid, dest, running, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr):
-    """Slots of a chunk routed to each rank of ``dest`` [R] and their positions per local expert.
+def count_earlier_same(idx, slot, idx_ptr, end_token, num_experts,
+                       TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCAN_T: tl.constexpr):
+    """For each slot (expert id ``idx``, flat index ``slot`` = t*TOPK + k), the number of slots of tokens
+    [0, end_token) before it in (t, k) order with the same id: its position, where the id is valid.
 
-    ``running`` [R, EXPERTS_P2] int32: slots of earlier chunks routed to each local expert of each rank.
-    Returns (hit, local_expert, position) [R, slots] and running + this chunk's counts; position is
-    meaningful where hit.
+    Invalid and padding slots read as -1, which no valid id equals.
     """
-    local = tl.where(valid[None, :], idx[None, :] - dest[:, None] * EXPERTS_PER_RANK, -1)
-    hit = (local >= 0) & (local < EXPERTS_PER_RANK)
-    e = tl.arange(0, EXPERTS_P2)
-    one_hot = (hit[:, :, None] & (local[:, :, None] == e[None, None, :])).to(tl.int32)  # [R, slots, L]
-    inclusive = tl.cumsum(one_hot, 1)
-    position = tl.sum(one_hot * (inclusive - 1 + running[:, None, :]), axis=2)
-    return hit, local, position, running + tl.sum(one_hot, axis=1)
+    position = tl.zeros_like(idx)
+    for c0 in range(0, end_token, SCAN_T):
+        t, k, other, live, valid, bad = load_topk_chunk(idx_ptr, c0, end_token, num_experts,
+                                                        TOPK, TOPK_P2, SCAN_T)
+        other_slot = t * TOPK + k
+        same = (idx[:, None] == other[None, :]) & (other_slot[None, :] < slot[:, None])
+        position += tl.sum(same.to(tl.int32), axis=1)
+    return position
 
 
 @triton.jit
@@ -81,26 +85,30 @@ def routing_kernel(
     position_ptr,       # out int32 [T, TOPK]: position of the slot among this rank's slots for its expert; -1
     num_tokens, num_experts,
     WORLD: tl.constexpr, RANKS_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-    EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK_T: tl.constexpr,
+    EXPERTS_PER_RANK: tl.constexpr, BINS: tl.constexpr, CHUNK_T: tl.constexpr,
 ):
-    # One program for all destination ranks (RANKS_P2 >= WORLD lanes, the extra ones masked off).
+    # One program; BINS >= max(32, WORLD * EXPERTS_PER_RANK), a power of two (histogram bins).
     dest = tl.arange(0, RANKS_P2)
-    dest_live = dest < WORLD
-    running = tl.zeros([RANKS_P2, EXPERTS_P2], dtype=tl.int32)
+    counts = tl.zeros([BINS], dtype=tl.int32)
     tokens = tl.zeros([RANKS_P2], dtype=tl.int32)
     for t0 in range(0, num_tokens, CHUNK_T):
         t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
                                                       TOPK, TOPK_P2, CHUNK_T)
-        hit, local, pos, running = positions_for_ranks(idx, valid, dest, running, EXPERTS_PER_RANK, EXPERTS_P2)
-        # A valid slot hits exactly one rank: collapse the rank axis.
-        tl.store(position_ptr + t.to(tl.int64) * TOPK + k, tl.sum(tl.where(hit, pos, 0), axis=0), mask=valid)
-        tl.store(position_ptr + t.to(tl.int64) * TOPK + k, -1, mask=live & ~valid)
-        token_hit = tl.max(tl.reshape(hit.to(tl.int32), (RANKS_P2, CHUNK_T, TOPK_P2)), axis=2)
+        end = tl.minimum(t0 + CHUNK_T, num_tokens)
+        pos = count_earlier_same(idx, t * TOPK + k, idx_ptr, end, num_experts, TOPK, TOPK_P2, CHUNK_T)
+        tl.store(position_ptr + t.to(tl.int64) * TOPK + k, tl.where(valid, pos, -1), mask=live)
+        counts += tl.histogram(idx, BINS, mask=valid)
+        hit = (tl.where(valid, idx // EXPERTS_PER_RANK, -1)[None, :] == dest[:, None]).to(tl.int32)
+        token_hit = tl.max(tl.reshape(hit, (RANKS_P2, CHUNK_T, TOPK_P2)), axis=2)
         tokens += tl.sum(token_hit, axis=1)
-    e = tl.arange(0, EXPERTS_P2)
-    tl.store(expert_counts_ptr + dest[:, None] * EXPERTS_PER_RANK + e[None, :], running,
-             mask=dest_live[:, None] & (e < EXPERTS_PER_RANK)[None, :])
-    tl.store(rank_tokens_ptr + dest, tokens, mask=dest_live)
+    g = tl.arange(0, BINS)
+    tl.store(expert_counts_ptr + g, counts, mask=g < WORLD * EXPERTS_PER_RANK)
+    tl.store(rank_tokens_ptr + dest, tokens, mask=dest < WORLD)
+
+
+def histogram_bins(num_experts: int) -> int:
+    """Bins of the per-expert histogram: a power of two, at least a warp (the GPU lowering's minimum)."""
+    return max(32, next_pow2(num_experts))
 
 
 @dataclass
@@ -127,12 +135,13 @@ def compute_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     layout = RoutingLayout(torch.empty(num_experts, dtype=torch.int32, device=dev),
                            torch.empty(world_size, dtype=torch.int32, device=dev),
                            torch.empty((max(T, 1), K), dtype=torch.int32, device=dev))
-    if chunk_tokens is None:
-        chunk_tokens = max(1, min(next_pow2(max(T, 1)), 16384 // (next_pow2(K) * next_pow2(num_experts))))
+    if chunk_tokens is None:  # one [chunk*K, chunk*K] comparison tile: 2**20 elements on CPU, 1024 on a GPU
+        slots = 32 if dev.type == "cuda" else 1024  # 64 slots already take 255 registers on sm_90
+        chunk_tokens = max(1, min(next_pow2(max(T, 1)), slots // next_pow2(K)))
     routing_kernel[(1,)](
         idx, layout.expert_counts, layout.rank_tokens, layout.position, T, num_experts,
         WORLD=world_size, RANKS_P2=next_pow2(world_size), TOPK=K, TOPK_P2=next_pow2(K),
-        EXPERTS_PER_RANK=L, EXPERTS_P2=next_pow2(L), CHUNK_T=next_pow2(chunk_tokens))
+        EXPERTS_PER_RANK=L, BINS=histogram_bins(num_experts), CHUNK_T=next_pow2(chunk_tokens))
     layout.position = layout.position[:T]
     return layout
 
@@ -142,4 +151,4 @@ COMPILE_CONFIGS = [dict(
     kernel="routing_kernel", label="DSV3 EP8", types=dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
         num_tokens="i32", num_experts="i32"),
-    constexprs=dict(WORLD=8, RANKS_P2=8, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=32, EXPERTS_P2=32, CHUNK_T=1))]
+    constexprs=dict(WORLD=8, RANKS_P2=8, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=32, BINS=256, CHUNK_T=4))]
