@@ -161,10 +161,13 @@ def dispatch_recv_kernel(
 
     # Every source's counts are needed for the bases; a missing source counts as sending nothing.
     w = tl.arange(0, WORLD_P2)
-    arrived = w < 0
+    # Carried through the loop as int32: some Triton interpreters (3.9) turn a loop-carried bool into
+    # int32, which they then refuse as a load mask.
+    arrived_any = tl.zeros([WORLD_P2], dtype=tl.int32)
     for p in range(WORLD):
         ok = wait_flag(ctrl + p * CTRL_WORDS + CTRL_WORDS - 1, call, timeout_ns, err_addr, OP, rank, p)
-        arrived = arrived | ((w == p) & ok)
+        arrived_any = arrived_any | ((w == p) & ok).to(tl.int32)
+    arrived = arrived_any != 0
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],
