@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .channel import Channel
+from .checks import check_tensor
 from .errors import op_id
 from .planner import next_pow2, plan_alltoallv
 from .triton_kernels.alltoallv import a2a_recv_kernel, a2a_send_kernel
@@ -95,22 +96,8 @@ class AllToAllvDynamic:
                     WORLD=g.world_size, ROW_WORDS=c.row_words, BLOCK_R=c.block_rows,
                     BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
 
-    def _check_tensor(self, name, t, shape, dtype):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.group.device:
-            raise ValueError(f"{name} is on {t.device}, this group is on {self.group.device}")
-        if t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
-            raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-
     def _grid(self):
         return (self.group.world_size, self.plan.copy.blocks_per_peer)
-
-    def _after_kernels(self):
-        if self.group.device.type == "cpu":  # reading the error word is free and the kernel is done
-            self.group.check()
 
     # ---- forward -------------------------------------------------------------------------------
     def __call__(self, send: torch.Tensor | None = None, send_counts: torch.Tensor | None = None, *,
@@ -119,8 +106,8 @@ class AllToAllvDynamic:
         self.group.check()
         if do_send:
             world = self.group.world_size
-            self._check_tensor("send_counts", send_counts, (world,), (torch.int32, torch.int64))
-            self._check_tensor("send", send, None, self.dtype)
+            check_tensor("send_counts", send_counts, self.group.device, (torch.int32, torch.int64), (world,))
+            check_tensor("send", send, self.group.device, self.dtype)
             if send.dim() < 1 or tuple(send.shape[1:]) != self.row_shape:
                 raise ValueError(f"send must be [N, *{self.row_shape}], got {tuple(send.shape)}")
             k = self._calls % 2
@@ -137,7 +124,7 @@ class AllToAllvDynamic:
             ch.expect = "recv"
             self._pending = (handle, k)
             if not do_recv:
-                self._after_kernels()
+                self.group.check_after_launch()
                 return None
         handle, k = self._pending
         ch = self._fwd
@@ -145,7 +132,7 @@ class AllToAllvDynamic:
             self._words(self._recv[k], 2), handle.recv_counts, handle.send_counts, handle.send_offsets,
             ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(True))
         ch.expect, self._pending = "send", None
-        self._after_kernels()
+        self.group.check_after_launch()
         return A2AResult(self._recv[k], handle.recv_counts, handle)
 
     # ---- reverse -------------------------------------------------------------------------------
@@ -162,14 +149,15 @@ class AllToAllvDynamic:
                 raise ValueError("stale handle: its forward call's metadata has been reused (a handle is "
                                  "valid until two more forward calls) or its recv phase has not run")
             world = self.group.world_size
-            self._check_tensor("rows", rows, (world, self.max_rows_per_peer, *self.row_shape), self.dtype)
+            check_tensor("rows", rows, self.group.device, self.dtype,
+                         (world, self.max_rows_per_peer, *self.row_shape))
             a2a_send_kernel[self._grid()](
                 self._words(rows, 2), handle.recv_counts, handle.recv_counts, handle.send_offsets, 0,
                 ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
                 WORLD_P2=next_pow2(world), **self._common(False))
             ch.expect, self._rev_pending = "recv", handle
             if not do_recv:
-                self._after_kernels()
+                self.group.check_after_launch()
                 return None
         handle = self._rev_pending
         out = torch.empty((handle.num_rows, *self.row_shape), dtype=self.dtype, device=self.group.device)
@@ -179,7 +167,7 @@ class AllToAllvDynamic:
             dst, handle.recv_counts, handle.send_counts, handle.send_offsets,
             ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(False))
         ch.expect, self._rev_pending = "send", None
-        self._after_kernels()
+        self.group.check_after_launch()
         return out
 
     def close(self) -> None:

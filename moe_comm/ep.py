@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .channel import PHASES, Channel
+from .checks import check_tensor
 from .errors import op_id
 from .planner import EPPlan, next_pow2, plan_ep
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
@@ -205,17 +206,6 @@ class EPBuffer:
             self._allocated = False
 
     # ---- checks ----------------------------------------------------------------------------------
-    def _check_tensor(self, name, t, shape, dtypes):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.group.device:
-            raise ValueError(f"{name} is on {t.device}, this group is on {self.group.device}")
-        if t.dtype not in dtypes:
-            raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
-        if t.dim() != len(shape) or any(want is not None and have != want for have, want in zip(t.shape, shape)):
-            want = ", ".join("any" if s is None else str(s) for s in shape)
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({want})")
-
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, EPHandle) or handle.owner != id(self):
             raise TypeError(f"handle must be the DispatchResult.handle of a dispatch on this EPBuffer, "
@@ -224,10 +214,6 @@ class EPBuffer:
         if handle.call_index < self._calls - 2 or pending:
             raise ValueError("stale handle: its dispatch's metadata has been reused (a handle is valid until "
                              "two more dispatch calls) or its dispatch's phase='recv' has not run")
-
-    def _after_kernels(self) -> None:
-        if self.group.device.type == "cpu":  # the kernel is done and reading the error word is free
-            self.group.check()
 
     def _common(self):
         p, g = self.plan, self.group
@@ -245,11 +231,11 @@ class EPBuffer:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         p, g = self.plan, self.group
         if phase != "recv":
-            self._check_tensor("x", x, (None, p.hidden), (p.dtype,))
+            check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden))
             T = x.shape[0]
             if T > p.max_tokens:
                 raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {p.max_tokens}")
-            self._check_tensor("topk_idx", topk_idx, (T, p.topk), (torch.int32, torch.int64))
+            check_tensor("topk_idx", topk_idx, self.group.device, (torch.int32, torch.int64), (T, p.topk))
         if not self._allocated:
             self._allocate()
         ch = self._dispatch_ch
@@ -275,7 +261,7 @@ class EPBuffer:
                 FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._common())
             ch.expect, self._pending = "recv", (handle, s)
             if not do_recv:
-                self._after_kernels()
+                self.group.check_after_launch()
                 return None
         handle, s = self._pending
         scales_words = self._scales.view(torch.int32) if p.fp8 else self._dummy
@@ -288,7 +274,7 @@ class EPBuffer:
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.block_slots, BW=p.recv_block_words,
             NBLK=p.recv_programs, **self._common())
         ch.expect, self._pending = "send", None
-        self._after_kernels()
+        self.group.check_after_launch()
         return DispatchResult(self._x, self._scales, s.counts, s.src, handle)
 
     # ---- combine ---------------------------------------------------------------------------------
@@ -304,14 +290,15 @@ class EPBuffer:
             raise RuntimeError("combine needs the handle of a dispatch on this EPBuffer; none has run yet")
         if phase != "recv":
             self._check_handle(handle)
-            self._check_tensor("expert_out", expert_out, (p.experts_per_rank, p.capacity, p.hidden), (p.dtype,))
+            check_tensor("expert_out", expert_out, self.group.device, (p.dtype,),
+                         (p.experts_per_rank, p.capacity, p.hidden))
         if topk_weights is not None or phase != "recv":
             T = handle.num_tokens if phase != "recv" else self._pending_tokens()
-            self._check_tensor("topk_weights", topk_weights, (T, p.topk),
-                               (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+            check_tensor("topk_weights", topk_weights, self.group.device,
+                         (torch.float32, torch.bfloat16, torch.float16, torch.float64), (T, p.topk))
         if out is not None:
             T = handle.num_tokens if phase != "recv" else self._pending_tokens()
-            self._check_tensor("out", out, (T, p.hidden), (p.dtype,))
+            check_tensor("out", out, self.group.device, (p.dtype,), (T, p.hidden))
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous (it is written in place)")
         ch = self._combine_ch
@@ -326,7 +313,7 @@ class EPBuffer:
                 BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
             ch.expect, self._combine_pending = "recv", (handle, expert_out.contiguous(), topk_weights, out)
             if not do_recv:
-                self._after_kernels()
+                self.group.check_after_launch()
                 return None
         handle, expert_out, w0, out0 = self._combine_pending
         topk_weights = w0 if topk_weights is None else topk_weights
@@ -343,7 +330,7 @@ class EPBuffer:
             ROWS=p.experts_per_rank * p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
             BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs)
         ch.expect, self._combine_pending = "send", None
-        self._after_kernels()
+        self.group.check_after_launch()
         return out
 
     def _pending_tokens(self) -> int:

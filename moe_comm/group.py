@@ -54,6 +54,12 @@ class CommGroup:
             self.error_word.zero_()
             raise err
 
+    def check_after_launch(self) -> None:
+        """Right after an op's kernels: on CPU they have finished and reading the error word is free, so
+        raise at once; on a GPU the error surfaces at the next check instead (no sync here)."""
+        if self.device.type == "cpu":
+            self.check()
+
     def close(self) -> None:
         if self._closed:
             return

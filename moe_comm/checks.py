@@ -1,0 +1,21 @@
+"""Host-side input checks shared by the ops: they read only metadata, never a device value."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name: str, t, device: torch.device, dtypes, shape=None) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a tensor on ``device`` with a dtype in ``dtypes`` and,
+    if ``shape`` is given, that shape (None entries match any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, this group is on {device}")
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
+    if shape is not None and (t.dim() != len(shape) or any(
+            want is not None and have != want for have, want in zip(t.shape, shape))):
+        want = ", ".join("any" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({want})")
