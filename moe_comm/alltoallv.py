@@ -16,7 +16,7 @@ from .channel import Channel
 from .checks import check_tensor
 from .errors import op_id
 from .planner import next_pow2, plan_alltoallv
-from .triton_kernels.alltoallv import a2a_recv_kernel, a2a_send_kernel
+from .triton_kernels.alltoallv import a2a_local_kernel, a2a_recv_kernel, a2a_send_kernel
 
 
 @dataclass
@@ -52,7 +52,8 @@ class AllToAllvDynamic:
     add up past N, are clamped (nothing is written or read out of bounds) and CapacityError is raised
     at the next check. Outputs alternate between two sets: the result of call i stays valid during
     call i+1. Phases: ``phase="send"`` then ``phase="recv"`` (no tensors) split a call for overlap;
-    loopback groups must be driven that way. Graph capture: every launch has a fixed shape and reads
+    loopback groups must be driven that way. At world 1 each call is one kernel, run by the send phase
+    (rows go straight from the input to the output; the receive phase launches nothing). Graph capture: every launch has a fixed shape and reads
     counts only on the device; the call counter lives on the device, so replays keep signalling right.
     """
 
@@ -96,6 +97,10 @@ class AllToAllvDynamic:
                     WORLD=g.world_size, ROW_WORDS=c.row_words, BLOCK_R=c.block_rows,
                     BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
 
+    def _local_args(self, forward: bool):
+        """Arguments of the world-1 kernel: those of the two-phase kernels minus the signalling ones."""
+        return {k: v for k, v in self._common(forward).items() if k != "WORLD"}
+
     def _grid(self):
         return (self.group.world_size, self.plan.copy.blocks_per_peer)
 
@@ -117,10 +122,15 @@ class AllToAllvDynamic:
             ch = self._fwd
             src = self._words(send, 1) if send.shape[0] > 0 else torch.empty(
                 (1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=send.device)
-            a2a_send_kernel[self._grid()](
-                src, send_counts.contiguous(), m["send_counts"], m["send_offsets"], send.shape[0],
-                ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
-                WORLD_P2=next_pow2(world), **self._common(True))
+            if world == 1:  # one kernel: rows straight into this call's output set
+                a2a_local_kernel[self._grid()[1:]](
+                    src, send_counts.contiguous(), m["send_counts"], m["send_offsets"], m["recv_counts"],
+                    self._words(self._recv[k], 2), send.shape[0], **self._local_args(True))
+            else:
+                a2a_send_kernel[self._grid()](
+                    src, send_counts.contiguous(), m["send_counts"], m["send_offsets"], send.shape[0],
+                    ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
+                    WORLD_P2=next_pow2(world), **self._common(True))
             ch.expect = "recv"
             self._pending = (handle, k)
             if not do_recv:
@@ -128,9 +138,10 @@ class AllToAllvDynamic:
                 return None
         handle, k = self._pending
         ch = self._fwd
-        a2a_recv_kernel[self._grid()](
-            self._words(self._recv[k], 2), handle.recv_counts, handle.send_counts, handle.send_offsets,
-            ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(True))
+        if self.group.world_size > 1:
+            a2a_recv_kernel[self._grid()](
+                self._words(self._recv[k], 2), handle.recv_counts, handle.send_counts, handle.send_offsets,
+                ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(True))
         ch.expect, self._pending = "send", None
         self.group.check_after_launch()
         return A2AResult(self._recv[k], handle.recv_counts, handle)
@@ -151,21 +162,27 @@ class AllToAllvDynamic:
             world = self.group.world_size
             check_tensor("rows", rows, self.group.device, self.dtype,
                          (world, self.max_rows_per_peer, *self.row_shape))
-            a2a_send_kernel[self._grid()](
-                self._words(rows, 2), handle.recv_counts, handle.recv_counts, handle.send_offsets, 0,
-                ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
-                WORLD_P2=next_pow2(world), **self._common(False))
-            ch.expect, self._rev_pending = "recv", handle
+            out = torch.empty((handle.num_rows, *self.row_shape), dtype=self.dtype, device=self.group.device)
+            dst = self._words(out, 1) if handle.num_rows > 0 else torch.empty(
+                (1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=out.device)
+            if world == 1:  # one kernel: rows straight back into ``out`` (the count the forward kept)
+                a2a_local_kernel[self._grid()[1:]](
+                    self._words(rows, 2), handle.send_counts, handle.send_counts, handle.send_offsets,
+                    handle.recv_counts, dst, handle.num_rows, **self._local_args(False))
+            else:
+                a2a_send_kernel[self._grid()](
+                    self._words(rows, 2), handle.recv_counts, handle.recv_counts, handle.send_offsets, 0,
+                    ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
+                    WORLD_P2=next_pow2(world), **self._common(False))
+            ch.expect, self._rev_pending = "recv", (handle, out, dst)
             if not do_recv:
                 self.group.check_after_launch()
                 return None
-        handle = self._rev_pending
-        out = torch.empty((handle.num_rows, *self.row_shape), dtype=self.dtype, device=self.group.device)
-        dst = self._words(out, 1) if handle.num_rows > 0 else torch.empty(
-            (1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=out.device)
-        a2a_recv_kernel[self._grid()](
-            dst, handle.recv_counts, handle.send_counts, handle.send_offsets,
-            ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(False))
+        handle, out, dst = self._rev_pending
+        if self.group.world_size > 1:
+            a2a_recv_kernel[self._grid()](
+                dst, handle.recv_counts, handle.send_counts, handle.send_offsets,
+                ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(False))
         ch.expect, self._rev_pending = "send", None
         self.group.check_after_launch()
         return out

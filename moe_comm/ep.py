@@ -1,7 +1,7 @@
 """EPBuffer: expert-parallel dispatch and combine for decode, fused Triton kernels over symmetric memory.
 
 A decode step calls ``dispatch`` and ``combine`` once per MoE layer each. Both are built for latency:
-one send kernel and one receive kernel per call, no host synchronization, no atomics on remote memory,
+one send kernel and one receive kernel per call (one kernel at world 1), no host synchronization, no atomics on remote memory,
 fixed launch shapes (CUDA-graph capturable), bounded waits. See ``EPBuffer`` for the contract.
 """
 
@@ -17,6 +17,7 @@ from .errors import op_id
 from .planner import EPPlan, next_pow2, plan_ep
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
 from .triton_kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
+from .triton_kernels.dispatch_local import dispatch_local_kernel
 from .triton_kernels.routing import histogram_bins
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -104,7 +105,9 @@ class EPBuffer:
     tensors; the ones given to the send phase are used, except that ``topk_weights``/``out`` may be
     given at either; the combine's receive reads this rank's own share of ``expert_out`` in place, so
     keep it unchanged until then). Loopback worlds must be driven that way (all ranks' sends, then all
-    receives).
+    receives). At world 1 nothing crosses ranks, so each call is one kernel, run by the receive phase:
+    the dispatch writes d.x straight from ``x`` and the combine reads every row in place; there the send
+    phase only records its tensors, and they must stay unchanged until the receive phase.
     Calls alternate between two buffer sets, so dispatch i+1 may start while the outputs of dispatch i
     are read, except d.x / d.scales, of which there is one set: they are overwritten by the next
     dispatch's receive phase.
@@ -251,19 +254,46 @@ class EPBuffer:
                 idx = topk_idx.contiguous()
             else:  # never read (T = 0), but the kernel needs valid pointers
                 xin, idx = (self._dummy.view(p.dtype) if p.fp8 else self._dummy), self._dummy
-            dispatch_send_kernel[(p.send_programs,)](
-                xin, idx, s.routed, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
-                g.error_addr, g.rank, T, self.num_experts,
-                OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
-                S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
-                BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-                BINS=histogram_bins(p.num_experts),
-                FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._common())
-            ch.expect, self._pending = "recv", (handle, s)
+            if g.world_size > 1:
+                self._launch_send(xin, idx, s, T)
+            ch.expect, self._pending = "recv", (handle, s, xin, idx)
             if not do_recv:
                 self.group.check_after_launch()
                 return None
-        handle, s = self._pending
+        handle, s, xin, idx = self._pending
+        if g.world_size == 1:
+            self._launch_local(xin, idx, s, handle.num_tokens)
+        else:
+            self._launch_recv(s)
+        ch.expect, self._pending = "send", None
+        self.group.check_after_launch()
+        return DispatchResult(self._x, self._scales, s.counts, s.src, handle)
+
+    def _launch_send(self, xin, idx, s, T) -> None:
+        p, g, ch = self.plan, self.group, self._dispatch_ch
+        dispatch_send_kernel[(p.send_programs,)](
+            xin, idx, s.routed, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
+            g.error_addr, g.rank, T, self.num_experts,
+            OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
+            S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
+            BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
+            BINS=histogram_bins(p.num_experts),
+            FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._common())
+
+    def _launch_local(self, xin, idx, s, T) -> None:
+        """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""
+        p, g = self.plan, self.group
+        out_x = self._x if p.fp8 else self._x.view(torch.int32)
+        dispatch_local_kernel[(p.send_programs,)](
+            xin, idx, out_x, self._scales if p.fp8 else self._dummy, s.src, s.counts, s.row_of, s.src_tokens,
+            s.routed, self._stats, g.error_addr, T, self.num_experts,
+            OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
+            X_WORDS=p.x_words, S_WORDS=p.scale_words, BT=p.block_tokens, BW=p.send_block_words,
+            ROUTE_T=p.route_tokens, BINS=histogram_bins(p.num_experts), FP8=p.fp8,
+            FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)
+
+    def _launch_recv(self, s) -> None:
+        p, g, ch = self.plan, self.group, self._dispatch_ch
         scales_words = self._scales.view(torch.int32) if p.fp8 else self._dummy
         dispatch_recv_kernel[(p.recv_programs,)](
             self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, self._stats,
@@ -273,9 +303,6 @@ class EPBuffer:
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.block_slots, BW=p.recv_block_words,
             NBLK=p.recv_programs, **self._common())
-        ch.expect, self._pending = "send", None
-        self.group.check_after_launch()
-        return DispatchResult(self._x, self._scales, s.counts, s.src, handle)
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -305,13 +332,16 @@ class EPBuffer:
         do_send, do_recv = ch.phases(phase)
         g.check()
         if do_send:
+            expert_out = expert_out.contiguous()
+        if do_send and g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
             s = self._sets[handle.call_index % 2]
             combine_send_kernel[(p.recv_programs,)](
-                expert_out.contiguous().view(torch.int32), s.row_of, s.src_tokens,
+                expert_out.view(torch.int32), s.row_of, s.src_tokens,
                 ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done, g.rank,
                 ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                 BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
-            ch.expect, self._combine_pending = "recv", (handle, expert_out.contiguous(), topk_weights, out)
+        if do_send:
+            ch.expect, self._combine_pending = "recv", (handle, expert_out, topk_weights, out)
             if not do_recv:
                 self.group.check_after_launch()
                 return None
@@ -323,7 +353,7 @@ class EPBuffer:
         if out is None:
             out = torch.empty((T, p.hidden), dtype=p.dtype, device=g.device)
         s = self._sets[handle.call_index % 2]
-        combine_recv_kernel[(p.reduce_programs,)](
+        combine_recv_kernel[p.reduce_grid](
             out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
             s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.seq, g.error_addr, g.timeout_ns,
             g.rank, T, OP=op_id("combine"), WORLD=g.world_size, M=p.max_tokens,

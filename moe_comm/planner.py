@@ -105,7 +105,7 @@ FP8_E4M3_MAX = 448.0
 # that a program has enough loads in flight to stream at HBM speed (1024-word tiles left the combine
 # send at ~0.5 TB/s: one program per SM, 28 dependent round trips per row).
 GPU_EP_COPY_WORDS = 4096
-GPU_ROUTE_TILE = 4096  # elements of the routing comparison tile [my slots, earlier slots]; 8192 spills
+GPU_ROUTE_SLOTS = 512  # slots (token, k) per histogram pass of the routing scans
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ class EPPlan:
     # Launch shapes (every kernel has a 1-D grid). The interpreter (CPU) pays per program and per op,
     # not per element, so there every kernel is one wide program; a GPU gets many narrow ones.
     block_tokens: int         # BT: tokens per iteration of the dispatch send and the combine reduction
+    #                           (the combine's grid is reduce_programs x hidden / block_hidden)
     block_slots: int          # BS: (landing row, k) slots per iteration of dispatch recv / combine send
     # Copy tiles are [rows, BW] words (the dispatch send's [tokens, world, BW]); on a GPU BW shrinks with
     # the rows of a tile so that its pointers stay in registers.
@@ -152,10 +153,16 @@ class EPPlan:
     out_block_words: int      # BW of the combine send
     block_hidden: int         # BH: elements per iteration of the combine reduction
     fp8_block_groups: int     # 128-column groups per quantization iteration (divides H / 128)
-    route_tokens: int         # tokens per chunk of the routing scans (earlier-slot comparison, histogram)
+    route_tokens: int         # tokens per pass of the routing scans (histograms of expert ids)
     send_programs: int        # grid of the dispatch send
     recv_programs: int        # grid of the dispatch receive and of the combine send
-    reduce_programs: int      # grid of the combine reduction
+    reduce_programs: int      # token blocks of the combine reduction's grid
+
+    @property
+    def reduce_grid(self) -> tuple:
+        """Combine reduction grid: token blocks x column blocks (one column block per program, so that a
+        single token's row is read by several SMs at once)."""
+        return (self.reduce_programs, -(-self.hidden // self.block_hidden))
 
     @property
     def elem_size(self) -> int:
@@ -213,19 +220,19 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)
         fp8_block_groups = min(pow2_groups, max(1, tile // (FP8_GROUP * next_pow2(world))))
-        # One token's K slots against route_tokens tokens' slots per iteration: 64 tokens at K = 8.
-        route_tokens = max(1, min(next_pow2(max_tokens), GPU_ROUTE_TILE // (block_tokens * slots * slots)))
+        route_tokens = max(1, min(next_pow2(max_tokens), GPU_ROUTE_SLOTS // slots))  # 64 tokens at K = 8
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
     else:
-        block_tokens, block_slots = next_pow2(max_tokens), next_pow2(world * max_tokens) * next_pow2(topk)
+        # Tokens per chunk: the routing's [chunk*K, chunk*K] comparison tile stays under 2**20 elements.
+        block_tokens = min(next_pow2(max_tokens), max(1, 1024 // slots))
+        block_slots = next_pow2(world * max_tokens) * next_pow2(topk)
         send_block_words = recv_block_words = min(next_pow2(x_words), 4096)
         out_block_words = min(next_pow2(hidden * b // 4), 4096)
         block_hidden = min(next_pow2(hidden), 4096)
         fp8_block_groups = min(pow2_groups, 32)
-        # One program holds every token: its [T*K, route_tokens*K] comparison tile stays under 2**20.
-        route_tokens = max(1, min(next_pow2(max_tokens), 2 ** 20 // (block_tokens * slots * slots)))
+        route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))
         send_programs = recv_programs = reduce_programs = 1
     return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,

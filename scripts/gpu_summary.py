@@ -123,17 +123,22 @@ def kernel_table(kern: list[dict]) -> list[str]:
 
 
 def decode_table(dec: list[dict]) -> list[str]:
+    """One table per (config, world, heap, expert kernel) found."""
     if not dec:
         return ["  (no decode results)"]
-    backends = list(dict.fromkeys(r["backend"] for r in dec))
-    batches = sorted({r["batch_per_rank"] for r in dec})
-    by = {(r["backend"], r["batch_per_rank"]): r for r in dec}
-    d0 = dec[0]
-    out = [f"  {d0.get('config')} world {d0.get('world')} {d0.get('heap')} heap; step p50 µs by batch per rank",
-           "  " + f"{'backend':<10}" + "".join(f"{b:>9}" for b in batches)]
-    for be in backends:
-        out.append("  " + f"{be:<10}" + "".join(
-            f"{by[(be, b)]['us_p50']:>9.0f}" if (be, b) in by else f"{'-':>9}" for b in batches))
+    groups: dict[tuple, list[dict]] = {}
+    for r in dec:
+        groups.setdefault((r.get("config"), r.get("world"), r.get("heap"), r.get("expert_impl", "dense")), []).append(r)
+    out = []
+    for (config, world, heap, experts), rows in groups.items():
+        backends = list(dict.fromkeys(r["backend"] for r in rows))
+        batches = sorted({r["batch_per_rank"] for r in rows})
+        by = {(r["backend"], r["batch_per_rank"]): r for r in rows}
+        out += [f"  {config} world {world} {heap} heap, {experts} expert GEMMs; step p50 µs by batch per rank",
+                "  " + f"{'backend':<10}" + "".join(f"{b:>9}" for b in batches)]
+        for be in backends:
+            out.append("  " + f"{be:<10}" + "".join(
+                f"{by[(be, b)]['us_p50']:>9.0f}" if (be, b) in by else f"{'-':>9}" for b in batches))
     return out
 
 

@@ -156,6 +156,25 @@ def test_loopback_world1_both_and_phase_errors():
         op2(x, torch.tensor([1, 1]))
 
 
+def test_world1_one_kernel_clamps_lying_counts():
+    """World 1 runs one kernel per direction; a count over the capacity, negative, or past N is clamped
+    there as in the two-phase kernels, named in CapacityError, and the reverse returns only kept rows."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    op = AllToAllvDynamic(g, 2, (4,), torch.float32)
+    x = torch.randn(3, 4)
+    for counts, n_rows, kept in (([5], 3, 2), ([-1], 3, 0), ([2], 1, 1)):
+        poison(op)
+        with pytest.raises(CapacityError) as info:
+            op(x[:n_rows], torch.tensor(counts), phase="send")
+        assert (info.value.rank, info.value.peer) == (0, 0)
+        res = op(phase="recv")
+        assert res.recv_counts.tolist() == [kept] and res.handle.send_counts.tolist() == [kept]
+        assert torch.equal(res.recv[0, :kept], x[:kept])
+        back = op.combine(res.recv * 2, res.handle)
+        assert back.shape == (n_rows, 4) and torch.equal(back[:kept], 2 * x[:kept])
+    g.check()
+
+
 @pytest.mark.parametrize("bad, exc, match", [
     (dict(send=torch.randn(3, 4)), TypeError, "dtype"),                                  # float32, op is bf16
     (dict(send=torch.randn(3, 5).bfloat16()), ValueError, r"send must be \[N"),           # row shape

@@ -179,19 +179,21 @@ def test_bitwise_reproducible_across_runs_and_world_sizes():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,fp8", [(2, False), (3, True)])
-def test_gpu_launch_shapes_in_the_interpreter(world, fp8):
+@pytest.mark.parametrize("world,fp8,send_programs", [(1, False, 5), (1, True, 2), (2, False, 2), (3, True, 5)])
+def test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs):
     """The GPU plan (many programs per kernel, one token or one landing row per iteration, routing split
-    over programs, several routing chunks) run by the interpreter on a loopback world: the same results."""
+    over programs, several routing chunks, one column block per combine program) run by the interpreter
+    on a loopback world: the same results. send_programs=2 gives each program a range of 3 tokens, so
+    positions carry a histogram across tokens and start from the earlier programs' ids."""
     cfg = Config(4, 256, 5, 4, fp8=fp8)
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     eps = [EPBuffer(g, 4 * world, 256, 5, 4, fp8_dispatch=fp8) for g in groups]
     for ep in eps:
         ep.plan = plan_ep(world, 4 * world, 256, 5, 4, torch.bfloat16, fp8, "cuda")
         ep.plan = dataclasses.replace(ep.plan, route_tokens=2, send_block_words=32, recv_block_words=32,
-                                      out_block_words=64, block_hidden=128)
-    assert eps[0].plan.send_programs > 1 and eps[0].plan.recv_programs > 1 and eps[0].plan.block_tokens == 1
-    for seed, routing in ((1, "random"), (2, "one_rank")):
+                                      out_block_words=64, block_hidden=128, send_programs=send_programs)
+    assert eps[0].plan.recv_programs > 1 and eps[0].plan.block_tokens == 1 and eps[0].plan.reduce_grid[1] == 2
+    for seed, routing in ((1, "random"), (2, "one_rank"), (3, "dup"), (4, "skewed")):
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
         for ep in eps:
             poison(ep)

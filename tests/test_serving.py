@@ -45,7 +45,7 @@ def _requests(rank: int, world: int, vocab: int) -> list[Request]:
             for i in range(n)]
 
 
-def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=False) -> dict:
+def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=False, expert_impl=None) -> dict:
     """Run every backend on the ranks in ``groups`` -> {backend: per local rank [(tokens, logits)]}."""
     torch.set_num_threads(1)
     cfg = model_config(config, "cpu")
@@ -54,8 +54,8 @@ def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=Fa
     out = {}
     for name in backends:
         comms = make_comms(name, groups, cfg, MAX_BATCH)
-        models = [MoEDecoder(full.for_rank(g.rank, world), c, MAX_BATCH, phased=len(groups) > 1)
-                  for g, c in zip(groups, comms)]
+        models = [MoEDecoder(full.for_rank(g.rank, world), c, MAX_BATCH, phased=len(groups) > 1,
+                             expert_impl=expert_impl) for g, c in zip(groups, comms)]
         engine = DecodeEngine(models, buckets=buckets)
         assert not engine.use_graphs  # CPU: never graphs
         if poison_pad:  # junk in what padding rows read: their token and their scratch KV-cache slot
@@ -100,11 +100,13 @@ def test_process_ranks_match_reference(world, config):
 
 
 @pytest.mark.timeout(120)
-def test_loopback_ranks_match_reference():
-    """Every rank in one process, driven phase by phase (how worlds are emulated on one GPU)."""
+@pytest.mark.parametrize("expert_impl", ["dense", "masked"])
+def test_loopback_ranks_match_reference(expert_impl):
+    """Every rank in one process, driven phase by phase (how worlds are emulated on one GPU); with the
+    torch.bmm experts and with the masked Triton expert GEMMs the GPU runs by default."""
     world, config = 2, "llama4-scout"
     groups = moe_comm.init(backend="loopback", world_size=world)
-    per_backend = _serve(groups, config, BACKENDS)
+    per_backend = _serve(groups, config, BACKENDS, expert_impl=expert_impl)
     _assert_matches_reference(config, world, per_backend, list(range(world)))
 
 

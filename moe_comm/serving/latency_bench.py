@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out-dir", default=os.path.join("bench", "results"))
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--experts", default="auto", choices=("auto", "masked", "dense"),
+                   help="expert MLP kernel, the same for every backend: masked = Triton grouped GEMM that skips "
+                        "experts without rows, dense = torch.bmm over every expert (auto: masked on GPU, dense on CPU)")
     opts = p.parse_args(argv)
     for b in opts.backends:
         if b not in BACKEND_NAMES:
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if opts.heap == "auto":
         opts.heap = "shm" if not cuda else ("loopback" if opts.world > 1 and not torchrun else "nvshmem")
     opts.torchrun = torchrun
+    if opts.experts == "auto":
+        opts.experts = "masked" if cuda else "dense"
     opts.max_batch = max(max(opts.batches), 3)
     return opts
 
@@ -118,7 +123,8 @@ def run_ranks(groups: list, opts) -> dict:
 
     def engine_for(name):
         comms = make_comms(name, groups, cfg, opts.max_batch)
-        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1) for w, c in zip(shares, comms)]
+        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1, expert_impl=opts.experts)
+                  for w, c in zip(shares, comms)]
         return DecodeEngine(models), comms
 
     def release(comms):
@@ -231,17 +237,17 @@ def report(opts, results: list[dict]) -> dict:
             per_process = [lst for res in results for lst in res["timing"][b][n]]
             rec = dict(bench="decode_latency", op="decode_step", config=cfg.name, hidden=cfg.hidden, layers=cfg.num_layers,
                        experts=cfg.num_experts, topk=cfg.topk, dtype=str(cfg.dtype).replace("torch.", ""),
-                       backend=b, batch_per_rank=n, world=opts.world, heap=opts.heap,
+                       backend=b, batch_per_rank=n, world=opts.world, heap=opts.heap, expert_impl=opts.experts,
                        emulated=bool(results[0]["emulated"][b]), cuda_graphs=bool(results[0]["graphs"][b]),
                        warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
                        **percentiles(slowest_rank_per_step(per_process)), **env,
                        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             records.append(rec)
     os.makedirs(opts.out_dir, exist_ok=True)
-    stem = os.path.join(opts.out_dir, f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}")
+    stem = os.path.join(opts.out_dir, f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}_{opts.experts}")
     write_jsonl(stem + ".jsonl", records)
     title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
-             f"{rec['dtype']}")
+             f"{rec['dtype']}, {opts.experts} expert GEMMs")
     plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
     worst = {b: max(res["check"][b] for res in results) for b in opts.backends}
     print(f"\n{title}\n{mode}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .experts import EXPERT_IMPLS
 from .weights import LayerWeights, ModelWeights
 
 
@@ -27,16 +28,15 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
 
 
 def batched_experts(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
+                    down: torch.Tensor, impl: str = "dense", expected_rows: int | None = None) -> torch.Tensor:
     """Every local expert on its received rows, batched: x_e [E_local, R, H] -> [E_local, R, H].
 
-    counts [E_local] int32 on the device says rows x_e[e, :counts[e]] are valid. It is never read on the
-    host: every row is computed (an output row depends only on its input row, so garbage rows past a count
-    stay in their own rows, which combine ignores). gate/up [E_local, H, I], down [E_local, I, H].
-    Decode is bound by reading expert weights, which every expert does anyway, so the spare rows cost little.
+    counts [E_local] int32 on the device says rows x_e[e, :counts[e]] are valid; it is never read on the
+    host. gate/up [E_local, H, I], down [E_local, I, H]. Output rows past a count are unspecified (combine
+    never reads them). impl (``experts.py``): "masked" = Triton grouped GEMM that skips experts and row
+    tiles without rows (reads only the active experts' weights); "dense" = torch.bmm over every row.
     """
-    del counts  # kept in the signature so a grouped-GEMM kernel that skips invalid rows can drop in
-    return torch.bmm(F.silu(torch.bmm(x_e, gate)) * torch.bmm(x_e, up), down)
+    return EXPERT_IMPLS[impl](x_e, counts, gate, up, down, expected_rows=expected_rows)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +74,19 @@ class MoEDecoder:
     scratch that padding rows write to and read from, so they never touch a real sequence.
     phased=True (loopback worlds): ``forward`` yields after every send phase so a driver can run all ranks'
     send phases before their receive phases; otherwise it never yields (run it with ``run_to_end``).
+    expert_impl: "masked" or "dense" (``batched_experts``); None = masked on CUDA, dense on the CPU (where
+    the masked kernel runs in Triton's interpreter, one program per expert tile).
     """
 
-    def __init__(self, weights: ModelWeights, comm, max_batch: int, phased: bool = False):
+    def __init__(self, weights: ModelWeights, comm, max_batch: int, phased: bool = False,
+                 expert_impl: str | None = None):
         cfg = weights.cfg
         self.cfg, self.w, self.comm, self.max_batch, self.phased = cfg, weights, comm, max_batch, phased
+        if expert_impl is None:
+            expert_impl = "masked" if weights.embed.device.type == "cuda" else "dense"
+        if expert_impl not in EXPERT_IMPLS:
+            raise ValueError(f"expert_impl must be one of {tuple(EXPERT_IMPLS)}, got {expert_impl!r}")
+        self.expert_impl = expert_impl
         self.device = weights.embed.device
         self.pad_slot = max_batch
         shape = (cfg.num_layers, max_batch + 1, cfg.max_seq, cfg.num_heads, cfg.head_dim)
@@ -103,7 +111,10 @@ class MoEDecoder:
         topk_idx, topk_weights = route(h, lw.router, self.cfg.topk)
         topk_idx = torch.where(valid[:, None], topk_idx, -1)
         x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
-        y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down)
+        # Rows an expert is expected to get, for the masked kernel's row tile: T*K/E over the ranks.
+        expected = -(-h.shape[0] * self.comm.world * self.cfg.topk // self.cfg.num_experts)
+        y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down, self.expert_impl,
+                              expected)
         routed = yield from self._phases(self.comm.combine, y_e, topk_weights, ctx)
         if lw.shared_gate is None:
             return routed

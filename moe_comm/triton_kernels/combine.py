@@ -11,7 +11,8 @@ received into row ``row_of[s, t, k]`` of the dispatch output (kept by the dispat
 from ``expert_out``, so at world 1 nothing is copied twice. The last program to finish publishes every
 rank's flag and advances the call counter.
 
-Receive (grid = NBLK token blocks): wait (bounded) for every rank's flag, then
+Receive (grid = NBLK token blocks x HIDDEN / BH column blocks): a program with tokens waits (bounded) for
+every rank's flag (at world 1 there is none: every slot is read in place, and no send kernel runs), then
 ``y[t] = sum over k = 0..TOPK-1 with slot (t, k) routed of w[t, k] * row(t, k)`` in float32, k in
 ascending order, cast to the output dtype; row(t, k) is ``expert_out[row_of[rank, t, k]]`` when this
 rank holds the expert (zeros if dropped), else ``landing[t, k]``. The sum sees each slot's row bit for
@@ -87,43 +88,45 @@ def combine_recv_kernel(
     TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, NBLK: tl.constexpr,
 ):
     blk = tl.program_id(0)
+    c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
     call = tl.load(seq_ptr)
     zone = call % 2
-    for p in range(WORLD):
-        wait_flag(ctrl_ptr + (zone * WORLD + p) * 2 + 1, call, timeout_ns, err_addr, OP, rank, p)
+    # Only a program with tokens waits; at world 1 every slot is read in place and there is no flag.
+    if WORLD > 1:
+        if blk * BT < num_tokens:
+            for p in range(WORLD):
+                wait_flag(ctrl_ptr + (zone * WORLD + p) * 2 + 1, call, timeout_ns, err_addr, OP, rank, p)
     landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN
     c = tl.arange(0, BH)
+    c_live = (c0 + c < HIDDEN)[None, :]
     kk = tl.arange(0, TOPK_P2)
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
         t = t0 + tl.arange(0, BT)
         live = t < num_tokens
-        # Per-slot words, loaded once per token block (not once per column block): routed, weight and
-        # this rank's row of the slot (-1: another rank's expert, in the landing zone).
+        # Per-slot words: routed, weight and this rank's row of the slot (-1: another rank's expert,
+        # in the landing zone).
         slot = t[:, None] * TOPK + kk[None, :]
         slot_live = live[:, None] & (kk < TOPK)[None, :]
         use_all = tl.load(routed_ptr + slot, mask=slot_live, other=0) != 0
         w_all = tl.load(weights_ptr + slot, mask=slot_live, other=0).to(tl.float32)
         code_all = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=use_all, other=-1)
-        for c0 in range(0, HIDDEN, BH):
-            c_live = (c0 + c < HIDDEN)[None, :]
-            acc = tl.zeros([BT, BH], dtype=tl.float32)
-            for k in tl.static_range(TOPK):
-                pick = kk[None, :] == k
-                use = tl.sum(tl.where(pick, use_all.to(tl.int32), 0), axis=1) != 0
-                wk = tl.sum(tl.where(pick, w_all, 0.0), axis=1)
-                code = tl.sum(tl.where(pick, code_all, 0), axis=1)
-                here = code != -1
-                has_row = (code >= 0) & (code < ROWS)
-                # One load per slot: from expert_out in place, or from the landing zone; a dropped
-                # slot (-2) reads nothing and adds w * 0, as the zeros a peer sends for one.
-                row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
-                               landing + (t * TOPK + k).to(tl.int64) * HIDDEN)
-                v = tl.load(row[:, None] + c0 + c[None, :], mask=(use & (has_row | ~here))[:, None] & c_live,
-                            other=0).to(tl.float32)
-                acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
-            tl.store(out_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
-                     cast_rne(acc, out_ptr.dtype.element_ty),
-                     mask=live[:, None] & c_live)
+        acc = tl.zeros([BT, BH], dtype=tl.float32)
+        for k in tl.static_range(TOPK):
+            pick = kk[None, :] == k
+            use = tl.sum(tl.where(pick, use_all.to(tl.int32), 0), axis=1) != 0
+            wk = tl.sum(tl.where(pick, w_all, 0.0), axis=1)
+            code = tl.sum(tl.where(pick, code_all, 0), axis=1)
+            here = code != -1
+            has_row = (code >= 0) & (code < ROWS)
+            # One load per slot: from expert_out in place, or from the landing zone; a dropped slot (-2)
+            # reads nothing and adds w * 0, as the zeros a peer sends for one.
+            row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
+                           landing + (t * TOPK + k).to(tl.int64) * HIDDEN)
+            v = tl.load(row[:, None] + c0 + c[None, :], mask=(use & (has_row | ~here))[:, None] & c_live,
+                        other=0).to(tl.float32)
+            acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
+        tl.store(out_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :], cast_rne(acc, out_ptr.dtype.element_ty),
+                 mask=live[:, None] & c_live)
 
 
 def _compile_configs() -> list[dict]:

@@ -48,20 +48,30 @@ def _a2a_configs() -> list[KernelConfig]:
                                 send, dict(c, WORLD_P2=8)))
         out.append(KernelConfig("alltoallv", "a2a_recv_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP8",
                                 recv, c))
+        local = dict(src_ptr="*i32", counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
+                     recv_counts_ptr="*i32", dst_ptr="*i32", n_rows="i64", err_addr="i64", rank="i32",
+                     max_rows="i32")
+        out.append(KernelConfig("alltoallv", "a2a_local_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP1",
+                                local, {k: v for k, v in c.items() if k != "WORLD"}))
     return out
 
 
 def _extra_configs() -> list[KernelConfig]:
     """Kernel configs that other op modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
     out = []
-    for name in ("routing", "dispatch", "combine"):
+    for name in ("routing", "dispatch", "dispatch_local", "combine", "moe_comm.serving.experts"):
         try:
-            mod = importlib.import_module(f"moe_comm.triton_kernels.{name}")
+            mod = importlib.import_module(_module_path(name))
         except ImportError:
             continue
         for kw in getattr(mod, "COMPILE_CONFIGS", []):
             out.append(KernelConfig(module=name, **kw))
     return out
+
+
+def _module_path(name: str) -> str:
+    """Op modules of this package by short name; anything else (the serving expert GEMMs) by full path."""
+    return name if "." in name else f"moe_comm.triton_kernels.{name}"
 
 
 def all_configs() -> list[KernelConfig]:
@@ -79,7 +89,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    fn = getattr(importlib.import_module(f"moe_comm.triton_kernels.{cfg.module}"), cfg.kernel)
+    fn = getattr(importlib.import_module(_module_path(cfg.module)), cfg.kernel)
     types = dict(cfg.types)
     types.update({k: "constexpr" for k in cfg.constexprs})
     missing = [a for a in fn.arg_names if a not in types]

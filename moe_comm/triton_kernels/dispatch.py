@@ -7,8 +7,8 @@ its token t at row t, so the send side needs no compaction, and a token crosses 
 however many of its top-k experts live there. Control words ``ctrl[zone, source, :]`` (int64) =
 (tokens T of the source, L per-local-expert slot counts from it, flag). Zone = call % 2.
 
-Send (grid = NBLK programs): each program takes its own tokens, computes the positions of their slots
-by comparing their expert ids with every earlier slot (``routing.py``; no program waits for another),
+Send (grid = NBLK programs): each program takes a contiguous range of tokens, computes the positions of
+their slots from a histogram of the earlier tokens' ids (``routing.py``; no program waits for another),
 and stores each token's routing words and payload into every rank's row t (routing words -1 where the
 rank holds none of the token's experts; payload only where it holds one). One program (the last, idle
 when T < NBLK) also histograms the expert ids into every rank's counts, writes the combine's mask and
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .quant import quantize_e4m3_groups
-from .routing import count_earlier_same, first_bad_slot, load_topk_chunk
-from .sync import ERR_CAPACITY, ERR_INDEX, arrive, as_ptr, record_error, signal, wait_flag
+from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
+from .sync import ERR_CAPACITY, arrive, as_ptr, record_error, signal, wait_flag
 
 
 @triton.jit
@@ -37,14 +37,7 @@ def count_and_check(idx_ptr, routed_ptr, ctrl_ptrs_ptr, ctrl_offset, err_addr, r
                     BINS: tl.constexpr):
     """Every rank's control words (tokens, per-local-expert counts: a histogram of the valid ids with
     BINS >= E bins), the combine's mask (routed) and the first bad id, in one pass over the slots."""
-    counts = tl.zeros([BINS], dtype=tl.int32)
-    for t0 in range(0, num_tokens, CHUNK_T):
-        t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts, TOPK, TOPK_P2, CHUNK_T)
-        counts += tl.histogram(idx, BINS, mask=valid)
-        tl.store(routed_ptr + t * TOPK + k, valid.to(tl.int32), mask=live)
-        if tl.sum(bad.to(tl.int32)) > 0:  # chunks in order, first error wins: the first bad slot is recorded
-            slot, value = first_bad_slot(t, k, idx_ptr, bad, TOPK)
-            record_error(err_addr, ERR_INDEX, OP, rank, slot, value, num_experts)
+    counts = scan_ids(idx_ptr, routed_ptr, err_addr, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2, CHUNK_T, BINS)
     peer = tl.arange(0, WORLD_P2)
     ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + tl.minimum(peer, WORLD - 1)), tl.int64) + ctrl_offset
     tl.store(ctrl, num_tokens, mask=peer < WORLD)
@@ -87,20 +80,24 @@ def dispatch_send_kernel(
         count_and_check(idx_ptr, routed_ptr, ctrl_ptrs_ptr, (zone * WORLD + rank) * CTRL_WORDS, err_addr, rank,
                         num_tokens, num_experts, OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS)
 
-    # 2. This program's tokens: routing words to every rank, payload once to row t of every rank holding
-    #    one of the token's experts.
-    for t0 in range(blk * BT, num_tokens, NBLK * BT):
-        ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
-                                                        TOPK, TOPK_P2, BT)
-        end = tl.minimum(t0 + BT, num_tokens)
-        pos = count_earlier_same(idx, ts * TOPK + ks, idx_ptr, end, num_experts, TOPK, TOPK_P2, ROUTE_T)
+    # 2. This program's tokens, a contiguous range: routing words to every rank, payload once to row t
+    #    of every rank holding one of the token's experts. Positions continue a histogram of the ids
+    #    of every earlier token (linear in T, see routing.py).
+    per_program = tl.cdiv(num_tokens, NBLK)
+    t_begin = tl.minimum(blk * per_program, num_tokens)
+    t_end = tl.minimum(t_begin + per_program, num_tokens)
+    before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
+    for t0 in range(t_begin, t_end, BT):
+        ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
+        pos = chunk_positions(idx, ts * TOPK + ks, before, BINS)
+        before += tl.histogram(idx, BINS, mask=valid)
         owner = tl.where(valid, idx // EXPERTS_PER_RANK, -1)
         word = tl.where(owner[None, :] == peer[:, None], idx % EXPERTS_PER_RANK + pos * EXPERTS_PER_RANK, -1)
         tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
                  mask=peer_live[:, None] & live[None, :])
 
         t = t0 + tl.arange(0, BT)
-        t_live = t < num_tokens
+        t_live = t < t_end
         slot_owner = tl.reshape(owner, (BT, TOPK_P2))
         send = tl.max((slot_owner[:, :, None] == peer[None, None, :]).to(tl.int32), axis=1) > 0   # [BT, WORLD_P2]
         send = send & t_live[:, None]

@@ -5,11 +5,13 @@ ranks (L = E / W per rank, rank r owns experts [r*L, (r+1)*L)), a slot (t, k) wi
 rank ``idx // L``, local expert ``idx % L``. Its *position* is the number of earlier slots of this rank
 (in (t, k) row-major order) routed to the same expert.
 
-A block of slots gets its positions by comparing its ids with every earlier slot (``count_earlier_same``:
-an equality matrix summed over chunks of earlier slots). Blocks depend on nothing but ``topk_idx``, so
-every program computes its own tokens' positions at once: no serial chain of prefix sums, no atomics,
-and the layout, and everything built on it, is deterministic. The work is O((T*K)^2) compares spread
-over all programs (about 0.5M at T = 128, K = 8). Per-expert counts are a histogram of the valid ids.
+Each program takes a contiguous range of tokens. It histograms the ids of every token before its range
+(``histogram_of_tokens``), then walks its range a chunk at a time: a slot's position is the histogram
+count for its id plus the earlier slots of the chunk with the same id (``chunk_positions``), and the
+chunk's ids are added to the histogram. Programs depend on nothing but ``topk_idx``: no program waits
+for another, no atomics, and the layout, and everything built on it, is deterministic. The work is
+linear in T*K per program (a histogram pass over the earlier tokens), so O(T*K * programs) in all.
+Per-expert counts are a histogram of the valid ids.
 
 Ids outside [-1, E) are not routed; ``load_topk_chunk`` reports them so the caller can record the error.
 
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..planner import next_pow2
+from .sync import ERR_INDEX, record_error
 
 
 @triton.jit
@@ -60,21 +63,43 @@ def first_bad_slot(t, k, raw_idx_ptr, bad, TOPK: tl.constexpr):
 
 
 @triton.jit
-def count_earlier_same(idx, slot, idx_ptr, end_token, num_experts,
-                       TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCAN_T: tl.constexpr):
-    """For each slot (expert id ``idx``, flat index ``slot`` = t*TOPK + k), the number of slots of tokens
-    [0, end_token) before it in (t, k) order with the same id: its position, where the id is valid.
+def scan_ids(idx_ptr, routed_ptr, err_addr, rank, num_tokens, num_experts, OP: tl.constexpr,
+             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CHUNK_T: tl.constexpr, BINS: tl.constexpr):
+    """One pass over all slots: returns the per-expert counts (int32 [BINS], a histogram of the valid
+    ids), writes the combine's mask (``routed`` [T, TOPK] int32: 1 where the id is valid) and records the
+    first bad id (ERR_INDEX naming its flat slot and value)."""
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for t0 in range(0, num_tokens, CHUNK_T):
+        t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts, TOPK, TOPK_P2, CHUNK_T)
+        counts += tl.histogram(idx, BINS, mask=valid)
+        tl.store(routed_ptr + t * TOPK + k, valid.to(tl.int32), mask=live)
+        if tl.sum(bad.to(tl.int32)) > 0:  # chunks in order, first error wins: the first bad slot is recorded
+            slot, value = first_bad_slot(t, k, idx_ptr, bad, TOPK)
+            record_error(err_addr, ERR_INDEX, OP, rank, slot, value, num_experts)
+    return counts
 
-    Invalid and padding slots read as -1, which no valid id equals.
+
+@triton.jit
+def histogram_of_tokens(idx_ptr, t_begin, t_end, num_experts,
+                        TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCAN_T: tl.constexpr, BINS: tl.constexpr):
+    """int32 [BINS]: how many valid slots of tokens [t_begin, t_end) name each expert id."""
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(t_begin, t_end, SCAN_T):
+        t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, c0, t_end, num_experts, TOPK, TOPK_P2, SCAN_T)
+        counts += tl.histogram(idx, BINS, mask=valid)
+    return counts
+
+
+@triton.jit
+def chunk_positions(idx, slot, counts_before, BINS: tl.constexpr):
+    """Positions of a chunk of slots (ids ``idx``, flat indices ``slot`` = t*TOPK + k, both [N]), given
+    ``counts_before`` [BINS] = valid slots of every earlier token per id: that count for the slot's id,
+    plus the earlier slots of the chunk with the same id. Only the positions of valid slots mean anything.
     """
-    position = tl.zeros_like(idx)
-    for c0 in range(0, end_token, SCAN_T):
-        t, k, other, live, valid, bad = load_topk_chunk(idx_ptr, c0, end_token, num_experts,
-                                                        TOPK, TOPK_P2, SCAN_T)
-        other_slot = t * TOPK + k
-        same = (idx[:, None] == other[None, :]) & (other_slot[None, :] < slot[:, None])
-        position += tl.sum(same.to(tl.int32), axis=1)
-    return position
+    bins = tl.arange(0, BINS)
+    before = tl.sum(tl.where(idx[:, None] == bins[None, :], counts_before[None, :], 0), axis=1)
+    same = (idx[:, None] == idx[None, :]) & (slot[None, :] < slot[:, None])
+    return before + tl.sum(same.to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -94,8 +119,7 @@ def routing_kernel(
     for t0 in range(0, num_tokens, CHUNK_T):
         t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
                                                       TOPK, TOPK_P2, CHUNK_T)
-        end = tl.minimum(t0 + CHUNK_T, num_tokens)
-        pos = count_earlier_same(idx, t * TOPK + k, idx_ptr, end, num_experts, TOPK, TOPK_P2, CHUNK_T)
+        pos = chunk_positions(idx, t * TOPK + k, counts, BINS)
         tl.store(position_ptr + t.to(tl.int64) * TOPK + k, tl.where(valid, pos, -1), mask=live)
         counts += tl.histogram(idx, BINS, mask=valid)
         hit = (tl.where(valid, idx // EXPERTS_PER_RANK, -1)[None, :] == dest[:, None]).to(tl.int32)

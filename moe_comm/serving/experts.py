@@ -1,0 +1,140 @@
+"""Expert MLPs on the batched-experts layout, skipping the experts and row tiles that received nothing.
+
+x_e [E_local, R, H] holds rows x_e[e, :counts[e]] for local expert e (counts int32 on the device, never
+read on the host). A dense ``torch.bmm`` over every expert reads every expert's weights, which is what
+decode time is made of: at batch 1 with top-1 routing over 16 experts, 15/16 of those reads are for
+experts with no row. The masked kernel below reads ``counts[e]`` on the device and skips every
+(expert, row tile) with no valid row, so an idle expert costs one early-exiting program per tile and no
+weight read, as grouped-GEMM MoE kernels of serving engines do. Capturable: no host read, fixed grid.
+
+Rows past ``counts[e]`` of the output are left unwritten (unspecified), as the layout allows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..triton_kernels.quant import cast_rne
+from ..triton_kernels.sync import INTERPRET
+
+# Triton's interpreter multiplies bfloat16 tiles as raw 16-bit integers: there, tiles are widened to
+# float32 first (the products are exact in float32 either way; only the compiled path uses bf16 MMA).
+DOT_IN_FLOAT32 = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def masked_bmm_kernel(
+    a_ptr,        # [E, R, K] activations
+    b_ptr,        # [E, K, N] weights (gate with GATED)
+    b2_ptr,       # [E, K, N] up weights with GATED, else unused
+    c_ptr,        # out [E, R, N]: rows < counts[e] written
+    counts_ptr,   # int32 [E]: valid rows per expert (clamped to [0, R])
+    R, K, N,
+    s_ae, s_ar, s_ak, s_be, s_bk, s_bn, s_ce, s_cr, s_cn,
+    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    # grid = (row tiles * column tiles, experts)
+    e = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BN)
+    m0 = (tl.program_id(0) // n_tiles) * BM
+    n0 = (tl.program_id(0) % n_tiles) * BN
+    rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), R)
+    if m0 < rows:  # a tile with no valid row reads no weight
+        # Block pointers: the tiles' addresses are not held per element in registers (the gate and up
+        # tiles' int64 pointers alone took 128 registers per thread and spilled).
+        a_bp = tl.make_block_ptr(a_ptr + e.to(tl.int64) * s_ae, shape=(R, K), strides=(s_ar, s_ak),
+                                 offsets=(m0, 0), block_shape=(BM, BK), order=(1, 0))
+        b_bp = tl.make_block_ptr(b_ptr + e.to(tl.int64) * s_be, shape=(K, N), strides=(s_bk, s_bn),
+                                 offsets=(0, n0), block_shape=(BK, BN), order=(1, 0))
+        b2_bp = tl.make_block_ptr(b2_ptr + e.to(tl.int64) * s_be, shape=(K, N), strides=(s_bk, s_bn),
+                                  offsets=(0, n0), block_shape=(BK, BN), order=(1, 0))
+        row_live = m0 + tl.arange(0, BM) < rows
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+        for _ in range(0, K, BK):
+            # Rows past the count but inside R are read (they are allocated) and zeroed: whatever they
+            # hold gives rows that are never stored.
+            a = tl.load(a_bp, boundary_check=(0, 1), padding_option="zero")
+            a = tl.where(row_live[:, None], a, tl.zeros_like(a))
+            b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
+            if DOT_IN_FLOAT32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                b2 = tl.load(b2_bp, boundary_check=(0, 1), padding_option="zero")
+                if DOT_IN_FLOAT32:
+                    b2 = b2.to(tl.float32)
+                acc2 = tl.dot(a, b2, acc2)
+                b2_bp = tl.advance(b2_bp, (BK, 0))
+            a_bp = tl.advance(a_bp, (0, BK))
+            b_bp = tl.advance(b_bp, (BK, 0))
+        rm = m0 + tl.arange(0, BM)
+        rn = n0 + tl.arange(0, BN)
+        if GATED:  # SiLU(x @ gate) * (x @ up), in float32
+            acc = acc * tl.sigmoid(acc) * acc2
+        c = c_ptr + e.to(tl.int64) * s_ce + rm[:, None].to(tl.int64) * s_cr + rn[None, :] * s_cn
+        tl.store(c, cast_rne(acc, c_ptr.dtype.element_ty), mask=(rm < rows)[:, None] & (rn < N)[None, :])
+
+
+def _tiles(rows: int, expected_rows: int | None):
+    """(BM, BN, BK): the row tile follows the rows an expert is expected to get (decode: few)."""
+    per_expert = expected_rows if expected_rows is not None else rows
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return bm, 64, 64
+
+
+def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch.Tensor | None = None,
+               expected_rows: int | None = None) -> torch.Tensor:
+    """c[e, :counts[e]] = a[e, :counts[e]] @ b[e] (or SiLU(a @ b) * (a @ b2) with ``b2``); a [E, R, K],
+    b/b2 [E, K, N], counts int32 [E] on the device. Returns c [E, R, N] in a's dtype; other rows unspecified.
+    ``expected_rows``: rows an expert is expected to hold (picks the row tile; never a bound)."""
+    E, R, K = a.shape
+    N = b.shape[2]
+    c = torch.empty((E, R, N), dtype=a.dtype, device=a.device)
+    if E == 0 or R == 0 or N == 0:
+        return c
+    bm, bn, bk = _tiles(R, expected_rows)
+    b2_ = b if b2 is None else b2
+    grid = (triton.cdiv(R, bm) * triton.cdiv(N, bn), E)
+    masked_bmm_kernel[grid](a, b, b2_, c, counts, R, K, N, *a.stride(), *b.stride(), *c.stride(),
+                            GATED=b2 is not None, BM=bm, BN=bn, BK=bk)
+    return c
+
+
+def masked_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                      down: torch.Tensor, expected_rows: int | None = None) -> torch.Tensor:
+    """SiLU-gated expert MLPs on rows x_e[e, :counts[e]] only: x_e [E, R, H], gate/up [E, H, I],
+    down [E, I, H] -> [E, R, H] (rows past a count unspecified). Two launches, no host read."""
+    h = masked_bmm(x_e, gate, counts, b2=up, expected_rows=expected_rows)
+    return masked_bmm(h, down, counts, expected_rows=expected_rows)
+
+
+def dense_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                     down: torch.Tensor, expected_rows: int | None = None) -> torch.Tensor:
+    """The same with ``torch.bmm`` over every row of every expert (reads every expert's weights)."""
+    del counts, expected_rows
+    return torch.bmm(F.silu(torch.bmm(x_e, gate)) * torch.bmm(x_e, up), down)
+
+
+EXPERT_IMPLS = {"masked": masked_expert_mlp, "dense": dense_expert_mlp}
+
+
+def _compile_configs() -> list[dict]:
+    """Llama-4-Scout (hidden 5120, expert width 8192) and DeepSeek-V3 (7168, 2048) expert GEMMs in bf16 at
+    decode row tiles: what ``compile_report`` compiles for sm_90 without a GPU."""
+    types = dict(a_ptr="*bf16", b_ptr="*bf16", b2_ptr="*bf16", c_ptr="*bf16", counts_ptr="*i32", R="i32", K="i32",
+                 N="i32", s_ae="i64", s_ar="i32", s_ak="i32", s_be="i64", s_bk="i32", s_bn="i32", s_ce="i64",
+                 s_cr="i32", s_cn="i32")
+    out = []
+    for gated in (True, False):
+        for bm in (16, 64):
+            out.append(dict(kernel="masked_bmm_kernel", label=f"{'gate+up' if gated else 'down'} bf16 BM={bm}",
+                            types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64)))
+    return out
+
+
+COMPILE_CONFIGS = _compile_configs()

@@ -1,0 +1,124 @@
+"""EP dispatch at world 1, in one kernel: every expert is local, so nothing needs a landing zone or a flag.
+
+The two-phase dispatch (``dispatch.py``) stages rows in a symmetric landing zone because a receiver can
+only pack rows by (source, token, k) once every source's counts have arrived. With one rank there is
+one source: a slot's row in d.x is its routing position, which each program computes itself from the
+token ids alone (``routing.py``). So each program writes its tokens' rows straight into d.x (quantized
+on the way with FP8) and the metadata the combine needs, and one program writes the per-expert counts.
+No program waits for another. The outputs are those of the two-phase dispatch at world 1, bit for bit.
+
+Grid = NBLK programs; program ``blk`` takes a contiguous range of tokens. The last one also writes the
+counts (a histogram of the valid ids, clamped to the capacity), the statistics, the combine's mask and
+the token count, and records the first bad id and any capacity overflow.
+"""
+
+import triton
+import triton.language as tl
+
+from .quant import quantize_e4m3_groups
+from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
+from .sync import ERR_CAPACITY, record_error
+
+
+@triton.jit
+def dispatch_local_kernel(
+    x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
+    idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
+    out_x_ptr,        # out [EXPERTS * CAP, X_WORDS] int32 words (plain) or float8 [.., HIDDEN] (FP8): d.x
+    out_scales_ptr,   # out float32 [EXPERTS * CAP, S_WORDS]: d.scales (FP8 only)
+    out_src_ptr,      # out int32 [EXPERTS * CAP]: token index of each row (source rank 0)
+    out_counts_ptr,   # out int32 [EXPERTS]: valid rows per expert
+    row_of_ptr,       # out int32 [M, TOPK]: e * CAP + row of slot (t, k); -1 not routed, -2 dropped
+    src_tokens_ptr,   # out int32 [1]: T
+    routed_ptr,       # out int32 [M, TOPK]: 1 where slot (t, k) is routed (the combine's mask), else 0
+    stats_ptr,        # int64 [EXPERTS]: rows received per expert, accumulated over calls
+    err_addr, num_tokens, num_experts,
+    OP: tl.constexpr, CAP: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr,
+    X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
+    ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr,
+    NBLK: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    # 1. Bookkeeping, by the last program (idle when T < NBLK).
+    if blk == NBLK - 1:
+        counts = scan_ids(idx_ptr, routed_ptr, err_addr, 0, num_tokens, num_experts, OP, TOPK, TOPK_P2, ROUTE_T,
+                          BINS)
+        e = tl.arange(0, BINS)
+        e_live = e < num_experts
+        kept = tl.minimum(counts, CAP)
+        tl.store(out_counts_ptr + e, kept, mask=e_live)
+        tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
+        tl.store(src_tokens_ptr, num_tokens)
+        if tl.max(counts) > CAP:
+            record_error(err_addr, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
+
+    # 2. This program's tokens: positions, metadata, then each token's row into its experts' rows.
+    per_program = tl.cdiv(num_tokens, NBLK)
+    t_begin = tl.minimum(blk * per_program, num_tokens)
+    t_end = tl.minimum(t_begin + per_program, num_tokens)
+    before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
+    kk = tl.arange(0, TOPK_P2)
+    for t0 in range(t_begin, t_end, BT):
+        ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
+        pos = chunk_positions(idx, ts * TOPK + ks, before, BINS)
+        before += tl.histogram(idx, BINS, mask=valid)
+        ok = valid & (pos < CAP)
+        dst = tl.where(ok, idx * CAP + pos, 0)
+        tl.store(row_of_ptr + ts * TOPK + ks, tl.where(ok, dst, tl.where(valid, -2, -1)), mask=live)
+        tl.store(out_src_ptr + dst, ts, mask=ok)
+
+        t = t0 + tl.arange(0, BT)
+        t_live = t < t_end
+        dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
+        ok2 = tl.reshape(ok, (BT, TOPK_P2))
+        read = tl.max(ok2.to(tl.int32), axis=1) > 0
+        if FP8:
+            COLS: tl.constexpr = FP8_GROUPS * 128
+            c = tl.arange(0, COLS)
+            g = tl.arange(0, FP8_GROUPS)
+            for c0 in range(0, HIDDEN, COLS):
+                v = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
+                            mask=read[:, None], other=0.0).to(tl.float32)
+                q, scale = quantize_e4m3_groups(v, BT, FP8_GROUPS)
+                # One store per k: a [BT, K, COLS] pointer tile would not fit in registers.
+                for k in tl.static_range(TOPK):
+                    row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
+                    use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
+                    tl.store(out_x_ptr + row[:, None] * HIDDEN + c0 + c[None, :], q, mask=use[:, None])
+                    tl.store(out_scales_ptr + row[:, None] * S_WORDS + c0 // 128 + g[None, :], scale,
+                             mask=use[:, None])
+        else:
+            w = tl.arange(0, BW)
+            for w0 in range(0, X_WORDS, BW):
+                w_live = (w0 + w < X_WORDS)[None, :]
+                v = tl.load(x_ptr + t[:, None].to(tl.int64) * X_WORDS + w0 + w[None, :],
+                            mask=read[:, None] & w_live)
+                for k in tl.static_range(TOPK):
+                    row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
+                    use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
+                    tl.store(out_x_ptr + row[:, None] * X_WORDS + w0 + w[None, :], v, mask=use[:, None] & w_live)
+
+
+def _compile_configs() -> list[dict]:
+    """One GPU with DeepSeek-V3's MoE (256 experts, hidden 7168, top-8, 128 tokens), the planner's GPU
+    launch shapes, bf16 and fp8: what ``compile_report`` compiles for sm_90 without a GPU."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import plan_ep  # noqa: PLC0415
+    from .routing import histogram_bins  # noqa: PLC0415
+
+    out = []
+    for fp8 in (False, True):
+        p = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+        out.append(dict(kernel="dispatch_local_kernel", label=f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", types=dict(
+            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
+            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
+            src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", err_addr="i64", num_tokens="i32",
+            num_experts="i32"), constexprs=dict(
+            OP=2, CAP=p.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p.x_words, S_WORDS=p.scale_words,
+            BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens, BINS=histogram_bins(256),
+            FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
+    return out
+
+
+COMPILE_CONFIGS = _compile_configs()
