@@ -106,8 +106,9 @@ class EPBuffer:
     given at either; the combine's receive reads this rank's own share of ``expert_out`` in place, so
     keep it unchanged until then). Loopback worlds must be driven that way (all ranks' sends, then all
     receives). At world 1 nothing crosses ranks, so each call is one kernel, run by the receive phase:
-    the dispatch writes d.x straight from ``x`` and the combine reads every row in place; there the send
-    phase only records its tensors, and they must stay unchanged until the receive phase.
+    the dispatch writes d.x straight from ``x`` and the combine reads every row of ``expert_out`` in
+    place. A split world-1 dispatch copies ``x`` and ``topk_idx`` in its send phase, so that, as at any
+    world size, they may change once the send phase returns.
     Calls alternate between two buffer sets, so dispatch i+1 may start while the outputs of dispatch i
     are read, except d.x / d.scales, of which there is one set: they are overwritten by the next
     dispatch's receive phase.
@@ -256,6 +257,8 @@ class EPBuffer:
                 xin, idx = (self._dummy.view(p.dtype) if p.fp8 else self._dummy), self._dummy
             if g.world_size > 1:
                 self._launch_send(xin, idx, s, T)
+            elif not do_recv:  # world 1, split: the kernel runs at the receive; the send consumes its inputs
+                xin, idx = xin.clone(), idx.clone()
             ch.expect, self._pending = "recv", (handle, s, xin, idx)
             if not do_recv:
                 self.group.check_after_launch()

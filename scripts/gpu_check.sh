@@ -7,9 +7,10 @@
 # Without a GPU it still runs, as a dry run (CPU interpreter, tiny shapes, numbers labelled as not GPU
 # measurements): the GPU tests skip, bench/kernels.py gets --dry, the decode benchmark a small CPU setting.
 #
-# Env: PYTHON (default python3); GPU_CHECK_MARK (pytest -m expression, default "gpu"; "gpu and not slow"
-# leaves out the soak); GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS / GPU_CHECK_DECODE_ARGS (extra
-# words for each step); GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or
+# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode"); GPU_CHECK_MARK
+# (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak); GPU_CHECK_DECODE_CONFIGS
+# (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS /
+# GPU_CHECK_DECODE_ARGS (extra words for each step); GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or
 # times out is recorded and the next one still runs; the exit status is the first failure's.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -47,23 +48,28 @@ step() {  # step NAME CMD...: run (output to the screen and OUT/NAME.log), remem
   git rev-parse HEAD 2>/dev/null; git status --short --untracked-files=no 2>/dev/null; } > "$OUT/environment.txt" 2>&1
 tee -a "$LOG" < "$OUT/environment.txt"
 
-KERNEL_DRY="" DECODE_DRY=""
+KERNEL_DRY=""
+DECODE_DEFAULTS="--batches 1,2,4,8,16,32,64,128,256"
+DECODE_CONFIGS=${GPU_CHECK_DECODE_CONFIGS:-llama4-scout deepseek-v3}
 if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     say "no GPU: dry run, CPU interpreter, not a GPU measurement"
     KERNEL_DRY="--dry"
-    DECODE_DRY="--batches 1,2 --world 2 --steps 3 --warmup 1 --check-steps 2"
+    DECODE_DEFAULTS="--batches 1,2 --world 2 --steps 3 --warmup 1 --check-steps 2"
+    DECODE_CONFIGS=${GPU_CHECK_DECODE_CONFIGS:-llama4-scout}
 fi
 
+STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode} "
 # shellcheck disable=SC2086  (the extra-args variables are word lists on purpose)
-step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra -p no:cacheprovider \
-    --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
+[[ $STEPS == *" pytest "* ]] && step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra \
+    -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
 # shellcheck disable=SC2086
-step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
-if [ -f bench/decode_latency.py ]; then
-    # shellcheck disable=SC2086
-    step decode $PY bench/decode_latency.py $DECODE_DRY --out-dir "$OUT" ${GPU_CHECK_DECODE_ARGS:-}
-else
-    say "decode: bench/decode_latency.py not in this checkout, skipped"
+[[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
+if [[ $STEPS == *" decode "* ]]; then
+    for cfg in ${DECODE_CONFIGS}; do
+        # shellcheck disable=SC2086
+        step "decode-$cfg" $PY bench/decode_latency.py --config "$cfg" $DECODE_DEFAULTS --out-dir "$OUT" \
+            ${GPU_CHECK_DECODE_ARGS:-}
+    done
 fi
 $PY scripts/gpu_summary.py "$OUT" --markdown "$OUT/summary.md" | tee "$OUT/summary.txt"
 exit $status

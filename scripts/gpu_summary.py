@@ -23,6 +23,8 @@ DECODE_ROWS = 128      # "decode sizes": calls of at most this many rows
 TARGET_T = 128
 FLOOR_TARGET = 1.5
 SPEEDUP_TARGET = 1.5
+DECODE_GAIN_TARGET = 43.0  # % lower decode step than sync at batch <= DECODE_GAIN_BATCH (NCCLX's figure)
+DECODE_GAIN_BATCH = 64
 
 
 def read_jsonl(paths) -> list[dict]:
@@ -122,13 +124,45 @@ def kernel_table(kern: list[dict]) -> list[str]:
     return out
 
 
+def decode_groups(dec: list[dict]) -> dict[tuple, list[dict]]:
+    """Decode records by (config, world, heap, expert kernel); records from before the expert kernel
+    was recorded ran torch.bmm ("dense")."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in dec:
+        groups.setdefault((r.get("config"), r.get("world"), r.get("heap"), r.get("expert_impl", "dense")), []).append(r)
+    return groups
+
+
+def decode_targets(dec: list[dict]) -> list[str]:
+    """Issue targets per group and backend (dynamic, fused): >= 43 % lower step time than sync at every
+    batch <= 64, and never slower than sync or padded at any batch."""
+    lines = []
+    for (config, world, _, experts), rows in decode_groups(dec).items():
+        p50 = {(r["backend"], r["batch_per_rank"]): r["us_p50"] for r in rows}
+        for be in ("dynamic", "fused"):
+            batches = sorted(b for (name, b) in p50 if name == be and (("sync", b) in p50))
+            if not batches:
+                continue
+            gain = {b: 100.0 * (1 - p50[(be, b)] / p50[("sync", b)]) for b in batches}
+            small = [b for b in batches if b <= DECODE_GAIN_BATCH]
+            worst = min(small, key=gain.get) if small else None
+            tag = f"{config} w{world} {experts}"
+            lines.append(f"  {verdict(None if worst is None else gain[worst] >= DECODE_GAIN_TARGET)}  decode {be} vs sync "
+                         f"({tag}): " + (f"least {gain[worst]:.1f} % at batch {worst}, most {max(gain.values()):.1f} % "
+                                         f"(target >= {DECODE_GAIN_TARGET:.0f} % at every batch <= {DECODE_GAIN_BATCH})"
+                                         if worst is not None else "no batch <= 64"))
+            slower = [f"{b} ({base})" for b in batches for base in ("sync", "padded")
+                      if (base, b) in p50 and p50[(be, b)] > p50[(base, b)]]
+            lines.append(f"  {verdict(not slower)}  decode {be} never slower than sync/padded ({tag})"
+                         + (": slower at batch " + ", ".join(slower) if slower else ""))
+    return lines
+
+
 def decode_table(dec: list[dict]) -> list[str]:
     """One table per (config, world, heap, expert kernel) found."""
     if not dec:
         return ["  (no decode results)"]
-    groups: dict[tuple, list[dict]] = {}
-    for r in dec:
-        groups.setdefault((r.get("config"), r.get("world"), r.get("heap"), r.get("expert_impl", "dense")), []).append(r)
+    groups = decode_groups(dec)
     out = []
     for (config, world, heap, experts), rows in groups.items():
         backends = list(dict.fromkeys(r["backend"] for r in rows))
@@ -168,6 +202,7 @@ def summarize(out_dir: str) -> str:
                      else "floor: incomplete")
     lines.append("targets:")
     lines += targets(kern, tests)
+    lines += decode_targets(dec)
     lines.append("kernels:")
     lines += kernel_table(kern)
     lines.append("decode:")

@@ -69,7 +69,20 @@ def test_summary_judges_targets(tmp_path):
              res("alltoallv", "nccl_host_splits", "bf16", 100.0, 5.0, rows=8),
              res("alltoallv", "torch_symm_mem_vdev", "bf16", 12.0, 5.0, rows=8)]
     (tmp_path / "kernels-x.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    # Decode: fused 50 % below sync at batch 1 and 64 and never slower; dynamic only 10 % below at 64 and
+    # slower than padded at 256.
+    step = {("sync", 1): 100, ("padded", 1): 60, ("fused", 1): 50, ("dynamic", 1): 55,
+            ("sync", 64): 200, ("padded", 64): 150, ("fused", 64): 100, ("dynamic", 64): 180,
+            ("sync", 256): 400, ("padded", 256): 300, ("fused", 256): 290, ("dynamic", 256): 310}
+    dec = [dict(config="deepseek-v3", world=1, heap="nvshmem", expert_impl="masked", backend=b, batch_per_rank=n,
+                us_p50=us, device="test") for (b, n), us in step.items()]
+    (tmp_path / "decode_latency_x.jsonl").write_text("\n".join(json.dumps(r) for r in dec) + "\n")
     text = _run("scripts/gpu_summary.py", str(tmp_path)).stdout
+    assert "PASS  decode fused vs sync (deepseek-v3 w1 masked): least 50.0 % at batch 1" in text
+    assert "PASS  decode fused never slower than sync/padded (deepseek-v3 w1 masked)" in text
+    assert "MISS  decode dynamic vs sync (deepseek-v3 w1 masked): least 10.0 % at batch 64" in text
+    assert "MISS  decode dynamic never slower than sync/padded (deepseek-v3 w1 masked): slower at batch 64 (padded), 256 (padded)" in text
+    assert "deepseek-v3 world 1 nvshmem heap, masked expert GEMMs" in text
     assert "PASS  dispatch bf16 T=128" in text and "1.20x" in text
     assert "MISS  combine bf16 T=128" in text
     assert "PASS  alltoallv vs nccl_host_splits: speedup 8r 10.00x" in text

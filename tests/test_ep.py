@@ -91,6 +91,16 @@ def test_phase_split_equals_both_world1():
     for e, n in enumerate(d1.counts.tolist()):
         assert torch.equal(d1.x[e, :n], d2.x[e, :n])
     assert torch.equal(y1, y2)
+    # The one world-1 kernel runs at the receive phase, yet the send phase consumed x and topk_idx:
+    # overwriting them in between changes nothing.
+    x, idx = xs[0].clone(), idxs[0].clone()
+    ep.dispatch(x, idx, phase="send")
+    x.fill_(float("nan"))
+    idx.fill_(0)
+    d3 = snapshot(ep.dispatch(phase="recv"))
+    assert torch.equal(d1.counts, d3.counts) and torch.equal(d1.src, d3.src)
+    for e, n in enumerate(d1.counts.tolist()):
+        assert torch.equal(d1.x[e, :n], d3.x[e, :n])
 
 
 # ---- buffer alternation, reproducibility -----------------------------------------------------------

@@ -179,3 +179,23 @@ def test_decode_bench_writes_table_json_and_png(tmp_path, capsys):
         assert r["device"].startswith("cpu") and r["cuda_graphs"] is False and r["commit"]
     [png] = tmp_path.glob("*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_decode_bench_under_torchrun(tmp_path):
+    """The several-GPU launch path (torchrun, one process per rank, torch.distributed bootstrap), run on
+    the CPU: 2 ranks over the shm heap, every backend checked against the reference, records written."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "bench/decode_latency.py",
+           "--config", "mixtral", "--batches", "1", "--steps", "2", "--warmup", "1", "--check-steps", "2",
+           "--heap", "shm", "--backends", "sync,fused", "--out-dir", str(tmp_path)]
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "reference check passed" in out.stdout and "2 processes, shm heap" in out.stdout
+    [jsonl] = tmp_path.glob("*.jsonl")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {(r["backend"], r["world"]) for r in records} == {("sync", 2), ("fused", 2)}

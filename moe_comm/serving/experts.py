@@ -43,37 +43,36 @@ def masked_bmm_kernel(
     n0 = (tl.program_id(0) % n_tiles) * BN
     rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), R)
     if m0 < rows:  # a tile with no valid row reads no weight
-        # Block pointers: the tiles' addresses are not held per element in registers (the gate and up
-        # tiles' int64 pointers alone took 128 registers per thread and spilled).
-        a_bp = tl.make_block_ptr(a_ptr + e.to(tl.int64) * s_ae, shape=(R, K), strides=(s_ar, s_ak),
-                                 offsets=(m0, 0), block_shape=(BM, BK), order=(1, 0))
-        b_bp = tl.make_block_ptr(b_ptr + e.to(tl.int64) * s_be, shape=(K, N), strides=(s_bk, s_bn),
-                                 offsets=(0, n0), block_shape=(BK, BN), order=(1, 0))
-        b2_bp = tl.make_block_ptr(b2_ptr + e.to(tl.int64) * s_be, shape=(K, N), strides=(s_bk, s_bn),
-                                  offsets=(0, n0), block_shape=(BK, BN), order=(1, 0))
-        row_live = m0 + tl.arange(0, BM) < rows
+        # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
+        # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
+        rm = m0 + tl.arange(0, BM)
+        rn = n0 + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        row_live = rm < rows
+        a_base = a_ptr + e.to(tl.int64) * s_ae
+        b_base = b_ptr + e.to(tl.int64) * s_be
+        b2_base = b2_ptr + e.to(tl.int64) * s_be
+        a_off = rm[:, None] * s_ar + rk[None, :] * s_ak
+        b_off = rk[:, None] * s_bk + rn[None, :] * s_bn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-        for _ in range(0, K, BK):
-            # Rows past the count but inside R are read (they are allocated) and zeroed: whatever they
-            # hold gives rows that are never stored.
-            a = tl.load(a_bp, boundary_check=(0, 1), padding_option="zero")
-            a = tl.where(row_live[:, None], a, tl.zeros_like(a))
-            b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
+        for k0 in range(0, K, BK):
+            k_live = k0 + rk < K
+            # Rows past the count are not read: whatever they hold gives rows that are never stored.
+            a = tl.load(a_base + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
+            b_mask = k_live[:, None] & (rn < N)[None, :]
+            b = tl.load(b_base + b_off, mask=b_mask, other=0.0)
             if DOT_IN_FLOAT32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
             if GATED:
-                b2 = tl.load(b2_bp, boundary_check=(0, 1), padding_option="zero")
+                b2 = tl.load(b2_base + b_off, mask=b_mask, other=0.0)
                 if DOT_IN_FLOAT32:
                     b2 = b2.to(tl.float32)
                 acc2 = tl.dot(a, b2, acc2)
-                b2_bp = tl.advance(b2_bp, (BK, 0))
-            a_bp = tl.advance(a_bp, (0, BK))
-            b_bp = tl.advance(b_bp, (BK, 0))
-        rm = m0 + tl.arange(0, BM)
-        rn = n0 + tl.arange(0, BN)
+            a_off += BK * s_ak
+            b_off += BK * s_bk
         if GATED:  # SiLU(x @ gate) * (x @ up), in float32
             acc = acc * tl.sigmoid(acc) * acc2
         c = c_ptr + e.to(tl.int64) * s_ce + rm[:, None].to(tl.int64) * s_cr + rn[None, :] * s_cn
