@@ -123,17 +123,23 @@ def run_shm_cases(group) -> list[str]:
     return errs
 
 
-def run_loopback_cases(groups) -> list[str]:
+def run_loopback_cases(groups, cap: int = CAP, plan_device=None, cases=None) -> list[str]:
+    """Every case (or ``cases``) on a loopback world, phase by phase. ``plan_device="cuda"`` gives the ops
+    the GPU launch plan (run by the interpreter on the CPU)."""
     from moe_comm import AllToAllvDynamic
+    from moe_comm.planner import plan_alltoallv
 
     world = len(groups)
     errs, ops = [], {}
-    for dtype, row_shape, pattern, seed in case_list(world):
+    for dtype, row_shape, pattern, seed in (cases if cases is not None else case_list(world)):
         key = (dtype, row_shape)
         if key not in ops:
-            ops[key] = [AllToAllvDynamic(g, CAP, row_shape, dtype) for g in groups]
+            ops[key] = [AllToAllvDynamic(g, cap, row_shape, dtype) for g in groups]
+            if plan_device is not None:
+                for op in ops[key]:
+                    op.plan = plan_alltoallv(world, cap, row_shape, dtype, torch.device(plan_device))
         rank_ops = ops[key]
-        counts = make_counts(pattern, world, CAP, seed)
+        counts = make_counts(pattern, world, cap, seed)
         sends = make_sends(counts, row_shape, dtype, seed)
         for op in rank_ops:
             poison(op)
@@ -141,12 +147,12 @@ def run_loopback_cases(groups) -> list[str]:
             op(sends[r], counts[r], phase="send")
         res = [op(phase="recv") for op in rank_ops]
         for r in range(world):
-            errs += check_forward(r, res[r], sends, counts, CAP, f"loopback rank{r} {dtype} {row_shape} {pattern}")
+            errs += check_forward(r, res[r], sends, counts, cap, f"loopback rank{r} {dtype} {row_shape} {pattern}")
         all_rows = [transform(res[i].recv) for i in range(world)]
         for r, op in enumerate(rank_ops):
             op.combine(all_rows[r], res[r].handle, phase="send")
         backs = [op.combine(phase="recv") for op in rank_ops]
-        ref_rows = [transform(recv) for recv, _ in reference.alltoallv(sends, counts, CAP)]
+        ref_rows = [transform(recv) for recv, _ in reference.alltoallv(sends, counts, cap)]
         for r in range(world):
             errs += check_reverse(r, backs[r], ref_rows, sends, counts, f"loopback rank{r} {dtype} {row_shape} {pattern}")
     return errs

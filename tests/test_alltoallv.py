@@ -8,6 +8,7 @@ import torch
 
 import moe_comm
 from moe_comm import AllToAllvDynamic, CapacityError, CommTimeoutError, LaunchError, reference
+from moe_comm.planner import plan_alltoallv
 
 from a2a_cases import CAP, make_counts, make_sends, poison, run_loopback_cases, run_shm_cases
 
@@ -154,6 +155,19 @@ def test_loopback_world1_both_and_phase_errors():
     op2 = AllToAllvDynamic(groups[0], 2, (4,), torch.bfloat16)
     with pytest.raises(ValueError, match="phase='send' on every"):
         op2(x, torch.tensor([1, 1]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_launch_shapes_in_the_interpreter(world):
+    """The GPU plan (one row per program iteration, several programs per peer; at world 1 the one-kernel
+    path) run by the interpreter on a loopback world, both directions: the same results as the reference."""
+    cap = 9
+    groups = moe_comm.init(backend="loopback", world_size=world)
+    assert plan_alltoallv(world, cap, (64,), torch.bfloat16, torch.device("cuda")).copy.blocks_per_peer > 1
+    cases = [(dtype, shape, pattern, seed) for dtype, shape in ((torch.bfloat16, (64,)), (torch.int32, (3, 32)))
+             for pattern, seed in (("random", 1), ("full", 2), ("one_destination", 3))]
+    assert run_loopback_cases(groups, cap=cap, plan_device="cuda", cases=cases) == []
 
 
 def test_world1_one_kernel_clamps_lying_counts():

@@ -3,9 +3,10 @@
 x_e [E_local, R, H] holds rows x_e[e, :counts[e]] for local expert e (counts int32 on the device, never
 read on the host). A dense ``torch.bmm`` over every expert reads every expert's weights, which is what
 decode time is made of: at batch 1 with top-1 routing over 16 experts, 15/16 of those reads are for
-experts with no row. The masked kernel below reads ``counts[e]`` on the device and skips every
-(expert, row tile) with no valid row, so an idle expert costs one early-exiting program per tile and no
-weight read, as grouped-GEMM MoE kernels of serving engines do. Capturable: no host read, fixed grid.
+experts with no row. The masked kernel below reads ``counts[e]`` on the device and computes only the
+row tiles holding valid rows, so an idle expert costs one early-exiting program per column tile and no
+weight read, as grouped-GEMM MoE kernels of serving engines do. Capturable: no host read, fixed grid
+(column tiles x experts, independent of R).
 
 Rows past ``counts[e]`` of the output are left unwritten (unspecified), as the layout allows.
 """
@@ -36,22 +37,22 @@ def masked_bmm_kernel(
     s_ae, s_ar, s_ak, s_be, s_bk, s_bn, s_ce, s_cr, s_cn,
     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    # grid = (row tiles * column tiles, experts)
+    # grid = (column tiles, experts); each program walks its expert's valid row tiles, so the grid does
+    # not grow with R and an idle expert's programs return before reading anything.
     e = tl.program_id(1)
-    n_tiles = tl.cdiv(N, BN)
-    m0 = (tl.program_id(0) // n_tiles) * BM
-    n0 = (tl.program_id(0) % n_tiles) * BN
+    n0 = tl.program_id(0) * BN
     rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), R)
-    if m0 < rows:  # a tile with no valid row reads no weight
-        # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
-        # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
+    # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
+    a_base = a_ptr + e.to(tl.int64) * s_ae
+    b_base = b_ptr + e.to(tl.int64) * s_be
+    b2_base = b2_ptr + e.to(tl.int64) * s_be
+    c_base = c_ptr + e.to(tl.int64) * s_ce
+    for m0 in range(0, rows, BM):
         rm = m0 + tl.arange(0, BM)
-        rn = n0 + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
         row_live = rm < rows
-        a_base = a_ptr + e.to(tl.int64) * s_ae
-        b_base = b_ptr + e.to(tl.int64) * s_be
-        b2_base = b2_ptr + e.to(tl.int64) * s_be
         a_off = rm[:, None] * s_ar + rk[None, :] * s_ak
         b_off = rk[:, None] * s_bk + rn[None, :] * s_bn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -75,8 +76,8 @@ def masked_bmm_kernel(
             b_off += BK * s_bk
         if GATED:  # SiLU(x @ gate) * (x @ up), in float32
             acc = acc * tl.sigmoid(acc) * acc2
-        c = c_ptr + e.to(tl.int64) * s_ce + rm[:, None].to(tl.int64) * s_cr + rn[None, :] * s_cn
-        tl.store(c, cast_rne(acc, c_ptr.dtype.element_ty), mask=(rm < rows)[:, None] & (rn < N)[None, :])
+        tl.store(c_base + rm[:, None] * s_cr + rn[None, :] * s_cn, cast_rne(acc, c_ptr.dtype.element_ty),
+                 mask=row_live[:, None] & (rn < N)[None, :])
 
 
 def _tiles(rows: int, expected_rows: int | None):
@@ -98,7 +99,7 @@ def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch
         return c
     bm, bn, bk = _tiles(R, expected_rows)
     b2_ = b if b2 is None else b2
-    grid = (triton.cdiv(R, bm) * triton.cdiv(N, bn), E)
+    grid = (triton.cdiv(N, bn), E)
     masked_bmm_kernel[grid](a, b, b2_, c, counts, R, K, N, *a.stride(), *b.stride(), *c.stride(),
                             GATED=b2 is not None, BM=bm, BN=bn, BK=bk)
     return c
