@@ -8,6 +8,10 @@
 2. AllToAllvDynamic (world 1, rows of ``hidden`` bf16) vs torch.ops.symm_mem.all_to_all_vdev (separate
    process: torch brings its own NVSHMEM) and NCCL all_to_all_single with host-read splits.
 3. EPBuffer dispatch / combine (bf16 and fp8 dispatch; EP=1) vs a pure-torch permute / unpermute.
+4. ep_emulated: the multi-rank path (send kernel + receive kernel per rank) on one GPU: a loopback world
+   of --emulated-world ranks (GPU 8), every rank's phases run one after another on this GPU (replayed
+   from a CUDA graph). It times the kernels of the EP>1 path at DeepSeek-V3 shapes, not a network: the
+   floor is every rank's payload bytes at copy bandwidth plus two launches per rank.
 
 Every line (JSON) carries op, impl, sizes, p20/p50/p80 µs, GB/s (floor bytes / p50), the floor in µs
 and p50 / floor, plus device, versions and commit. A PNG and a table are written next to the lines.
@@ -42,8 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry", action="store_true", help="CPU: tiny shapes, interpreter, a few iterations")
     p.add_argument("--out-dir", help="where the .jsonl and .png go (default bench/results; --dry: a temp dir)")
-    p.add_argument("--sections", default="floor,a2a,ep,permute,nccl,vdev",
-                   help="comma separated subset of floor,a2a,ep,permute,nccl,vdev")
+    p.add_argument("--sections", default="floor,a2a,ep,ep_emulated,permute,nccl,vdev",
+                   help="comma separated subset of floor,a2a,ep,ep_emulated,permute,nccl,vdev")
+    p.add_argument("--emulated-world", type=int, help="ranks of the ep_emulated section (GPU 8; dry 2)")
+    p.add_argument("--emulated-tokens", type=lambda s: [int(x) for x in s.split(",")],
+                   help="tokens per rank in the ep_emulated section (GPU 1,128; dry 3)")
     sizes = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--a2a-rows", type=sizes, help=f"rows per call (GPU {GPU_SIZES})")
     p.add_argument("--tokens", type=sizes, help=f"T for dispatch/combine (GPU {GPU_SIZES})")
@@ -63,8 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--dry is for machines without a GPU (it labels its numbers as not GPU measurements)")
     if not cuda and not o.dry:
         p.error("no GPU here: use --dry (CPU interpreter, tiny shapes, labelled dry run)")
-    gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20)
-    dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1)
+    gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20,
+               emulated_world=8, emulated_tokens=[1, 128])
+    dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1,
+               emulated_world=2, emulated_tokens=[3])
     for k, v in (gpu if cuda else dry).items():
         if getattr(o, k) is None:
             setattr(o, k, v)
@@ -98,9 +107,9 @@ def measure_floor(o, out: JsonLines) -> tuple[float, float]:
     return gbps, launch["p50_us"]
 
 
-def result(out: JsonLines, floor, op, impl, bytes_moved, timing, **sizes) -> dict:
+def result(out: JsonLines, floor, op, impl, bytes_moved, timing, launches: int = 1, **sizes) -> dict:
     gbps, launch_us = floor
-    floor_us = bytes_moved / (gbps * 1e3) + launch_us
+    floor_us = bytes_moved / (gbps * 1e3) + launches * launch_us
     return out.write(kind="result", op=op, impl=impl, bytes=bytes_moved, GBps=bytes_moved / (timing["p50_us"] * 1e3),
                      floor_us=floor_us, x_floor=timing["p50_us"] / floor_us,
                      pct_of_floor=100.0 * floor_us / timing["p50_us"], **sizes, **timing)
@@ -190,6 +199,67 @@ def bench_ep(o, out, floor, group):
             if hasattr(ep, "close"):
                 ep.close()
             del ep
+            if o.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def graphed(fn, device: torch.device):
+    """On a GPU, ``fn`` captured once in a CUDA graph and replayed: the emulated world launches 2 kernels
+    per rank, and timing them eagerly would time Python launching them."""
+    if device.type != "cuda":
+        return fn
+    fn(0)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(0)
+    return lambda i: graph.replay()
+
+
+def bench_ep_emulated(o, out, floor):
+    """Every rank's send phase, then every rank's receive phase, on one device (loopback world)."""
+    EPBuffer = ep_class()
+    world, h, e, k = o.emulated_world, o.hidden, o.experts, o.topk
+    groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
+    gen = torch.Generator().manual_seed(2)
+    impl = f"moe_comm_emulated_w{world}"
+    for fp8 in (False, True):
+        for t in o.emulated_tokens:
+            eps = [EPBuffer(g, e, h, t, k, dtype=torch.bfloat16, fp8_dispatch=fp8) for g in groups]
+            xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device) for _ in groups]
+            idxs = [peers.random_topk(t, e, k, gen).to(o.device) for _ in groups]
+            ws = [torch.rand(t, k, generator=gen).to(o.device) for _ in groups]
+
+            def dispatch_all(i):
+                for ep, x, idx in zip(eps, xs, idxs):
+                    ep.dispatch(x, idx, phase="send")
+                return [ep.dispatch(phase="recv") for ep in eps]
+
+            ds = dispatch_all(0)
+            got = torch.stack([d.counts.cpu() for d in ds]).reshape(-1)
+            want = torch.bincount(torch.cat(idxs).reshape(-1).cpu(), minlength=e).to(torch.int32)
+            assert torch.equal(got, want), "emulated dispatch counts differ from the routing"
+            sizes = dict(tokens=t, world=world, hidden=h, experts=e, topk=k, max_tokens=t,
+                         dtype="fp8" if fp8 else "bf16", heap="loopback (emulated on one device)")
+            td = time_us(graphed(dispatch_all, o.device), o.device, o.iters, o.warmup)
+            result(out, floor, "dispatch", impl, world * ep_bytes("dispatch", t, h, k, fp8), td,
+                   launches=2 * world, **sizes)
+            ds = dispatch_all(0)
+            outs = [d.x.to(torch.bfloat16) for d in ds]  # rows past the counts are never read
+
+            def combine_all(i):
+                for ep, eo, w, d in zip(eps, outs, ws, ds):
+                    ep.combine(eo, w, d.handle, phase="send")
+                return [ep.combine(phase="recv") for ep in eps]
+
+            tc = time_us(graphed(combine_all, o.device), o.device, o.iters, o.warmup)
+            for g in groups:
+                g.check()
+            result(out, floor, "combine", impl, world * ep_bytes("combine", t, h, k, fp8), tc,
+                   launches=2 * world, **sizes)
+            for ep in reversed(eps):
+                ep.close()
+            del ds, outs, eps
             if o.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -391,6 +461,7 @@ def main(argv=None) -> int:
                 compile_report(out)
         finally:
             group.close()
+    section("ep_emulated", bench_ep_emulated, o, out, floor)
     section("permute", bench_permute, o, out, floor)
     section("nccl", bench_nccl, o, out, floor)
     section("vdev", run_vdev, o, out, floor, argv)

@@ -104,7 +104,7 @@ def kernel_table(kern: list[dict]) -> list[str]:
         if k not in keys:
             keys.append(k)
     cell = {((r["op"], r["impl"], r["dtype"]), r.get("rows", r.get("tokens"))): r for r in res}
-    out = ["  p50 µs (x floor for moe_comm) by rows (alltoallv) / tokens T (dispatch, combine)",
+    out = ["  p50 µs (x floor for moe_comm) by rows (alltoallv) / tokens T per rank (dispatch, combine)",
            "  " + f"{'op':<9} {'impl':<20} {'dtype':<5}" + "".join(f"{s:>16}" for s in sizes)]
     for k in keys:
         cells = []
@@ -112,7 +112,7 @@ def kernel_table(kern: list[dict]) -> list[str]:
             r = cell.get((k, s))
             if r is None:
                 cells.append(f"{'-':>16}")
-            elif k[1] == "moe_comm":
+            elif k[1].startswith("moe_comm"):
                 cells.append(f" {r['p50_us']:.1f} ({r['x_floor']:.1f}x)".rjust(16))
             else:
                 cells.append(f"{r['p50_us']:>16.1f}")

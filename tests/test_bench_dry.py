@@ -36,7 +36,8 @@ def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
     results = [r for r in lines if r["kind"] == "result"]
     got = {(r["op"], r["impl"], r["dtype"]) for r in results}
     assert {("alltoallv", "moe_comm", "bf16"), ("alltoallv", "gloo_host_splits", "bf16"),
-            ("dispatch", "torch_permute", "fp8"), ("combine", "torch_unpermute", "bf16")} <= got
+            ("dispatch", "torch_permute", "fp8"), ("combine", "torch_unpermute", "bf16"),
+            ("dispatch", "moe_comm_emulated_w2", "fp8"), ("combine", "moe_comm_emulated_w2", "bf16")} <= got
     for r in results:
         assert r["p20_us"] <= r["p50_us"] <= r["p80_us"] and r["floor_us"] > 0 and r["bytes"] >= 0
     assert any(r["kind"] == "skip" and r["impl"] == "torch_symm_mem_vdev" for r in lines)
