@@ -109,18 +109,22 @@ def dispatch_send_kernel(
             g = tl.arange(0, FP8_GROUPS)
             row_q = row.to(tl.pointer_type(tl.float8e4nv))  # payload bytes: 4 per word
             row_s = (row + X_WORDS).to(tl.pointer_type(tl.float32))
-            for c0 in range(0, HIDDEN, COLS):
-                v = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
-                            mask=read[:, None], other=0.0).to(tl.float32)
+            x_row = x_ptr + t[:, None].to(tl.int64) * HIDDEN + c[None, :]
+            v_next = tl.load(x_row, mask=read[:, None], other=0.0)
+            for c0 in range(0, HIDDEN, COLS):  # COLS divides HIDDEN; next block's load issued first
+                v = v_next.to(tl.float32)
+                v_next = tl.load(x_row + c0 + COLS, mask=read[:, None] & (c0 + COLS < HIDDEN), other=0.0)
                 q, scale = quantize_e4m3_groups(v, BT, FP8_GROUPS)
                 tl.store(row_q[:, :, None] + c0 + c[None, None, :], q[:, None, :], mask=send[:, :, None])
                 tl.store(row_s[:, :, None] + c0 // 128 + g[None, None, :], scale[:, None, :], mask=send[:, :, None])
         else:
             w = tl.arange(0, BW)
-            for w0 in range(0, X_WORDS, BW):
+            x_row = x_ptr + t[:, None].to(tl.int64) * X_WORDS + w[None, :]
+            v_next = tl.load(x_row, mask=read[:, None] & (w < X_WORDS)[None, :])
+            for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's stores
                 w_live = w0 + w < X_WORDS
-                v = tl.load(x_ptr + t[:, None].to(tl.int64) * X_WORDS + w0 + w[None, :],
-                            mask=read[:, None] & w_live[None, :])
+                v = v_next
+                v_next = tl.load(x_row + w0 + BW, mask=read[:, None] & (w0 + BW + w < X_WORDS)[None, :])
                 tl.store(row[:, :, None] + w0 + w[None, None, :], v[:, None, :],
                          mask=send[:, :, None] & w_live[None, None, :])
 

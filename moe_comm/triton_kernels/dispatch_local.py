@@ -76,9 +76,13 @@ def dispatch_local_kernel(
             COLS: tl.constexpr = FP8_GROUPS * 128
             c = tl.arange(0, COLS)
             g = tl.arange(0, FP8_GROUPS)
-            for c0 in range(0, HIDDEN, COLS):
-                v = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :],
-                            mask=read[:, None], other=0.0).to(tl.float32)
+            x_row = x_ptr + t[:, None].to(tl.int64) * HIDDEN + c[None, :]
+            v_next = tl.load(x_row, mask=read[:, None], other=0.0)
+            for c0 in range(0, HIDDEN, COLS):  # COLS divides HIDDEN
+                v = v_next.to(tl.float32)
+                # The next block's load is issued before this one is quantized and stored, so its
+                # latency overlaps that work instead of adding up block after block.
+                v_next = tl.load(x_row + c0 + COLS, mask=read[:, None] & (c0 + COLS < HIDDEN), other=0.0)
                 q, scale = quantize_e4m3_groups(v, BT, FP8_GROUPS)
                 # One store per k: a [BT, K, COLS] pointer tile would not fit in registers.
                 for k in tl.static_range(TOPK):
