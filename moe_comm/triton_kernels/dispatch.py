@@ -217,9 +217,12 @@ def dispatch_recv_kernel(
         tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = s * M + t
         # A row routed to several local experts is read once per slot; the reads of one tile hit the
         # same lines, so the copy costs one read of the row.
-        for w0 in range(0, X_WORDS, BW):
+        v_next = tl.load(src_row[:, None] + ww[None, :], mask=ok[:, None] & (ww < X_WORDS)[None, :])
+        for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's store
             m = ok[:, None] & (w0 + ww < X_WORDS)[None, :]
-            v = tl.load(src_row[:, None] + w0 + ww[None, :], mask=m)
+            v = v_next
+            v_next = tl.load(src_row[:, None] + w0 + BW + ww[None, :],
+                             mask=ok[:, None] & (w0 + BW + ww < X_WORDS)[None, :])
             tl.store(out_x_ptr + dst[:, None] * X_WORDS + w0 + ww[None, :], v, mask=m)
         if S_WORDS > 0:
             sw = tl.arange(0, S_WORDS_P2)
