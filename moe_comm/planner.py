@@ -14,7 +14,9 @@ import torch
 
 # GPU launch shape: enough programs per peer to keep many SMs busy on large payloads.
 GPU_TARGET_PROGRAMS = 132
-GPU_BLOCK_BYTES = 4096
+# 16 KB per copy iteration (32 words per thread at 4 warps): a 14 KB DeepSeek-V3 row in one step
+# instead of four dependent 4 KB ones (the same reasoning as GPU_EP_COPY_WORDS below).
+GPU_BLOCK_BYTES = 16384
 GPU_TILE_ELEMS = 1024  # elements of one register tile (8 per thread at 4 warps)
 
 

@@ -41,9 +41,13 @@ def _a2a_configs() -> list[KernelConfig]:
                 seq_ptr="*i64")
     out = []
     # DeepSeek-V3-sized rows (7168 bf16 = 3584 words), EP8, GPU launch shape from the planner.
+    import torch  # noqa: PLC0415
+
+    from ..planner import plan_copy  # noqa: PLC0415
+    cp = plan_copy(7168 * 2, 128, 8, torch.device("cuda"))
     for forward in (True, False):
-        c = dict(OP=0 if forward else 1, FORWARD=forward, WORLD=8, ROW_WORDS=3584, BLOCK_R=1,
-                 BLOCK_C=1024, NBLK=16)
+        c = dict(OP=0 if forward else 1, FORWARD=forward, WORLD=8, ROW_WORDS=cp.row_words, BLOCK_R=cp.block_rows,
+                 BLOCK_C=cp.block_words, NBLK=cp.blocks_per_peer)
         out.append(KernelConfig("alltoallv", "a2a_send_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP8",
                                 send, dict(c, WORLD_P2=8)))
         out.append(KernelConfig("alltoallv", "a2a_recv_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP8",
