@@ -61,9 +61,12 @@ def combine_send_kernel(
         src = expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
         landing = as_ptr(tl.load(data_ptrs_ptr + s), tl.int32) + zone.to(tl.int64) * M * TOPK * X_WORDS
         dst = landing + (t * TOPK + k).to(tl.int64) * X_WORDS
-        for w0 in range(0, X_WORDS, BW):
+        v_next = tl.load(src[:, None] + ww[None, :], mask=has_row[:, None] & (ww < X_WORDS)[None, :], other=0)
+        for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's store
             w_live = (w0 + ww < X_WORDS)[None, :]
-            v = tl.load(src[:, None] + w0 + ww[None, :], mask=has_row[:, None] & w_live, other=0)
+            v = v_next
+            v_next = tl.load(src[:, None] + w0 + BW + ww[None, :],
+                             mask=has_row[:, None] & (w0 + BW + ww < X_WORDS)[None, :], other=0)
             tl.store(dst[:, None] + w0 + ww[None, :], v, mask=send[:, None] & w_live)
     # The last program publishes to every rank (lanes past WORLD repeat the last rank's flag with the
     # same value) and advances the call counter.
