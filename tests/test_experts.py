@@ -52,3 +52,19 @@ def test_masked_bmm_row_tiles_and_untouched_rows():
     for e, n in enumerate(counts.tolist()):
         _close(c[e, :n], want[e, :n], 1e-5)
         _close(c16[e, :n], want[e, :n], 1e-5)
+
+
+def test_active_expert_slots():
+    """A grid of max_active expert slots computes the active experts in expert order: with the exact
+    number of active experts every valid row is right; a smaller bound computes the first ones only."""
+    g = torch.Generator().manual_seed(2)
+    E, R, K, N = 9, 5, 24, 40
+    a, b = torch.randn(E, R, K, generator=g), torch.randn(E, K, N, generator=g)
+    counts = torch.tensor([0, 3, 0, 0, 5, 1, 0, 0, 2], dtype=torch.int32)  # active: 1, 4, 5, 8
+    want = torch.bmm(a, b)
+    c = masked_bmm(a, b, counts, max_active=4)
+    for e, n in enumerate(counts.tolist()):
+        _close(c[e, :n], want[e, :n], 1e-5)
+    c = masked_bmm(a, b, torch.zeros(E, dtype=torch.int32) + 1, max_active=2)  # 9 active, 2 slots
+    _close(c[:2, :1], want[:2, :1], 1e-5)
+    assert masked_bmm(a, b, counts, max_active=0).shape == (E, R, N)  # nothing launched

@@ -4,9 +4,9 @@ x_e [E_local, R, H] holds rows x_e[e, :counts[e]] for local expert e (counts int
 read on the host). A dense ``torch.bmm`` over every expert reads every expert's weights, which is what
 decode time is made of: at batch 1 with top-1 routing over 16 experts, 15/16 of those reads are for
 experts with no row. The masked kernel below reads ``counts[e]`` on the device and computes only the
-row tiles holding valid rows, so an idle expert costs one early-exiting program per column tile and no
-weight read, as grouped-GEMM MoE kernels of serving engines do. Capturable: no host read, fixed grid
-(column tiles x experts, independent of R).
+row tiles holding valid rows, so an idle expert's weights are never read, as grouped-GEMM MoE kernels
+of serving engines do. Capturable: no host read, fixed grid (column tiles x active-expert slots, where
+the caller may bound the active experts, e.g. by tokens * top-k at world 1; independent of R).
 
 Rows past ``counts[e]`` of the output are left unwritten (unspecified), as the layout allows.
 """
@@ -33,15 +33,21 @@ def masked_bmm_kernel(
     b2_ptr,       # [E, K, N] up weights with GATED, else unused
     c_ptr,        # out [E, R, N]: rows < counts[e] written
     counts_ptr,   # int32 [E]: valid rows per expert (clamped to [0, R])
-    R, K, N,
+    R, K, N, E,
     s_ae, s_ar, s_ak, s_be, s_bk, s_bn, s_ce, s_cr, s_cn,
-    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr,
 ):
-    # grid = (column tiles, experts); each program walks its expert's valid row tiles, so the grid does
-    # not grow with R and an idle expert's programs return before reading anything.
-    e = tl.program_id(1)
+    # grid = (column tiles, active-expert slots <= E). Slot j takes the j-th expert with rows (in expert
+    # order), found from the counts; slots past the number of such experts return at once. The grid
+    # does not grow with R, and with a bound on the active experts (few tokens) not with E either.
+    j = tl.program_id(1)
+    ee = tl.arange(0, E_P2)
+    active = (tl.load(counts_ptr + ee, mask=ee < E, other=0) > 0).to(tl.int32)
+    pick = (active != 0) & (tl.cumsum(active, 0) - 1 == j)
+    e = tl.sum(tl.where(pick, ee, 0))
     n0 = tl.program_id(0) * BN
     rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), R)
+    rows = tl.where(tl.sum(pick.to(tl.int32)) > 0, rows, 0)
     rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
@@ -88,35 +94,40 @@ def _tiles(rows: int, expected_rows: int | None):
 
 
 def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch.Tensor | None = None,
-               expected_rows: int | None = None) -> torch.Tensor:
+               expected_rows: int | None = None, max_active: int | None = None) -> torch.Tensor:
     """c[e, :counts[e]] = a[e, :counts[e]] @ b[e] (or SiLU(a @ b) * (a @ b2) with ``b2``); a [E, R, K],
     b/b2 [E, K, N], counts int32 [E] on the device. Returns c [E, R, N] in a's dtype; other rows unspecified.
-    ``expected_rows``: rows an expert is expected to hold (picks the row tile; never a bound)."""
+    ``expected_rows``: rows an expert is expected to hold (picks the row tile; never a bound).
+    ``max_active``: a bound on the experts with rows (e.g. tokens * top-k), a promise: experts past the
+    bound (in expert order) would not be computed. None = E."""
     E, R, K = a.shape
     N = b.shape[2]
     c = torch.empty((E, R, N), dtype=a.dtype, device=a.device)
-    if E == 0 or R == 0 or N == 0:
+    slots = E if max_active is None else max(0, min(E, int(max_active)))
+    if slots == 0 or R == 0 or N == 0:
         return c
     bm, bn, bk = _tiles(R, expected_rows)
     b2_ = b if b2 is None else b2
-    grid = (triton.cdiv(N, bn), E)
-    masked_bmm_kernel[grid](a, b, b2_, c, counts, R, K, N, *a.stride(), *b.stride(), *c.stride(),
-                            GATED=b2 is not None, BM=bm, BN=bn, BK=bk)
+    grid = (triton.cdiv(N, bn), slots)
+    masked_bmm_kernel[grid](a, b, b2_, c, counts, R, K, N, E, *a.stride(), *b.stride(), *c.stride(),
+                            GATED=b2 is not None, BM=bm, BN=bn, BK=bk, E_P2=triton.next_power_of_2(E))
     return c
 
 
 def masked_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                      down: torch.Tensor, expected_rows: int | None = None) -> torch.Tensor:
+                      down: torch.Tensor, expected_rows: int | None = None,
+                      max_active: int | None = None) -> torch.Tensor:
     """SiLU-gated expert MLPs on rows x_e[e, :counts[e]] only: x_e [E, R, H], gate/up [E, H, I],
     down [E, I, H] -> [E, R, H] (rows past a count unspecified). Two launches, no host read."""
-    h = masked_bmm(x_e, gate, counts, b2=up, expected_rows=expected_rows)
-    return masked_bmm(h, down, counts, expected_rows=expected_rows)
+    h = masked_bmm(x_e, gate, counts, b2=up, expected_rows=expected_rows, max_active=max_active)
+    return masked_bmm(h, down, counts, expected_rows=expected_rows, max_active=max_active)
 
 
 def dense_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                     down: torch.Tensor, expected_rows: int | None = None) -> torch.Tensor:
+                     down: torch.Tensor, expected_rows: int | None = None,
+                     max_active: int | None = None) -> torch.Tensor:
     """The same with ``torch.bmm`` over every row of every expert (reads every expert's weights)."""
-    del counts, expected_rows
+    del counts, expected_rows, max_active
     return torch.bmm(F.silu(torch.bmm(x_e, gate)) * torch.bmm(x_e, up), down)
 
 
@@ -127,13 +138,13 @@ def _compile_configs() -> list[dict]:
     """Llama-4-Scout (hidden 5120, expert width 8192) and DeepSeek-V3 (7168, 2048) expert GEMMs in bf16 at
     decode row tiles: what ``compile_report`` compiles for sm_90 without a GPU."""
     types = dict(a_ptr="*bf16", b_ptr="*bf16", b2_ptr="*bf16", c_ptr="*bf16", counts_ptr="*i32", R="i32", K="i32",
-                 N="i32", s_ae="i64", s_ar="i32", s_ak="i32", s_be="i64", s_bk="i32", s_bn="i32", s_ce="i64",
+                 N="i32", E="i32", s_ae="i64", s_ar="i32", s_ak="i32", s_be="i64", s_bk="i32", s_bn="i32", s_ce="i64",
                  s_cr="i32", s_cn="i32")
     out = []
     for gated in (True, False):
         for bm in (16, 64):
             out.append(dict(kernel="masked_bmm_kernel", label=f"{'gate+up' if gated else 'down'} bf16 BM={bm}",
-                            types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64)))
+                            types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64, E_P2=256)))
     return out
 
 

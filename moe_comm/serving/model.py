@@ -28,15 +28,17 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
 
 
 def batched_experts(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                    down: torch.Tensor, impl: str = "dense", expected_rows: int | None = None) -> torch.Tensor:
+                    down: torch.Tensor, impl: str = "dense", expected_rows: int | None = None,
+                    max_active: int | None = None) -> torch.Tensor:
     """Every local expert on its received rows, batched: x_e [E_local, R, H] -> [E_local, R, H].
 
     counts [E_local] int32 on the device says rows x_e[e, :counts[e]] are valid; it is never read on the
     host. gate/up [E_local, H, I], down [E_local, I, H]. Output rows past a count are unspecified (combine
     never reads them). impl (``experts.py``): "masked" = Triton grouped GEMM that skips experts and row
     tiles without rows (reads only the active experts' weights); "dense" = torch.bmm over every row.
+    expected_rows / max_active: hints for the masked kernel's tiles and grid (``experts.masked_bmm``).
     """
-    return EXPERT_IMPLS[impl](x_e, counts, gate, up, down, expected_rows=expected_rows)
+    return EXPERT_IMPLS[impl](x_e, counts, gate, up, down, expected_rows=expected_rows, max_active=max_active)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +115,10 @@ class MoEDecoder:
         x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
         # Rows an expert is expected to get, for the masked kernel's row tile: T*K/E over the ranks.
         expected = -(-h.shape[0] * self.comm.world * self.cfg.topk // self.cfg.num_experts)
+        # At world 1 at most T*K experts have rows: the masked kernel's grid needs no more expert slots.
+        max_active = h.shape[0] * self.cfg.topk if self.comm.world == 1 else None
         y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down, self.expert_impl,
-                              expected)
+                              expected, max_active)
         routed = yield from self._phases(self.comm.combine, y_e, topk_weights, ctx)
         if lw.shared_gate is None:
             return routed
