@@ -222,7 +222,9 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)
         fp8_block_groups = min(pow2_groups, max(1, tile // (FP8_GROUP * next_pow2(world))))
-        route_tokens = max(1, min(next_pow2(max_tokens), GPU_ROUTE_SLOTS // slots))  # 64 tokens at K = 8
+        # 64 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
+        # program has threads (a shape some Triton versions' histogram lowering miscounted).
+        route_tokens = max(1, GPU_ROUTE_SLOTS // slots)
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import CapacityError, EPBuffer, EPHandle, InvalidIndexError, reference
+from moe_comm import CapacityError, CommTimeoutError, EPBuffer, EPHandle, InvalidIndexError, reference
 from moe_comm.planner import deepep_low_latency_bytes, plan_ep
 from moe_comm.triton_kernels.routing import compute_routing
 
@@ -129,6 +129,34 @@ def test_500_round_trips_loopback():
     print(f"500 round trips, loopback world 2: {elapsed:.1f} s ({elapsed / 500 * 1e3:.0f} ms each)")
     assert bad == []
     assert sum(int(ep.expert_token_counts.sum()) for ep in eps) > 0
+
+
+@pytest.mark.timeout(60)
+def test_rank_without_tokens_still_waits_in_combine():
+    """A rank with T = 0 has no token to reduce, yet its combine waits for every peer's send of that
+    call: otherwise it could run calls ahead and overwrite a landing zone a peer is still reading."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=1.0)
+    eps = [EPBuffer(g, 4, 128, 2, 1) for g in groups]
+    xs = [torch.ones(1, 128, dtype=torch.bfloat16), torch.zeros(0, 128, dtype=torch.bfloat16)]
+    idxs = [torch.tensor([[2]]), torch.zeros(0, 1, dtype=torch.int64)]  # rank 0's token -> rank 1
+    for ep, x, i in zip(eps, xs, idxs):
+        ep.dispatch(x, i, phase="send")
+    ds = [ep.dispatch(phase="recv") for ep in eps]
+    eps[1].combine(torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.ones(0, 1), ds[1].handle, phase="send")
+    with pytest.raises(CommTimeoutError) as info:  # rank 0 has not sent this call's rows yet
+        eps[1].combine(phase="recv")
+    assert (info.value.rank, info.value.peer) == (1, 0)
+
+
+def test_world1_row_of_past_T_is_unrouted():
+    """The one-kernel world-1 dispatch marks the slots of tokens past T as not routed (-1), as the
+    two-phase receive does, so a handle never shows a stale row from an earlier call."""
+    ep = EPBuffer(moe_comm.init(backend="loopback", device="cpu")[0], 4, 64, 4, 2)
+    x, idx = torch.randn(4, 64).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
+    ep.dispatch(x, idx)
+    ep.dispatch(x, idx)
+    d = ep.dispatch(x[:1], idx[:1])  # the first call's metadata set again
+    assert d.handle.row_of[0, 0].tolist() == [0, 4] and (d.handle.row_of[0, 1:] == -1).all()
 
 
 @pytest.mark.timeout(120)

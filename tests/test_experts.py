@@ -68,3 +68,14 @@ def test_active_expert_slots():
     c = masked_bmm(a, b, torch.zeros(E, dtype=torch.int32) + 1, max_active=2)  # 9 active, 2 slots
     _close(c[:2, :1], want[:2, :1], 1e-5)
     assert masked_bmm(a, b, counts, max_active=0).shape == (E, R, N)  # nothing launched
+
+
+def test_mismatched_shapes_and_strides_are_refused():
+    a, b = torch.randn(3, 4, 8), torch.randn(3, 8, 16)
+    counts = torch.ones(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="same strides"):
+        masked_bmm(a, b, counts, b2=torch.randn(3, 16, 8).transpose(1, 2))  # same shape, other layout
+    with pytest.raises(ValueError, match="need a"):
+        masked_bmm(a, torch.randn(3, 9, 16), counts)
+    with pytest.raises(ValueError, match="need a"):
+        masked_bmm(a, b, torch.ones(2, dtype=torch.int32))

@@ -36,6 +36,7 @@ def masked_bmm_kernel(
     R, K, N, E,
     s_ae, s_ar, s_ak, s_be, s_bk, s_bn, s_ce, s_cr, s_cn,
     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32 inputs (no TF32), else "tf32"
 ):
     # grid = (column tiles, active-expert slots <= E). Slot j takes the j-th expert with rows (in expert
     # order), found from the counts; slots past the number of such experts return at once. The grid
@@ -72,12 +73,12 @@ def masked_bmm_kernel(
             if DOT_IN_FLOAT32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if GATED:
                 b2 = tl.load(b2_base + b_off, mask=b_mask, other=0.0)
                 if DOT_IN_FLOAT32:
                     b2 = b2.to(tl.float32)
-                acc2 = tl.dot(a, b2, acc2)
+                acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
             a_off += BK * s_ak
             b_off += BK * s_bk
         if GATED:  # SiLU(x @ gate) * (x @ up), in float32
@@ -89,7 +90,7 @@ def masked_bmm_kernel(
 def _tiles(rows: int, expected_rows: int | None):
     """(BM, BN, BK): the row tile follows the rows an expert is expected to get (decode: few)."""
     per_expert = expected_rows if expected_rows is not None else rows
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    bm = 16 if per_expert <= 16 else 64  # gate+up with 32-row tiles spills on sm_90 (compile_report)
     return bm, 64, 64
 
 
@@ -102,6 +103,11 @@ def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch
     bound (in expert order) would not be computed. None = E."""
     E, R, K = a.shape
     N = b.shape[2]
+    if b.shape[:2] != (E, K) or counts.shape != (E,) or (b2 is not None and (
+            b2.shape != b.shape or b2.stride() != b.stride())):
+        raise ValueError(f"masked_bmm: a {tuple(a.shape)}, b {tuple(b.shape)}, counts {tuple(counts.shape)}"
+                         + ("" if b2 is None else f", b2 {tuple(b2.shape)} strides {b2.stride()} vs {b.stride()}")
+                         + ": need a [E, R, K], b and b2 [E, K, N] with the same strides, counts [E]")
     c = torch.empty((E, R, N), dtype=a.dtype, device=a.device)
     slots = E if max_active is None else max(0, min(E, int(max_active)))
     if slots == 0 or R == 0 or N == 0:
@@ -110,7 +116,8 @@ def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch
     b2_ = b if b2 is None else b2
     grid = (triton.cdiv(N, bn), slots)
     masked_bmm_kernel[grid](a, b, b2_, c, counts, R, K, N, E, *a.stride(), *b.stride(), *c.stride(),
-                            GATED=b2 is not None, BM=bm, BN=bn, BK=bk, E_P2=triton.next_power_of_2(E))
+                            GATED=b2 is not None, BM=bm, BN=bn, BK=bk, E_P2=triton.next_power_of_2(E),
+                            PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
     return c
 
 
@@ -144,7 +151,8 @@ def _compile_configs() -> list[dict]:
     for gated in (True, False):
         for bm in (16, 64):
             out.append(dict(kernel="masked_bmm_kernel", label=f"{'gate+up' if gated else 'down'} bf16 BM={bm}",
-                            types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64, E_P2=256)))
+                            types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64, E_P2=256,
+                                                         PRECISION="tf32")))
     return out
 
 

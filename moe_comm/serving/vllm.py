@@ -99,7 +99,8 @@ class EPBufferPrepareFinalize:
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map, apply_router_weight_on_input: bool, quant_config,
                       defer_input_quant: bool = False):
-        """Send phase of the dispatch now; returns (hook, receiver) as vLLM expects.
+        """Send phase of the dispatch now (the whole dispatch at world 1); returns (hook, receiver) as vLLM
+        expects.
 
         a1           [M, hidden] activations, M <= max_num_tokens_per_rank()
         topk_weights [M, topk] float; topk_ids [M, topk] global expert ids (-1 = not routed)
@@ -114,8 +115,10 @@ class EPBufferPrepareFinalize:
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs topk == 1")
             a1 = a1 * topk_weights.to(a1.dtype)
-        self.ep.dispatch(a1, topk_ids, phase="send")
-        ubatch, received = self._ubatch_id(), []
+        # A one-rank group dispatches at once: split phases there would only copy a1 for the later kernel.
+        whole = self.ep.group.world_size == 1
+        d = self.ep.dispatch(a1, topk_ids, phase="both" if whole else "send")
+        ubatch, received = self._ubatch_id(), [d] if whole else []
 
         def hook():
             if not received:

@@ -94,9 +94,11 @@ def combine_recv_kernel(
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
     call = tl.load(seq_ptr)
     zone = call % 2
-    # Only a program with tokens waits; at world 1 every slot is read in place and there is no flag.
+    # A program with tokens waits, and so does program (0, 0) even when T = 0: a rank must not finish
+    # a combine before every peer's send of that call, or it could run two calls ahead and overwrite a
+    # landing zone a peer is still reading. At world 1 every slot is read in place and there is no flag.
     if WORLD > 1:
-        if blk * BT < num_tokens:
+        if (blk * BT < num_tokens) | ((blk == 0) & (tl.program_id(1) == 0)):
             for p in range(WORLD):
                 wait_flag(ctrl_ptr + (zone * WORLD + p) * 2 + 1, call, timeout_ns, err_addr, OP, rank, p)
     landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN

@@ -89,8 +89,7 @@ def dispatch_send_kernel(
     before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
     for t0 in range(t_begin, t_end, BT):
         ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
-        pos = chunk_positions(idx, ts * TOPK + ks, before, BINS)
-        before += tl.histogram(idx, BINS, mask=valid)
+        pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
         owner = tl.where(valid, idx // EXPERTS_PER_RANK, -1)
         word = tl.where(owner[None, :] == peer[:, None], idx % EXPERTS_PER_RANK + pos * EXPERTS_PER_RANK, -1)
         tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,

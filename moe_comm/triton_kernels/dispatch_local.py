@@ -49,6 +49,12 @@ def dispatch_local_kernel(
         tl.store(out_counts_ptr + e, kept, mask=e_live)
         tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
         tl.store(src_tokens_ptr, num_tokens)
+        # Slots of tokens past T: not routed (as the two-phase receive writes them), never stale.
+        i = tl.arange(0, ROUTE_T * TOPK_P2)
+        for t0 in range(num_tokens, CAP, ROUTE_T):  # CAP = M at world 1
+            t = t0 + i // TOPK_P2
+            k = i % TOPK_P2
+            tl.store(row_of_ptr + t * TOPK + k, -1, mask=(t < CAP) & (k < TOPK))
         if tl.max(counts) > CAP:
             record_error(err_addr, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
 
@@ -60,8 +66,7 @@ def dispatch_local_kernel(
     kk = tl.arange(0, TOPK_P2)
     for t0 in range(t_begin, t_end, BT):
         ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
-        pos = chunk_positions(idx, ts * TOPK + ks, before, BINS)
-        before += tl.histogram(idx, BINS, mask=valid)
+        pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
         ok = valid & (pos < CAP)
         dst = tl.where(ok, idx * CAP + pos, 0)
         tl.store(row_of_ptr + ts * TOPK + ks, tl.where(ok, dst, tl.where(valid, -2, -1)), mask=live)

@@ -92,14 +92,20 @@ def histogram_of_tokens(idx_ptr, t_begin, t_end, num_experts,
 
 @triton.jit
 def chunk_positions(idx, slot, counts_before, BINS: tl.constexpr):
-    """Positions of a chunk of slots (ids ``idx``, flat indices ``slot`` = t*TOPK + k, both [N]), given
-    ``counts_before`` [BINS] = valid slots of every earlier token per id: that count for the slot's id,
-    plus the earlier slots of the chunk with the same id. Only the positions of valid slots mean anything.
+    """Positions of a chunk of slots (ids ``idx``, -1 where not valid; flat indices ``slot`` = t*TOPK + k;
+    both [N]), given ``counts_before`` [BINS] = valid slots of every earlier token per id: that count
+    for the slot's id plus the earlier slots of the chunk with the same id. Only the positions of valid
+    slots mean anything. Returns (positions [N], counts_before plus this chunk's ids [BINS]).
+
+    The running counts are a comparison sum over the [N, BINS] equality tile the lookup needs anyway,
+    not ``tl.histogram``: a chunk is often one token (8 slots), smaller than the threads of a program,
+    a shape whose histogram lowering some Triton versions have miscounted.
     """
     bins = tl.arange(0, BINS)
-    before = tl.sum(tl.where(idx[:, None] == bins[None, :], counts_before[None, :], 0), axis=1)
+    hit = idx[:, None] == bins[None, :]  # -1 (not valid) hits no bin
+    before = tl.sum(tl.where(hit, counts_before[None, :], 0), axis=1)
     same = (idx[:, None] == idx[None, :]) & (slot[None, :] < slot[:, None])
-    return before + tl.sum(same.to(tl.int32), axis=1)
+    return before + tl.sum(same.to(tl.int32), axis=1), counts_before + tl.sum(hit.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -119,9 +125,8 @@ def routing_kernel(
     for t0 in range(0, num_tokens, CHUNK_T):
         t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts,
                                                       TOPK, TOPK_P2, CHUNK_T)
-        pos = chunk_positions(idx, t * TOPK + k, counts, BINS)
+        pos, counts = chunk_positions(idx, t * TOPK + k, counts, BINS)
         tl.store(position_ptr + t.to(tl.int64) * TOPK + k, tl.where(valid, pos, -1), mask=live)
-        counts += tl.histogram(idx, BINS, mask=valid)
         hit = (tl.where(valid, idx // EXPERTS_PER_RANK, -1)[None, :] == dest[:, None]).to(tl.int32)
         token_hit = tl.max(tl.reshape(hit, (RANKS_P2, CHUNK_T, TOPK_P2)), axis=2)
         tokens += tl.sum(token_hit, axis=1)

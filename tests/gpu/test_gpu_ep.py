@@ -149,7 +149,10 @@ def nvshmem_group():
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("shape", [(256, 8, 7168, 128), (16, 4, 256, 9)], ids=["dsv3", "small"])
+# "long": more tokens than the dispatch has programs (132), so programs walk several tokens and carry
+# their running expert counts from one to the next.
+@pytest.mark.parametrize("shape", [(256, 8, 7168, 128), (16, 4, 256, 9), (64, 8, 512, 300)],
+                         ids=["dsv3", "small", "long"])
 def test_world1_nvshmem(nvshmem_group, shape, fp8):
     E, K, H, M = shape
     ep = EPBuffer(nvshmem_group, E, H, M, K, dtype=torch.bfloat16, fp8_dispatch=fp8)
