@@ -119,6 +119,7 @@ class EPPlan:
 
       symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token)
                  combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
+                 (both 8 bytes at world 1, where the ops are one kernel each and use no landing zone)
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
                  routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
@@ -172,12 +173,18 @@ class EPPlan:
 
     @property
     def dispatch_data_shape(self) -> tuple:
-        """int32 words [2 zones, W sources, M tokens, row_words] (zone = call % 2)."""
+        """int32 words [2 zones, W sources, M tokens, row_words] (zone = call % 2); at world 1 one word per
+        zone: the one-kernel path writes d.x directly and never touches a landing zone."""
+        if self.world == 1:
+            return (2, 1, 1, 1)
         return (2, self.world, self.max_tokens, self.row_words)
 
     @property
     def combine_data_shape(self) -> tuple:
-        """int32 words [2 zones, M tokens, K slots, out_words]: each (token, k) has exactly one writer."""
+        """int32 words [2 zones, M tokens, K slots, out_words]: each (token, k) has exactly one writer; at
+        world 1 one word per zone (every row is read in place)."""
+        if self.world == 1:
+            return (2, 1, 1, 1)
         return (2, self.max_tokens, self.topk, self.out_words)
 
     @property
