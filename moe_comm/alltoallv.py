@@ -53,8 +53,9 @@ class AllToAllvDynamic:
     at the next check. Outputs alternate between two sets: the result of call i stays valid during
     call i+1. Phases: ``phase="send"`` then ``phase="recv"`` (no tensors) split a call for overlap;
     loopback groups must be driven that way. At world 1 each call is one kernel, run by the send phase
-    (rows go straight from the input to the output; the receive phase launches nothing). Graph capture: every launch has a fixed shape and reads
-    counts only on the device; the call counter lives on the device, so replays keep signalling right.
+    (rows go straight from the input to the output; the receive phase launches nothing). Graph
+    capture: every launch has a fixed shape and reads counts only on the device; the call counter lives
+    on the device, so replays keep signalling right.
     """
 
     def __init__(self, group, max_rows_per_peer: int, row_shape, dtype: torch.dtype):

@@ -1,8 +1,9 @@
 """EPBuffer: expert-parallel dispatch and combine for decode, fused Triton kernels over symmetric memory.
 
 A decode step calls ``dispatch`` and ``combine`` once per MoE layer each. Both are built for latency:
-one send kernel and one receive kernel per call (one kernel at world 1), no host synchronization, no atomics on remote memory,
-fixed launch shapes (CUDA-graph capturable), bounded waits. See ``EPBuffer`` for the contract.
+one send kernel and one receive kernel per call (one kernel at world 1), no host synchronization, no
+atomics on remote memory, fixed launch shapes (CUDA-graph capturable), bounded waits. See ``EPBuffer``
+for the contract.
 """
 
 from __future__ import annotations
@@ -336,14 +337,13 @@ class EPBuffer:
         g.check()
         if do_send:
             expert_out = expert_out.contiguous()
-        if do_send and g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
-            s = self._sets[handle.call_index % 2]
-            combine_send_kernel[(p.recv_programs,)](
-                expert_out.view(torch.int32), s.row_of, s.src_tokens,
-                ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done, g.rank,
-                ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
-                BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
-        if do_send:
+            if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
+                s = self._sets[handle.call_index % 2]
+                combine_send_kernel[(p.recv_programs,)](
+                    expert_out.view(torch.int32), s.row_of, s.src_tokens,
+                    ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done, g.rank,
+                    ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
+                    BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
             ch.expect, self._combine_pending = "recv", (handle, expert_out, topk_weights, out)
             if not do_recv:
                 self.group.check_after_launch()

@@ -147,7 +147,8 @@ def decode_targets(dec: list[dict]) -> list[str]:
             small = [b for b in batches if b <= DECODE_GAIN_BATCH]
             worst = min(small, key=gain.get) if small else None
             tag = f"{config} w{world} {experts}"
-            lines.append(f"  {verdict(None if worst is None else gain[worst] >= DECODE_GAIN_TARGET)}  decode {be} vs sync "
+            ok = None if worst is None else gain[worst] >= DECODE_GAIN_TARGET
+            lines.append(f"  {verdict(ok)}  decode {be} vs sync "
                          f"({tag}): " + (f"least {gain[worst]:.1f} % at batch {worst}, most {max(gain.values()):.1f} % "
                                          f"(target >= {DECODE_GAIN_TARGET:.0f} % at every batch <= {DECODE_GAIN_BATCH})"
                                          if worst is not None else "no batch <= 64"))

@@ -82,7 +82,8 @@ def test_summary_judges_targets(tmp_path):
     assert "PASS  decode fused vs sync (deepseek-v3 w1 masked): least 50.0 % at batch 1" in text
     assert "PASS  decode fused never slower than sync/padded (deepseek-v3 w1 masked)" in text
     assert "MISS  decode dynamic vs sync (deepseek-v3 w1 masked): least 10.0 % at batch 64" in text
-    assert "MISS  decode dynamic never slower than sync/padded (deepseek-v3 w1 masked): slower at batch 64 (padded), 256 (padded)" in text
+    assert ("MISS  decode dynamic never slower than sync/padded (deepseek-v3 w1 masked): "
+            "slower at batch 64 (padded), 256 (padded)") in text
     assert "deepseek-v3 world 1 nvshmem heap, masked expert GEMMs" in text
     assert "PASS  dispatch bf16 T=128" in text and "1.20x" in text
     assert "MISS  combine bf16 T=128" in text

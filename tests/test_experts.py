@@ -27,7 +27,8 @@ def test_masked_expert_mlp_equals_torch_on_valid_rows(dtype, rtol):
     g = torch.Generator().manual_seed(0)
     E, R, H, inter = 6, 7, 40, 72  # odd sizes: tiles are partly masked in every dimension
     x = torch.randn(E, R, H, generator=g).to(dtype)
-    gate, up = (torch.randn(E, H, inter, generator=g) / H ** 0.5).to(dtype), (torch.randn(E, H, inter, generator=g) / H ** 0.5).to(dtype)
+    gate = (torch.randn(E, H, inter, generator=g) / H ** 0.5).to(dtype)
+    up = (torch.randn(E, H, inter, generator=g) / H ** 0.5).to(dtype)
     down = (torch.randn(E, inter, H, generator=g) / inter ** 0.5).to(dtype)
     # empty expert, full, partial, a count larger than R (a lying device value), negative, one row
     counts = torch.tensor([0, 7, 3, 1000, -5, 1], dtype=torch.int32)
