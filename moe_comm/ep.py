@@ -288,7 +288,7 @@ class EPBuffer:
         """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""
         p, g = self.plan, self.group
         out_x = self._x if p.fp8 else self._x.view(torch.int32)
-        dispatch_local_kernel[(p.send_programs,)](
+        dispatch_local_kernel[p.local_grid](
             xin, idx, out_x, self._scales if p.fp8 else self._dummy, s.src, s.counts, s.row_of, s.src_tokens,
             s.routed, self._stats, g.error_addr, T, self.num_experts,
             OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,

@@ -108,6 +108,9 @@ FP8_E4M3_MAX = 448.0
 # send at ~0.5 TB/s: one program per SM, 28 dependent round trips per row).
 GPU_EP_COPY_WORDS = 4096
 GPU_ROUTE_SLOTS = 512  # slots (token, k) per histogram pass of the routing scans
+# World 1 dispatch (one kernel): 2 KB column blocks, one per program, so that a decode-sized batch spreads
+# each row over several SMs (1024 bf16 columns, the same as an fp8 quantization block of 8 groups).
+GPU_LOCAL_COPY_WORDS = 512
 
 
 @dataclass(frozen=True)
@@ -144,8 +147,9 @@ class EPPlan:
     row_words: int            # dispatch landing row: payload, scales, then K int32 routing words
     dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
     out_words: int            # 32-bit words of one expert-output row (H * b / 4)
-    # Launch shapes (every kernel has a 1-D grid). The interpreter (CPU) pays per program and per op,
-    # not per element, so there every kernel is one wide program; a GPU gets many narrow ones.
+    # Launch shapes (1-D grids, but for the combine reduction and the world-1 dispatch). The interpreter
+    # (CPU) pays per program and per op, not per element, so there every kernel is one wide program; a GPU
+    # gets many narrow ones.
     block_tokens: int         # BT: tokens per iteration of the dispatch send and the combine reduction
     #                           (the combine's grid is reduce_programs x hidden / block_hidden)
     block_slots: int          # BS: (landing row, k) slots per iteration of dispatch recv / combine send
@@ -166,6 +170,14 @@ class EPPlan:
         """Combine reduction grid: token blocks x column blocks (one column block per program, so that a
         single token's row is read by several SMs at once)."""
         return (self.reduce_programs, -(-self.hidden // self.block_hidden))
+
+    @property
+    def local_grid(self) -> tuple:
+        """World-1 dispatch grid: (token blocks + one bookkeeping program) x column blocks (the fp8
+        quantization block, or send_block_words of the row)."""
+        cols = self.hidden // (FP8_GROUP * self.fp8_block_groups) if self.fp8 else \
+            -(-self.x_words // self.send_block_words)
+        return (self.send_programs + 1, cols)
 
     @property
     def elem_size(self) -> int:
@@ -224,7 +236,8 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
     if device.type == "cuda":
         block_tokens, block_slots = 1, next_pow2(topk)
         tile = GPU_TILE_ELEMS
-        send_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(world)))
+        send_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(world))
+                               if world > 1 else GPU_LOCAL_COPY_WORDS)
         recv_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)

@@ -302,7 +302,9 @@ class DynamicAllToAll(MoEComm):
             slot = lay.send_slots(exclusive_cumsum(lay.send_counts), n)
             send = x.new_empty(n + 1, self.width)
             ids = lay.local_eid.to(torch.int32)[:, None].view(self.dtype)  # [n, id_cols]
-            send.index_copy_(0, slot, torch.cat([x[lay.token], ids], dim=1))
+            # Scatter into the two column ranges (strided views): no concatenated copy of the rows.
+            send[:, :self.hidden].index_copy_(0, slot, x[lay.token])
+            send[:, self.hidden:].index_copy_(0, slot, ids)
             self.a2a(send[:n], lay.send_counts, phase="send")
             self._state = (lay, slot)
             if phase == "send":
@@ -321,7 +323,8 @@ class DynamicAllToAll(MoEComm):
         if phase in ("send", "both"):
             flat = y_e.reshape(-1, self.hidden)
             rows = y_e.new_empty(self.world * self.capacity, self.width)
-            rows[:, :self.hidden] = flat[recv_slot.clamp(max=flat.shape[0] - 1)]
+            # Gather straight into the row columns (index_select takes a strided out): one copy, not two.
+            torch.index_select(flat, 0, recv_slot.clamp(max=flat.shape[0] - 1), out=rows[:, :self.hidden])
             self.a2a.combine(rows.view(self.world, self.capacity, self.width), handle, phase="send")
             if phase == "send":
                 return None

@@ -7,9 +7,12 @@ token ids alone (``routing.py``). So each program writes its tokens' rows straig
 on the way with FP8) and the metadata the combine needs, and one program writes the per-expert counts.
 No program waits for another. The outputs are those of the two-phase dispatch at world 1, bit for bit.
 
-Grid = NBLK programs; program ``blk`` takes a contiguous range of tokens. The last one also writes the
-counts (a histogram of the valid ids, clamped to the capacity), the statistics, the combine's mask and
-the token count, and records the first bad id and any capacity overflow.
+Grid = (NBLK + 1, column blocks). Program (blk < NBLK, col) takes a contiguous range of tokens and copies
+column block ``col`` of their rows (column block 0 also writes src and row_of): at decode sizes one token's
+14 KB row is spread over several SMs instead of walked by one. Program (NBLK, 0) does the bookkeeping on
+its own, so that its id scan overlaps the copies: the counts (a histogram of the valid ids, clamped to the
+capacity), the statistics, the combine's mask and the token count, and it records the first bad id and
+any capacity overflow. Programs (NBLK, col > 0) and those without tokens (T < NBLK) do nothing.
 """
 
 import triton
@@ -39,73 +42,66 @@ def dispatch_local_kernel(
     NBLK: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    # 1. Bookkeeping, by the last program (idle when T < NBLK).
-    if blk == NBLK - 1:
-        counts = scan_ids(idx_ptr, routed_ptr, err_addr, 0, num_tokens, num_experts, OP, TOPK, TOPK_P2, ROUTE_T,
-                          BINS)
-        e = tl.arange(0, BINS)
-        e_live = e < num_experts
-        kept = tl.minimum(counts, CAP)
-        tl.store(out_counts_ptr + e, kept, mask=e_live)
-        tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
-        tl.store(src_tokens_ptr, num_tokens)
-        # Slots of tokens past T: not routed (as the two-phase receive writes them), never stale.
-        i = tl.arange(0, ROUTE_T * TOPK_P2)
-        for t0 in range(num_tokens, CAP, ROUTE_T):  # CAP = M at world 1
-            t = t0 + i // TOPK_P2
-            k = i % TOPK_P2
-            tl.store(row_of_ptr + t * TOPK + k, -1, mask=(t < CAP) & (k < TOPK))
-        if tl.max(counts) > CAP:
-            record_error(err_addr, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
-
-    # 2. This program's tokens: positions, metadata, then each token's row into its experts' rows.
+    col = tl.program_id(1)
     per_program = tl.cdiv(num_tokens, NBLK)
     t_begin = tl.minimum(blk * per_program, num_tokens)
     t_end = tl.minimum(t_begin + per_program, num_tokens)
-    before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
-    kk = tl.arange(0, TOPK_P2)
-    for t0 in range(t_begin, t_end, BT):
-        ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
-        pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
-        ok = valid & (pos < CAP)
-        dst = tl.where(ok, idx * CAP + pos, 0)
-        tl.store(row_of_ptr + ts * TOPK + ks, tl.where(ok, dst, tl.where(valid, -2, -1)), mask=live)
-        tl.store(out_src_ptr + dst, ts, mask=ok)
+    if blk == NBLK:
+        if col == 0:  # 1. Bookkeeping.
+            counts = scan_ids(idx_ptr, routed_ptr, err_addr, 0, num_tokens, num_experts, OP, TOPK, TOPK_P2,
+                              ROUTE_T, BINS)
+            e = tl.arange(0, BINS)
+            e_live = e < num_experts
+            kept = tl.minimum(counts, CAP)
+            tl.store(out_counts_ptr + e, kept, mask=e_live)
+            tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
+            tl.store(src_tokens_ptr, num_tokens)
+            # Slots of tokens past T: not routed (as the two-phase receive writes them), never stale.
+            i = tl.arange(0, ROUTE_T * TOPK_P2)
+            for t0 in range(num_tokens, CAP, ROUTE_T):  # CAP = M at world 1
+                t = t0 + i // TOPK_P2
+                k = i % TOPK_P2
+                tl.store(row_of_ptr + t * TOPK + k, -1, mask=(t < CAP) & (k < TOPK))
+            if tl.max(counts) > CAP:
+                record_error(err_addr, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
+    elif t_begin < t_end:
+        # 2. This program's tokens: positions, metadata, then column block `col` of each token's row
+        # into its experts' rows.
+        before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
+        kk = tl.arange(0, TOPK_P2)
+        for t0 in range(t_begin, t_end, BT):
+            ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
+            pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
+            ok = valid & (pos < CAP)
+            dst = tl.where(ok, idx * CAP + pos, 0)
+            if col == 0:
+                tl.store(row_of_ptr + ts * TOPK + ks, tl.where(ok, dst, tl.where(valid, -2, -1)), mask=live)
+                tl.store(out_src_ptr + dst, ts, mask=ok)
 
-        t = t0 + tl.arange(0, BT)
-        t_live = t < t_end
-        dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
-        ok2 = tl.reshape(ok, (BT, TOPK_P2))
-        read = tl.max(ok2.to(tl.int32), axis=1) > 0
-        if FP8:
-            COLS: tl.constexpr = FP8_GROUPS * 128
-            c = tl.arange(0, COLS)
-            g = tl.arange(0, FP8_GROUPS)
-            x_row = x_ptr + t[:, None].to(tl.int64) * HIDDEN + c[None, :]
-            v_next = tl.load(x_row, mask=read[:, None], other=0.0)
-            for c0 in range(0, HIDDEN, COLS):  # COLS divides HIDDEN
-                v = v_next.to(tl.float32)
-                # The next block's load is issued before this one is quantized and stored, so its
-                # latency overlaps that work instead of adding up block after block.
-                v_next = tl.load(x_row + c0 + COLS, mask=read[:, None] & (c0 + COLS < HIDDEN), other=0.0)
-                q, scale = quantize_e4m3_groups(v, BT, FP8_GROUPS)
+            t = t0 + tl.arange(0, BT)
+            dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
+            ok2 = tl.reshape(ok, (BT, TOPK_P2))
+            read = tl.max(ok2.to(tl.int32), axis=1) > 0
+            if FP8:
+                COLS: tl.constexpr = FP8_GROUPS * 128  # divides HIDDEN: every column block is full
+                c = col * COLS + tl.arange(0, COLS)
+                g = col * FP8_GROUPS + tl.arange(0, FP8_GROUPS)
+                v = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + c[None, :], mask=read[:, None], other=0.0)
+                q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS)
                 # One store per k: a [BT, K, COLS] pointer tile would not fit in registers.
                 for k in tl.static_range(TOPK):
                     row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
                     use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
-                    tl.store(out_x_ptr + row[:, None] * HIDDEN + c0 + c[None, :], q, mask=use[:, None])
-                    tl.store(out_scales_ptr + row[:, None] * S_WORDS + c0 // 128 + g[None, :], scale,
-                             mask=use[:, None])
-        else:
-            w = tl.arange(0, BW)
-            for w0 in range(0, X_WORDS, BW):
-                w_live = (w0 + w < X_WORDS)[None, :]
-                v = tl.load(x_ptr + t[:, None].to(tl.int64) * X_WORDS + w0 + w[None, :],
-                            mask=read[:, None] & w_live)
+                    tl.store(out_x_ptr + row[:, None] * HIDDEN + c[None, :], q, mask=use[:, None])
+                    tl.store(out_scales_ptr + row[:, None] * S_WORDS + g[None, :], scale, mask=use[:, None])
+            else:
+                w = col * BW + tl.arange(0, BW)
+                w_live = (w < X_WORDS)[None, :]
+                v = tl.load(x_ptr + t[:, None].to(tl.int64) * X_WORDS + w[None, :], mask=read[:, None] & w_live)
                 for k in tl.static_range(TOPK):
                     row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
                     use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
-                    tl.store(out_x_ptr + row[:, None] * X_WORDS + w0 + w[None, :], v, mask=use[:, None] & w_live)
+                    tl.store(out_x_ptr + row[:, None] * X_WORDS + w[None, :], v, mask=use[:, None] & w_live)
 
 
 def _compile_configs() -> list[dict]:
