@@ -13,13 +13,13 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import time
 
 import torch
 
+from moe_comm.serving.bench_report import git_commit
+
 DRY_LABEL = "dry run, CPU interpreter, not a GPU measurement"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _version(dist_name: str) -> str | None:
@@ -27,24 +27,6 @@ def _version(dist_name: str) -> str | None:
         return importlib.metadata.version(dist_name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def git_commit() -> str:
-    """HEAD's hash, with "+dirty" when tracked files differ from it (what was measured is then not HEAD).
-    MOE_COMM_COMMIT overrides it, for copies of the tree without the git history (a GPU machine)."""
-    if os.environ.get("MOE_COMM_COMMIT"):
-        return os.environ["MOE_COMM_COMMIT"]
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
-    try:
-        head = git("rev-parse", "--verify", "-q", "HEAD").stdout.strip()
-        if len(head) != 40:
-            return "unknown"
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def environment(device: torch.device) -> dict:

@@ -107,9 +107,7 @@ FP8_E4M3_MAX = 448.0
 # that a program has enough loads in flight to stream at HBM speed (1024-word tiles left the combine
 # send at ~0.5 TB/s: one program per SM, 28 dependent round trips per row).
 GPU_EP_COPY_WORDS = 4096
-# Slots (token, k) per histogram pass of the routing scans: 1024 = 128 tokens at K = 8, so at decode sizes
-# a program histograms every earlier token in one pass (each pass is a dependent round trip to L2).
-GPU_ROUTE_SLOTS = 1024
+GPU_ROUTE_SLOTS = 512  # slots (token, k) per histogram pass of the routing scans
 # World 1 dispatch (one kernel): 2 KB column blocks, one per program, so that a decode-sized batch spreads
 # each row over several SMs (1024 bf16 columns, the same as an fp8 quantization block of 8 groups).
 GPU_LOCAL_COPY_WORDS = 512
@@ -244,7 +242,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)
         fp8_block_groups = min(pow2_groups, max(1, tile // (FP8_GROUP * next_pow2(world))))
-        # 128 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
+        # 64 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
         # program has threads (a shape some Triton versions' histogram lowering miscounted).
         route_tokens = max(1, GPU_ROUTE_SLOTS // slots)
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))

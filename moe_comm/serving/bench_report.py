@@ -23,14 +23,21 @@ def slowest_rank_per_step(step_us_per_rank: list[list[float]]) -> list[float]:
 
 
 def git_commit() -> str:
+    """HEAD's hash, with "+dirty" when tracked files differ from it (what was measured is then not HEAD).
+    MOE_COMM_COMMIT overrides it, for copies of the tree whose git metadata is not the measured commit
+    (a GPU machine)."""
+    if os.environ.get("MOE_COMM_COMMIT"):
+        return os.environ["MOE_COMM_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode != 0 or not head.stdout.strip():
+        head = git("rev-parse", "--verify", "-q", "HEAD").stdout.strip()
+        if len(head) != 40:
             return "unknown"
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")  # -dirty: tracked files differ from HEAD
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
