@@ -399,15 +399,18 @@ def plot(lines: list[dict], path: str, title: str) -> None:
     res = [r for r in lines if r["kind"] == "result"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     panels = [("alltoallv (world 1)", "rows", lambda r: r["op"] == "alltoallv"),
-              ("dispatch / combine (EP=1)", "tokens", lambda r: r["op"] != "alltoallv")]
+              ("dispatch / combine (EP=1; _emulated_w8: 8 ranks in turn)", "tokens",
+               lambda r: r["op"] != "alltoallv")]
+    colors = plt.get_cmap("tab20").colors  # more series than the default cycle's 10 colours
     for ax, (name, size_key, pick) in zip(axes, panels):
         series: dict = {}
         for r in filter(pick, res):
             key = r["impl"] if r["op"] == "alltoallv" else f"{r['op']} {r['impl']} {r['dtype']}"
             series.setdefault(key, []).append((r[size_key], r["p50_us"], r["floor_us"]))
-        for key, pts in sorted(series.items()):
+        for i, (key, pts) in enumerate(sorted(series.items())):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+            ls = "-" if " moe_comm " in f" {key} " else ("-." if "emulated" in key else "--")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=ls, color=colors[i % 20], label=key)
             if key.endswith("moe_comm") or " moe_comm " in key:
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color="gray")
         ax.set_xscale("log", base=2)
