@@ -182,6 +182,32 @@ def test_decode_bench_writes_table_json_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(120)
+def test_decode_profile_splits_the_step_into_parts(tmp_path, capsys):
+    """--profile: every part of the step gets a time, the parts fit inside the step (a range counted twice,
+    or one outside the step, would break that), a line per (backend, batch, part), and the model's ranges
+    are switched off again afterwards."""
+    import json  # noqa: PLC0415
+
+    from moe_comm.serving import model as model_mod  # noqa: PLC0415
+    from moe_comm.serving.latency_bench import main  # noqa: PLC0415
+    from moe_comm.serving.step_profile import PARTS  # noqa: PLC0415
+    assert main(["--profile", "--config", "llama4-scout", "--heap", "loopback", "--batches", "1,3",
+                 "--backends", "padded,fused", "--steps", "2", "--warmup", "1", "--out-dir", str(tmp_path)]) == 0
+    assert model_mod.PROFILE_SPANS is False
+    assert "not a GPU measurement" in capsys.readouterr().out
+    [jsonl] = tmp_path.glob("decode_profile_*.jsonl")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(records) == 2 * 2 * (len(PARTS) + 2)
+    for backend in ("padded", "fused"):
+        for batch in (1, 3):
+            got = {r["part"]: r["us_per_step"] for r in records
+                   if (r["backend"], r["batch_per_rank"]) == (backend, batch)}
+            assert all(got[p] > 0 for p in PARTS), got  # Scout has a shared expert: every part runs
+            assert sum(got[p] for p in PARTS) <= got["step"] * 1.001, got
+            assert got["other"] == pytest.approx(got["step"] - sum(got[p] for p in PARTS), abs=1e-6)
+
+
 @pytest.mark.timeout(300)
 def test_decode_bench_under_torchrun(tmp_path):
     """The several-GPU launch path (torchrun, one process per rank, torch.distributed bootstrap), run on

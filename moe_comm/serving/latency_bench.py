@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out-dir", default=os.path.join("bench", "results"))
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing: where each step's time goes (attention, router, dispatch, experts, "
+                        "combine, shared expert, LM head), eager steps under torch.profiler, one rank (world 1)")
     p.add_argument("--experts", default="auto", choices=("auto", "masked", "dense"),
                    help="expert MLP kernel, the same for every backend: masked = Triton grouped GEMM that skips "
                         "experts without rows, dense = torch.bmm over every expert (auto: masked on GPU, dense on CPU)")
@@ -58,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts.device = "cuda" if cuda else "cpu"
     defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if opts.profile and opts.world is None and not torchrun:
+        opts.world = 1
     for k, v in defaults.items():
         if getattr(opts, k) is None:
             setattr(opts, k, int(os.environ["WORLD_SIZE"]) if k == "world" and torchrun else v)
@@ -175,7 +180,15 @@ def run_ranks(groups: list, opts) -> dict:
 
 
 def _rank_entry(group, opts):
-    return run_ranks([group], opts)
+    return _work(opts)([group], opts)
+
+
+def _work(opts):
+    """What the ranks run: the timing (``run_ranks``) or, with --profile, ``step_profile.profile_ranks``."""
+    if opts.profile:
+        from .step_profile import profile_ranks  # noqa: PLC0415
+        return profile_ranks
+    return run_ranks
 
 
 def _free_port() -> int:
@@ -190,14 +203,14 @@ def _run(opts) -> list[dict] | None:
     if opts.torchrun:
         import torch.distributed as dist  # noqa: PLC0415
         with moe_comm.init(opts.heap, timeout_s=opts.timeout_s) as group:
-            res = run_ranks([group], opts)
+            res = _work(opts)([group], opts)
             gathered = [None] * group.world_size if group.rank == 0 else None
             dist.gather_object(res, gathered, dst=0)
         return gathered
     if opts.heap == "loopback":
         device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
         groups = moe_comm.init("loopback", world_size=opts.world, timeout_s=opts.timeout_s, device=device)
-        return [run_ranks(groups, opts)]
+        return [_work(opts)(groups, opts)]
     if opts.device == "cuda":
         if opts.world != 1:
             raise SystemExit("several ranks on GPUs: use torchrun (one GPU per rank) or --heap loopback on one GPU")
@@ -207,7 +220,7 @@ def _run(opts) -> list[dict] | None:
                                 device_id=torch.device("cuda", 0))
         try:
             with moe_comm.init(opts.heap, timeout_s=opts.timeout_s) as group:
-                return [run_ranks([group], opts)]
+                return [_work(opts)([group], opts)]
         finally:
             dist.destroy_process_group()
     return moe_comm.launch(_rank_entry, opts.world, opts, backend=opts.heap, timeout_s=opts.timeout_s)
@@ -266,7 +279,11 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     results = _run(opts)
     if results is not None and (not opts.torchrun or int(os.environ["RANK"]) == 0):
-        report(opts, results)
+        if opts.profile:
+            from .step_profile import report_profile  # noqa: PLC0415
+            report_profile(opts, results)
+        else:
+            report(opts, results)
     return 0
 
 

@@ -9,11 +9,20 @@ All shapes are static given the token count T, so one decode step can be capture
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from .experts import EXPERT_IMPLS
 from .weights import LayerWeights, ModelWeights
+
+# Named ranges for torch.profiler around the parts of a step (``step_profile.py``); off, no range is made.
+PROFILE_SPANS = False
+
+
+def span(name: str):
+    return torch.profiler.record_function(f"moe::{name}") if PROFILE_SPANS else contextlib.nullcontext()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -104,25 +113,36 @@ class MoEDecoder:
         cfg = self.cfg
         x = self.w.embed[tokens]
         for layer, lw in enumerate(self.w.layers):
-            x = x + cached_attention(lw, rms_norm(x, lw.attn_norm), self.k_cache[layer], self.v_cache[layer],
-                                     slots, positions, cfg.num_heads, cfg.head_dim)
+            h = rms_norm(x, lw.attn_norm)
+            with span("attention"):
+                h = cached_attention(lw, h, self.k_cache[layer], self.v_cache[layer], slots, positions,
+                                     cfg.num_heads, cfg.head_dim)
+            x = x + h
             x = x + (yield from self._moe(lw, rms_norm(x, lw.moe_norm), valid))
-        return (rms_norm(x, self.w.final_norm) @ self.w.lm_head).float()
+        h = rms_norm(x, self.w.final_norm)
+        with span("lm_head"):
+            return (h @ self.w.lm_head).float()
 
     def _moe(self, lw: LayerWeights, h, valid):
-        topk_idx, topk_weights = route(h, lw.router, self.cfg.topk)
-        topk_idx = torch.where(valid[:, None], topk_idx, -1)
-        x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
+        with span("router"):
+            topk_idx, topk_weights = route(h, lw.router, self.cfg.topk)
+            topk_idx = torch.where(valid[:, None], topk_idx, -1)
+        with span("dispatch"):
+            x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
         # Rows an expert is expected to get, for the masked kernel's row tile: T*K/E over the ranks.
         expected = -(-h.shape[0] * self.comm.world * self.cfg.topk // self.cfg.num_experts)
         # At world 1 at most T*K experts have rows: the masked kernel's grid needs no more expert slots.
         max_active = h.shape[0] * self.cfg.topk if self.comm.world == 1 else None
-        y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down, self.expert_impl,
-                              expected, max_active)
-        routed = yield from self._phases(self.comm.combine, y_e, topk_weights, ctx)
+        with span("experts"):
+            y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down, self.expert_impl,
+                                  expected, max_active)
+        with span("combine"):
+            routed = yield from self._phases(self.comm.combine, y_e, topk_weights, ctx)
         if lw.shared_gate is None:
             return routed
-        return gated_mlp(h, lw.shared_gate, lw.shared_up, lw.shared_down) + routed
+        with span("shared_expert"):
+            shared = gated_mlp(h, lw.shared_gate, lw.shared_up, lw.shared_down)
+        return shared + routed
 
     def _phases(self, op, *args):
         if not self.phased:

@@ -1,0 +1,115 @@
+"""Where a decode step's time goes (``moe-comm-decode-bench --profile``): one rank, eager steps under
+``torch.profiler``, time per named part of the model.
+
+The model marks its parts with ``model.span`` ranges (attention, router, dispatch, experts, combine,
+shared expert, LM head) when ``model.PROFILE_SPANS`` is on; off, the ranges cost nothing. Each part's
+time is the device time of the kernels launched inside its range (CPU time on the CPU), summed over
+the profiled steps and divided by their number; "other" is the step's time outside every part (norms,
+embedding, residual adds). Steps run eagerly (a CUDA graph replays as one opaque launch), so the
+per-step total is the sum of the kernels' device times, not the graphed step's latency.
+
+Inputs: ``batch`` tokens in cache slots 0..batch-1, all at position ``prompt_len + warmup``: the
+attention reads the whole cache whatever the position, so no prefill is needed to profile it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import model as model_mod
+from .bench_report import environment, write_jsonl
+
+PARTS = ("attention", "router", "dispatch", "experts", "combine", "shared_expert", "lm_head")
+
+
+def _span_times(prof, steps: int, device_time: bool) -> dict:
+    """µs per step for every model part and the whole step, from the profiler's CPU-side range events."""
+    out = dict.fromkeys((*PARTS, "step"), 0.0)
+    for ev in prof.events():
+        if ev.name.startswith("moe::") and ev.device_type == torch.autograd.DeviceType.CPU:
+            key = ev.name[len("moe::"):]
+            if key in out:
+                out[key] += (ev.device_time_total if device_time else ev.cpu_time_total) / steps
+    out["other"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
+    return out
+
+
+def profile_ranks(groups: list, opts) -> dict:
+    """{"profile": {backend: {batch: {part: µs per step}}}} for the one rank in ``groups`` (world 1)."""
+    from .backends import make_comms  # noqa: PLC0415
+    from .configs import model_config  # noqa: PLC0415
+    from .model import MoEDecoder, run_to_end  # noqa: PLC0415
+    from .weights import build_weights  # noqa: PLC0415
+
+    if len(groups) != 1 or groups[0].world_size != 1:
+        raise SystemExit("--profile runs one rank (world 1): the parts of a step are timed on that rank alone")
+    device = groups[0].device
+    cfg = model_config(opts.config, device)
+    weights = build_weights(cfg, device)
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    position = min(opts.prompt_len + opts.warmup, cfg.max_seq - 1)
+    out: dict = {}
+    model_mod.PROFILE_SPANS = True
+    try:
+        for name in opts.backends:
+            comm = make_comms(name, groups, cfg, opts.max_batch)[0]
+            model = MoEDecoder(weights, comm, opts.max_batch, expert_impl=opts.experts)
+            out[name] = {}
+            for batch in opts.batches:
+                g = torch.Generator().manual_seed(batch)
+                tokens = torch.randint(0, cfg.vocab, (batch,), generator=g).to(device)
+                slots = torch.arange(batch, device=device)
+                positions = torch.full((batch,), position, dtype=torch.int64, device=device)
+                valid = torch.ones(batch, dtype=torch.bool, device=device)
+
+                def step():
+                    with model_mod.span("step"):
+                        run_to_end(model.forward(tokens, slots, positions, valid))
+                for _ in range(opts.warmup):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(opts.steps):
+                        step()
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                out[name][batch] = _span_times(prof, opts.steps, cuda)
+            comm.close()
+            del model
+    finally:
+        model_mod.PROFILE_SPANS = False
+    return dict(profile=out)
+
+
+def report_profile(opts, results: list[dict]) -> dict:
+    """Print one table per backend (parts x batches, µs per step) and append JSON lines."""
+    import os  # noqa: PLC0415
+
+    from .configs import model_config  # noqa: PLC0415
+    cfg = model_config(opts.config, opts.device)
+    env = environment(torch.device(opts.device))
+    prof = results[0]["profile"]
+    unit = "device µs" if opts.device == "cuda" else "CPU µs (interpreted kernels: not a GPU measurement)"
+    print(f"\n{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}; "
+          f"{opts.experts} expert GEMMs; world 1, eager steps under torch.profiler")
+    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+    records = []
+    for name, by_batch in prof.items():
+        print(f"\n{name}: {unit} per step, mean of {opts.steps} steps after {opts.warmup} warm-up")
+        print(f"  {'part':<14}" + "".join(f"{b:>10}" for b in opts.batches))
+        for part in (*PARTS, "other", "step"):
+            print(f"  {part:<14}" + "".join(f"{by_batch[b][part]:>10.0f}" for b in opts.batches))
+            for b in opts.batches:
+                records.append(dict(bench="decode_profile", config=cfg.name, backend=name, batch_per_rank=b,
+                                    part=part, us_per_step=by_batch[b][part], device_time=opts.device == "cuda",
+                                    expert_impl=opts.experts, steps=opts.steps, **env,
+                                    time=time.strftime("%Y-%m-%dT%H:%M:%S")))
+    os.makedirs(opts.out_dir, exist_ok=True)
+    path = os.path.join(opts.out_dir, f"decode_profile_{cfg.name}_{opts.device}_{opts.experts}.jsonl")
+    write_jsonl(path, records)
+    print(f"\nJSON lines appended to {path}")
+    return dict(records=records, jsonl=path)
