@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU check, offline, from the source tree (see ../shared/gpu.md): GPU tests, kernel benchmark, decode
-# benchmark, then a one-screen summary. Everything produced goes under OUT.
+# benchmark, a profile of the decode step's parts, then a one-screen summary. Everything produced goes
+# under OUT.
 #
 #   scripts/gpu_check.sh OUT            (or: make gpu-check OUT=dir)
 #
 # Without a GPU it still runs, as a dry run (CPU interpreter, tiny shapes, numbers labelled as not GPU
 # measurements): the GPU tests skip, bench/kernels.py gets --dry, the decode benchmark a small CPU setting.
 #
-# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode"); GPU_CHECK_MARK
+# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode profile"); GPU_CHECK_MARK
 # (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak); GPU_CHECK_DECODE_CONFIGS
 # (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS /
 # GPU_CHECK_DECODE_ARGS (extra words for each step); GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or
@@ -58,7 +59,7 @@ if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     DECODE_CONFIGS=${GPU_CHECK_DECODE_CONFIGS:-llama4-scout}
 fi
 
-STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode} "
+STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode profile} "
 # shellcheck disable=SC2086  (the extra-args variables are word lists on purpose)
 [[ $STEPS == *" pytest "* ]] && step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra \
     -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
@@ -69,6 +70,15 @@ if [[ $STEPS == *" decode "* ]]; then
         # shellcheck disable=SC2086
         step "decode-$cfg" $PY bench/decode_latency.py --config "$cfg" $DECODE_DEFAULTS --out-dir "$OUT" \
             ${GPU_CHECK_DECODE_ARGS:-}
+    done
+fi
+if [[ $STEPS == *" profile "* ]]; then
+    PROFILE_ARGS="--batches 1,64,256 --steps 20 --warmup 3"
+    [ -n "$KERNEL_DRY" ] && PROFILE_ARGS="--batches 1,2 --steps 2 --warmup 1"
+    for cfg in ${DECODE_CONFIGS}; do
+        # shellcheck disable=SC2086
+        step "profile-$cfg" $PY bench/decode_latency.py --profile --world 1 --config "$cfg" $PROFILE_ARGS \
+            --out-dir "$OUT"
     done
 fi
 $PY scripts/gpu_summary.py "$OUT" --markdown "$OUT/summary.md" | tee "$OUT/summary.txt"
