@@ -8,11 +8,13 @@
 # Without a GPU it still runs, as a dry run (CPU interpreter, tiny shapes, numbers labelled as not GPU
 # measurements): the GPU tests skip, bench/kernels.py gets --dry, the decode benchmark a small CPU setting.
 #
-# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode profile"); GPU_CHECK_MARK
-# (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak); GPU_CHECK_DECODE_CONFIGS
-# (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS /
-# GPU_CHECK_DECODE_ARGS (extra words for each step); GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or
-# times out is recorded and the next one still runs; the exit status is the first failure's.
+# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode profile");
+# GPU_CHECK_MARK (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak);
+# GPU_CHECK_DECODE_CONFIGS (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_DECODE_ATTENTION
+# (default "torch triton": the decode benchmark and profile once per attention kernel);
+# GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS / GPU_CHECK_DECODE_ARGS (extra words for each step);
+# GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or times out is recorded and
+# the next one still runs; the exit status is the first failure's.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 PY=${PYTHON:-python3}
@@ -65,20 +67,25 @@ STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode profile} "
     -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
 # shellcheck disable=SC2086
 [[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
+ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-torch triton}
 if [[ $STEPS == *" decode "* ]]; then
     for cfg in ${DECODE_CONFIGS}; do
-        # shellcheck disable=SC2086
-        step "decode-$cfg" $PY bench/decode_latency.py --config "$cfg" $DECODE_DEFAULTS --out-dir "$OUT" \
-            ${GPU_CHECK_DECODE_ARGS:-}
+        for attn in ${ATTENTION}; do
+            # shellcheck disable=SC2086
+            step "decode-$cfg-attn-$attn" $PY bench/decode_latency.py --config "$cfg" --attention "$attn" \
+                $DECODE_DEFAULTS --out-dir "$OUT" ${GPU_CHECK_DECODE_ARGS:-}
+        done
     done
 fi
 if [[ $STEPS == *" profile "* ]]; then
     PROFILE_ARGS="--batches 1,64,256 --steps 20 --warmup 3"
     [ -n "$KERNEL_DRY" ] && PROFILE_ARGS="--batches 1,2 --steps 2 --warmup 1"
     for cfg in ${DECODE_CONFIGS}; do
-        # shellcheck disable=SC2086
-        step "profile-$cfg" $PY bench/decode_latency.py --profile --world 1 --config "$cfg" $PROFILE_ARGS \
-            --out-dir "$OUT"
+        for attn in ${ATTENTION}; do
+            # shellcheck disable=SC2086
+            step "profile-$cfg-attn-$attn" $PY bench/decode_latency.py --profile --world 1 --config "$cfg" \
+                --attention "$attn" $PROFILE_ARGS --out-dir "$OUT"
+        done
     done
 fi
 $PY scripts/gpu_summary.py "$OUT" --markdown "$OUT/summary.md" | tee "$OUT/summary.txt"

@@ -125,11 +125,13 @@ def kernel_table(kern: list[dict]) -> list[str]:
 
 
 def decode_groups(dec: list[dict]) -> dict[tuple, list[dict]]:
-    """Decode records by (config, world, heap, expert kernel); records from before the expert kernel
-    was recorded ran torch.bmm ("dense")."""
+    """Decode records by (config, world, heap, expert kernel, attention kernel); records from before a
+    kernel was recorded ran torch.bmm experts ("dense") and the torch attention."""
     groups: dict[tuple, list[dict]] = {}
     for r in dec:
-        groups.setdefault((r.get("config"), r.get("world"), r.get("heap"), r.get("expert_impl", "dense")), []).append(r)
+        key = (r.get("config"), r.get("world"), r.get("heap"), r.get("expert_impl", "dense"),
+               r.get("attention_impl", "torch"))
+        groups.setdefault(key, []).append(r)
     return groups
 
 
@@ -137,7 +139,7 @@ def decode_targets(dec: list[dict]) -> list[str]:
     """Issue targets per group and backend (dynamic, fused): >= 43 % lower step time than sync at every
     batch <= 64, and never slower than sync or padded at any batch."""
     lines = []
-    for (config, world, _, experts), rows in decode_groups(dec).items():
+    for (config, world, _, experts, attention), rows in decode_groups(dec).items():
         p50 = {(r["backend"], r["batch_per_rank"]): r["us_p50"] for r in rows}
         for be in ("dynamic", "fused"):
             batches = sorted(b for (name, b) in p50 if name == be and (("sync", b) in p50))
@@ -146,7 +148,7 @@ def decode_targets(dec: list[dict]) -> list[str]:
             gain = {b: 100.0 * (1 - p50[(be, b)] / p50[("sync", b)]) for b in batches}
             small = [b for b in batches if b <= DECODE_GAIN_BATCH]
             worst = min(small, key=gain.get) if small else None
-            tag = f"{config} w{world} {experts}"
+            tag = f"{config} w{world} {experts}" + ("" if attention == "torch" else f" attn-{attention}")
             ok = None if worst is None else gain[worst] >= DECODE_GAIN_TARGET
             lines.append(f"  {verdict(ok)}  decode {be} vs sync "
                          f"({tag}): " + (f"least {gain[worst]:.1f} % at batch {worst}, most {max(gain.values()):.1f} % "
@@ -160,16 +162,17 @@ def decode_targets(dec: list[dict]) -> list[str]:
 
 
 def decode_table(dec: list[dict]) -> list[str]:
-    """One table per (config, world, heap, expert kernel) found."""
+    """One table per (config, world, heap, expert kernel, attention kernel) found."""
     if not dec:
         return ["  (no decode results)"]
     groups = decode_groups(dec)
     out = []
-    for (config, world, heap, experts), rows in groups.items():
+    for (config, world, heap, experts, attention), rows in groups.items():
         backends = list(dict.fromkeys(r["backend"] for r in rows))
         batches = sorted({r["batch_per_rank"] for r in rows})
         by = {(r["backend"], r["batch_per_rank"]): r for r in rows}
-        out += [f"  {config} world {world} {heap} heap, {experts} expert GEMMs; step p50 µs by batch per rank",
+        out += [f"  {config} world {world} {heap} heap, {experts} expert GEMMs, {attention} attention; "
+                "step p50 µs by batch per rank",
                 "  " + f"{'backend':<10}" + "".join(f"{b:>9}" for b in batches)]
         for be in backends:
             out.append("  " + f"{be:<10}" + "".join(

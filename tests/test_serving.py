@@ -45,7 +45,8 @@ def _requests(rank: int, world: int, vocab: int) -> list[Request]:
             for i in range(n)]
 
 
-def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=False, expert_impl=None) -> dict:
+def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=False, expert_impl=None,
+           attention_impl="torch") -> dict:
     """Run every backend on the ranks in ``groups`` -> {backend: per local rank [(tokens, logits)]}."""
     torch.set_num_threads(1)
     cfg = model_config(config, "cpu")
@@ -55,7 +56,7 @@ def _serve(groups, config: str, backends: list[str], buckets=None, poison_pad=Fa
     for name in backends:
         comms = make_comms(name, groups, cfg, MAX_BATCH)
         models = [MoEDecoder(full.for_rank(g.rank, world), c, MAX_BATCH, phased=len(groups) > 1,
-                             expert_impl=expert_impl) for g, c in zip(groups, comms)]
+                             expert_impl=expert_impl, attention_impl=attention_impl) for g, c in zip(groups, comms)]
         engine = DecodeEngine(models, buckets=buckets)
         assert not engine.use_graphs  # CPU: never graphs
         if poison_pad:  # junk in what padding rows read: their token and their scratch KV-cache slot
@@ -100,14 +101,15 @@ def test_process_ranks_match_reference(world, config):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,expert_impl", [(2, "dense"), (2, "masked"), (1, "masked")])
-def test_loopback_ranks_match_reference(world, expert_impl):
+@pytest.mark.parametrize("world,expert_impl,attention_impl", [(2, "dense", "torch"), (2, "masked", "torch"),
+                                                               (1, "masked", "torch"), (2, "dense", "triton")])
+def test_loopback_ranks_match_reference(world, expert_impl, attention_impl):
     """Every rank in one process, driven phase by phase (how worlds are emulated on one GPU); with the
     torch.bmm experts and with the masked Triton expert GEMMs the GPU runs by default (at world 1 with a
-    grid of T * top-k expert slots)."""
+    grid of T * top-k expert slots), and with the Triton attention that reads only visible positions."""
     config = "llama4-scout"
     groups = moe_comm.init(backend="loopback", world_size=world)
-    per_backend = _serve(groups, config, BACKENDS, expert_impl=expert_impl)
+    per_backend = _serve(groups, config, BACKENDS, expert_impl=expert_impl, attention_impl=attention_impl)
     _assert_matches_reference(config, world, per_backend, list(range(world)))
 
 

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: where each step's time goes (attention, router, dispatch, experts, "
                         "combine, shared expert, LM head), eager steps under torch.profiler, one rank (world 1)")
+    p.add_argument("--attention", default="torch", choices=("torch", "triton"),
+                   help="attention kernel, the same for every backend: torch = gather each token's whole cache "
+                        "row (max_seq positions), triton = read only the visible positions")
     p.add_argument("--experts", default="auto", choices=("auto", "masked", "dense"),
                    help="expert MLP kernel, the same for every backend: masked = Triton grouped GEMM that skips "
                         "experts without rows, dense = torch.bmm over every expert (auto: masked on GPU, dense on CPU)")
@@ -128,8 +131,8 @@ def run_ranks(groups: list, opts) -> dict:
 
     def engine_for(name):
         comms = make_comms(name, groups, cfg, opts.max_batch)
-        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1, expert_impl=opts.experts)
-                  for w, c in zip(shares, comms)]
+        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1, expert_impl=opts.experts,
+                             attention_impl=opts.attention) for w, c in zip(shares, comms)]
         return DecodeEngine(models), comms
 
     def release(comms):
@@ -251,16 +254,19 @@ def report(opts, results: list[dict]) -> dict:
             rec = dict(bench="decode_latency", op="decode_step", config=cfg.name, hidden=cfg.hidden, layers=cfg.num_layers,
                        experts=cfg.num_experts, topk=cfg.topk, dtype=str(cfg.dtype).replace("torch.", ""),
                        backend=b, batch_per_rank=n, world=opts.world, heap=opts.heap, expert_impl=opts.experts,
+                       attention_impl=opts.attention,
                        emulated=bool(results[0]["emulated"][b]), cuda_graphs=bool(results[0]["graphs"][b]),
                        warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
                        **percentiles(slowest_rank_per_step(per_process)), **env,
                        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             records.append(rec)
     os.makedirs(opts.out_dir, exist_ok=True)
-    stem = os.path.join(opts.out_dir, f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}_{opts.experts}")
+    attention = "" if opts.attention == "torch" else f"_attn-{opts.attention}"
+    stem = os.path.join(opts.out_dir,
+                        f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}_{opts.experts}{attention}")
     write_jsonl(stem + ".jsonl", records)
     title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
-             f"{rec['dtype']}, {opts.experts} expert GEMMs")
+             f"{rec['dtype']}, {opts.experts} expert GEMMs, {opts.attention} attention")
     plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
     worst = {b: max(res["check"][b] for res in results) for b in opts.backends}
     print(f"\n{title}\n{mode}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")

@@ -14,6 +14,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .attention import attend_triton
 from .experts import EXPERT_IMPLS
 from .weights import LayerWeights, ModelWeights
 
@@ -58,23 +59,35 @@ def route(h: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tenso
 
 
 def cached_attention(lw: LayerWeights, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, positions: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+                     slots: torch.Tensor, positions: torch.Tensor, num_heads: int, head_dim: int,
+                     impl: str = "torch") -> torch.Tensor:
     """Causal multi-head attention of T new tokens against a KV cache.
 
     h [T, H]; k_cache/v_cache [num_slots, max_seq, heads, head_dim] (this layer's); slots/positions [T] int64:
     token t is at position positions[t] of the sequence in cache slot slots[t]. All T keys/values are written
-    before any is read, so several tokens of one sequence (prefill) see each other causally.
+    before any is read, so several tokens of one sequence (prefill) see each other causally. impl: "torch"
+    (``attend_gather``) or "triton" (``attention.attend_triton``: reads only the visible positions).
     """
     t = h.shape[0]
     q, k, v = ((h @ w).view(t, num_heads, head_dim) for w in (lw.wq, lw.wk, lw.wv))
     k_cache[slots, positions] = k
     v_cache[slots, positions] = v
+    return ATTENTION_IMPLS[impl](q, k_cache, v_cache, slots, positions).reshape(t, num_heads * head_dim) @ lw.wo
+
+
+def attend_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads, head_dim]: every token's whole cache row gathered, positions
+    past its own masked (bytes grow with max_seq, not with the sequence)."""
     keys, values = k_cache[slots], v_cache[slots]  # [T, max_seq, heads, head_dim]
-    scores = torch.einsum("thd,tshd->ths", q, keys).float() * head_dim ** -0.5
-    visible = torch.arange(k_cache.shape[1], device=h.device)[None, :] <= positions[:, None]  # [T, max_seq]
+    scores = torch.einsum("thd,tshd->ths", q, keys).float() * q.shape[2] ** -0.5
+    visible = torch.arange(k_cache.shape[1], device=q.device)[None, :] <= positions[:, None]  # [T, max_seq]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(h.dtype)
-    return torch.einsum("ths,tshd->thd", probs, values).reshape(t, num_heads * head_dim) @ lw.wo
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.einsum("ths,tshd->thd", probs, values)
+
+
+ATTENTION_IMPLS = {"torch": attend_gather, "triton": attend_triton}
 
 
 class MoEDecoder:
@@ -87,10 +100,11 @@ class MoEDecoder:
     send phases before their receive phases; otherwise it never yields (run it with ``run_to_end``).
     expert_impl: "masked" or "dense" (``batched_experts``); None = masked on CUDA, dense on the CPU (where
     the masked kernel runs in Triton's interpreter, one program per expert tile).
+    attention_impl: "torch" or "triton" (``cached_attention``).
     """
 
     def __init__(self, weights: ModelWeights, comm, max_batch: int, phased: bool = False,
-                 expert_impl: str | None = None):
+                 expert_impl: str | None = None, attention_impl: str = "torch"):
         cfg = weights.cfg
         self.cfg, self.w, self.comm, self.max_batch, self.phased = cfg, weights, comm, max_batch, phased
         if expert_impl is None:
@@ -98,6 +112,9 @@ class MoEDecoder:
         if expert_impl not in EXPERT_IMPLS:
             raise ValueError(f"expert_impl must be one of {tuple(EXPERT_IMPLS)}, got {expert_impl!r}")
         self.expert_impl = expert_impl
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {tuple(ATTENTION_IMPLS)}, got {attention_impl!r}")
+        self.attention_impl = attention_impl
         self.device = weights.embed.device
         self.pad_slot = max_batch
         shape = (cfg.num_layers, max_batch + 1, cfg.max_seq, cfg.num_heads, cfg.head_dim)
@@ -116,7 +133,7 @@ class MoEDecoder:
             h = rms_norm(x, lw.attn_norm)
             with span("attention"):
                 h = cached_attention(lw, h, self.k_cache[layer], self.v_cache[layer], slots, positions,
-                                     cfg.num_heads, cfg.head_dim)
+                                     cfg.num_heads, cfg.head_dim, self.attention_impl)
             x = x + h
             x = x + (yield from self._moe(lw, rms_norm(x, lw.moe_norm), valid))
         h = rms_norm(x, self.w.final_norm)

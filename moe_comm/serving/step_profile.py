@@ -56,7 +56,8 @@ def profile_ranks(groups: list, opts) -> dict:
     try:
         for name in opts.backends:
             comm = make_comms(name, groups, cfg, opts.max_batch)[0]
-            model = MoEDecoder(weights, comm, opts.max_batch, expert_impl=opts.experts)
+            model = MoEDecoder(weights, comm, opts.max_batch, expert_impl=opts.experts,
+                               attention_impl=opts.attention)
             out[name] = {}
             for batch in opts.batches:
                 g = torch.Generator().manual_seed(batch)
@@ -95,7 +96,7 @@ def report_profile(opts, results: list[dict]) -> dict:
     prof = results[0]["profile"]
     unit = "device µs" if opts.device == "cuda" else "CPU µs (interpreted kernels: not a GPU measurement)"
     print(f"\n{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}; "
-          f"{opts.experts} expert GEMMs; world 1, eager steps under torch.profiler")
+          f"{opts.experts} expert GEMMs, {opts.attention} attention; world 1, eager steps under torch.profiler")
     print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     records = []
     for name, by_batch in prof.items():
@@ -106,10 +107,12 @@ def report_profile(opts, results: list[dict]) -> dict:
             for b in opts.batches:
                 records.append(dict(bench="decode_profile", config=cfg.name, backend=name, batch_per_rank=b,
                                     part=part, us_per_step=by_batch[b][part], device_time=opts.device == "cuda",
-                                    expert_impl=opts.experts, steps=opts.steps, **env,
+                                    expert_impl=opts.experts, attention_impl=opts.attention,
+                                    steps=opts.steps, **env,
                                     time=time.strftime("%Y-%m-%dT%H:%M:%S")))
     os.makedirs(opts.out_dir, exist_ok=True)
-    path = os.path.join(opts.out_dir, f"decode_profile_{cfg.name}_{opts.device}_{opts.experts}.jsonl")
+    path = os.path.join(opts.out_dir,
+                        f"decode_profile_{cfg.name}_{opts.device}_{opts.experts}_attn-{opts.attention}.jsonl")
     write_jsonl(path, records)
     print(f"\nJSON lines appended to {path}")
     return dict(records=records, jsonl=path)

@@ -63,7 +63,8 @@ def _a2a_configs() -> list[KernelConfig]:
 def _extra_configs() -> list[KernelConfig]:
     """Kernel configs that other op modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
     out = []
-    for name in ("routing", "dispatch", "dispatch_local", "combine", "moe_comm.serving.experts"):
+    for name in ("routing", "dispatch", "dispatch_local", "combine", "moe_comm.serving.experts",
+                 "moe_comm.serving.attention"):
         try:
             mod = importlib.import_module(_module_path(name))
         except ImportError:
@@ -74,7 +75,7 @@ def _extra_configs() -> list[KernelConfig]:
 
 
 def _module_path(name: str) -> str:
-    """Op modules of this package by short name; anything else (the serving expert GEMMs) by full path."""
+    """Op modules of this package by short name; anything else (the serving kernels) by full path."""
     return name if "." in name else f"moe_comm.triton_kernels.{name}"
 
 

@@ -1,0 +1,71 @@
+"""The Triton decode attention (``serving/attention.py``) against the torch attention that gathers whole
+cache rows (``model.attend_gather``), in Triton's interpreter: several cache blocks per token, a head size
+that is not a power of two, tokens at position 0, at the last position and past it, repeated slots."""
+
+import pytest
+import torch
+
+from moe_comm.serving.attention import attend_triton
+from moe_comm.serving.model import attend_gather
+
+
+def _case(dtype, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    slots_n, max_seq, heads = 4, 70, 3  # 70 positions: three 32-position blocks
+    k = torch.randn(slots_n, max_seq, heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(slots_n, max_seq, heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([2, 0, 3, 2, 1, 0])
+    positions = torch.tensor([0, 69, 64, 5, 63, 1000])  # 1000: past the cache, sees the whole row
+    q = torch.randn(len(slots), heads, head_dim, generator=g).to(dtype)
+    return q, k, v, slots, positions
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_matches_gather_attention_float32(head_dim):
+    q, k, v, slots, positions = _case(torch.float32, head_dim, head_dim)
+    got = attend_triton(q, k, v, slots, positions)
+    want = attend_gather(q, k, v, slots, positions)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_gather_attention_bfloat16():
+    """bf16: the torch version rounds its scores and probabilities to bf16 on the way, the kernel keeps
+    float32 until the output; both against the float32 result of the same bf16 inputs."""
+    q, k, v, slots, positions = _case(torch.bfloat16, 16, 3)
+    exact = attend_gather(q.float(), k.float(), v.float(), slots, positions)
+    got = attend_triton(q, k, v, slots, positions)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=1e-2)  # output rounding only
+    torch.testing.assert_close(attend_gather(q, k, v, slots, positions).float(), exact, rtol=5e-2, atol=5e-2)
+
+
+def test_reads_nothing_past_a_token_position_and_no_other_slot():
+    """NaN everywhere a token may not look: its later positions and every other slot."""
+    q, k, v, slots, positions = _case(torch.float32, 16, 5)
+    slots, positions, q = slots[:5], positions[:5], q[:5]
+    k2, v2 = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for s, p in zip(slots.tolist(), positions.tolist()):
+        k2[s, :p + 1], v2[s, :p + 1] = k[s, :p + 1], v[s, :p + 1]
+    for t in range(5):  # token by token: tokens of one slot see different lengths
+        one = slice(t, t + 1)
+        got = attend_triton(q[one], k2, v2, slots[one], positions[one])
+        torch.testing.assert_close(got, attend_gather(q[one], k, v, slots[one], positions[one]), rtol=1e-5, atol=1e-5)
+
+
+def test_no_tokens_and_bad_shapes():
+    q, k, v, slots, positions = _case(torch.float32, 16, 1)
+    assert attend_triton(q[:0], k, v, slots[:0], positions[:0]).shape == (0, 3, 16)
+    with pytest.raises(ValueError, match="attend_triton"):
+        attend_triton(q, k, v[:, :, :2], slots, positions)
+
+
+def test_large_scores_stay_finite():
+    """Scores in the thousands: the running maximum must carry across cache blocks (rescaling by a
+    block's own maximum alone overflows exp when a later block's scores are much smaller)."""
+    q, k, v, slots, positions = _case(torch.float32, 16, 7)
+    k[:, 32:] *= 0.01  # the later blocks' scores far below the first's
+    q = q * 300
+    got = attend_triton(q, k, v, slots, positions)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, attend_gather(q, k, v, slots, positions), rtol=1e-4, atol=1e-4)
