@@ -14,6 +14,7 @@ attention reads the whole cache whatever the position, so no prefill is needed t
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -88,8 +89,6 @@ def profile_ranks(groups: list, opts) -> dict:
 
 def report_profile(opts, results: list[dict]) -> dict:
     """Print one table per backend (parts x batches, µs per step) and append JSON lines."""
-    import os  # noqa: PLC0415
-
     from .configs import model_config  # noqa: PLC0415
     cfg = model_config(opts.config, opts.device)
     env = environment(torch.device(opts.device))
