@@ -69,3 +69,26 @@ def test_large_scores_stay_finite():
     got = attend_triton(q, k, v, slots, positions)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, attend_gather(q, k, v, slots, positions), rtol=1e-4, atol=1e-4)
+
+
+def test_reference_model_rounds_where_each_attention_does():
+    """bf16 prefill of one sequence: the reference model built for an attention kernel rounds its scores
+    and probabilities where that kernel does (``ATTENTION_IN_FLOAT32``), so it matches it bit for bit
+    here; built for the other kernel it differs in most elements. That rounding, not a bug, is what can
+    flip a near-tie routing choice in the decode benchmark's bf16 check."""
+    from moe_comm.serving.configs import model_config  # noqa: PLC0415
+    from moe_comm.serving.model import cached_attention  # noqa: PLC0415
+    from moe_comm.serving.reference_model import ReferenceModel  # noqa: PLC0415
+    from moe_comm.serving.weights import build_weights  # noqa: PLC0415
+
+    cfg = model_config("deepseek-v3", "cpu", dtype=torch.bfloat16)
+    weights = build_weights(cfg)
+    lw, S = weights.layers[0], 40
+    h = torch.randn(S, cfg.hidden, generator=torch.Generator().manual_seed(0)).to(cfg.dtype)
+    refs = {impl: ReferenceModel(weights, impl)._attention(lw, h).float() for impl in ("torch", "triton")}
+    for impl, other in [("torch", "triton"), ("triton", "torch")]:
+        cache = torch.zeros(2, cfg.max_seq, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype)
+        served = cached_attention(lw, h, cache, cache.clone(), torch.zeros(S, dtype=torch.int64),
+                                  torch.arange(S), cfg.num_heads, cfg.head_dim, impl).float()
+        assert (served != refs[impl]).float().mean() < 0.01, impl
+        assert (served != refs[other]).float().mean() > 0.3, impl

@@ -76,9 +76,10 @@ def _serve_rank(group, config, backends):
     return _serve([group], config, backends)
 
 
-def _assert_matches_reference(config: str, world: int, per_backend: dict, ranks: list[int]):
+def _assert_matches_reference(config: str, world: int, per_backend: dict, ranks: list[int],
+                              attention_impl: str = "torch"):
     cfg = model_config(config, "cpu")
-    ref = ReferenceModel(build_weights(cfg))
+    ref = ReferenceModel(build_weights(cfg), attention_impl)
     for name, per_rank in per_backend.items():
         for rank, outs in zip(ranks, per_rank):
             reqs = _requests(rank, world, cfg.vocab)
@@ -110,7 +111,7 @@ def test_loopback_ranks_match_reference(world, expert_impl, attention_impl):
     config = "llama4-scout"
     groups = moe_comm.init(backend="loopback", world_size=world)
     per_backend = _serve(groups, config, BACKENDS, expert_impl=expert_impl, attention_impl=attention_impl)
-    _assert_matches_reference(config, world, per_backend, list(range(world)))
+    _assert_matches_reference(config, world, per_backend, list(range(world)), attention_impl)
 
 
 @pytest.mark.timeout(120)

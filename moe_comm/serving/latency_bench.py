@@ -50,9 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: where each step's time goes (attention, router, dispatch, experts, "
                         "combine, shared expert, LM head), eager steps under torch.profiler, one rank (world 1)")
-    p.add_argument("--attention", default="torch", choices=("torch", "triton"),
+    p.add_argument("--attention", default="auto", choices=("auto", "torch", "triton"),
                    help="attention kernel, the same for every backend: torch = gather each token's whole cache "
-                        "row (max_seq positions), triton = read only the visible positions")
+                        "row (max_seq positions), triton = read only the visible positions (auto: triton on "
+                        "GPU, torch on CPU)")
     p.add_argument("--experts", default="auto", choices=("auto", "masked", "dense"),
                    help="expert MLP kernel, the same for every backend: masked = Triton grouped GEMM that skips "
                         "experts without rows, dense = torch.bmm over every expert (auto: masked on GPU, dense on CPU)")
@@ -74,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts.torchrun = torchrun
     if opts.experts == "auto":
         opts.experts = "masked" if cuda else "dense"
+    if opts.attention == "auto":
+        opts.attention = "triton" if cuda else "torch"
     opts.max_batch = max(max(opts.batches), 3)
     return opts
 
@@ -142,7 +145,7 @@ def run_ranks(groups: list, opts) -> dict:
             torch.cuda.empty_cache()
 
     # 1. every backend against the reference model, before any timing
-    ref = ReferenceModel(full if full is not None else build_weights(cfg, device))
+    ref = ReferenceModel(full if full is not None else build_weights(cfg, device), opts.attention)
     for name in opts.backends:
         bar.set_postfix_str(f"{name}: check vs reference")
         engine, comms = engine_for(name)

@@ -23,7 +23,21 @@ PROFILE_SPANS = False
 
 
 def span(name: str):
-    return torch.profiler.record_function(f"moe::{name}") if PROFILE_SPANS else contextlib.nullcontext()
+    return _profiled_span(name) if PROFILE_SPANS else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _profiled_span(name: str):
+    # The device is drained at both ends so every kernel launched inside the range also runs inside it:
+    # step_profile attributes kernels by time, because the profiler does not link Triton's launches
+    # (cuLaunchKernelEx) to the range they came from.
+    sync = torch.cuda.is_initialized()
+    if sync:
+        torch.cuda.synchronize()
+    with torch.profiler.record_function(f"moe::{name}"):
+        yield
+        if sync:
+            torch.cuda.synchronize()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -88,6 +102,16 @@ def attend_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 ATTENTION_IMPLS = {"torch": attend_gather, "triton": attend_triton}
+# Whether each attention keeps its scores and softmax probabilities in float32 (the Triton kernel) or
+# rounds both to the activations' dtype (attend_gather's bf16 einsums). The reference model rounds where
+# the served attention does; otherwise those roundings can flip a near-tie top-k routing choice
+# (DeepSeek-V3's 8 of 256) and the bf16 check would compare different expert sets.
+ATTENTION_IN_FLOAT32 = {"torch": False, "triton": True}
+
+
+def default_attention_impl(device: torch.device) -> str:
+    """triton on CUDA; torch on the CPU, where the Triton kernel would run in the interpreter."""
+    return "triton" if device.type == "cuda" else "torch"
 
 
 class MoEDecoder:
@@ -100,11 +124,11 @@ class MoEDecoder:
     send phases before their receive phases; otherwise it never yields (run it with ``run_to_end``).
     expert_impl: "masked" or "dense" (``batched_experts``); None = masked on CUDA, dense on the CPU (where
     the masked kernel runs in Triton's interpreter, one program per expert tile).
-    attention_impl: "torch" or "triton" (``cached_attention``).
+    attention_impl: "torch" or "triton" (``cached_attention``); None = ``default_attention_impl``.
     """
 
     def __init__(self, weights: ModelWeights, comm, max_batch: int, phased: bool = False,
-                 expert_impl: str | None = None, attention_impl: str = "torch"):
+                 expert_impl: str | None = None, attention_impl: str | None = None):
         cfg = weights.cfg
         self.cfg, self.w, self.comm, self.max_batch, self.phased = cfg, weights, comm, max_batch, phased
         if expert_impl is None:
@@ -112,6 +136,8 @@ class MoEDecoder:
         if expert_impl not in EXPERT_IMPLS:
             raise ValueError(f"expert_impl must be one of {tuple(EXPERT_IMPLS)}, got {expert_impl!r}")
         self.expert_impl = expert_impl
+        if attention_impl is None:
+            attention_impl = default_attention_impl(weights.embed.device)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {tuple(ATTENTION_IMPLS)}, got {attention_impl!r}")
         self.attention_impl = attention_impl

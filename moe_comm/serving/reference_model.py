@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from .model import gated_mlp, rms_norm, route
+from .model import ATTENTION_IN_FLOAT32, default_attention_impl, gated_mlp, rms_norm, route
 from .weights import ModelWeights
 
 
 class ReferenceModel:
-    """weights: a ModelWeights holding every expert (``build_weights(cfg, device)``)."""
+    """weights: a ModelWeights holding every expert (``build_weights(cfg, device)``).
+    attention_impl: the served model's attention ("torch" or "triton"; None = ``default_attention_impl``,
+    as in ``MoEDecoder``); the reference rounds its attention scores and probabilities where that
+    attention does (``model.ATTENTION_IN_FLOAT32``), and nowhere else follows it.
+    """
 
-    def __init__(self, weights: ModelWeights):
+    def __init__(self, weights: ModelWeights, attention_impl: str | None = None):
         if (weights.expert_lo, weights.expert_hi) != (0, weights.cfg.num_experts):
             raise ValueError("the reference model needs every expert")
         self.cfg, self.w = weights.cfg, weights
+        impl = attention_impl or default_attention_impl(weights.embed.device)
+        self.attention_in_float32 = ATTENTION_IN_FLOAT32[impl]
 
     @torch.no_grad()
     def logits(self, tokens: list[int]) -> torch.Tensor:
@@ -35,10 +41,13 @@ class ReferenceModel:
     def _attention(self, lw, h):
         s, nh, hd = h.shape[0], self.cfg.num_heads, self.cfg.head_dim
         q, k, v = ((h @ m).view(s, nh, hd) for m in (lw.wq, lw.wk, lw.wv))
+        if self.attention_in_float32:
+            q, k, v = q.float(), k.float(), v.float()
         scores = torch.einsum("qhd,khd->hqk", q, k).float() * hd ** -0.5
         causal = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).to(h.dtype)
-        return torch.einsum("hqk,khd->qhd", probs, v).reshape(s, nh * hd) @ lw.wo
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).to(v.dtype)
+        out = torch.einsum("hqk,khd->qhd", probs, v).to(h.dtype)
+        return out.reshape(s, nh * hd) @ lw.wo
 
     def _moe(self, lw, h):
         idx, weights = route(h, lw.router, self.cfg.topk)

@@ -2,9 +2,10 @@
 ``torch.profiler``, time per named part of the model.
 
 The model marks its parts with ``model.span`` ranges (attention, router, dispatch, experts, combine,
-shared expert, LM head) when ``model.PROFILE_SPANS`` is on; off, the ranges cost nothing. Each part's
-time is the device time of the kernels launched inside its range (CPU time on the CPU), summed over
-the profiled steps and divided by their number; "other" is the step's time outside every part (norms,
+shared expert, LM head) when ``model.PROFILE_SPANS`` is on; off, the ranges cost nothing. On the GPU a
+part's time is the device time of the kernels that ran inside its range (each range drains the device at
+both ends, so they are the kernels it launched), summed over the profiled steps and divided by their
+number; on the CPU it is the range's CPU time. "other" is the step's time outside every part (norms,
 embedding, residual adds). Steps run eagerly (a CUDA graph replays as one opaque launch), so the
 per-step total is the sum of the kernels' device times, not the graphed step's latency.
 
@@ -26,13 +27,40 @@ PARTS = ("attention", "router", "dispatch", "experts", "combine", "shared_expert
 
 
 def _span_times(prof, steps: int, device_time: bool) -> dict:
-    """µs per step for every model part and the whole step, from the profiler's CPU-side range events."""
+    """µs per step for every model part and the whole step.
+
+    CPU: the ranges' own CPU time. GPU: every kernel (and copy) recorded on the device, by time: a kernel
+    belongs to the innermost range whose CPU interval holds its midpoint (``model.span`` drains the device
+    at both ends of a range, so the kernels launched inside it run inside it). "outside" is device time in
+    no step at all (should be 0: anything else means the attribution missed kernels).
+    """
     out = dict.fromkeys((*PARTS, "step"), 0.0)
-    for ev in prof.events():
-        if ev.name.startswith("moe::") and ev.device_type == torch.autograd.DeviceType.CPU:
-            key = ev.name[len("moe::"):]
-            if key in out:
-                out[key] += (ev.device_time_total if device_time else ev.cpu_time_total) / steps
+    if not device_time:
+        for ev in prof.events():
+            if ev.name.startswith("moe::") and ev.device_type == torch.autograd.DeviceType.CPU:
+                key = ev.name[len("moe::"):]
+                if key in out:
+                    out[key] += ev.cpu_time_total / steps
+    else:
+        ranges, kernels = [], []
+        for ev in prof.profiler.kineto_results.events():
+            if ev.device_type() == torch.autograd.DeviceType.CPU and ev.name().startswith("moe::"):
+                key = ev.name()[len("moe::"):]
+                if key in out:
+                    ranges.append((ev.start_ns(), ev.end_ns(), key))
+            elif ev.device_type() == torch.autograd.DeviceType.CUDA:
+                kernels.append((ev.start_ns() + ev.duration_ns() // 2, ev.duration_ns()))
+        outside = 0.0
+        for mid, dur in kernels:
+            holding = [(hi - lo, key) for lo, hi, key in ranges if lo <= mid <= hi]
+            if not holding:
+                outside += dur / 1e3 / steps
+                continue
+            out["step"] += dur / 1e3 / steps
+            part = min(holding)[1]  # the innermost range: a part inside "step"
+            if part != "step":
+                out[part] += dur / 1e3 / steps
+        out["outside"] = outside
     out["other"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
     return out
 
@@ -101,7 +129,7 @@ def report_profile(opts, results: list[dict]) -> dict:
     for name, by_batch in prof.items():
         print(f"\n{name}: {unit} per step, mean of {opts.steps} steps after {opts.warmup} warm-up")
         print(f"  {'part':<14}" + "".join(f"{b:>10}" for b in opts.batches))
-        for part in (*PARTS, "other", "step"):
+        for part in (*PARTS, "other", "step", *(("outside",) if opts.device == "cuda" else ())):
             print(f"  {part:<14}" + "".join(f"{by_batch[b][part]:>10.0f}" for b in opts.batches))
             for b in opts.batches:
                 records.append(dict(bench="decode_profile", config=cfg.name, backend=name, batch_per_rank=b,
