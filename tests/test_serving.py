@@ -229,3 +229,41 @@ def test_decode_bench_under_torchrun(tmp_path):
     [jsonl] = tmp_path.glob("*.jsonl")
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert {(r["backend"], r["world"]) for r in records} == {("sync", 2), ("fused", 2)}
+
+
+def test_profile_device_time_goes_to_the_innermost_range():
+    """The GPU profile's attribution, on made-up profiler events (ns): work by its midpoint into the
+    innermost range, ranges' device-side copies and launch calls ignored, work in no step "outside"."""
+    from moe_comm.serving.step_profile import device_span_times  # noqa: PLC0415
+
+    class Ev:
+        def __init__(self, kind, name, start, dur):
+            self.kind, self.n, self.start, self.dur = kind, name, start, dur
+
+        def activity_type(self):
+            return self.kind
+
+        def name(self):
+            return self.n
+
+        def start_ns(self):
+            return self.start
+
+        def end_ns(self):
+            return self.start + self.dur
+
+        def duration_ns(self):
+            return self.dur
+
+    events = [Ev("user_annotation", "moe::step", 0, 100_000), Ev("user_annotation", "moe::dispatch", 10_000, 20_000),
+              Ev("user_annotation", "moe::unknown", 40_000, 20_000), Ev("user_annotation", "other", 0, 100_000),
+              Ev("gpu_user_annotation", "moe::step", 5_000, 90_000), Ev("cuda_runtime", "cuLaunchKernel", 11_000, 1_000),
+              Ev("kernel", "dispatch_kernel", 12_000, 4_000), Ev("gpu_memset", "memset", 26_000, 10_000),
+              Ev("kernel", "norm", 45_000, 6_000), Ev("gpu_memcpy", "copy", 98_000, 2_000),
+              Ev("kernel", "late", 99_000, 8_000), Ev("kernel", "before", -9_000, 2_000)]
+    got = device_span_times(events, steps=2)
+    assert got["dispatch"] == pytest.approx(2.0)  # the kernel (4 µs) over 2 steps; the memset runs past it
+    assert got["step"] == pytest.approx((4 + 10 + 6 + 2) / 2)  # "late": midpoint 103 µs, past the step
+    assert got["other"] == pytest.approx((10 + 6 + 2) / 2)
+    assert got["outside"] == pytest.approx((8 + 2) / 2)
+    assert all(got[p] == 0 for p in ("attention", "experts", "combine", "router"))

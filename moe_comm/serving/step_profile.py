@@ -24,43 +24,54 @@ from . import model as model_mod
 from .bench_report import environment, write_jsonl
 
 PARTS = ("attention", "router", "dispatch", "experts", "combine", "shared_expert", "lm_head")
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # profiler activity types that are time on the device
 
 
 def _span_times(prof, steps: int, device_time: bool) -> dict:
-    """µs per step for every model part and the whole step.
-
-    CPU: the ranges' own CPU time. GPU: every kernel (and copy) recorded on the device, by time: a kernel
-    belongs to the innermost range whose CPU interval holds its midpoint (``model.span`` drains the device
-    at both ends of a range, so the kernels launched inside it run inside it). "outside" is device time in
-    no step at all (should be 0: anything else means the attribution missed kernels).
-    """
+    """µs per step for every model part and the whole step: on the CPU the ranges' own CPU time, on the
+    GPU the device time of the kernels that ran inside them (``device_span_times``)."""
+    if device_time:
+        return device_span_times(prof.profiler.kineto_results.events(), steps)
     out = dict.fromkeys((*PARTS, "step"), 0.0)
-    if not device_time:
-        for ev in prof.events():
-            if ev.name.startswith("moe::") and ev.device_type == torch.autograd.DeviceType.CPU:
-                key = ev.name[len("moe::"):]
-                if key in out:
-                    out[key] += ev.cpu_time_total / steps
-    else:
-        ranges, kernels = [], []
-        for ev in prof.profiler.kineto_results.events():
-            if ev.device_type() == torch.autograd.DeviceType.CPU and ev.name().startswith("moe::"):
-                key = ev.name()[len("moe::"):]
-                if key in out:
-                    ranges.append((ev.start_ns(), ev.end_ns(), key))
-            elif ev.device_type() == torch.autograd.DeviceType.CUDA:
-                kernels.append((ev.start_ns() + ev.duration_ns() // 2, ev.duration_ns()))
-        outside = 0.0
-        for mid, dur in kernels:
-            holding = [(hi - lo, key) for lo, hi, key in ranges if lo <= mid <= hi]
-            if not holding:
-                outside += dur / 1e3 / steps
-                continue
-            out["step"] += dur / 1e3 / steps
-            part = min(holding)[1]  # the innermost range: a part inside "step"
-            if part != "step":
-                out[part] += dur / 1e3 / steps
-        out["outside"] = outside
+    for ev in prof.events():
+        if ev.name.startswith("moe::") and ev.device_type == torch.autograd.DeviceType.CPU:
+            key = ev.name[len("moe::"):]
+            if key in out:
+                out[key] += ev.cpu_time_total / steps
+    out["other"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
+    return out
+
+
+def device_span_times(events, steps: int) -> dict:
+    """events: the profiler's kineto events -> µs per step for every part, "step", "other", "outside".
+
+    Every piece of work on the device (kernel, copy, memset) belongs to the innermost ``moe::`` range whose
+    CPU interval holds its midpoint: ``model.span`` drains the device at both ends of a range, so the
+    kernels launched inside it run inside it. By time, because the profiler does not link Triton's
+    launches to their range. "outside": device time in no step at all (anything but 0 means work the
+    attribution missed).
+    """
+    out = dict.fromkeys((*PARTS, "step", "outside"), 0.0)
+    ranges, work = [], []
+    for ev in events:
+        kind = ev.activity_type()
+        if kind == "user_annotation" and ev.name().startswith("moe::"):
+            key = ev.name()[len("moe::"):]
+            if key in out:
+                ranges.append((ev.start_ns(), ev.end_ns(), key))
+        # Work only: not the ranges' device-side copies ("gpu_user_annotation", spanning the kernels the
+        # profiler linked to them), not waits.
+        elif kind in DEVICE_WORK:
+            work.append((ev.start_ns() + ev.duration_ns() // 2, ev.duration_ns() / 1e3 / steps))
+    for mid, us in work:
+        holding = [(hi - lo, key) for lo, hi, key in ranges if lo <= mid <= hi]
+        if not holding:
+            out["outside"] += us
+            continue
+        out["step"] += us
+        part = min(holding)[1]  # the innermost range: a part, or "step" itself
+        if part != "step":
+            out[part] += us
     out["other"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
     return out
 
