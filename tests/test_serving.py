@@ -237,11 +237,11 @@ def test_profile_device_time_goes_to_the_innermost_range():
     from moe_comm.serving.step_profile import device_span_times  # noqa: PLC0415
 
     class Ev:
-        def __init__(self, kind, name, start, dur):
-            self.kind, self.n, self.start, self.dur = kind, name, start, dur
+        def __init__(self, where, name, start, dur):
+            self.where, self.n, self.start, self.dur = where, name, start, dur
 
-        def activity_type(self):
-            return self.kind
+        def device_type(self):
+            return torch.autograd.DeviceType.CUDA if self.where == "gpu" else torch.autograd.DeviceType.CPU
 
         def name(self):
             return self.n
@@ -255,12 +255,12 @@ def test_profile_device_time_goes_to_the_innermost_range():
         def duration_ns(self):
             return self.dur
 
-    events = [Ev("user_annotation", "moe::step", 0, 100_000), Ev("user_annotation", "moe::dispatch", 10_000, 20_000),
-              Ev("user_annotation", "moe::unknown", 40_000, 20_000), Ev("user_annotation", "other", 0, 100_000),
-              Ev("gpu_user_annotation", "moe::step", 5_000, 90_000), Ev("cuda_runtime", "cuLaunchKernel", 11_000, 1_000),
-              Ev("kernel", "dispatch_kernel", 12_000, 4_000), Ev("gpu_memset", "memset", 26_000, 10_000),
-              Ev("kernel", "norm", 45_000, 6_000), Ev("gpu_memcpy", "copy", 98_000, 2_000),
-              Ev("kernel", "late", 99_000, 8_000), Ev("kernel", "before", -9_000, 2_000)]
+    events = [Ev("cpu", "moe::step", 0, 100_000), Ev("cpu", "moe::dispatch", 10_000, 20_000),
+              Ev("cpu", "moe::unknown", 40_000, 20_000), Ev("cpu", "other", 0, 100_000),
+              Ev("gpu", "moe::step", 5_000, 90_000), Ev("cpu", "cuLaunchKernel", 11_000, 1_000),
+              Ev("gpu", "dispatch_kernel", 12_000, 4_000), Ev("gpu", "memset", 26_000, 10_000),
+              Ev("gpu", "norm", 45_000, 6_000), Ev("gpu", "copy", 98_000, 2_000),
+              Ev("gpu", "late", 99_000, 8_000), Ev("gpu", "before", -9_000, 2_000)]
     got = device_span_times(events, steps=2)
     assert got["dispatch"] == pytest.approx(2.0)  # the kernel (4 µs) over 2 steps; the memset runs past it
     assert got["step"] == pytest.approx((4 + 10 + 6 + 2) / 2)  # "late": midpoint 103 µs, past the step

@@ -24,7 +24,6 @@ from . import model as model_mod
 from .bench_report import environment, write_jsonl
 
 PARTS = ("attention", "router", "dispatch", "experts", "combine", "shared_expert", "lm_head")
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # profiler activity types that are time on the device
 
 
 def _span_times(prof, steps: int, device_time: bool) -> dict:
@@ -54,14 +53,14 @@ def device_span_times(events, steps: int) -> dict:
     out = dict.fromkeys((*PARTS, "step", "outside"), 0.0)
     ranges, work = [], []
     for ev in events:
-        kind = ev.activity_type()
-        if kind == "user_annotation" and ev.name().startswith("moe::"):
+        on_device = ev.device_type() == torch.autograd.DeviceType.CUDA
+        if ev.name().startswith("moe::"):
+            # A range; on the device, the range's copy that spans the kernels the profiler linked to it,
+            # which is not work. (The profiler records no waits unless asked to.)
             key = ev.name()[len("moe::"):]
-            if key in out:
+            if not on_device and key in out:
                 ranges.append((ev.start_ns(), ev.end_ns(), key))
-        # Work only: not the ranges' device-side copies ("gpu_user_annotation", spanning the kernels the
-        # profiler linked to them), not waits.
-        elif kind in DEVICE_WORK:
+        elif on_device:  # kernels, copies, memsets
             work.append((ev.start_ns() + ev.duration_ns() // 2, ev.duration_ns() / 1e3 / steps))
     for mid, us in work:
         holding = [(hi - lo, key) for lo, hi, key in ranges if lo <= mid <= hi]
