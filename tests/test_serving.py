@@ -267,3 +267,4 @@ def test_profile_device_time_goes_to_the_innermost_range():
     assert got["other"] == pytest.approx((10 + 6 + 2) / 2)
     assert got["outside"] == pytest.approx((8 + 2) / 2)
     assert all(got[p] == 0 for p in ("attention", "experts", "combine", "router"))
+    assert got["kernels"] == {"dispatch": {"dispatch_kernel": 2.0}, "other": {"memset": 5.0, "norm": 3.0, "copy": 1.0}}

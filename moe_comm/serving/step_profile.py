@@ -42,7 +42,8 @@ def _span_times(prof, steps: int, device_time: bool) -> dict:
 
 
 def device_span_times(events, steps: int) -> dict:
-    """events: the profiler's kineto events -> µs per step for every part, "step", "other", "outside".
+    """events: the profiler's kineto events -> µs per step for every part, "step", "other", "outside",
+    and "kernels": {part or "other": {kernel name: µs per step}}.
 
     Every piece of work on the device (kernel, copy, memset) belongs to the innermost ``moe::`` range whose
     CPU interval holds its midpoint: ``model.span`` drains the device at both ends of a range, so the
@@ -51,7 +52,7 @@ def device_span_times(events, steps: int) -> dict:
     attribution missed).
     """
     out = dict.fromkeys((*PARTS, "step", "outside"), 0.0)
-    ranges, work = [], []
+    ranges, work, kernels = [], [], {}
     for ev in events:
         on_device = ev.device_type() == torch.autograd.DeviceType.CUDA
         if ev.name().startswith("moe::"):
@@ -61,8 +62,8 @@ def device_span_times(events, steps: int) -> dict:
             if not on_device and key in out:
                 ranges.append((ev.start_ns(), ev.end_ns(), key))
         elif on_device:  # kernels, copies, memsets
-            work.append((ev.start_ns() + ev.duration_ns() // 2, ev.duration_ns() / 1e3 / steps))
-    for mid, us in work:
+            work.append((ev.start_ns() + ev.duration_ns() // 2, ev.duration_ns() / 1e3 / steps, ev.name()))
+    for mid, us, kernel in work:
         holding = [(hi - lo, key) for lo, hi, key in ranges if lo <= mid <= hi]
         if not holding:
             out["outside"] += us
@@ -71,7 +72,10 @@ def device_span_times(events, steps: int) -> dict:
         part = min(holding)[1]  # the innermost range: a part, or "step" itself
         if part != "step":
             out[part] += us
+        by_name = kernels.setdefault("other" if part == "step" else part, {})
+        by_name[kernel] = by_name.get(kernel, 0.0) + us
     out["other"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
+    out["kernels"] = kernels
     return out
 
 
@@ -142,11 +146,19 @@ def report_profile(opts, results: list[dict]) -> dict:
         for part in (*PARTS, "other", "step", *(("outside",) if opts.device == "cuda" else ())):
             print(f"  {part:<14}" + "".join(f"{by_batch[b][part]:>10.0f}" for b in opts.batches))
             for b in opts.batches:
+                top = sorted(by_batch[b].get("kernels", {}).get(part, {}).items(), key=lambda kv: -kv[1])[:5]
                 records.append(dict(bench="decode_profile", config=cfg.name, backend=name, batch_per_rank=b,
                                     part=part, us_per_step=by_batch[b][part], device_time=opts.device == "cuda",
+                                    top_kernels=[[k[:120], round(us, 2)] for k, us in top],
                                     expert_impl=opts.experts, attention_impl=opts.attention,
                                     steps=opts.steps, **env,
                                     time=time.strftime("%Y-%m-%dT%H:%M:%S")))
+        last = by_batch[opts.batches[-1]].get("kernels", {})
+        for part in ("dispatch", "combine"):
+            top = sorted(last.get(part, {}).items(), key=lambda kv: -kv[1])[:3]
+            if top:
+                print(f"  largest {part} kernels at batch {opts.batches[-1]}: "
+                      + "; ".join(f"{k[:60]} {us:.0f}" for k, us in top))
     os.makedirs(opts.out_dir, exist_ok=True)
     path = os.path.join(opts.out_dir,
                         f"decode_profile_{cfg.name}_{opts.device}_{opts.experts}_attn-{opts.attention}.jsonl")
