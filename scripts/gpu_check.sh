@@ -11,7 +11,7 @@
 # Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode profile");
 # GPU_CHECK_MARK (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak);
 # GPU_CHECK_DECODE_CONFIGS (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_DECODE_ATTENTION
-# (default "torch triton": the decode benchmark and profile once per attention kernel);
+# (default "triton", the GPU default; "torch triton" runs the decode benchmark and profile once per kernel);
 # GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS / GPU_CHECK_DECODE_ARGS (extra words for each step);
 # GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or times out is recorded and
 # the next one still runs; the exit status is the first failure's.
@@ -67,7 +67,7 @@ STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode profile} "
     -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
 # shellcheck disable=SC2086
 [[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
-ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-torch triton}
+ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-triton}
 if [[ $STEPS == *" decode "* ]]; then
     for cfg in ${DECODE_CONFIGS}; do
         for attn in ${ATTENTION}; do

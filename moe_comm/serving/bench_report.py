@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import textwrap
 
 import numpy as np
 import torch
@@ -103,7 +104,7 @@ def plot(path: str, records: list[dict], backends: list[str], title: str) -> Non
     ax.set_yscale("log")
     ax.set_xlabel("decode batch per rank (tokens per step)")
     ax.set_ylabel("decode step latency, µs (p50; bars p20-p80)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.fill(line, 100) for line in title.split("\n")), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
