@@ -129,6 +129,10 @@ def profile_ranks(groups: list, opts) -> dict:
     return dict(profile=out)
 
 
+def _largest(us_by_kernel: dict, n: int) -> list[tuple[str, float]]:
+    return sorted(us_by_kernel.items(), key=lambda kv: -kv[1])[:n]
+
+
 def report_profile(opts, results: list[dict]) -> dict:
     """Print one table per backend (parts x batches, µs per step) and append JSON lines."""
     from .configs import model_config  # noqa: PLC0415
@@ -146,7 +150,7 @@ def report_profile(opts, results: list[dict]) -> dict:
         for part in (*PARTS, "other", "step", *(("outside",) if opts.device == "cuda" else ())):
             print(f"  {part:<14}" + "".join(f"{by_batch[b][part]:>10.0f}" for b in opts.batches))
             for b in opts.batches:
-                top = sorted(by_batch[b].get("kernels", {}).get(part, {}).items(), key=lambda kv: -kv[1])[:5]
+                top = _largest(by_batch[b].get("kernels", {}).get(part, {}), 5)
                 records.append(dict(bench="decode_profile", config=cfg.name, backend=name, batch_per_rank=b,
                                     part=part, us_per_step=by_batch[b][part], device_time=opts.device == "cuda",
                                     top_kernels=[[k[:120], round(us, 2)] for k, us in top],
@@ -155,7 +159,7 @@ def report_profile(opts, results: list[dict]) -> dict:
                                     time=time.strftime("%Y-%m-%dT%H:%M:%S")))
         last = by_batch[opts.batches[-1]].get("kernels", {})
         for part in ("dispatch", "combine"):
-            top = sorted(last.get(part, {}).items(), key=lambda kv: -kv[1])[:3]
+            top = _largest(last.get(part, {}), 3)
             if top:
                 print(f"  largest {part} kernels at batch {opts.batches[-1]}: "
                       + "; ".join(f"{k[:60]} {us:.0f}" for k, us in top))
