@@ -86,9 +86,12 @@ def test_reference_model_rounds_where_each_attention_does():
     lw, S = weights.layers[0], 40
     h = torch.randn(S, cfg.hidden, generator=torch.Generator().manual_seed(0)).to(cfg.dtype)
     refs = {impl: ReferenceModel(weights, impl)._attention(lw, h).float() for impl in ("torch", "triton")}
-    for impl, other in [("torch", "triton"), ("triton", "torch")]:
+    served = {}
+    for impl in ("torch", "triton", None):  # None: the device's default, the torch attention on the CPU
         cache = torch.zeros(2, cfg.max_seq, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype)
-        served = cached_attention(lw, h, cache, cache.clone(), torch.zeros(S, dtype=torch.int64),
-                                  torch.arange(S), cfg.num_heads, cfg.head_dim, impl).float()
-        assert (served != refs[impl]).float().mean() < 0.01, impl
-        assert (served != refs[other]).float().mean() > 0.3, impl
+        served[impl] = cached_attention(lw, h, cache, cache.clone(), torch.zeros(S, dtype=torch.int64),
+                                        torch.arange(S), cfg.num_heads, cfg.head_dim, impl).float()
+    for impl, other in [("torch", "triton"), ("triton", "torch")]:
+        assert (served[impl] != refs[impl]).float().mean() < 0.01, impl
+        assert (served[impl] != refs[other]).float().mean() > 0.3, impl
+    assert torch.equal(served[None], served["torch"])

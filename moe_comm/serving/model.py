@@ -74,19 +74,21 @@ def route(h: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tenso
 
 def cached_attention(lw: LayerWeights, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, num_heads: int, head_dim: int,
-                     impl: str = "torch") -> torch.Tensor:
+                     impl: str | None = None) -> torch.Tensor:
     """Causal multi-head attention of T new tokens against a KV cache.
 
     h [T, H]; k_cache/v_cache [num_slots, max_seq, heads, head_dim] (this layer's); slots/positions [T] int64:
     token t is at position positions[t] of the sequence in cache slot slots[t]. All T keys/values are written
     before any is read, so several tokens of one sequence (prefill) see each other causally. impl: "torch"
-    (``attend_gather``) or "triton" (``attention.attend_triton``: reads only the visible positions).
+    (``attend_gather``) or "triton" (``attention.attend_triton``: reads only the visible positions); None =
+    ``default_attention_impl`` (as in ``MoEDecoder``).
     """
     t = h.shape[0]
     q, k, v = ((h @ w).view(t, num_heads, head_dim) for w in (lw.wq, lw.wk, lw.wv))
     k_cache[slots, positions] = k
     v_cache[slots, positions] = v
-    return ATTENTION_IMPLS[impl](q, k_cache, v_cache, slots, positions).reshape(t, num_heads * head_dim) @ lw.wo
+    attend = ATTENTION_IMPLS[impl or default_attention_impl(h.device)]
+    return attend(q, k_cache, v_cache, slots, positions).reshape(t, num_heads * head_dim) @ lw.wo
 
 
 def attend_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
