@@ -1,18 +1,20 @@
-# `make test` and `make demo` each build .venv from nothing: torch 2.13.0 (on a CPU machine pip takes
-# the CPU build from the local wheel directory), then this project in editable mode.
+# `make test` and `make demo` each build .venv from nothing, with the exact versions of
+# requirements/constraints.txt (torch 2.13.0: on a CPU machine pip takes the CPU build from the local wheel
+# directory), then this project in editable mode.
 PYTHON ?= python3
 VENV   ?= .venv
-TORCH_VERSION ?= 2.13.0
+CONSTRAINTS := requirements/constraints.txt
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
 .PHONY: test demo test-vllm gpu-check clean
 OUT ?= bench/results/gpu-check
 
-$(VENV)/.ready: pyproject.toml
+$(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PIP) --upgrade pip setuptools
+	$(PIP) torch
+	$(PIP) --no-build-isolation -e '.[test,bench]'
 	touch $@
 
 test: $(VENV)/.ready

@@ -33,8 +33,9 @@ if __name__ == "__main__":
 
 import torch
 
-import moe_comm  # first: without CUDA it turns Triton's interpreter on, which must precede importing triton
-import triton  # noqa: E402
+import moe_comm
+import triton
+from moe_comm.interpreter import kernel_for
 from bench import peers
 from bench.common import DRY_LABEL, JsonLines, environment, read_jsonl, time_us
 
@@ -101,7 +102,8 @@ def measure_floor(o, out: JsonLines) -> tuple[float, float]:
     copy = time_us(lambda i: dst.copy_(src), o.device, o.iters, o.warmup)
     gbps = 2 * n / (copy["p50_us"] * 1e3)
     out.write(kind="floor", op="copy", impl="torch.copy_", bytes=2 * n, GBps=gbps, **copy)
-    launch = time_us(lambda i: empty_kernel[(1,)](src), o.device, o.iters, o.warmup)
+    kernel = kernel_for(empty_kernel, src.device)
+    launch = time_us(lambda i: kernel[(1,)](src), o.device, o.iters, o.warmup)
     out.write(kind="floor", op="empty_kernel", impl="triton", bytes=0, **launch)
     print(f"floor: copy {gbps:.0f} GB/s (read + write), empty kernel {launch['p50_us']:.2f} µs")
     return gbps, launch["p50_us"]

@@ -15,6 +15,8 @@ import torch
 from .channel import Channel
 from .checks import check_tensor
 from .errors import op_id
+from .interpreter import kernel_for
+from .phased import PhasedOp
 from .planner import next_pow2, plan_alltoallv
 from .triton_kernels.alltoallv import a2a_local_kernel, a2a_recv_kernel, a2a_send_kernel
 
@@ -28,6 +30,8 @@ class A2AHandle:
     send_counts: torch.Tensor   # int32 [world]: rows actually sent to each rank (after clamping)
     send_offsets: torch.Tensor  # int64 [world]: row of ``send`` where rank j's rows start
     recv_counts: torch.Tensor   # int32 [world]: rows received from each rank
+    owner: int = 0              # id() of the AllToAllvDynamic that made it
+    epoch: int = 0              # group epoch when it was made (a handle does not survive group.reset())
 
 
 @dataclass
@@ -48,18 +52,23 @@ class AllToAllvDynamic:
       rows[i, :recv_counts[i]] go back to rank i, into the positions its send rows had -> [N, *row_shape]
       (rows of the result that the forward did not send are unspecified).
 
-    Device counts are validated in the kernel: a count outside [0, max_rows_per_peer], or counts that
-    add up past N, are clamped (nothing is written or read out of bounds) and CapacityError is raised
-    at the next check. Outputs alternate between two sets: the result of call i stays valid during
-    call i+1. Phases: ``phase="send"`` then ``phase="recv"`` (no tensors) split a call for overlap;
+    Device counts are validated in the kernel: rank j's rows start at the prefix sum of the counts as
+    given; a count outside [0, max_rows_per_peer], or rows past N, are clamped (nothing is written or
+    read out of bounds, and no other rank's rows move) and CapacityError is raised at the end of the
+    call (CPU) or of the next one (CUDA). Rows addressed to an excluded rank (``group.exclude``) are
+    dropped and counted in ``dropped_rows``; ``recv_counts`` of an excluded rank is 0.
+    Outputs alternate between two sets: the result of call i stays valid during call i+1.
+    Phases: ``phase="send"`` then ``phase="recv"`` (no tensors) split a call for overlap, on the same or
+    different streams (the receive orders itself by the flags, the next send after this receive);
     loopback groups must be driven that way. At world 1 each call is one kernel, run by the send phase
-    (rows go straight from the input to the output; the receive phase launches nothing). Graph
-    capture: every launch has a fixed shape and reads counts only on the device; the call counter lives
-    on the device, so replays keep signalling right.
+    (rows go straight from the input to the output; the receive phase launches nothing). Graph capture:
+    every launch has a fixed shape and reads counts only on the device; the call counters live on the
+    device, so replays keep signalling right. Faults: see ``moe_comm.phased`` and README.
     """
 
     def __init__(self, group, max_rows_per_peer: int, row_shape, dtype: torch.dtype):
-        if int(max_rows_per_peer) < 1:
+        group.ensure_open()
+        if isinstance(max_rows_per_peer, bool) or int(max_rows_per_peer) < 1:
             raise ValueError(f"max_rows_per_peer must be >= 1, got {max_rows_per_peer}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
@@ -71,19 +80,25 @@ class AllToAllvDynamic:
         self.plan = p = plan_alltoallv(group.world_size, self.max_rows_per_peer, row_shape, dtype, group.device)
         self._fwd = Channel(group, "a2a.fwd", p.data_shape, p.copy.word_dtype)
         self._rev = Channel(group, "a2a.rev", p.data_shape, p.copy.word_dtype)
+        self._fwd_op = PhasedOp(group, "alltoallv", self._fwd)
+        self._rev_op = PhasedOp(group, "alltoallv.combine", self._rev)
         dev, world = group.device, group.world_size
         self._recv = [torch.empty((world, self.max_rows_per_peer, *row_shape), dtype=dtype, device=dev)
                       for _ in range(2)]
         self._meta = [dict(recv_counts=torch.zeros(world, dtype=torch.int32, device=dev),
                            send_counts=torch.zeros(world, dtype=torch.int32, device=dev),
                            send_offsets=torch.zeros(world, dtype=torch.int64, device=dev)) for _ in range(2)]
+        self._dropped = torch.zeros(1, dtype=torch.int64, device=dev)
         self._calls = 0         # forward calls begun (host count; picks the output set)
-        self._pending = None    # forward: (handle, result) between send and recv phases
-        self._rev_pending = None
 
     @property
     def buffer_bytes(self) -> int:
         return self.plan.symmetric_bytes + self.plan.output_bytes
+
+    @property
+    def dropped_rows(self) -> torch.Tensor:
+        """int64 [1] on the device: forward rows addressed to excluded ranks and dropped, summed over calls."""
+        return self._dropped
 
     # ---- helpers -------------------------------------------------------------------------------
     def _words(self, t: torch.Tensor, rows_dims: int) -> torch.Tensor:
@@ -91,104 +106,120 @@ class AllToAllvDynamic:
         t = t.contiguous()
         return t.view(*t.shape[:rows_dims], -1).view(self.plan.copy.word_dtype)
 
+    def _rows_or_dummy(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        """Words of ``t`` [rows, *row_shape]; a one-row scratch when there are no rows (never read)."""
+        if rows > 0:
+            return self._words(t, 1)
+        return torch.empty((1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=self.group.device)
+
     def _common(self, forward: bool):
         g, c = self.group, self.plan.copy
-        return dict(err_addr=g.error_addr, rank=g.rank, max_rows=self.max_rows_per_peer,
+        return dict(grp=g.state, rank=g.rank, max_rows=self.max_rows_per_peer,
                     OP=op_id("alltoallv" if forward else "alltoallv.combine"), FORWARD=forward,
-                    WORLD=g.world_size, ROW_WORDS=c.row_words, BLOCK_R=c.block_rows,
-                    BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
+                    ROW_WORDS=c.row_words, BLOCK_R=c.block_rows, BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
 
-    def _local_args(self, forward: bool):
-        """Arguments of the world-1 kernel: those of the two-phase kernels minus the signalling ones."""
-        return {k: v for k, v in self._common(forward).items() if k != "WORLD"}
+    def _phase_args(self, forward: bool):
+        """Arguments of the two-phase kernels beyond ``_common``."""
+        g = self.group
+        return dict(status_ptr=g.status.local, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size),
+                    **self._common(forward))
 
     def _grid(self):
         return (self.group.world_size, self.plan.copy.blocks_per_peer)
 
+    def _send(self, forward: bool, src, counts, kept_counts, kept_offsets, n_rows) -> None:
+        ch, dev = (self._fwd if forward else self._rev), self.group.device
+        kernel_for(a2a_send_kernel, dev)[self._grid()](
+            src, counts, kept_counts, kept_offsets, self._dropped, n_rows, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
+            ch.send_seq, ch.done, **self._phase_args(forward))
+
+    def _recv_phase(self, forward: bool, dst, handle) -> None:
+        ch, dev = (self._fwd if forward else self._rev), self.group.device
+        kernel_for(a2a_recv_kernel, dev)[self._grid()](
+            dst, handle.recv_counts, handle.send_counts, handle.send_offsets, ch.data.local, ch.ctrl.local,
+            ch.recv_seq, ch.done, **self._phase_args(forward))
+
+    def _local(self, forward: bool, src, counts, handle, dst, n_rows) -> None:
+        """World 1: one kernel, straight from the input to the output."""
+        kernel_for(a2a_local_kernel, self.group.device)[self._grid()[1:]](
+            src, counts, handle.send_counts, handle.send_offsets, handle.recv_counts, dst, self._dropped, n_rows,
+            **self._common(forward))
+
     # ---- forward -------------------------------------------------------------------------------
     def __call__(self, send: torch.Tensor | None = None, send_counts: torch.Tensor | None = None, *,
                  phase: str = "both") -> A2AResult | None:
-        do_send, do_recv = self._fwd.phases(phase)
-        self.group.check()
+        op = self._fwd_op
+        do_send, do_recv = op.begin(phase)
         if do_send:
-            world = self.group.world_size
-            check_tensor("send_counts", send_counts, self.group.device, (torch.int32, torch.int64), (world,))
-            check_tensor("send", send, self.group.device, self.dtype)
-            if send.dim() < 1 or tuple(send.shape[1:]) != self.row_shape:
-                raise ValueError(f"send must be [N, *{self.row_shape}], got {tuple(send.shape)}")
+            op.validate(lambda: self._check_forward(send, send_counts))
+            op.before_send()
             k = self._calls % 2
             m = self._meta[k]
-            handle = A2AHandle(self._calls, send.shape[0], m["send_counts"], m["send_offsets"], m["recv_counts"])
+            handle = A2AHandle(self._calls, send.shape[0], m["send_counts"], m["send_offsets"], m["recv_counts"],
+                               owner=id(self), epoch=self.group.epoch)
             self._calls += 1
-            ch = self._fwd
-            src = self._words(send, 1) if send.shape[0] > 0 else torch.empty(
-                (1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=send.device)
-            if world == 1:  # one kernel: rows straight into this call's output set
-                a2a_local_kernel[self._grid()[1:]](
-                    src, send_counts.contiguous(), m["send_counts"], m["send_offsets"], m["recv_counts"],
-                    self._words(self._recv[k], 2), send.shape[0], **self._local_args(True))
+            src, counts = self._rows_or_dummy(send, send.shape[0]), send_counts.contiguous()
+            if self.group.world_size == 1:  # one kernel: rows straight into this call's output set
+                self._local(True, src, counts, handle, self._words(self._recv[k], 2), send.shape[0])
             else:
-                a2a_send_kernel[self._grid()](
-                    src, send_counts.contiguous(), m["send_counts"], m["send_offsets"], send.shape[0],
-                    ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
-                    WORLD_P2=next_pow2(world), **self._common(True))
-            ch.expect = "recv"
-            self._pending = (handle, k)
+                self._send(True, src, counts, m["send_counts"], m["send_offsets"], send.shape[0])
+            op.sent((handle, k))
             if not do_recv:
-                self.group.check_after_launch()
                 return None
-        handle, k = self._pending
-        ch = self._fwd
+        handle, k = op.take()
         if self.group.world_size > 1:
-            a2a_recv_kernel[self._grid()](
-                self._words(self._recv[k], 2), handle.recv_counts, handle.send_counts, handle.send_offsets,
-                ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(True))
-        ch.expect, self._pending = "send", None
-        self.group.check_after_launch()
-        return A2AResult(self._recv[k], handle.recv_counts, handle)
+            self._recv_phase(True, self._words(self._recv[k], 2), handle)
+        return op.finish(A2AResult(self._recv[k], handle.recv_counts, handle))
+
+    def _check_forward(self, send, send_counts) -> None:
+        world = self.group.world_size
+        check_tensor("send_counts", send_counts, self.group.device, (torch.int32, torch.int64), (world,))
+        check_tensor("send", send, self.group.device, self.dtype)
+        if send.dim() < 1 or tuple(send.shape[1:]) != self.row_shape:
+            raise ValueError(f"send must be [N, *{self.row_shape}], got {tuple(send.shape)}")
 
     # ---- reverse -------------------------------------------------------------------------------
     def combine(self, rows: torch.Tensor | None = None, handle: A2AHandle | None = None, *,
                 phase: str = "both") -> torch.Tensor | None:
-        do_send, do_recv = self._rev.phases(phase)
-        self.group.check()
-        ch = self._rev
+        op = self._rev_op
+        do_send, do_recv = op.begin(phase)
         if do_send:
-            if not isinstance(handle, A2AHandle):
-                raise TypeError(f"handle must be the A2AHandle of a forward call, got {type(handle).__name__}")
-            if not (self._calls - 2 <= handle.call_index < self._calls) or (
-                    self._pending is not None and self._pending[0] is handle):
-                raise ValueError("stale handle: its forward call's metadata has been reused (a handle is "
-                                 "valid until two more forward calls) or its recv phase has not run")
-            world = self.group.world_size
-            check_tensor("rows", rows, self.group.device, self.dtype,
-                         (world, self.max_rows_per_peer, *self.row_shape))
+            op.validate(lambda: self._check_reverse(rows, handle))
+            op.before_send()
             out = torch.empty((handle.num_rows, *self.row_shape), dtype=self.dtype, device=self.group.device)
-            dst = self._words(out, 1) if handle.num_rows > 0 else torch.empty(
-                (1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=out.device)
-            if world == 1:  # one kernel: rows straight back into ``out`` (the count the forward kept)
-                a2a_local_kernel[self._grid()[1:]](
-                    self._words(rows, 2), handle.send_counts, handle.send_counts, handle.send_offsets,
-                    handle.recv_counts, dst, handle.num_rows, **self._local_args(False))
+            dst = self._rows_or_dummy(out, handle.num_rows)
+            if self.group.world_size == 1:  # one kernel: rows straight back into ``out`` (the count the forward kept)
+                self._local(False, self._words(rows, 2), handle.send_counts, handle, dst, handle.num_rows)
             else:
-                a2a_send_kernel[self._grid()](
-                    self._words(rows, 2), handle.recv_counts, handle.recv_counts, handle.send_offsets, 0,
-                    ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
-                    WORLD_P2=next_pow2(world), **self._common(False))
-            ch.expect, self._rev_pending = "recv", (handle, out, dst)
+                self._send(False, self._words(rows, 2), handle.recv_counts, handle.recv_counts, handle.send_offsets, 0)
+            op.sent((handle, out, dst))
             if not do_recv:
-                self.group.check_after_launch()
                 return None
-        handle, out, dst = self._rev_pending
+        handle, out, dst = op.take()
         if self.group.world_size > 1:
-            a2a_recv_kernel[self._grid()](
-                dst, handle.recv_counts, handle.send_counts, handle.send_offsets,
-                ch.data.local, ch.ctrl.local, ch.seq, timeout_ns=self.group.timeout_ns, **self._common(False))
-        ch.expect, self._rev_pending = "send", None
-        self.group.check_after_launch()
-        return out
+            self._recv_phase(False, dst, handle)
+        return op.finish(out)
+
+    def _check_reverse(self, rows, handle) -> None:
+        if not isinstance(handle, A2AHandle) or handle.owner != id(self):
+            raise TypeError(f"handle must be the A2AHandle of a forward call of this AllToAllvDynamic, "
+                            f"got {type(handle).__name__}")
+        if handle.epoch != self.group.epoch:
+            raise ValueError("stale handle: its forward call was made before group.reset()/exclude()")
+        pending = self._fwd_op.pending is not None and self._fwd_op.pending[0] is handle
+        if not (self._calls - 2 <= handle.call_index < self._calls) or pending:
+            raise ValueError("stale handle: its forward call's metadata has been reused (a handle is "
+                             "valid until two more forward calls) or its recv phase has not run")
+        world = self.group.world_size
+        check_tensor("rows", rows, self.group.device, self.dtype, (world, self.max_rows_per_peer, *self.row_shape))
 
     def close(self) -> None:
-        """Free the symmetric buffers (collective)."""
-        self._rev.free()
-        self._fwd.free()
+        """Free the symmetric buffers (collective). Any later call raises ClosedError."""
+        if self._rev is None:
+            return
+        for op in (self._fwd_op, self._rev_op):
+            op.mark_closed()
+        if self._rev is not None and not self.group.closed:
+            self._rev.free()
+            self._fwd.free()
+        self._rev = self._fwd = None

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .channel import PHASES, Channel
+from .channel import Channel
 from .checks import check_tensor
-from .errors import op_id
+from .errors import ClosedError, op_id
+from .interpreter import kernel_for
+from .phased import PhasedOp
 from .planner import EPPlan, next_pow2, plan_ep
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
 from .triton_kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
@@ -36,8 +38,9 @@ class EPHandle:
     row_of: torch.Tensor      # int32 [world, M, topk]: for slot (s, t, k) routed here, the flat row
     #                           e * world*M + i of d.x that holds it; -1 = not routed here, -2 = dropped
     src_tokens: torch.Tensor  # int32 [world]: tokens each source rank dispatched
-    routed: torch.Tensor      # int32 [M, topk]: 1 where this rank's slot (t, k) had a valid expert id
+    routed: torch.Tensor      # int32 [M, topk]: 1 where this rank's slot (t, k) is routed (valid id, live rank)
     owner: int                # id() of the EPBuffer that made it
+    epoch: int = 0            # group epoch when it was made (a handle does not survive group.reset())
 
 
 @dataclass
@@ -144,10 +147,10 @@ class EPBuffer:
         self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
         self.num_local_experts = self.plan.experts_per_rank
         self._stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=group.device)
+        self._excluded = torch.zeros(1, dtype=torch.int64, device=group.device)
         self._allocated = False
+        self._closed = False
         self._calls = 0               # dispatch send phases begun (picks the metadata set)
-        self._pending = None          # dispatch: (handle, set) between send and recv
-        self._combine_pending = None  # combine: (handle, topk_weights, out) between send and recv
 
     # ---- planning --------------------------------------------------------------------------------
     @staticmethod
@@ -186,8 +189,17 @@ class EPBuffer:
         (the live counter: ``.clone()`` it for a snapshot). Reading it on the host syncs, as any read."""
         return self._stats
 
+    @property
+    def excluded_slots(self) -> torch.Tensor:
+        """int64 [1] on the device: this rank's (token, k) slots whose expert lives on an excluded rank
+        (``group.exclude``), summed over dispatch calls. They were not routed: the combine treats them as
+        unrouted (no weight), so a caller that wants them served re-routes to redundant experts."""
+        return self._excluded
+
     def reset_expert_token_counts(self) -> None:
+        """Zero ``expert_token_counts`` and ``excluded_slots``."""
         self._stats.zero_()
+        self._excluded.zero_()
 
     # ---- buffers ---------------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -195,6 +207,8 @@ class EPBuffer:
         self._dispatch_ch = Channel(g, "ep.dispatch", p.dispatch_data_shape, torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2)
+        self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
+        self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
         self._x = torch.empty((p.experts_per_rank, p.capacity, p.hidden), dtype=x_dtype, device=dev)
         self._scales = (torch.empty((p.experts_per_rank, p.capacity, p.scale_words), dtype=torch.float32,
@@ -204,26 +218,64 @@ class EPBuffer:
         self._allocated = True
 
     def close(self) -> None:
-        """Free the symmetric buffers (collective)."""
+        """Free the symmetric buffers (collective). Any later call raises ClosedError."""
+        if self._closed:
+            return
+        self._closed = True
         if self._allocated:
-            self._combine_ch.free()
-            self._dispatch_ch.free()
-            self._allocated = False
+            self._dispatch_op.mark_closed()
+            self._combine_op.mark_closed()
+            if not self.group.closed:
+                self._combine_ch.free()
+                self._dispatch_ch.free()
+
+    def _ensure_allocated(self) -> None:
+        if self._closed:
+            raise ClosedError("EPBuffer: used after close()")
+        self.group.ensure_open()
+        if not self._allocated:
+            self._allocate()
 
     # ---- checks ----------------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, EPHandle) or handle.owner != id(self):
             raise TypeError(f"handle must be the DispatchResult.handle of a dispatch on this EPBuffer, "
                             f"got {type(handle).__name__}")
-        pending = self._pending is not None and self._pending[0] is handle
-        if handle.call_index < self._calls - 2 or pending:
+        if handle.epoch != self.group.epoch:
+            raise ValueError("stale handle: its dispatch was made before group.reset()/exclude()")
+        pending = self._dispatch_op.pending
+        if handle.call_index < self._calls - 2 or (pending is not None and pending[0] is handle):
             raise ValueError("stale handle: its dispatch's metadata has been reused (a handle is valid until "
                              "two more dispatch calls) or its dispatch's phase='recv' has not run")
+
+    def _check_dispatch_inputs(self, x, topk_idx) -> int:
+        p = self.plan
+        check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden))
+        T = x.shape[0]
+        if T > p.max_tokens:
+            raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {p.max_tokens}: build the EPBuffer "
+                             f"with a larger max_tokens_per_rank, or split the batch")
+        check_tensor("topk_idx", topk_idx, self.group.device, (torch.int32, torch.int64), (T, p.topk))
+        return T
+
+    def _check_combine_recv_inputs(self, T, topk_weights, out) -> None:
+        p = self.plan
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, self.group.device,
+                         (torch.float32, torch.bfloat16, torch.float16, torch.float64), (T, p.topk))
+        if out is not None:
+            check_tensor("out", out, self.group.device, (p.dtype,), (T, p.hidden))
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous (it is written in place)")
 
     def _common(self):
         p, g = self.plan, self.group
         return dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
                     TOPK_P2=next_pow2(p.topk))
+
+    def _signal_args(self):
+        g = self.group
+        return dict(grp=g.state, status_ptr=g.status.local, rank=g.rank)
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None, *,
@@ -232,24 +284,15 @@ class EPBuffer:
 
         See the class docstring. phase="recv" ignores ``x`` and ``topk_idx`` (those of the send are used).
         """
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        p, g = self.plan, self.group
-        if phase != "recv":
-            check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden))
-            T = x.shape[0]
-            if T > p.max_tokens:
-                raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {p.max_tokens}")
-            check_tensor("topk_idx", topk_idx, self.group.device, (torch.int32, torch.int64), (T, p.topk))
-        if not self._allocated:
-            self._allocate()
-        ch = self._dispatch_ch
-        do_send, do_recv = ch.phases(phase)
-        g.check()
+        self._ensure_allocated()
+        p, g, op = self.plan, self.group, self._dispatch_op
+        do_send, do_recv = op.begin(phase)
         if do_send:
+            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx))
+            op.before_send()
             k = self._calls % 2
             s = self._sets[k]
-            handle = EPHandle(self._calls, T, s.row_of, s.src_tokens, s.routed, id(self))
+            handle = EPHandle(self._calls, T, s.row_of, s.src_tokens, s.routed, id(self), g.epoch)
             self._calls += 1
             if T > 0:
                 xin = x.contiguous() if p.fp8 else x.contiguous().view(torch.int32)
@@ -260,37 +303,34 @@ class EPBuffer:
                 self._launch_send(xin, idx, s, T)
             elif not do_recv:  # world 1, split: the kernel runs at the receive; the send consumes its inputs
                 xin, idx = xin.clone(), idx.clone()
-            ch.expect, self._pending = "recv", (handle, s, xin, idx)
+            op.sent((handle, s, xin, idx))
             if not do_recv:
-                self.group.check_after_launch()
                 return None
-        handle, s, xin, idx = self._pending
+        handle, s, xin, idx = op.take()
         if g.world_size == 1:
             self._launch_local(xin, idx, s, handle.num_tokens)
         else:
             self._launch_recv(s)
-        ch.expect, self._pending = "send", None
-        self.group.check_after_launch()
-        return DispatchResult(self._x, self._scales, s.counts, s.src, handle)
+        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle))
 
     def _launch_send(self, xin, idx, s, T) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
-        dispatch_send_kernel[(p.send_programs,)](
-            xin, idx, s.routed, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done,
-            g.error_addr, g.rank, T, self.num_experts,
+        kernel_for(dispatch_send_kernel, g.device)[(p.send_programs,)](
+            xin, idx, s.routed, self._excluded, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.send_seq, ch.done,
+            num_tokens=T, num_experts=self.num_experts,
             OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
             S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
             BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
             BINS=histogram_bins(p.num_experts),
-            FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._common())
+            FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._signal_args(), **self._common())
 
     def _launch_local(self, xin, idx, s, T) -> None:
         """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""
         p, g = self.plan, self.group
         out_x = self._x if p.fp8 else self._x.view(torch.int32)
-        dispatch_local_kernel[p.local_grid](
+        kernel_for(dispatch_local_kernel, g.device)[p.local_grid](
             xin, idx, out_x, self._scales if p.fp8 else self._dummy, s.src, s.counts, s.row_of, s.src_tokens,
-            s.routed, self._stats, g.error_addr, T, self.num_experts,
+            s.routed, self._stats, self._excluded, g.state, T, self.num_experts,
             OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
             X_WORDS=p.x_words, S_WORDS=p.scale_words, BT=p.block_tokens, BW=p.send_block_words,
             ROUTE_T=p.route_tokens, BINS=histogram_bins(p.num_experts), FP8=p.fp8,
@@ -299,9 +339,9 @@ class EPBuffer:
     def _launch_recv(self, s) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
         scales_words = self._scales.view(torch.int32) if p.fp8 else self._dummy
-        dispatch_recv_kernel[(p.recv_programs,)](
+        kernel_for(dispatch_recv_kernel, g.device)[(p.recv_programs,)](
             self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, self._stats,
-            ch.data.local, ch.ctrl.local, ch.seq, g.error_addr, g.timeout_ns, g.rank,
+            ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done, **self._signal_args(),
             OP=op_id("dispatch"), CAP=p.capacity,
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
@@ -313,60 +353,47 @@ class EPBuffer:
                 handle: EPHandle | None = None, *, out: torch.Tensor | None = None,
                 phase: str = "both") -> torch.Tensor | None:
         """Return expert outputs to their tokens and reduce them with ``topk_weights`` (see the class
-        docstring). phase="recv" ignores ``expert_out`` and ``handle``."""
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        p, g = self.plan, self.group
-        if not self._allocated:
+        docstring). phase="recv" ignores ``expert_out`` and ``handle``; ``topk_weights`` and ``out`` may be
+        given at either phase (at the receive they replace those of the send)."""
+        if self._closed:
+            raise ClosedError("EPBuffer: used after close()")
+        if self._calls == 0:
             raise RuntimeError("combine needs the handle of a dispatch on this EPBuffer; none has run yet")
-        if phase != "recv":
-            self._check_handle(handle)
-            check_tensor("expert_out", expert_out, self.group.device, (p.dtype,),
-                         (p.experts_per_rank, p.capacity, p.hidden))
-        if topk_weights is not None or phase != "recv":
-            T = handle.num_tokens if phase != "recv" else self._pending_tokens()
-            check_tensor("topk_weights", topk_weights, self.group.device,
-                         (torch.float32, torch.bfloat16, torch.float16, torch.float64), (T, p.topk))
-        if out is not None:
-            T = handle.num_tokens if phase != "recv" else self._pending_tokens()
-            check_tensor("out", out, self.group.device, (p.dtype,), (T, p.hidden))
-            if not out.is_contiguous():
-                raise ValueError("out must be contiguous (it is written in place)")
-        ch = self._combine_ch
-        do_send, do_recv = ch.phases(phase)
-        g.check()
+        p, g, op = self.plan, self.group, self._combine_op
+        do_send, do_recv = op.begin(phase)
         if do_send:
+            def check():
+                self._check_handle(handle)
+                check_tensor("expert_out", expert_out, g.device, (p.dtype,),
+                             (p.experts_per_rank, p.capacity, p.hidden))
+                self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
+            op.validate(check)
+            op.before_send()
             expert_out = expert_out.contiguous()
             if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
-                s = self._sets[handle.call_index % 2]
-                combine_send_kernel[(p.recv_programs,)](
-                    expert_out.view(torch.int32), s.row_of, s.src_tokens,
-                    ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.seq, ch.done, g.rank,
+                s, ch = self._sets[handle.call_index % 2], self._combine_ch
+                kernel_for(combine_send_kernel, g.device)[(p.recv_programs,)](
+                    expert_out.view(torch.int32), s.row_of, s.src_tokens, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
+                    ch.send_seq, ch.done, **self._signal_args(),
                     ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                     BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
-            ch.expect, self._combine_pending = "recv", (handle, expert_out, topk_weights, out)
+            op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
-                self.group.check_after_launch()
                 return None
-        handle, expert_out, w0, out0 = self._combine_pending
+        handle, expert_out, w0, out0 = op.pending
+        self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)  # before taking: lossless
         topk_weights = w0 if topk_weights is None else topk_weights
         out = out0 if out is None else out
-        self._check_handle(handle)  # a dispatch between the phases may have reused its metadata
+        if topk_weights is None:
+            raise TypeError("combine: topk_weights must be given at phase='send' or phase='recv'")
+        op.take()
         T = handle.num_tokens
         if out is None:
             out = torch.empty((T, p.hidden), dtype=p.dtype, device=g.device)
-        s = self._sets[handle.call_index % 2]
-        combine_recv_kernel[p.reduce_grid](
+        s, ch = self._sets[handle.call_index % 2], self._combine_ch
+        kernel_for(combine_recv_kernel, g.device)[p.reduce_grid](
             out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
-            s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.seq, g.error_addr, g.timeout_ns,
-            g.rank, T, OP=op_id("combine"), WORLD=g.world_size, M=p.max_tokens,
-            ROWS=p.experts_per_rank * p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
-            BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs)
-        ch.expect, self._combine_pending = "send", None
-        self.group.check_after_launch()
-        return out
-
-    def _pending_tokens(self) -> int:
-        if self._combine_pending is None:
-            raise RuntimeError("ep.combine: phase='recv' needs a preceding phase='send'")
-        return self._combine_pending[0].num_tokens
+            s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done,
+            **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
+            HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **self._common())
+        return op.finish(out)

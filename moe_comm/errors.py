@@ -2,24 +2,69 @@
 
 Kernels never raise: they record the first problem they see in a per-rank error word that the host
 reads without a device sync (pinned host memory on CUDA, plain memory on CPU). The host turns it into
-one of these exceptions at the next ``group.check()`` or the next op call.
+one of these exceptions at the next ``group.check()`` or at the end of the next op call.
+
+Two families (the fault model, README "Faults and recovery"):
+
+- ``GroupError`` (CommTimeoutError, CommAbortedError, CommDesyncError, ExcludedError): the group is out
+  of step or a peer is gone. Sticky: every later op on every rank raises it until ``group.reset()`` (or
+  ``group.exclude()``).
+- Data errors (CapacityError, InvalidIndexError): a device value was out of range; the op completed on
+  every rank without the offending slots/rows, and the error is raised once, on the rank that found it,
+  carrying the result of the call it is raised from (``err.result``).
 """
 
 from __future__ import annotations
 
 
 class MoECommError(RuntimeError):
-    """Base class of every moe-comm error."""
+    """Base class of every moe-comm error. ``result``: for a data error raised at the end of an op
+    call, that call's result (the op completed; keep using it, e.g. its dispatch handle); else None."""
+
+    result = None
 
 
-class CommTimeoutError(MoECommError):
+class GroupError(MoECommError):
+    """A group-wide error: sticky until ``group.reset()`` (or ``group.exclude()``) on every live rank."""
+
+
+class CommTimeoutError(GroupError):
     """A bounded device wait expired: ``rank`` waited for ``peer`` in ``op`` and gave up."""
 
     def __init__(self, op: str, rank: int, peer: int, timeout_s: float):
         self.op, self.rank, self.peer, self.timeout_s = op, rank, peer, timeout_s
         super().__init__(
             f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for peer rank {peer} "
-            f"(peer dead, stuck, or not calling the same op)")
+            f"(peer dead, stuck, or not calling the same op); the group is failed until group.reset() "
+            f"or group.exclude([{peer}])")
+
+
+class CommAbortedError(GroupError):
+    """``peer`` could not take part in a call of ``op`` (an input error only it saw) and told ``rank``."""
+
+    def __init__(self, op: str, rank: int, peer: int):
+        self.op, self.rank, self.peer = op, rank, peer
+        super().__init__(
+            f"{op}: rank {rank} got an abort from peer rank {peer} for this call (that rank raised an "
+            f"input error the others did not); the group is failed until group.reset()")
+
+
+class CommDesyncError(GroupError):
+    """``rank`` saw a flag of a later call from ``peer``: the two are out of step (a skipped call)."""
+
+    def __init__(self, op: str, rank: int, peer: int, got: int, expected: int):
+        self.op, self.rank, self.peer, self.got, self.expected = op, rank, peer, got, expected
+        super().__init__(
+            f"{op}: rank {rank} expected call {expected} from peer rank {peer} but got call {got} (the "
+            f"ranks are out of step: one skipped a call); the group is failed until group.reset()")
+
+
+class ExcludedError(GroupError):
+    """This rank was excluded by the other ranks of its group (``group.exclude``): it may not take part."""
+
+
+class ClosedError(MoECommError):
+    """An op or group was used after ``close()``."""
 
 
 class CapacityError(MoECommError, ValueError):
@@ -55,11 +100,14 @@ class LaunchError(MoECommError):
 
 
 # ---- error word ---------------------------------------------------------------------------------
-# Word layout (int64 [ERR_WORDS]); the first error wins (later ones are dropped, the code stays):
-#   [0] code (ERR_*; 0 = no error)   [1] op id (OPS index)   [2] rank that saw it
-#   [3] peer rank / expert / slot    [4] offending value     [5] bound or capacity
+# Word layout (int64 [ERR_WORDS]); the first error since the host last released the word wins:
+#   [0] code (ERR_*; 0 = no error), written last with a system-scope release
+#   [1] op id (OPS index)   [2] rank that saw it   [3] peer rank / expert / slot
+#   [4] offending value     [5] bound or capacity  [6] 1 if a later error found the word taken (dropped)
 ERR_WORDS = 8
-ERR_NONE, ERR_TIMEOUT, ERR_CAPACITY, ERR_INDEX = 0, 1, 2, 3
+ERR_DROPPED = 6
+ERR_NONE, ERR_TIMEOUT, ERR_CAPACITY, ERR_INDEX, ERR_ABORTED, ERR_DESYNC = 0, 1, 2, 3, 4, 5
+GROUP_CODES = (ERR_TIMEOUT, ERR_ABORTED, ERR_DESYNC)   # group-wide: sticky until reset()
 
 # Op ids the kernels record; index = id.
 OPS = ("alltoallv", "alltoallv.combine", "dispatch", "combine", "barrier")
@@ -81,4 +129,8 @@ def decode_error(word, timeout_s: float) -> MoECommError | None:
         return CapacityError(name, rank, peer, value, bound)
     if code == ERR_INDEX:
         return InvalidIndexError(name, rank, value, bound)
+    if code == ERR_ABORTED:
+        return CommAbortedError(name, rank, peer)
+    if code == ERR_DESYNC:
+        return CommDesyncError(name, rank, peer, value, bound)
     return MoECommError(f"{name}: rank {rank}: unknown device error code {code}")

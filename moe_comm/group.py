@@ -3,66 +3,272 @@
 from __future__ import annotations
 
 import datetime
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 import uuid
+import weakref
 
 import torch
 
-from .errors import ERR_WORDS, LaunchError, decode_error
+from . import protocol
+from .errors import (ERR_DROPPED, ERR_NONE, ERR_WORDS, GROUP_CODES, ClosedError, CommTimeoutError, ExcludedError,
+                     GroupError, LaunchError, MoECommError, decode_error)
 from .heap.base import Heap
 
 BACKENDS = ("auto", "nvshmem", "shm", "loopback")
 
 
 class CommGroup:
-    """One rank of a moe-comm communicator: its heap, its device and its error word.
+    """One rank of a moe-comm communicator: its heap, its device, its error word and its group state.
 
-    ``error_word`` is int64 [ERR_WORDS] that kernels write and the host reads without a device sync
-    (pinned host memory on CUDA: kernels reach it through ``error_addr``).
+    ``error_word``: int64 [ERR_WORDS] that kernels write and the host reads without a device sync (pinned
+    host memory on CUDA). ``state``: int64 device tensor every kernel reads (``moe_comm/protocol.py``:
+    epoch, error-word address, timeout, live mask, status addresses). ``status``: symmetric buffer where
+    ranks broadcast group-wide errors.
+
+    Faults (README "Faults and recovery"): ``check()`` raises what the kernels recorded; a group-wide
+    error (``GroupError``) is sticky until ``reset()`` (collective over the live ranks) or
+    ``exclude(ranks)`` (collective over the survivors). ``live_ranks``: ranks not excluded.
     """
 
-    def __init__(self, heap: Heap, backend: str, timeout_s: float, owns_dist: bool = False):
-        self.heap, self.backend, self.timeout_s = heap, backend, float(timeout_s)
+    def __init__(self, heap: Heap, backend: str, timeout_s: float, owns_dist: bool = False,
+                 error_word: torch.Tensor | None = None):
+        self.heap, self.backend, self.timeout_s = heap, backend, _check_timeout(timeout_s)
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
         pin = self.device.type == "cuda"
-        self.error_word = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=pin)
-        self.error_addr = self.error_word.data_ptr()  # host address; valid on the device through UVA
-        self._owns_dist, self._closed = owns_dist, False
+        self.error_word = (torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=pin) if error_word is None
+                           else error_word.zero_())
+        self._live = [True] * self.world_size
+        self.epoch = 0
+        self._members: list[weakref.ref] = []   # channels and ops: reset / closed with the group
+        self._last_event = None                 # CUDA: completion of the last op (eager error checks)
+        self._owns_dist, self._closed, self._excluded_self = owns_dist, False, False
+        self.status = heap.alloc("group.status", (protocol.status_words(self.world_size),), torch.int64)
+        self.state = torch.zeros(protocol.state_words(self.world_size), dtype=torch.int64, device=self.device)
+        self._write_state()
 
     @property
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
+    @property
+    def live_ranks(self) -> list[int]:
+        """Ranks not excluded (``exclude``), in order."""
+        return [r for r in range(self.world_size) if self._live[r]]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __repr__(self):
-        return f"CommGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={self.device})"
+        return (f"CommGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={self.device}, live={self.live_ranks})")
+
+    def _write_state(self) -> None:
+        """Write the group state (host values) to the device tensor the kernels read."""
+        w, st = self.world_size, torch.zeros_like(self.state, device="cpu")
+        st[protocol.S_EPOCH] = self.epoch
+        st[protocol.S_ERR_ADDR] = self.error_word.data_ptr()  # host address; valid on the device (UVA)
+        st[protocol.S_TIMEOUT_NS] = self.timeout_ns
+        st[protocol.S_LIVE:protocol.S_LIVE + w] = torch.tensor(self._live, dtype=torch.int64)
+        st[protocol.s_status(w):protocol.s_status(w) + w] = self.status.peer_ptrs.cpu()
+        self.state.copy_(st)
+
+    # ---- members ---------------------------------------------------------------------------------
+    def register(self, member) -> None:
+        """Channels and ops register here: ``reset()`` calls their ``reset()``, ``close()`` their
+        ``mark_closed()`` (if they have one)."""
+        self._members.append(weakref.ref(member))
+
+    def unregister(self, member) -> None:
+        self._members = [m for m in self._members if m() is not None and m() is not member]
+
+    def _each_member(self):
+        self._members = [m for m in self._members if m() is not None]
+        return [m() for m in self._members]
+
+    def ensure_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self!r} is closed: create a new group")
+        if self._excluded_self:
+            raise ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+
+    # ---- errors ----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the error the kernels recorded, if any. Never syncs the device.
+
+        A data error (CapacityError, InvalidIndexError) is raised once and the word is released for the
+        next one. A group-wide error (GroupError) stays: every later check and op raises it again until
+        ``reset()`` / ``exclude()``. If an error found the word taken, the next check says so.
+        """
+        self.ensure_open()
+        word = self.error_word
+        code = int(word[0])  # the code first: kernels publish it after the fields
+        if code != ERR_NONE:
+            values = word.tolist()
+            err = decode_error(values, self.timeout_s)
+            if values[ERR_DROPPED]:
+                err.args = (err.args[0] + " (further device errors were found while this one was pending)",)
+            if code not in GROUP_CODES:
+                self._release_error_word()
+            raise err
+        if int(word[ERR_DROPPED]):
+            self._release_error_word()
+            raise MoECommError(f"rank {self.rank}: a device error was recorded while an earlier one was "
+                               f"being reported; its details were lost (see the op's outputs)")
+
+    def _release_error_word(self) -> None:
+        """Clear the word, then let kernels claim it again (stream-ordered on CUDA: kernels already queued
+        cannot write a half record over the cleared one)."""
+        self.error_word.zero_()
+        self.state[protocol.S_CLAIM].zero_()
+
+    def finish_op(self, result):
+        """End of an op call (its kernels are launched): raise what the kernels recorded. On CPU they have
+        finished. On CUDA (eager) wait for the previous op's kernels first, so an error is raised at the
+        latest at the end of the next call; under graph capture nothing is read (the engine checks once
+        per step). A data error carries ``result`` (this call's result: the op completed)."""
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return result
+            prev = self._last_event
+            self._last_event = torch.cuda.Event()
+            self._last_event.record(torch.cuda.current_stream(self.device))
+            if prev is not None:
+                prev.synchronize()
+        try:
+            self.check()
+        except MoECommError as e:
+            if not isinstance(e, GroupError):
+                e.result = result
+            raise
+        return result
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
-        """Host barrier over all ranks (a no-op on loopback, where program order already is one)."""
+        """Host barrier over the live ranks (a no-op on loopback, where program order already is one).
+        On a failed group it raises the group's error instead of waiting (a peer that is recovering will
+        not come to this barrier). Then ``check()``."""
+        self.ensure_open()
+        self.heap.barrier(self.live_ranks, poll=self._raise_if_failed)
         self.check()
-        self.heap.barrier()
 
-    def check(self) -> None:
-        """Raise the first error a kernel recorded since the last check (then clear it). Never syncs the device."""
-        err = decode_error(self.error_word.tolist(), self.timeout_s)
-        if err is not None:
-            self.error_word.zero_()
-            raise err
+    def _raise_if_failed(self) -> None:
+        """Raise the group-wide error broadcast into this rank's status, if any (host read of the status
+        tags; on CUDA a copy). The device keeps the record: the same named error as the kernels adopt."""
+        self.check()
+        w = self.world_size
+        tags = self.status.local[:w].tolist()
+        for j in range(w):
+            if self._live[j] and tags[j] == self.epoch + 1:
+                rec = self.status.local[w + j * protocol.REC_WORDS: w + (j + 1) * protocol.REC_WORDS].tolist()
+                raise decode_error(rec + [0, 0], self.timeout_s)
 
-    def check_after_launch(self) -> None:
-        """Right after an op's kernels: on CPU they have finished and reading the error word is free, so
-        raise at once; on a GPU the error surfaces at the next check instead (no sync here)."""
-        if self.device.type == "cpu":
-            self.check()
+    def _meet(self, kind: int, op: str, values=()) -> dict[int, list[int]]:
+        """Recovery meeting of the live ranks (``heap.agree``): every one comes, for the same ``kind``;
+        returns every live rank's ``values``. The heap bounds it by twice the timeout: ranks reach recovery
+        up to one timeout apart (one saw the failure at once, another only when its own wait expired)."""
+        got, missing = self.heap.agree(self.live_ranks, [kind, *values])
+        if missing:
+            raise CommTimeoutError(op, self.rank, missing[0], 2 * self.timeout_s)
+        odd = {j: v[0] for j, v in got.items() if v[0] != kind}
+        if odd:
+            raise GroupError(f"{op}: rank {self.rank} met ranks {sorted(odd)} in a different recovery call "
+                             f"(every live rank must make the same recovery calls in the same order)")
+        return {j: v[1:] for j, v in got.items()}
 
+    def exchange(self, values: list[int]) -> dict[int, list[int]]:
+        """Collective over the live ranks, outside the data path (recovery control plane, bounded): every
+        live rank's int64 ``values`` (at most 7). For agreeing on where to resume after ``reset()``."""
+        self.ensure_open()
+        return self._meet(_EXCHANGE, "exchange", [int(v) for v in values])
+
+    # ---- recovery --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Collective over the live ranks: clear a group-wide error and start a new epoch.
+
+        Waits for this rank's device work, meets every live rank (bounded: CommTimeoutError names a rank
+        that does not come; ``exclude`` it), then zeroes this rank's flags, call counters, status and error
+        word, drops every op's pending phase, bumps the epoch (flags and status records of older epochs
+        are never accepted again), and meets the live ranks once more so that nobody sends in the new
+        epoch before everyone has cleared. Handles of dispatches made before a reset are refused.
+        """
+        self.ensure_open()
+        self.synchronize()
+        self._meet(_RESET, "reset")
+        for m in self._each_member():
+            m.reset()
+        self.status.local.zero_()
+        self.error_word.zero_()
+        self.epoch += 1
+        self._last_event = None
+        self._write_state()
+        self.heap.realign_barriers(self.epoch << 32)
+        self.synchronize()
+        self._meet(_RESET, "reset")
+
+    def exclude(self, ranks) -> list[int]:
+        """Collective over the survivors: ``ranks`` are absent from now on; returns the excluded set.
+
+        The survivors agree on the set first (a bounded all-gather; a rank that does not answer is
+        excluded too, and so is any rank another survivor names), so a second failure during an exclude
+        is handled the same way. Then no kernel sends to or waits for an excluded rank: dispatch slots
+        routed to its experts are not routed (counted in the buffer's statistics), AllToAllvDynamic rows
+        addressed to it are dropped (counted), and the live mask is on the device, so captured CUDA graphs
+        keep working. This rank's mappings of the excluded ranks' memory are released. Ends with
+        ``reset()``. A rank that finds itself excluded raises ExcludedError and must stop.
+        """
+        self.ensure_open()
+        gone = {int(r) for r in ranks}
+        if any(r < 0 or r >= self.world_size for r in gone):
+            raise ValueError(f"ranks must be in [0, {self.world_size}), got {sorted(gone)}")
+        if self.rank in gone:
+            raise ValueError(f"rank {self.rank} cannot exclude itself")
+        gone |= {r for r in range(self.world_size) if not self._live[r]}
+        self.synchronize()
+        while True:  # rounds until every answering survivor proposes the same set
+            candidates = [r for r in range(self.world_size) if r not in gone]
+            got, missing = self.heap.agree(candidates, [_EXCLUDE] + _mask_words(gone, self.world_size))
+            odd = sorted(j for j, v in got.items() if v[0] != _EXCLUDE)
+            if odd:
+                raise GroupError(f"exclude: rank {self.rank} met ranks {odd} in a different recovery call "
+                                 f"(every live rank must call exclude() with the failed ranks)")
+            got = {j: v[1:] for j, v in got.items()}
+            agreed = set(gone) | set(missing)
+            for words in got.values():
+                agreed |= _mask_ranks(words, self.world_size)
+            if self.rank in agreed:
+                self._excluded_self = True
+                raise ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+            if agreed == gone and all(_mask_ranks(w, self.world_size) == gone for w in got.values()):
+                break
+            gone = agreed
+        for r in sorted(gone):
+            if self._live[r]:
+                self._live[r] = False
+                self.heap.release_peer(r)
+        self.reset()
+        return sorted(gone)
+
+    # ---- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
+        """Release the heap. Every op built on this group is closed too: using one raises ClosedError."""
         if self._closed:
             return
+        for m in self._each_member():
+            mark = getattr(m, "mark_closed", None)
+            if mark is not None:
+                mark()
         self._closed = True
         self.heap.close()
         if self._owns_dist:
@@ -76,6 +282,28 @@ class CommGroup:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+_RESET, _EXCLUDE, _EXCHANGE = 1, 2, 3   # kinds of recovery meeting (heap.agree payload word 0)
+
+
+def _mask_words(ranks, world: int) -> list[int]:
+    """A set of ranks as int64 bit words (63 ranks per word: values stay positive)."""
+    words = [0] * (world // 63 + 1)
+    for r in ranks:
+        words[r // 63] |= 1 << (r % 63)
+    return words
+
+
+def _mask_ranks(words, world: int) -> set[int]:
+    return {r for r in range(world) if (words[r // 63] >> (r % 63)) & 1}
+
+
+def _check_timeout(timeout_s) -> float:
+    t = float(timeout_s)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    return t
 
 
 def _as_device(device) -> torch.device:
@@ -104,8 +332,7 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    timeout_s = _check_timeout(timeout_s)
     if backend == "loopback":
         from .heap.loopback import LoopbackHeap  # noqa: PLC0415
         n = 1 if world_size is None else int(world_size)
@@ -154,7 +381,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, conn):
+def _die_with_parent(parent_pid: int) -> None:
+    """A rank process must not outlive the process that launched it (SIGTERM or SIGKILL included): ask
+    Linux to SIGKILL it when its parent dies, and, where that is unavailable or the parent died before
+    the request, watch the parent id from a daemon thread."""
+    try:
+        import ctypes  # noqa: PLC0415
+        import signal  # noqa: PLC0415
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="moe_comm-parent-watch", daemon=True).start()
+
+
+def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, conn, parent_pid):
+    _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       MOE_COMM_SESSION=session)
@@ -182,6 +431,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                          "use moe_comm.init(backend='loopback', world_size=N)")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    timeout_s = _check_timeout(timeout_s)
     grace_s = 2 * timeout_s + 15 if grace_s is None else grace_s
     ctx = mp.get_context(start_method)
     port, session = _free_port(), uuid.uuid4().hex[:12]
@@ -189,7 +439,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     for r in range(world_size):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, name=f"moe_comm-rank{r}", daemon=True,
-                        args=(fn, r, world_size, port, session, backend, timeout_s, args, send_end))
+                        args=(fn, r, world_size, port, session, backend, timeout_s, args, send_end,
+                              os.getpid()))
         p.start()
         send_end.close()
         procs.append(p)

@@ -126,7 +126,7 @@ class EPPlan:
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
                  routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
-                 counters, scratch 2 * (8 + 4*(W+1)) + 4*max(H, K)
+                 counters, scratch 2 * (16 + 4*(W+2)) + 8 + 4*max(H, K)
 
     The DeepSeek-V3 decode shape (W=8, M=128, K=8, L=32, H=7168, bf16) needs 0.49 GiB per GPU (0.28 GiB
     with fp8 dispatch), d.x included; DeepEP's low-latency buffer for the same shape is 1.78 GiB, before
@@ -210,7 +210,8 @@ class EPPlan:
         L, cap, w, m, k = self.experts_per_rank, self.capacity, self.world, self.max_tokens, self.topk
         outputs = L * cap * 4 * (self.x_words + self.scale_words)
         metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4) + L * 8
-        counters = 2 * (8 + 4 * (w + 1)) + 4 * self.scratch_words  # channel seq/done, launch scratch
+        # two channels of (send count, receive count, arrival counters); excluded-slot count; launch scratch
+        counters = 2 * (8 + 8 + 4 * (w + 2)) + 8 + 4 * self.scratch_words
         return outputs + metadata + counters
 
     @property

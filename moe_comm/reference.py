@@ -11,40 +11,54 @@ import torch
 
 # ---- AllToAllvDynamic ----------------------------------------------------------------------------
 
-def alltoallv(sends: list[torch.Tensor], send_counts: list[torch.Tensor], max_rows_per_peer: int):
-    """Forward all-to-all-v. sends[r] [N_r, *row_shape]; send_counts[r] [world] (each <= capacity,
-    sum <= N_r). Returns per receiving rank i: (recv [world, max_rows_per_peer, *row_shape] with rows
-    past a count zero, recv_counts int32 [world])."""
+def sent_rows(counts: list[int], max_rows_per_peer: int, num_rows: int, excluded=()) -> list[tuple[int, int]]:
+    """(first row, rows sent) to each rank, as the op clamps device counts: rank j's rows start at the
+    prefix sum of the counts as given (negative ones taken as 0); min(count, capacity, rows that exist)
+    of them are sent, none to an excluded rank."""
+    out, off = [], 0
+    for j, c in enumerate(counts):
+        c = max(int(c), 0)
+        n = 0 if j in excluded else max(0, min(c, max_rows_per_peer, num_rows - off))
+        out.append((off, n))
+        off += c
+    return out
+
+
+def alltoallv(sends: list[torch.Tensor], send_counts: list[torch.Tensor], max_rows_per_peer: int, excluded=()):
+    """Forward all-to-all-v. sends[r] [N_r, *row_shape]; send_counts[r] [world]. Counts are clamped as
+    the op clamps them (``sent_rows``); ranks in ``excluded`` send and receive nothing. Returns per
+    receiving rank i: (recv [world, max_rows_per_peer, *row_shape] with rows past a count zero,
+    recv_counts int32 [world])."""
     world = len(sends)
-    counts = [[int(c) for c in sc.tolist()] for sc in send_counts]
+    split = [sent_rows(sc.tolist(), max_rows_per_peer, sends[j].shape[0], excluded) for j, sc in enumerate(send_counts)]
     out = []
     for i in range(world):
         row_shape = sends[i].shape[1:]
         recv = torch.zeros((world, max_rows_per_peer, *row_shape), dtype=sends[i].dtype)
         rc = torch.zeros(world, dtype=torch.int32)
         for j in range(world):
-            off = sum(counts[j][:i])
-            n = counts[j][i]
+            if i in excluded or j in excluded:
+                continue
+            off, n = split[j][i]
             recv[j, :n] = sends[j][off:off + n].cpu()
             rc[j] = n
         out.append((recv, rc))
     return out
 
 
-def alltoallv_combine(rows: list[torch.Tensor], send_counts: list[torch.Tensor], num_rows: list[int]):
-    """Reverse of ``alltoallv``. rows[i] [world, max_rows_per_peer, *row_shape] on rank i; rows[i][j, :c]
-    (c = rows rank j sent to i) go back to rank j at the offsets its forward rows had. Returns per rank
+def alltoallv_combine(rows: list[torch.Tensor], send_counts: list[torch.Tensor], num_rows: list[int],
+                      max_rows_per_peer: int | None = None, excluded=()):
+    """Reverse of ``alltoallv``. rows[i] [world, max_rows_per_peer, *row_shape] on rank i; rows[i][j, :n]
+    (n = rows rank j sent to i) go back to rank j at the offsets its forward rows had. Returns per rank
     j: [num_rows[j], *row_shape], rows not covered by the forward zero."""
     world = len(rows)
-    counts = [[int(c) for c in sc.tolist()] for sc in send_counts]
+    cap = rows[0].shape[1] if max_rows_per_peer is None else max_rows_per_peer
     out = []
     for j in range(world):
         res = torch.zeros((num_rows[j], *rows[j].shape[2:]), dtype=rows[j].dtype)
-        off = 0
-        for i in range(world):
-            n = counts[j][i]
-            res[off:off + n] = rows[i][j, :n].cpu()
-            off += n
+        for i, (off, n) in enumerate(sent_rows(send_counts[j].tolist(), cap, num_rows[j], excluded)):
+            if i not in excluded and j not in excluded:
+                res[off:off + n] = rows[i][j, :n].cpu()
         out.append(res)
     return out
 
@@ -72,24 +86,32 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> t
     return (q.float().unflatten(-1, (-1, group)) * scales.unsqueeze(-1)).flatten(-2)
 
 
-def ep_rows(topk_idxs: list[torch.Tensor], num_experts: int, max_tokens_per_rank: int):
+def routed(e: int, num_experts: int, world: int, excluded=()) -> bool:
+    """Is a slot naming expert ``e`` routed: a valid id whose rank is not excluded."""
+    return 0 <= e < num_experts and e // (num_experts // world) not in excluded
+
+
+def ep_rows(topk_idxs: list[torch.Tensor], num_experts: int, max_tokens_per_rank: int, excluded=()):
     """Where every routed slot lands. Returns ``rows[r][e]`` = list of (source rank s, token t, k) that
     rank r's local expert e receives, in order (by s, then t, then k), truncated to the capacity
-    world * max_tokens_per_rank. Ids outside [0, num_experts) are not routed."""
+    world * max_tokens_per_rank. Ids outside [0, num_experts), and ids of experts on an excluded rank,
+    are not routed; an excluded rank sends nothing."""
     world = len(topk_idxs)
     local = num_experts // world
     cap = world * max_tokens_per_rank
     rows = [[[] for _ in range(local)] for _ in range(world)]
     for s, idx in enumerate(topk_idxs):
+        if s in excluded:
+            continue
         for t, ids in enumerate(idx.tolist()):
             for k, e in enumerate(ids):
-                if 0 <= e < num_experts:
+                if routed(e, num_experts, world, excluded):
                     rows[e // local][e % local].append((s, t, k))
     return [[lst[:cap] for lst in per_rank] for per_rank in rows]
 
 
 def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
-             max_tokens_per_rank: int, fp8: bool = False):
+             max_tokens_per_rank: int, fp8: bool = False, excluded=()):
     """EPBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r] [T_r, K] (-1 = not routed).
 
     Returns per receiving rank a dict: x [E_local, R, H] (dtype, or float8_e4m3fn with fp8) and scales
@@ -98,7 +120,7 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts:
     """
     world = len(xs)
     local, cap, m = num_experts // world, world * max_tokens_per_rank, max_tokens_per_rank
-    rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank)
+    rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank, excluded)
     out = []
     for r in range(world):
         H, dt = xs[r].shape[1], xs[r].dtype
@@ -118,14 +140,15 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts:
 
 
 def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_idxs: list[torch.Tensor],
-            num_experts: int, max_tokens_per_rank: int):
+            num_experts: int, max_tokens_per_rank: int, excluded=()):
     """EPBuffer.combine of every rank at once. expert_outs[r] [E_local, R, H] on rank r (row i of expert e
     answers dispatch row i); topk_weights[r], topk_idxs[r] [T_r, K]. Returns per rank y [T_r, H]:
     y[t] = sum over k ascending of routed slots of w[t, k] * row, in float32, cast to expert_outs' dtype.
-    A slot dropped for capacity contributes a zero row."""
+    A slot dropped for capacity contributes a zero row; a slot whose expert's rank is excluded is not
+    routed (no weight)."""
     world = len(expert_outs)
     local = num_experts // world
-    rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank)
+    rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank, excluded)
     where = {}
     for r in range(world):
         for e in range(local):
@@ -140,7 +163,7 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
         for t in range(T):
             acc = torch.zeros(H, dtype=torch.float32)
             for k in range(K):
-                if not 0 <= idx[t][k] < num_experts:
+                if not routed(idx[t][k], num_experts, world, excluded):
                     continue
                 hit = where.get((s, t, k))
                 row = expert_outs[hit[0]][hit[1], hit[2]].float().cpu() if hit else torch.zeros(H)

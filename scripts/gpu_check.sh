@@ -13,8 +13,10 @@
 # GPU_CHECK_DECODE_CONFIGS (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_DECODE_ATTENTION
 # (default "triton", the GPU default; "torch triton" runs the decode benchmark and profile once per kernel);
 # GPU_CHECK_PYTEST_ARGS / GPU_CHECK_KERNEL_ARGS / GPU_CHECK_DECODE_ARGS (extra words for each step);
-# GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800). A step that fails or times out is recorded and
-# the next one still runs; the exit status is the first failure's.
+# GPU_CHECK_STEP_TIMEOUT (seconds per step, default 1800); GPU_CHECK_SANITIZE_K (the pytest -k selection
+# the "sanitize" step runs under compute-sanitizer's memcheck, racecheck and synccheck: small shapes, since
+# it is slow). A step that fails or times out is recorded and the next one still runs; the exit status is
+# the first failure's. "sanitize" is not in the default steps: add it (GPU_CHECK_STEPS="pytest sanitize").
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 PY=${PYTHON:-python3}
@@ -65,6 +67,13 @@ STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode profile} "
 # shellcheck disable=SC2086  (the extra-args variables are word lists on purpose)
 [[ $STEPS == *" pytest "* ]] && step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra \
     -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
+if [[ $STEPS == *" sanitize "* ]]; then
+    SANITIZE_K=${GPU_CHECK_SANITIZE_K:-small or (loopback_compiled and 2) or graphs_recover or replay_with_new_counts}
+    for tool in memcheck racecheck synccheck; do
+        step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \
+            $PY -m pytest -m "gpu and not slow" tests/gpu -q -ra -p no:cacheprovider -k "$SANITIZE_K"
+    done
+fi
 # shellcheck disable=SC2086
 [[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
 ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-triton}

@@ -1,8 +1,6 @@
 import pytest
 import torch
 
-import moe_comm  # noqa: F401  (on a machine without CUDA this turns Triton's interpreter on)
-
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -12,7 +12,6 @@ import torch
 
 from moe_comm.serving.experts import dense_expert_mlp, masked_bmm, masked_expert_mlp
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (CPU)")
 
 
 def _close(got, want, rtol):

@@ -21,6 +21,7 @@ class Heap:
     """Symmetric memory shared by ``world_size`` ranks.
 
     ``alloc`` and ``free`` are collective: every rank calls them in the same order with the same arguments.
+    ``barrier`` and ``allgather`` are the control plane (host-driven, bounded), over the live ranks given.
     """
 
     kind: str = "?"
@@ -34,8 +35,24 @@ class Heap:
     def free(self, buf: SymmetricBuffer) -> None:
         raise NotImplementedError
 
-    def barrier(self) -> None:
-        """Host barrier over the ranks of this heap (bounded; raises CommTimeoutError naming a missing peer)."""
+    def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
+        """Host barrier over ``live`` ranks (default all): bounded; raises CommTimeoutError naming a missing
+        peer. ``poll()`` is called while waiting and may raise to end the wait."""
+        raise NotImplementedError
+
+    def agree(self, live, payload: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+        """Recovery all-gather (``reset``/``exclude``; its own sequence, apart from barriers): every live
+        rank's int64 ``payload`` (bounded), and the live ranks that did not answer."""
+        raise NotImplementedError
+
+    def realign_barriers(self, base: int) -> None:
+        """Restart the barrier sequence at ``base`` (every live rank passes the same value, in a reset)."""
+        raise NotImplementedError
+
+    def release_peer(self, peer: int) -> None:
+        """``peer`` is excluded and will never be addressed again: point every live buffer's
+        ``peer_ptrs[peer]`` at this rank's own copy (an address that stays valid) and drop this process's
+        mappings of the peer's memory. Called with the device idle."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -47,3 +64,7 @@ def nbytes_of(shape, dtype: torch.dtype) -> int:
     for s in shape:
         n *= int(s)
     return n * torch.empty((), dtype=dtype).element_size()
+
+
+def all_ranks(heap: Heap, live) -> list[int]:
+    return list(range(heap.world_size)) if live is None else sorted(live)

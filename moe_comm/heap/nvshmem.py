@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Heap, SymmetricBuffer
+from .base import Heap, SymmetricBuffer, all_ranks
+from .control import ControlBlock, control_shape
 
 
 def _import_nvshmem():
@@ -44,34 +45,67 @@ class NvshmemHeap(Heap):
             dist.broadcast_object_list(box, src=0)
             uid = box[0]
         nvshmem.init(device=dev, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
-        self._live: dict[int, torch.Tensor] = {}
+        self._live: dict[int, list] = {}   # k -> [nvshmem tensor, SymmetricBuffer, peer tensors]
         self._next = 0
+        self._excluded: set[int] = set()
+        self._control = None
+        barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
+        recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
+        self._control = ControlBlock(self._live[barrier_buf.handle][2], rank, timeout_s)
+        self._recovery = ControlBlock(self._live[recovery_buf.handle][2], rank, 2 * timeout_s)  # see group._meet
 
     def _stream(self):
         from nvshmem.core import NvshmemStream  # noqa: PLC0415
         return NvshmemStream(torch.cuda.current_stream(self.device))
 
     def alloc(self, name, shape, dtype) -> SymmetricBuffer:
+        if self._excluded:
+            raise RuntimeError("the nvshmem heap cannot allocate after a rank was excluded (NVSHMEM "
+                               "allocation is collective over every PE): allocate buffers before serving")
         t = self.nv.tensor(tuple(int(s) for s in shape), dtype=dtype)
         t.zero_()
-        ptrs = [t.data_ptr() if pe == self.rank else self.nv.get_peer_tensor(t, pe).data_ptr()
-                for pe in range(self.world_size)]
+        peers = [t if pe == self.rank else self.nv.get_peer_tensor(t, pe) for pe in range(self.world_size)]
         k, self._next = self._next, self._next + 1
-        self._live[k] = t
+        buf = SymmetricBuffer(name, t, torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64,
+                                                    device=self.device), handle=k)
+        self._live[k] = [t, buf, peers]
         self.barrier()  # every PE zeroed its copy before anyone writes into it
-        return SymmetricBuffer(name, t, torch.tensor(ptrs, dtype=torch.int64, device=self.device), handle=k)
+        return buf
 
     def free(self, buf: SymmetricBuffer) -> None:
-        t = self._live.pop(buf.handle, None)
-        if t is not None:
+        entry = self._live.pop(buf.handle, None)
+        if entry is not None and not self._excluded:  # collective over every PE: impossible without one
             self.barrier()
-            self.nv.free_tensor(t)
+            self.nv.free_tensor(entry[0])
 
-    def barrier(self) -> None:
-        self.nv.barrier_all(self._stream())
+    def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+        if self._control is None:  # bootstrap: the control blocks themselves are being allocated
+            self.nv.barrier_all(self._stream())
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            self._control.barrier(all_ranks(self, live), op, poll)
+
+    def agree(self, live, payload):
+        return self._recovery.allgather(all_ranks(self, live), payload)
+
+    def realign_barriers(self, base: int) -> None:
+        self._control.realign(base)
+
+    def release_peer(self, peer: int) -> None:
+        self._excluded.add(peer)
+        for block in (self._control, self._recovery):
+            block.views[peer] = block.views[self.rank]
+        for entry in self._live.values():
+            entry[1].peer_ptrs[peer] = entry[1].peer_ptrs[self.rank]
+            entry[2][peer] = None
 
     def close(self) -> None:
+        if self._excluded:
+            # NVSHMEM frees and finalize are collective over every PE, and a PE is gone: leave the
+            # symmetric heap to the process exit rather than hang.
+            self._live.clear()
+            return
         for k in sorted(self._live):  # same order on every PE: the frees are collective
-            self.nv.free_tensor(self._live.pop(k))
+            self.nv.free_tensor(self._live.pop(k)[0])
         self.nv.finalize()

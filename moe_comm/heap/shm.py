@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 
-import numpy as np
 import torch
 
-from ..errors import CommTimeoutError
-from .base import Heap, SymmetricBuffer, nbytes_of
+from .base import Heap, SymmetricBuffer, all_ranks, nbytes_of
+from .control import ControlBlock, control_shape
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moecomm_"
@@ -51,7 +49,8 @@ def _map_file(path: str, nbytes: int, create: bool) -> mmap.mmap:
 
 
 class ShmHeap(Heap):
-    """``session`` names this launch's files; ``barrier_fn`` is a bootstrap barrier (torch.distributed)."""
+    """``session`` names this launch's files; ``barrier_fn`` is a bootstrap barrier (torch.distributed),
+    used only until the heap's own control block exists."""
 
     kind = "shm"
 
@@ -59,58 +58,71 @@ class ShmHeap(Heap):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
         self.session, self.timeout_s, self._bootstrap_barrier = session, timeout_s, barrier_fn
         self._next = 0
-        self._live: dict[int, list] = {}
-        # Host barrier with bounded waits: slot [j] of rank i's array holds the last barrier epoch rank j reached.
-        self._barrier_epoch = 0
-        self._barrier_buf = self.alloc("barrier", (world_size,), torch.int64)
-        self._barrier_views = [self._view_at(int(p), world_size) for p in self._barrier_buf.peer_ptrs]
+        self._live: dict[int, list] = {}  # k -> [mmaps, uint8 views, SymmetricBuffer] of every rank's copy
+        self._excluded: set[int] = set()
+        self._control = None
+        barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
+        recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
+        self._control = ControlBlock(self._peer_views(barrier_buf), rank, timeout_s)
+        self._recovery = ControlBlock(self._peer_views(recovery_buf), rank, 2 * timeout_s)  # see group._meet
 
     def _path(self, rank: int, k: int) -> str:
         return os.path.join(SHM_DIR, f"{session_prefix(self.session)}{rank}_{k}")
+
+    def _peer_views(self, buf: SymmetricBuffer) -> list[torch.Tensor]:
+        """Every rank's copy of ``buf`` as a tensor of its shape and dtype (all mapped in this process)."""
+        _, views, _ = self._live[buf.handle]
+        nbytes = buf.local.numel() * buf.local.element_size()
+        return [v[:nbytes].view(buf.local.dtype).view(buf.local.shape) for v in views]
 
     def alloc(self, name, shape, dtype) -> SymmetricBuffer:
         k, nbytes = self._next, max(nbytes_of(shape, dtype), 64)
         self._next += 1
         maps = [None] * self.world_size
-        # Once the heap's own barrier exists, use it: it is bounded and names a missing peer.
-        sync = self.barrier if getattr(self, "_barrier_views", None) else self._bootstrap_barrier
+        # Once the heap's own control block exists, use it: it is bounded and names a missing peer.
+        sync = self._sync_live if self._control is not None else self._bootstrap_barrier
         maps[self.rank] = _map_file(self._path(self.rank, k), nbytes, create=True)
         sync()  # every file exists
         for j in range(self.world_size):
-            if j != self.rank:
+            if j != self.rank and j not in self._excluded:
                 maps[j] = _map_file(self._path(j, k), nbytes, create=False)
         sync()  # every rank mapped every file: the names are no longer needed
         os.unlink(self._path(self.rank, k))
+        # An excluded rank has no copy: its entry points at ours, which is never addressed for it.
+        maps = [maps[self.rank] if m is None else m for m in maps]
         views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes) for m in maps]
         local = views[self.rank][: nbytes_of(shape, dtype)].view(dtype).view(tuple(shape))
         ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
-        self._live[k] = [maps, views]
-        return SymmetricBuffer(name, local, ptrs, handle=k)
-
-    @staticmethod
-    def _view_at(addr: int, n: int) -> np.ndarray:
-        import ctypes
-        return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(addr))
+        buf = SymmetricBuffer(name, local, ptrs, handle=k)
+        self._live[k] = [maps, views, buf]
+        return buf
 
     def free(self, buf: SymmetricBuffer) -> None:
         # Mappings are released when the last tensor view of them is garbage collected.
         self._live.pop(buf.handle, None)
 
-    def barrier(self) -> None:
-        self._barrier_epoch += 1
-        e = self._barrier_epoch
-        for v in self._barrier_views:  # tell every rank we arrived (each writes only its own slot)
-            v[self.rank] = e
-        mine = self._barrier_views[self.rank]
-        deadline = time.monotonic() + self.timeout_s
-        for j in range(self.world_size):
-            while mine[j] < e:
-                if time.monotonic() > deadline:
-                    raise CommTimeoutError("barrier", self.rank, j, self.timeout_s)
-                time.sleep(0.0002)
+    def _sync_live(self) -> None:
+        self.barrier([j for j in range(self.world_size) if j not in self._excluded], "alloc")
+
+    def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
+        self._control.barrier(all_ranks(self, live), op, poll)
+
+    def agree(self, live, payload):
+        return self._recovery.allgather(all_ranks(self, live), payload)
+
+    def realign_barriers(self, base: int) -> None:
+        self._control.realign(base)
+
+    def release_peer(self, peer: int) -> None:
+        self._excluded.add(peer)
+        for block in (self._control, self._recovery):
+            block.views[peer] = block.views[self.rank]  # never written to again
+        for maps, views, buf in self._live.values():
+            buf.peer_ptrs[peer] = buf.peer_ptrs[self.rank]
+            maps[peer], views[peer] = None, None  # the mapping goes with its last view
 
     def close(self) -> None:
-        self._barrier_views = []
+        self._control = self._recovery = None
         self._live.clear()
         for f in os.listdir(SHM_DIR):  # files of ours that a failed allocation left behind
             if f.startswith(f"{session_prefix(self.session)}{self.rank}_"):

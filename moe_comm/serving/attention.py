@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..interpreter import kernel_for
 from ..triton_kernels.quant import cast_rne
 
 # Positions per step: [32, head_dim] float32 tiles of K and V keep a program near 128 registers (64
@@ -77,7 +78,7 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0:
         return out
-    decode_attention_kernel[(T, heads)](
+    kernel_for(decode_attention_kernel, q.device)[(T, heads)](
         q, k_cache, v_cache, out, slots, positions, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), k_cache.shape[1], head_dim ** -0.5,
         HEAD_DIM=head_dim, D_P2=triton.next_power_of_2(head_dim), BLOCK_S=BLOCK_S)

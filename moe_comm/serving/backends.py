@@ -127,6 +127,12 @@ class MoEComm:
         if tuple(topk_idx.shape) != (x.shape[0], self.topk):
             raise ValueError(f"topk_idx must be [{x.shape[0]}, {self.topk}], got {tuple(topk_idx.shape)}")
 
+    @property
+    def groups(self) -> tuple:
+        """The moe-comm CommGroups this backend communicates over (checked and recovered by the engine)."""
+        group = getattr(self, "group", None)
+        return () if group is None else (group,)
+
     def dispatch(self, x, topk_idx, phase="both"):
         raise NotImplementedError
 
@@ -291,6 +297,7 @@ class DynamicAllToAll(MoEComm):
     def __init__(self, group, **kw):
         from ..alltoallv import AllToAllvDynamic  # noqa: PLC0415
         super().__init__(**kw)
+        self.group = group
         self.emulated = group.backend == "loopback" and group.world_size > 1
         self.id_cols = 4 // torch.empty((), dtype=self.dtype).element_size()
         self.width = self.hidden + self.id_cols
@@ -347,6 +354,7 @@ class FusedEP(MoEComm):
     def __init__(self, group, **kw):
         from ..ep import EPBuffer  # noqa: PLC0415
         super().__init__(**kw)
+        self.group = group
         self.emulated = group.backend == "loopback" and group.world_size > 1
         self.ep = EPBuffer(group, self.num_experts, self.hidden, self.max_tokens, self.topk, dtype=self.dtype)
 

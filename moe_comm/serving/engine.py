@@ -7,6 +7,16 @@ rank whose requests are done (or that has none) runs dummy steps with T = 0 toke
 
 On CUDA with a capturable backend every bucket's step is captured once in a CUDA graph and replayed; on the
 CPU (and for the ``sync`` backend, which reads counts on the host) steps run eagerly.
+
+Faults (README "Faults and recovery"): after every step the engine checks the moe-comm groups' error
+words without a device sync. On CUDA it first waits for the *previous* step to finish (the GPU keeps the
+current one queued), so an error is raised at most one step late; on the CPU the ops raise in the step
+itself. On a group-wide error the engine recovers: ``reset()`` on every live rank, or, when a rank does
+not come to the reset (dead), ``exclude()`` of that rank; then the ranks agree on the oldest step not
+known to be good and run again from there (prefill chunks likewise). Steps are deterministic and
+rewrite the KV cache positions they own, so a replayed step gives the results it would have given.
+The requests of an excluded rank are lost (``lost_ranks``); the others go on with the excluded rank's
+experts unrouted.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CommTimeoutError, GroupError
 from .model import MoEDecoder, drive_lockstep, run_to_end
 
 
@@ -30,10 +41,11 @@ class Request:
 @dataclass
 class Generation:
     """tokens: the generated ids; logits [max_new_tokens, vocab] float32 on the CPU (row i chose tokens[i]),
-    or None when not recorded."""
+    or None when not recorded. lost: the request's rank was excluded after a fault (tokens are partial)."""
 
     tokens: list[int]
     logits: torch.Tensor | None = None
+    lost: bool = False
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -65,8 +77,12 @@ class DecodeEngine:
     every bucket (0 included) is captured up front, in the same order on every rank, because warm-up and
     capture run collectives; in a loopback world a combination of buckets is captured when first seen.
     After ``generate``: ``step_us`` [decode steps] float (this process's wall time per decode step, CUDA
-    events on a GPU) and ``step_buckets`` (the bucket of every local rank, per step).
+    events on a GPU) and ``step_buckets`` (the bucket of every local rank, per step); ``recoveries``: one
+    (where, step, error, step resumed from) per recovered fault; ``lost_ranks``: ranks excluded after they failed.
+    max_recoveries: faults one ``generate`` recovers from before it gives up and raises the error.
     """
+
+    max_recoveries = 8
 
     def __init__(self, models: list[MoEDecoder], use_graphs: bool | None = None, buckets: list[int] | None = None):
         self.models = list(models)
@@ -88,6 +104,9 @@ class DecodeEngine:
         self._graphs: dict[tuple, tuple] = {}
         self.step_us: list[float] = []
         self.step_buckets: list[tuple] = []
+        self.groups = [g for m in self.models for g in m.comm.groups]  # moe-comm groups to check and recover
+        self.recoveries: list[tuple] = []
+        self.lost_ranks: list[int] = []
         if use_graphs and len(self.models) == 1:
             for b in [0] + self.buckets:
                 self._graph_for((b,))
@@ -165,48 +184,112 @@ class DecodeEngine:
                 if not r.prompt or r.max_new_tokens < 1 or len(r.prompt) + r.max_new_tokens > self.cfg.max_seq:
                     raise ValueError(f"need 1 <= len(prompt), 1 <= max_new_tokens, sum <= max_seq={self.cfg.max_seq}")
         self.step_us, self.step_buckets, self._events = [], [], []
-        out = [[Generation([], [] if record_logits else None) for _ in reqs] for reqs in requests]
+        self._keep = list(range(len(self.models)))   # local ranks still driven (all, unless one is excluded)
+        seq_tokens = list(self.seq_tokens)
+        self._rows: dict[tuple, dict] = {}           # (local rank, request) -> {step: logits row}; -1 = prefill
         chunks = [self._prefill_chunks(reqs) for reqs in requests]
         steps = [max((r.max_new_tokens for r in reqs), default=1) - 1 for reqs in requests]
         n_chunks, n_steps = global_max([max(map(len, chunks)), max(steps)], self.device)
-
-        for c in range(n_chunks):
-            self._prefill([ch[c] if c < len(ch) else [] for ch in chunks], out, record_logits)
-        for s in range(n_steps):
-            host_metas, live = [], []
-            for m, reqs in zip(self.models, requests):
-                rows = [i for i, r in enumerate(reqs) if s + 1 < r.max_new_tokens]
-                b = next(b for b in [0] + self.buckets if b >= len(rows))
-                pad = b - len(rows)
-                host_metas.append(torch.tensor(
-                    [rows + [m.pad_slot] * pad,
-                     [len(reqs[i].prompt) + s for i in rows] + [0] * pad,
-                     [1] * len(rows) + [0] * pad], dtype=torch.int64).view(3, b))
-                live.append(rows)
-            logits = self._decode_step(host_metas)
-            if record_logits:
-                for lg, rows, gens in zip(logits, live, out):
-                    for j, i in enumerate(rows):
-                        gens[i].logits.append(lg[j].cpu())
+        self._run_recoverable("prefill", n_chunks, lambda c: self._prefill(
+            [chunks[k][c] if c < len(chunks[k]) else [] for k in self._keep], record_logits))
+        self._run_recoverable("decode", n_steps, lambda s: self._decode(s, requests, record_logits))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.step_us = [s.elapsed_time(e) * 1e3 for s, e in self._events]
-        for st, reqs, gens in zip(self.seq_tokens, requests, out):
-            table = st.cpu()
-            for i, (r, g) in enumerate(zip(reqs, gens)):
+        out = []
+        for k, reqs in enumerate(requests):
+            table = seq_tokens[k].cpu()
+            gens = []
+            for i, r in enumerate(reqs):
                 p = len(r.prompt)
-                g.tokens = table[i, p:p + r.max_new_tokens].tolist()
-                if record_logits:
-                    g.logits = torch.stack(g.logits)
+                rows = self._rows.get((k, i), {})
+                gens.append(Generation(table[i, p:p + r.max_new_tokens].tolist(),
+                                       torch.stack([rows[t] for t in sorted(rows)]) if record_logits else None,
+                                       lost=k not in self._keep))
+            out.append(gens)
         return out
+
+    def _decode(self, s, requests, record_logits):
+        """Decode step ``s`` of every local rank driven (logits rows are kept per step: a replay replaces them)."""
+        host_metas, live = [], []
+        for m, reqs in zip(self.models, [requests[k] for k in self._keep]):
+            rows = [i for i, r in enumerate(reqs) if s + 1 < r.max_new_tokens]
+            b = next(b for b in [0] + self.buckets if b >= len(rows))
+            pad = b - len(rows)
+            host_metas.append(torch.tensor(
+                [rows + [m.pad_slot] * pad,
+                 [len(reqs[i].prompt) + s for i in rows] + [0] * pad,
+                 [1] * len(rows) + [0] * pad], dtype=torch.int64).view(3, b))
+            live.append(rows)
+        logits = self._decode_step(host_metas)
+        if record_logits:
+            for k, lg, rows in zip(self._keep, logits, live):
+                for j, i in enumerate(rows):
+                    self._rows.setdefault((k, i), {})[s] = lg[j].cpu()
+
+    # ---- faults ----------------------------------------------------------------------------------
+    def _run_recoverable(self, where: str, count: int, run) -> None:
+        """run(i) for i in range(count), checking the groups after each; on a group-wide error, recover
+        and run again from the oldest i not known to be good on every live rank."""
+        i, good, recovered = 0, 0, 0  # good: every i < good is known good here
+        while i < count:
+            try:
+                run(i)
+                good = self._check_groups(where, i, good)
+                i += 1
+            except GroupError as err:
+                recovered += 1
+                if recovered > self.max_recoveries:
+                    raise
+                self._recover()
+                resume = min(v[0] for v in self.groups[0].exchange([good]).values())
+                self.recoveries.append((where, i, repr(err), resume))
+                i = good = resume
+
+    def _check_groups(self, where: str, i: int, good: int) -> int:
+        """After step ``i``: raise what the groups recorded; returns the new count of known-good steps.
+        A replayed graph step may still run on CUDA: wait for the one before it (the device stays busy
+        with step i), so a fault is seen at most one step late. Eager steps have finished (CPU) or are
+        waited for."""
+        if not self.groups:
+            return i + 1
+        lag = 0
+        if self.device.type == "cuda":
+            if where == "decode" and self.use_graphs and len(self._events) >= 2:
+                self._events[-2][1].synchronize()
+                lag = 1
+            else:
+                torch.cuda.current_stream().synchronize()
+        for g in self.groups:
+            g.check()
+        return max(good, i + 1 - lag)
+
+    def _recover(self) -> None:
+        """Every driven local rank: reset(); a rank that does not come to the reset (dead) is excluded,
+        and its requests are lost."""
+        try:
+            for g in self.groups:
+                g.reset()
+        except CommTimeoutError as missing:
+            gone = [missing.peer]
+            for g in self.groups:
+                if g.rank not in gone:
+                    g.exclude(gone)
+            self.lost_ranks += [r for r in gone if r not in self.lost_ranks]
+            keep = [n for n, g in enumerate(self.groups) if g.rank not in gone]
+            self._keep = [self._keep[n] for n in keep]  # a loopback world stops driving them
+            self.models = [self.models[n] for n in keep]
+            self.seq_tokens = [self.seq_tokens[n] for n in keep]
+            self.groups = [self.groups[n] for n in keep]
+            self._graphs.clear()
 
     def _prefill_chunks(self, reqs):
         """Flatten every prompt token as (slot, position, token, last-of-prompt) and cut into steps of <= max_batch."""
         rows = [(i, p, tok, p == len(r.prompt) - 1) for i, r in enumerate(reqs) for p, tok in enumerate(r.prompt)]
         return [rows[k:k + self.max_batch] for k in range(0, len(rows), self.max_batch)] or [[]]
 
-    def _prefill(self, chunk_per_rank, out, record_logits):
-        """One prefill step: every local rank's chunk of prompt tokens (maybe none), eager."""
+    def _prefill(self, chunk_per_rank, record_logits):
+        """One prefill step: every driven local rank's chunk of prompt tokens (maybe none), eager."""
         dev = self.device
         cols = [list(zip(*ch)) if ch else [[], [], [], []] for ch in chunk_per_rank]
         slots = [torch.tensor(c[0], dtype=torch.int64, device=dev) for c in cols]
@@ -216,7 +299,7 @@ class DecodeEngine:
             st[s, p] = t
         valid = [torch.ones(len(c[0]), dtype=torch.bool, device=dev) for c in cols]
         logits = self._forward(tokens, slots, positions, valid)
-        for st, c, lg, gens in zip(self.seq_tokens, cols, logits, out):
+        for k, st, c, lg in zip(self._keep, self.seq_tokens, cols, logits):
             last = [j for j, is_last in enumerate(c[3]) if is_last]
             if not last:
                 continue
@@ -226,4 +309,4 @@ class DecodeEngine:
             st[s, p + 1] = lg[idx].argmax(-1)
             if record_logits:
                 for j, row in zip(last, lg[idx].cpu()):
-                    gens[c[0][j]].logits.append(row)
+                    self._rows.setdefault((k, c[0][j]), {})[-1] = row

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..interpreter import kernel_for
 from ..triton_kernels.quant import cast_rne
 from ..triton_kernels.sync import INTERPRET
 
@@ -115,7 +116,7 @@ def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch
     bm, bn, bk = _tiles(R, expected_rows)
     b2_ = b if b2 is None else b2
     grid = (triton.cdiv(N, bn), slots)
-    masked_bmm_kernel[grid](a, b, b2_, c, counts, R, K, N, E, *a.stride(), *b.stride(), *c.stride(),
+    kernel_for(masked_bmm_kernel, a.device)[grid](a, b, b2_, c, counts, R, K, N, E, *a.stride(), *b.stride(), *c.stride(),
                             GATED=b2 is not None, BM=bm, BN=bn, BK=bk, E_P2=triton.next_power_of_2(E),
                             PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
     return c

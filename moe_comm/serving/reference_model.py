@@ -28,14 +28,16 @@ class ReferenceModel:
         self.attention_in_float32 = ATTENTION_IN_FLOAT32[impl]
 
     @torch.no_grad()
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        """tokens: one sequence of S ids -> logits [S, vocab] float32 (position s predicts token s+1)."""
+    def logits(self, tokens: list[int], excluded_experts=frozenset()) -> torch.Tensor:
+        """tokens: one sequence of S ids -> logits [S, vocab] float32 (position s predicts token s+1).
+        excluded_experts: experts whose rank was excluded; slots routed to them are not routed (the router
+        still picks them, their weight is dropped), as EPBuffer does after ``group.exclude``."""
         cfg, w = self.cfg, self.w
         ids = torch.tensor(tokens, dtype=torch.int64, device=w.embed.device)
         x = w.embed[ids]
         for lw in w.layers:
             x = x + self._attention(lw, rms_norm(x, lw.attn_norm))
-            x = x + self._moe(lw, rms_norm(x, lw.moe_norm))
+            x = x + self._moe(lw, rms_norm(x, lw.moe_norm), excluded_experts)
         return (rms_norm(x, w.final_norm) @ w.lm_head).float()
 
     def _attention(self, lw, h):
@@ -49,8 +51,11 @@ class ReferenceModel:
         out = torch.einsum("hqk,khd->qhd", probs, v).to(h.dtype)
         return out.reshape(s, nh * hd) @ lw.wo
 
-    def _moe(self, lw, h):
+    def _moe(self, lw, h, excluded_experts=frozenset()):
         idx, weights = route(h, lw.router, self.cfg.topk)
+        if excluded_experts:
+            gone = torch.tensor(sorted(excluded_experts), device=idx.device)
+            weights = torch.where(torch.isin(idx, gone), torch.zeros_like(weights), weights)
         expert_out = torch.zeros(*idx.shape, h.shape[1], dtype=h.dtype, device=h.device)  # [S, K, H]
         for e in idx.unique().tolist():
             tok, k = (idx == e).nonzero(as_tuple=True)

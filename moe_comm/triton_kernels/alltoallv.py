@@ -2,23 +2,26 @@
 
 Send (grid = world destinations x blocks_per_peer): rows for destination j are stored straight into j's
 symmetric landing zone ``data[zone, rank]``; the last program for j writes the row count into
-``ctrl[zone, rank, 0]`` on j and publishes ``ctrl[zone, rank, 1] = call`` with a release. The last
-program of the grid advances the call counter ``seq``.
+``ctrl[zone, rank, 0]`` on j and publishes the flag of the call into ``ctrl[zone, rank, 1]`` (CTA barrier,
+then release; ``sync.py``). The last program of the grid advances the channel's send count. An
+excluded destination gets nothing; a failed group sends nothing.
 
-Receive (grid = world sources x blocks_per_peer): wait for ``ctrl[zone, i, 1] >= call`` (bounded), then
-copy the rows of source i out of the landing zone into the output.
+Receive (grid = world sources x blocks_per_peer): wait (bounded) for the flag of the call from source i,
+then copy its rows out of the landing zone into the output; the receive counts its own calls. If a
+wait failed, no result is partial: the last program zeroes every receive count.
 
 World 1 (``a2a_local_kernel``): one kernel copies the rows straight from the input to the output.
 
-Forward rows come from ``send`` at prefix-sum offsets of the device counts (computed here, clamped to
-the capacity and to N, the clamped values kept for the reverse); reverse rows come from
+Forward rows come from ``send`` at prefix-sum offsets of the device counts as given (what is sent is
+clamped to the capacity and to N, the clamped values kept for the reverse); reverse rows come from
 ``rows[i, :recv_counts[i]]`` and land at the offsets the forward kept. No count ever leaves the device.
 """
 
 import triton
 import triton.language as tl
 
-from .sync import ERR_CAPACITY, arrive, as_ptr, record_error, signal, wait_flag
+from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, publish, record_error,
+                   wait_flag)
 
 
 @triton.jit
@@ -38,27 +41,34 @@ def _copy_rows(src, dst, n_rows, first_block, ROW_WORDS: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, peer, keep, n_rows, err_addr, rank, max_rows,
-                  OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
-    """(count, first row) of ``peer``'s rows in ``send``: the device counts clamped to the capacity and
-    to N, at their prefix-sum offsets. With ``keep`` (one program per peer) stores them for the reverse
-    and records a count that had to be clamped (CapacityError)."""
+def forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, dropped_ptr, peer, keep, n_rows, grp, rank,
+                  max_rows, OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """(count, first row) of ``peer``'s rows in ``send``.
+
+    Rows are grouped by destination at the prefix-sum offsets of the counts *as given* (negative ones
+    taken as 0), so one destination's excess never shifts another's rows. What is sent is clamped to
+    the capacity, to the rows that exist (N), and to 0 for an excluded peer. With ``keep`` (one
+    program per peer) stores the count and offset for the reverse, adds rows addressed to an excluded
+    peer to ``dropped``, and records a count that had to be clamped (CapacityError)."""
     w = tl.arange(0, WORLD_P2)
     raw = tl.load(counts_ptr + w, mask=w < WORLD, other=0).to(tl.int64)
-    cap = tl.minimum(tl.maximum(raw, 0), max_rows)
-    offs = tl.cumsum(cap, 0) - cap
-    cnt = tl.minimum(cap, tl.maximum(n_rows - offs, 0))  # rows past N do not exist: never read them
+    given = tl.maximum(raw, 0)
+    offs = tl.cumsum(given, 0) - given
+    cnt = tl.minimum(tl.minimum(given, max_rows), tl.maximum(n_rows - offs, 0))  # rows past N do not exist
     my_raw = tl.sum(tl.where(w == peer, raw, 0))
     my_cnt = tl.sum(tl.where(w == peer, cnt, 0))
     my_off = tl.sum(tl.where(w == peer, offs, 0))
+    live = is_live(grp, peer)
     if keep:
-        tl.store(kept_counts_ptr + peer, my_cnt.to(tl.int32))
+        tl.store(kept_counts_ptr + peer, tl.where(live, my_cnt, 0).to(tl.int32))
         tl.store(kept_offsets_ptr + peer, my_off)
+        if live == 0:
+            tl.atomic_add(dropped_ptr, my_cnt, sem="relaxed")
         if (my_raw < 0) | (my_raw > max_rows):
-            record_error(err_addr, ERR_CAPACITY, OP, rank, peer, my_raw, max_rows)
-        elif my_cnt < my_raw:
-            record_error(err_addr, ERR_CAPACITY, OP, rank, peer, my_off + my_raw, n_rows)
-    return my_cnt, my_off
+            record_error(grp, ERR_CAPACITY, OP, rank, peer, my_raw, max_rows)
+        elif my_off + my_raw > n_rows:
+            record_error(grp, ERR_CAPACITY, OP, rank, peer, my_off + my_raw, n_rows)
+    return tl.where(live, my_cnt, 0), my_off
 
 
 @triton.jit
@@ -67,12 +77,14 @@ def a2a_send_kernel(
     counts_ptr,        # forward: send_counts [WORLD] int32/int64 as given; reverse: rows per peer [WORLD] int32
     kept_counts_ptr,   # forward out: int32 [WORLD], counts after clamping (the reverse's expectations)
     kept_offsets_ptr,  # forward out: int64 [WORLD], row in src where peer j's rows start
+    dropped_ptr,       # forward: int64 [1], rows addressed to excluded ranks (accumulated)
     n_rows,            # forward: N (rows in src); reverse: unused
     data_ptrs_ptr,     # int64 [WORLD]: base of every rank's landing zone [2, WORLD, max_rows, ROW_WORDS]
-    ctrl_ptrs_ptr,     # int64 [WORLD]: base of every rank's control words [2, WORLD, 2]
-    seq_ptr,           # int64 [1]: calls completed so far on this channel (advanced here)
-    done_ptr,          # int32 [WORLD + 1]: arrival counters, zero between launches
-    err_addr, rank, max_rows,
+    ctrl_ptrs_ptr,     # int64 [WORLD]: base of every rank's control words [2, WORLD, 2] = (rows, flag)
+    seq_ptr,           # int64 [1]: the channel's send count (advanced here)
+    done_ptr,          # int32 [WORLD + 2]: arrival counters, zero between launches
+    grp, status_ptr,   # group state and this rank's status buffer (moe_comm/protocol.py)
+    rank, max_rows,
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
 ):
@@ -80,20 +92,25 @@ def a2a_send_kernel(
     blk = tl.program_id(1)
     call = tl.load(seq_ptr) + 1
     zone = call % 2
+    failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     if FORWARD:
-        my_cnt, my_off = forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, peer, blk == 0, n_rows,
-                                       err_addr, rank, max_rows, OP, WORLD, WORLD_P2)
+        my_cnt, my_off = forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, dropped_ptr, peer, blk == 0,
+                                       n_rows, grp, rank, max_rows, OP, WORLD, WORLD_P2)
     else:
         my_cnt = tl.minimum(tl.maximum(tl.load(counts_ptr + peer).to(tl.int64), 0), max_rows)
         my_off = peer.to(tl.int64) * max_rows
-    elem = src_ptr.dtype.element_ty
-    dst = as_ptr(tl.load(data_ptrs_ptr + peer), elem) + (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS
-    _copy_rows(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
-    if arrive(done_ptr + peer, NBLK):
+    live = is_live(grp, peer)
+    if live & (failed == 0):
+        elem = src_ptr.dtype.element_ty
+        dst = as_ptr(tl.load(data_ptrs_ptr + peer), elem) + (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS
+        _copy_rows(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
+    last, skipped = arrive(done_ptr + peer, NBLK, failed)
+    if last & live & (skipped == 0):
         ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + peer), tl.int64) + (zone * WORLD + rank) * 2
         tl.store(ctrl, my_cnt)
-        signal(ctrl + 1, call)
-    if arrive(done_ptr + WORLD, WORLD * NBLK):
+        publish(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call))
+    last_all, _ = arrive(done_ptr + WORLD, WORLD * NBLK, 0)
+    if last_all:
         tl.store(seq_ptr, call)
 
 
@@ -105,17 +122,21 @@ def a2a_recv_kernel(
     kept_offsets_ptr,  # reverse: int64 [WORLD] row of dst where they go
     data_ptr,          # words [2, WORLD, max_rows, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,          # int64 [2, WORLD, 2]: this rank's control words
-    seq_ptr,           # int64 [1]: already advanced by this call's send phase
-    err_addr, timeout_ns, rank, max_rows,
-    OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr,
+    seq_ptr,           # int64 [1]: the channel's receive count (advanced here)
+    done_ptr,          # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
+    grp, status_ptr, rank, max_rows,
+    OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
 ):
     src = tl.program_id(0)
     blk = tl.program_id(1)
-    call = tl.load(seq_ptr)
+    call = tl.load(seq_ptr) + 1
     zone = call % 2
     ctrl = ctrl_ptr + (zone * WORLD + src) * 2
-    arrived = wait_flag(ctrl + 1, call, timeout_ns, err_addr, OP, rank, src)
+    arrived = is_live(grp, src)
+    if arrived:  # an excluded source sends nothing and is not waited for
+        arrived = wait_flag(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), grp, status_ptr, OP, rank, src,
+                            WORLD, WORLD_P2)
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.
         cnt = tl.minimum(tl.maximum(tl.load(ctrl, volatile=True), 0), max_rows)
@@ -129,6 +150,13 @@ def a2a_recv_kernel(
             tl.store(recv_counts_ptr + src, cnt.to(tl.int32))
     landing = data_ptr + (zone * WORLD + src).to(tl.int64) * max_rows * ROW_WORDS
     _copy_rows(landing, dst_ptr + off * ROW_WORDS, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
+    last, _ = arrive(done_ptr + WORLD + 1, WORLD * NBLK, 0)
+    if last:
+        tl.store(seq_ptr, call)
+        if FORWARD:
+            if group_failed(grp, status_ptr, WORLD, WORLD_P2):  # no partial result: every count is 0
+                w = tl.arange(0, WORLD_P2)
+                tl.store(recv_counts_ptr + w, 0, mask=w < WORLD)
 
 
 @triton.jit
@@ -139,8 +167,9 @@ def a2a_local_kernel(
     kept_offsets_ptr,  # forward out / reverse in: int64 [1], row of ``send`` where the rows start (0)
     recv_counts_ptr,   # forward out: int32 [1]
     dst_ptr,           # words: forward [1, max_rows, ROW_WORDS] (recv); reverse [N, ROW_WORDS]
+    dropped_ptr,       # int64 [1]: unused at world 1 (no rank can be excluded)
     n_rows,            # N: rows of the forward's send (both directions)
-    err_addr, rank, max_rows,
+    grp, rank, max_rows,
     OP: tl.constexpr, FORWARD: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
 ):
@@ -148,8 +177,8 @@ def a2a_local_kernel(
     flag), with the counts clamped and kept exactly as the two-phase kernels do. Grid = (NBLK,)."""
     blk = tl.program_id(0)
     if FORWARD:
-        cnt, off = forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, 0, blk == 0, n_rows, err_addr,
-                                 rank, max_rows, OP, 1, 1)
+        cnt, off = forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, dropped_ptr, 0, blk == 0, n_rows,
+                                 grp, rank, max_rows, OP, 1, 1)
         if blk == 0:
             tl.store(recv_counts_ptr, cnt.to(tl.int32))
         _copy_rows(src_ptr + off * ROW_WORDS, dst_ptr, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)

@@ -1,11 +1,12 @@
 """Compile every kernel ahead of time for a GPU target, with no GPU, and report ptxas's resource use.
 
-    TRITON_INTERPRET=0 python -m moe_comm.triton_kernels.compile_report [--arch 90] [--json]
+    python -m moe_comm.triton_kernels.compile_report [--arch 90] [--json]
 
 The interpreter (how CPU tests run kernels) accepts Python that the compiler rejects, so this is the
 CPU-side proof that each kernel compiles to PTX and SASS for Hopper (sm_90). For each kernel and launch
 configuration it prints registers per thread, spill bytes and shared memory as ptxas reports them
-(``ptxas -v``). Run with TRITON_INTERPRET=0 (moe_comm only turns the interpreter on when it is unset).
+(``ptxas -v``). It needs Triton's interpreter off for the process (``TRITON_INTERPRET`` unset or 0):
+moe-comm itself never turns it on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from . import ptx_rules
+
 
 @dataclass
 class KernelConfig:
@@ -32,41 +35,101 @@ class KernelConfig:
     constexprs: dict   # constexpr argument name -> value
 
 
+SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank kernel's group arguments
+
+
 def _a2a_configs() -> list[KernelConfig]:
-    ptrs = dict(counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64", seq_ptr="*i64")
-    send = dict(src_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", done_ptr="*i32", n_rows="i64",
-                err_addr="i64", rank="i32", max_rows="i32", **ptrs)
-    recv = dict(dst_ptr="*i32", recv_counts_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64", err_addr="i64",
-                timeout_ns="i64", rank="i32", max_rows="i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
-                seq_ptr="*i64")
-    out = []
-    # DeepSeek-V3-sized rows (7168 bf16 = 3584 words), EP8, GPU launch shape from the planner.
+    """AllToAllvDynamic with DeepSeek-V3-sized rows (7168 bf16 = 3584 words), EP8 (and EP1), GPU plan."""
     import torch  # noqa: PLC0415
 
     from ..planner import plan_copy  # noqa: PLC0415
+    ptrs = dict(counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64", seq_ptr="*i64")
+    send = dict(src_ptr="*i32", dropped_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", done_ptr="*i32",
+                n_rows="i64", max_rows="i32", **SIGNAL, **ptrs)
+    recv = dict(dst_ptr="*i32", recv_counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
+                data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", max_rows="i32", **SIGNAL)
+    local = dict(src_ptr="*i32", counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
+                 recv_counts_ptr="*i32", dst_ptr="*i32", dropped_ptr="*i64", n_rows="i64", grp="*i64", rank="i32",
+                 max_rows="i32")
     cp = plan_copy(7168 * 2, 128, 8, torch.device("cuda"))
+    out = []
     for forward in (True, False):
-        c = dict(OP=0 if forward else 1, FORWARD=forward, WORLD=8, ROW_WORDS=cp.row_words, BLOCK_R=cp.block_rows,
+        c = dict(OP=0 if forward else 1, FORWARD=forward, ROW_WORDS=cp.row_words, BLOCK_R=cp.block_rows,
                  BLOCK_C=cp.block_words, NBLK=cp.blocks_per_peer)
-        out.append(KernelConfig("alltoallv", "a2a_send_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP8",
-                                send, dict(c, WORLD_P2=8)))
-        out.append(KernelConfig("alltoallv", "a2a_recv_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP8",
-                                recv, c))
-        local = dict(src_ptr="*i32", counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
-                     recv_counts_ptr="*i32", dst_ptr="*i32", n_rows="i64", err_addr="i64", rank="i32",
-                     max_rows="i32")
-        out.append(KernelConfig("alltoallv", "a2a_local_kernel", f"{'fwd' if forward else 'rev'} 7168 bf16 EP1",
-                                local, {k: v for k, v in c.items() if k != "WORLD"}))
+        label = f"{'fwd' if forward else 'rev'} 7168 bf16"
+        out.append(KernelConfig("alltoallv", "a2a_send_kernel", f"{label} EP8", send, dict(c, WORLD=8, WORLD_P2=8)))
+        out.append(KernelConfig("alltoallv", "a2a_recv_kernel", f"{label} EP8", recv, dict(c, WORLD=8, WORLD_P2=8)))
+        out.append(KernelConfig("alltoallv", "a2a_local_kernel", f"{label} EP1", local, c))
+    return out
+
+
+def _ep_configs() -> list[KernelConfig]:
+    """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
+    EP8 and EP1, bf16 and fp8, with the planner's GPU launch shapes; the routing kernel; the abort kernel."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import next_pow2, plan_ep  # noqa: PLC0415
+    from .routing import histogram_bins  # noqa: PLC0415
+
+    out, bins = [], histogram_bins(256)
+    for fp8 in (False, True):
+        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+        common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
+                      X_WORDS=p.x_words, S_WORDS=p.scale_words, ROW_WORDS=p.row_words,
+                      CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
+        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
+        out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
+            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
+            data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
+            num_experts="i32", **SIGNAL), dict(
+            common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
+            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
+        out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
+            out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
+            row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
+            seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
+            common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
+            S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots, BW=p.recv_block_words,
+            NBLK=p.recv_programs)))
+        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
+            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
+            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
+            src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64", grp="*i64",
+            num_tokens="i32", num_experts="i32"), dict(
+            OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
+            BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
+            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs)))
+    p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
+    rows = p.experts_per_rank * p.capacity
+    for world in (8, 1):
+        pw = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
+        out.append(KernelConfig("combine", "combine_recv_kernel", f"DSV3 EP{world} bf16", dict(
+            out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
+            data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
+            OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
+            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs)))
+    out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
+        expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
+        ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
+        WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
+        BW=p.out_block_words, NBLK=p.recv_programs)))
+    out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
+        idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
+        num_tokens="i32", num_experts="i32"), dict(
+        WORLD=8, RANKS_P2=8, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=32, BINS=256, CHUNK_T=4)))
+    out.append(KernelConfig("sync", "abort_kernel", "EP8 dispatch channel", dict(
+        ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), dict(
+        CTRL_WORDS=p.dispatch_ctrl_words, FLAG_WORD=p.dispatch_ctrl_words - 1, WORLD=8, WORLD_P2=8)))
     return out
 
 
 def _extra_configs() -> list[KernelConfig]:
-    """Kernel configs that other op modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
+    """Kernel configs that the serving modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
     out = []
-    for name in ("routing", "dispatch", "dispatch_local", "combine", "moe_comm.serving.experts",
-                 "moe_comm.serving.attention"):
+    for name in ("moe_comm.serving.experts", "moe_comm.serving.attention"):
         try:
-            mod = importlib.import_module(_module_path(name))
+            mod = importlib.import_module(name)
         except ImportError:
             continue
         for kw in getattr(mod, "COMPILE_CONFIGS", []):
@@ -80,7 +143,7 @@ def _module_path(name: str) -> str:
 
 
 def all_configs() -> list[KernelConfig]:
-    return _a2a_configs() + _extra_configs()
+    return _a2a_configs() + _ep_configs() + _extra_configs()
 
 
 _PTXAS_RE = re.compile(r"Used (\d+) registers")
@@ -111,7 +174,10 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     finally:
         os.unlink(f.name)
     regs, spill, smem = _PTXAS_RE.search(rep), _SPILL_RE.search(rep), _SMEM_RE.search(rep)
+    args = [a for a in fn.arg_names if a not in cfg.constexprs]
+    ptx = compiled.asm["ptx"]
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
+                ordering_problems=ptx_rules.check(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
                 spill_load_bytes=int(spill.group(2)) if spill else None,
@@ -123,19 +189,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ap.add_argument("--only", action="append", help="compile only this kernel (repeatable)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        print("TRITON_INTERPRET=1 is set: run with TRITON_INTERPRET=0 to compile", file=sys.stderr)
+        print("TRITON_INTERPRET=1 is set: unset it (or set 0) to compile", file=sys.stderr)
         return 2
-    rows = [compile_one(c, a.arch) for c in all_configs()]
+    rows = [compile_one(c, a.arch) for c in all_configs() if not a.only or c.kernel in a.only]
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"{'kernel':<22} {'config':<28} {'warps':>5} {'regs':>5} {'spill st/ld':>12} {'smem':>7}")
+    print(f"{'kernel':<22} {'config':<28} {'warps':>5} {'regs':>5} {'spill st/ld':>12} {'smem':>7} "
+          f"{'publish':>7} {'acquire':>7} {'ordering':>8}")
     for r in rows:
         print(f"{r['kernel']:<22} {r['label']:<28} {r['num_warps']:>5} {r['registers']:>5} "
-              f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['triton_shared_bytes']:>7}")
+              f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['triton_shared_bytes']:>7} "
+              f"{r['publishes']:>7} {r['acquires']:>7} {'ok' if not r['ordering_problems'] else 'VIOLATED':>8}")
+        for p in r["ordering_problems"]:
+            print(f"    {p}")
     return 0
 
 

@@ -27,25 +27,31 @@ import triton.language as tl
 
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
-from .sync import ERR_CAPACITY, arrive, as_ptr, record_error, signal, wait_flag
+from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks,
+                   publish_many, record_error, wait_flag)
 
 
 @triton.jit
-def count_and_check(idx_ptr, routed_ptr, ctrl_ptrs_ptr, ctrl_offset, err_addr, rank, num_tokens, num_experts,
-                    OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, TOPK: tl.constexpr,
-                    TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, CHUNK_T: tl.constexpr,
-                    BINS: tl.constexpr):
-    """Every rank's control words (tokens, per-local-expert counts: a histogram of the valid ids with
-    BINS >= E bins), the combine's mask (routed) and the first bad id, in one pass over the slots."""
-    counts = scan_ids(idx_ptr, routed_ptr, err_addr, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2, CHUNK_T, BINS)
+def count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, ctrl_offset, grp, rank, num_tokens,
+                    num_experts, send, OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr,
+                    CHUNK_T: tl.constexpr, BINS: tl.constexpr):
+    """The combine's mask (routed), the excluded-slot count and the first bad id, in one pass over the
+    slots; then, unless the group failed, every live rank's control words (tokens, per-local-expert
+    counts: a histogram of the valid ids with BINS >= E bins)."""
+    counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2,
+                      EXPERTS_PER_RANK, CHUNK_T, BINS)
+    # (tl.where, not `&`: Triton's interpreter turns `bool vector & bool scalar` into int32, no mask)
+    live = tl.where(send, live_ranks(grp, WORLD, WORLD_P2), False)
     peer = tl.arange(0, WORLD_P2)
-    ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + tl.minimum(peer, WORLD - 1)), tl.int64) + ctrl_offset
-    tl.store(ctrl, num_tokens, mask=peer < WORLD)
+    ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=live, other=0), tl.int64) + ctrl_offset
+    tl.store(ctrl, num_tokens, mask=live)
     expert = tl.arange(0, BINS)
     owner = tl.minimum(expert // EXPERTS_PER_RANK, WORLD - 1)
-    ctrl_of_expert = as_ptr(tl.load(ctrl_ptrs_ptr + owner), tl.int64) + ctrl_offset
+    owner_live = tl.where(send, tl.load(grp + S_LIVE + owner) != 0, False)
+    ctrl_of_expert = as_ptr(tl.load(ctrl_ptrs_ptr + owner, mask=owner_live, other=0), tl.int64) + ctrl_offset
     tl.store(ctrl_of_expert + 1 + expert % EXPERTS_PER_RANK, counts.to(tl.int64),
-             mask=expert < WORLD * EXPERTS_PER_RANK)
+             mask=(expert < WORLD * EXPERTS_PER_RANK) & owner_live)
 
 
 @triton.jit
@@ -53,11 +59,13 @@ def dispatch_send_kernel(
     x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     routed_ptr,       # out int32 [M, TOPK]: 1 where slot (t, k) is routed (the combine's mask), else 0
+    excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (accumulated)
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]
-    seq_ptr,          # int64 [1]: dispatch calls whose send phase ran (advanced here)
-    done_ptr,         # int32 [1+]: arrival counter, zero between launches
-    err_addr, rank, num_tokens, num_experts,
+    seq_ptr,          # int64 [1]: the channel's send count (advanced here)
+    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
+    grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
+    rank, num_tokens, num_experts,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
@@ -69,20 +77,21 @@ def dispatch_send_kernel(
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
+    failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     peer = tl.arange(0, WORLD_P2)
-    peer_live = peer < WORLD
-    peer_ok = tl.minimum(peer, WORLD - 1)
-    landing_all = as_ptr(tl.load(data_ptrs_ptr + peer_ok), tl.int32) + first_row * ROW_WORDS
+    peer_live = tl.where(failed, False, live_ranks(grp, WORLD, WORLD_P2))
+    landing_all = as_ptr(tl.load(data_ptrs_ptr + peer, mask=peer_live, other=0), tl.int32) + first_row * ROW_WORDS
 
-    # 1. Bookkeeping, by one program: per-expert counts (a histogram of the valid ids; BINS >= E) into
-    #    each rank's control words, the combine's mask, the first bad id.
+    # 1. Bookkeeping, by one program: the combine's mask, the excluded-slot count, the first bad id, and
+    #    per-expert counts (a histogram of the valid ids; BINS >= E) into each live rank's control words.
     if blk == NBLK - 1:
-        count_and_check(idx_ptr, routed_ptr, ctrl_ptrs_ptr, (zone * WORLD + rank) * CTRL_WORDS, err_addr, rank,
-                        num_tokens, num_experts, OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS)
+        count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, (zone * WORLD + rank) * CTRL_WORDS, grp,
+                        rank, num_tokens, num_experts, failed == 0, OP, WORLD, WORLD_P2, TOPK, TOPK_P2,
+                        EXPERTS_PER_RANK, ROUTE_T, BINS)
 
-    # 2. This program's tokens, a contiguous range: routing words to every rank, payload once to row t
-    #    of every rank holding one of the token's experts. Positions continue a histogram of the ids
-    #    of every earlier token (linear in T, see routing.py).
+    # 2. This program's tokens, a contiguous range: routing words to every live rank, payload once to row
+    #    t of every live rank holding one of the token's experts. Positions continue a histogram of the
+    #    ids of every earlier token (linear in T, see routing.py).
     per_program = tl.cdiv(num_tokens, NBLK)
     t_begin = tl.minimum(blk * per_program, num_tokens)
     t_end = tl.minimum(t_begin + per_program, num_tokens)
@@ -99,7 +108,7 @@ def dispatch_send_kernel(
         t_live = t < t_end
         slot_owner = tl.reshape(owner, (BT, TOPK_P2))
         send = tl.max((slot_owner[:, :, None] == peer[None, None, :]).to(tl.int32), axis=1) > 0   # [BT, WORLD_P2]
-        send = send & t_live[:, None]
+        send = send & t_live[:, None] & peer_live[None, :]
         read = tl.max(send.to(tl.int32), axis=1) > 0
         row = landing_all[None, :] + t[:, None].to(tl.int64) * ROW_WORDS                    # [BT, WORLD_P2]
         if FP8:
@@ -127,11 +136,14 @@ def dispatch_send_kernel(
                 tl.store(row[:, :, None] + w0 + w[None, None, :], v[:, None, :],
                          mask=send[:, :, None] & w_live[None, None, :])
 
-    # 3. The last program publishes to every rank (lanes past WORLD repeat the last rank's flag with
-    #    the same value, which is harmless) and advances the call counter.
-    if arrive(done_ptr, NBLK):
-        ctrl_last = as_ptr(tl.load(ctrl_ptrs_ptr + peer_ok), tl.int64) + (zone * WORLD + rank) * CTRL_WORDS
-        signal(ctrl_last + CTRL_WORDS - 1, call)
+    # 3. The last program publishes to every live rank, unless a program skipped its part because the
+    #    group failed, and advances the send count.
+    last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
+    if last:
+        if skipped == 0:
+            ctrl_last = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=peer_live, other=0), tl.int64)
+            publish_many(ctrl_last + (zone * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 1,
+                         flag_value(tl.load(grp + S_EPOCH), call), peer_live)
         tl.store(seq_ptr, call)
 
 
@@ -146,28 +158,34 @@ def dispatch_recv_kernel(
     stats_ptr,        # int64 [EXPERTS_PER_RANK]: rows received per local expert, accumulated over calls
     data_ptr,         # int32 [2, WORLD * M, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words
-    seq_ptr,          # int64 [1]: already advanced by this call's send phase
-    err_addr, timeout_ns, rank,
+    seq_ptr,          # int64 [1]: the channel's receive count (advanced here)
+    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
+    grp, status_ptr, rank,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
     CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    call = tl.load(seq_ptr)
+    call = tl.load(seq_ptr) + 1
     zone = call % 2
     ctrl = ctrl_ptr + zone * WORLD * CTRL_WORDS
     META: tl.constexpr = X_WORDS + S_WORDS
+    target = flag_value(tl.load(grp + S_EPOCH), call)
 
-    # Every source's counts are needed for the bases; a missing source counts as sending nothing.
+    # Every live source's counts are needed for the bases; an excluded or failed source counts as
+    # sending nothing (a failed wait fails the group: the last program then zeroes the counts).
     w = tl.arange(0, WORLD_P2)
+    live = live_ranks(grp, WORLD, WORLD_P2)
     # Carried through the loop as int32: some Triton interpreters (3.9) turn a loop-carried bool into
     # int32, which they then refuse as a load mask.
     arrived_any = tl.zeros([WORLD_P2], dtype=tl.int32)
     for p in range(WORLD):
-        ok = wait_flag(ctrl + p * CTRL_WORDS + CTRL_WORDS - 1, call, timeout_ns, err_addr, OP, rank, p)
-        arrived_any = arrived_any | ((w == p) & ok).to(tl.int32)
-    arrived = arrived_any != 0
+        if is_live(grp, p):
+            ok = wait_flag(ctrl + p * CTRL_WORDS + CTRL_WORDS - 1, target, grp, status_ptr, OP, rank, p,
+                           WORLD, WORLD_P2)
+            arrived_any = arrived_any | ((w == p) & ok).to(tl.int32)
+    arrived = (arrived_any != 0) & live
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],
@@ -184,7 +202,7 @@ def dispatch_recv_kernel(
         tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
         tl.store(src_tokens_ptr + w, tokens, mask=w < WORLD)
         if tl.max(total) > CAP:
-            record_error(err_addr, ERR_CAPACITY, OP, rank, tl.argmax(total, axis=0), tl.max(total), CAP)
+            record_error(grp, ERR_CAPACITY, OP, rank, tl.argmax(total, axis=0), tl.max(total), CAP)
 
     # Slots i = (landing row q, k), q = (source s, token t) = s * M + t, k padded to TOPK_P2: one flat
     # axis, so that every tile below is 2-D. Each slot picks the base and count of its (s, expert) pair
@@ -229,35 +247,9 @@ def dispatch_recv_kernel(
             v = tl.load(src_row[:, None] + X_WORDS + sw[None, :], mask=m)
             tl.store(out_scales_ptr + dst[:, None] * S_WORDS + sw[None, :], v, mask=m)
 
-
-def _compile_configs() -> list[dict]:
-    """DeepSeek-V3 decode on EP8 (256 experts, hidden 7168, top-8, 128 tokens per rank) with the GPU launch
-    shapes of the planner, bf16 and fp8: what ``compile_report`` compiles for sm_90 without a GPU."""
-    import torch  # noqa: PLC0415
-
-    from ..planner import next_pow2, plan_ep  # noqa: PLC0415
-    from .routing import histogram_bins  # noqa: PLC0415
-
-    out = []
-    for fp8 in (False, True):
-        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
-        common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
-                      X_WORDS=p.x_words, S_WORDS=p.scale_words,
-                      ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
-        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
-        out.append(dict(kernel="dispatch_send_kernel", label=label, types=dict(
-            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", routed_ptr="*i32", data_ptrs_ptr="*i64",
-            ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", err_addr="i64", rank="i32",
-            num_tokens="i32", num_experts="i32"), constexprs=dict(
-            common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
-        out.append(dict(kernel="dispatch_recv_kernel", label=label, types=dict(
-            out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
-            row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
-            seq_ptr="*i64", err_addr="i64", timeout_ns="i64", rank="i32"), constexprs=dict(
-            common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank), S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots,
-            BW=p.recv_block_words, NBLK=p.recv_programs)))
-    return out
-
-
-COMPILE_CONFIGS = _compile_configs()
+    # The last program advances the receive count; if the group failed, no result is partial.
+    last, _ = arrive(done_ptr + WORLD + 1, NBLK, 0)
+    if last:
+        tl.store(seq_ptr, call)
+        if group_failed(grp, status_ptr, WORLD, WORLD_P2):
+            tl.store(out_counts_ptr + e, 0, mask=e_live)

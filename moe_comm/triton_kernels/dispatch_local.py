@@ -35,7 +35,9 @@ def dispatch_local_kernel(
     src_tokens_ptr,   # out int32 [1]: T
     routed_ptr,       # out int32 [M, TOPK]: 1 where slot (t, k) is routed (the combine's mask), else 0
     stats_ptr,        # int64 [EXPERTS]: rows received per expert, accumulated over calls
-    err_addr, num_tokens, num_experts,
+    excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (none at world 1; kept for the shared scan)
+    grp,              # group state (moe_comm/protocol.py): where errors are recorded
+    num_tokens, num_experts,
     OP: tl.constexpr, CAP: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
     ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr,
@@ -48,8 +50,8 @@ def dispatch_local_kernel(
     t_end = tl.minimum(t_begin + per_program, num_tokens)
     if blk == NBLK:
         if col == 0:  # 1. Bookkeeping.
-            counts = scan_ids(idx_ptr, routed_ptr, err_addr, 0, num_tokens, num_experts, OP, TOPK, TOPK_P2,
-                              ROUTE_T, BINS)
+            counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, 0, num_tokens, num_experts, OP, TOPK,
+                              TOPK_P2, BINS, ROUTE_T, BINS)  # BINS >= E: every owner is rank 0
             e = tl.arange(0, BINS)
             e_live = e < num_experts
             kept = tl.minimum(counts, CAP)
@@ -63,7 +65,7 @@ def dispatch_local_kernel(
                 k = i % TOPK_P2
                 tl.store(row_of_ptr + t * TOPK + k, -1, mask=(t < CAP) & (k < TOPK))
             if tl.max(counts) > CAP:
-                record_error(err_addr, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
+                record_error(grp, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
     elif t_begin < t_end:
         # 2. This program's tokens: positions, metadata, then column block `col` of each token's row
         # into its experts' rows.
@@ -102,28 +104,3 @@ def dispatch_local_kernel(
                     row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
                     use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
                     tl.store(out_x_ptr + row[:, None] * X_WORDS + w[None, :], v, mask=use[:, None] & w_live)
-
-
-def _compile_configs() -> list[dict]:
-    """One GPU with DeepSeek-V3's MoE (256 experts, hidden 7168, top-8, 128 tokens), the planner's GPU
-    launch shapes, bf16 and fp8: what ``compile_report`` compiles for sm_90 without a GPU."""
-    import torch  # noqa: PLC0415
-
-    from ..planner import plan_ep  # noqa: PLC0415
-    from .routing import histogram_bins  # noqa: PLC0415
-
-    out = []
-    for fp8 in (False, True):
-        p = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
-        out.append(dict(kernel="dispatch_local_kernel", label=f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", types=dict(
-            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
-            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
-            src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", err_addr="i64", num_tokens="i32",
-            num_experts="i32"), constexprs=dict(
-            OP=2, CAP=p.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p.x_words, S_WORDS=p.scale_words,
-            BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens, BINS=histogram_bins(256),
-            FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
-    return out
-
-
-COMPILE_CONFIGS = _compile_configs()

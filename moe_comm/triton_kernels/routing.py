@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..interpreter import kernel_for
 from ..planner import next_pow2
-from .sync import ERR_INDEX, record_error
+from .sync import ERR_INDEX, S_LIVE, record_error
 
 
 @triton.jit
@@ -63,19 +64,27 @@ def first_bad_slot(t, k, raw_idx_ptr, bad, TOPK: tl.constexpr):
 
 
 @triton.jit
-def scan_ids(idx_ptr, routed_ptr, err_addr, rank, num_tokens, num_experts, OP: tl.constexpr,
-             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, CHUNK_T: tl.constexpr, BINS: tl.constexpr):
+def scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP: tl.constexpr,
+             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, CHUNK_T: tl.constexpr,
+             BINS: tl.constexpr):
     """One pass over all slots: returns the per-expert counts (int32 [BINS], a histogram of the valid
-    ids), writes the combine's mask (``routed`` [T, TOPK] int32: 1 where the id is valid) and records the
-    first bad id (ERR_INDEX naming its flat slot and value)."""
+    ids), writes the combine's mask (``routed`` [T, TOPK] int32: 1 where the id is valid and its
+    expert's rank is live), adds the slots whose expert's rank is excluded to ``excluded`` (int64 [1]),
+    and records the first bad id (ERR_INDEX naming its flat slot and value)."""
     counts = tl.zeros([BINS], dtype=tl.int32)
+    excluded = tl.zeros([CHUNK_T * TOPK_P2], dtype=tl.int64)
     for t0 in range(0, num_tokens, CHUNK_T):
         t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts, TOPK, TOPK_P2, CHUNK_T)
         counts += tl.histogram(idx, BINS, mask=valid)
-        tl.store(routed_ptr + t * TOPK + k, valid.to(tl.int32), mask=live)
+        owner_live = tl.load(grp + S_LIVE + tl.where(valid, idx // EXPERTS_PER_RANK, 0), mask=valid, other=0) != 0
+        tl.store(routed_ptr + t * TOPK + k, (valid & owner_live).to(tl.int32), mask=live)
+        excluded += (valid & ~owner_live).to(tl.int64)
         if tl.sum(bad.to(tl.int32)) > 0:  # chunks in order, first error wins: the first bad slot is recorded
             slot, value = first_bad_slot(t, k, idx_ptr, bad, TOPK)
-            record_error(err_addr, ERR_INDEX, OP, rank, slot, value, num_experts)
+            record_error(grp, ERR_INDEX, OP, rank, slot, value, num_experts)
+    n_excluded = tl.sum(excluded)
+    if n_excluded > 0:
+        tl.atomic_add(excluded_ptr, n_excluded, sem="relaxed")
     return counts
 
 
@@ -167,17 +176,9 @@ def compute_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     if chunk_tokens is None:  # one [chunk*K, chunk*K] comparison tile: 2**20 elements on CPU, 1024 on a GPU
         slots = 32 if dev.type == "cuda" else 1024  # 64 slots already take 255 registers on sm_90
         chunk_tokens = max(1, min(next_pow2(max(T, 1)), slots // next_pow2(K)))
-    routing_kernel[(1,)](
+    kernel_for(routing_kernel, dev)[(1,)](
         idx, layout.expert_counts, layout.rank_tokens, layout.position, T, num_experts,
         WORLD=world_size, RANKS_P2=next_pow2(world_size), TOPK=K, TOPK_P2=next_pow2(K),
         EXPERTS_PER_RANK=L, BINS=histogram_bins(num_experts), CHUNK_T=next_pow2(chunk_tokens))
     layout.position = layout.position[:T]
     return layout
-
-
-# What ``compile_report`` compiles for sm_90 without a GPU: DeepSeek-V3 routing (256 experts, top-8, EP8).
-COMPILE_CONFIGS = [dict(
-    kernel="routing_kernel", label="DSV3 EP8", types=dict(
-        idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
-        num_tokens="i32", num_experts="i32"),
-    constexprs=dict(WORLD=8, RANKS_P2=8, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=32, BINS=256, CHUNK_T=4))]

@@ -1,31 +1,50 @@
-"""Device-side signalling shared by every op.
+"""Device-side signalling shared by every op: group state, publishing, bounded waits, error records.
 
-Protocol: each (sender -> receiver) pair owns its own flag word in the receiver's symmetric memory, so
-no two ranks ever write the same word. A flag holds the sequence number of the last call whose payload
-is complete; sequence numbers only grow, so flags are never reset. The sender publishes with a release
-at system scope after its payload stores; the receiver polls with an acquire at system scope.
+The words and their layout are in ``moe_comm/protocol.py``; the rules, in short:
 
-Every wait is bounded by ``timeout_ns``. On expiry the waiter records (code, op, rank, peer, value,
-bound) in its rank's error word and gives up; later waits in the same launch see the recorded timeout
-(after a 50 us grace period) and do not wait again, so a dead peer costs one timeout, not one per program.
+- Each (sender -> receiver) pair owns its flag word in the receiver's symmetric memory: no two ranks
+  write one word. A flag is ``epoch << EPOCH_SHIFT | call``; a sender publishes it with a release at
+  system scope **after a CTA barrier** (so every warp's payload stores are ordered before it), and a
+  receiver waits for exactly that value with an acquire, then a CTA barrier before it reads the payload.
+- Every wait is bounded by the group's timeout. It ends early when the peer published ABORT for the call
+  (CommAbortedError), when a flag of a later call shows the ranks out of step (CommDesyncError), or when
+  the group is already failed. A wait that does not get its flag records a group-wide error: into this
+  rank's error word (for the host) and into row ``rank`` of every live rank's status buffer, so every
+  rank's kernels stop sending and waiting until ``reset()``.
+- "Last program publishes": programs count themselves in with an acq_rel atomic (``arrive``); the last
+  one publishes, and only if no program skipped its part.
 """
 
-import os
 import time
 
 import triton
 import triton.language as tl
 
-from .. import errors
+from .. import errors, protocol
 
-# Error codes as constexpr: compiled @jit code may only read module globals that are constexpr.
+# Codes and layout as constexpr: compiled @jit code may only read module globals that are constexpr.
 ERR_TIMEOUT = tl.constexpr(errors.ERR_TIMEOUT)
 ERR_CAPACITY = tl.constexpr(errors.ERR_CAPACITY)
 ERR_INDEX = tl.constexpr(errors.ERR_INDEX)
+ERR_ABORTED = tl.constexpr(errors.ERR_ABORTED)
+ERR_DESYNC = tl.constexpr(errors.ERR_DESYNC)
+ERR_DROPPED = tl.constexpr(errors.ERR_DROPPED)
+S_EPOCH = tl.constexpr(protocol.S_EPOCH)
+S_ERR_ADDR = tl.constexpr(protocol.S_ERR_ADDR)
+S_TIMEOUT_NS = tl.constexpr(protocol.S_TIMEOUT_NS)
+S_CLAIM = tl.constexpr(protocol.S_CLAIM)
+S_BCAST_CLAIM = tl.constexpr(protocol.S_BCAST_CLAIM)
+S_LIVE = tl.constexpr(protocol.S_LIVE)
+STATE_WORDS = tl.constexpr(protocol.STATE_WORDS)
+REC_WORDS = tl.constexpr(protocol.REC_WORDS)
+EPOCH_SHIFT = tl.constexpr(protocol.EPOCH_SHIFT)
+CALL_MASK = tl.constexpr(protocol.CALL_MASK)
+ABORT_BIT = tl.constexpr(protocol.ABORT_BIT)
+SKIP_UNIT = tl.constexpr(1 << 16)  # arrive(): skipped programs are counted in the counter's high half
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Spin this long on a late flag before looking at the error word (see wait_flag).
-WAIT_GRACE_NS = tl.constexpr(50_000)
+# True in the interpreted twin of this module (moe_comm/interpreter.py): decided when the module is
+# imported, by the knob the twin's import turns on; never by reading the environment.
+INTERPRET = bool(triton.knobs.runtime.interpret)
 
 if INTERPRET:
     @triton.jit
@@ -45,71 +64,203 @@ else:
 
 @triton.jit
 def as_ptr(addr, DTYPE: tl.constexpr):
-    """Turn an int64 address (a ``peer_ptrs`` entry) into a pointer to DTYPE."""
+    """Turn an int64 address (a ``peer_ptrs`` or group-state entry) into a pointer to DTYPE."""
     return addr.to(tl.pointer_type(DTYPE))
 
 
 @triton.jit
-def record_error(err_addr, code, op, rank, peer, value, bound):
-    """Record an error in this rank's error word unless one is already there (the first one wins).
+def flag_value(epoch, call):
+    """The flag a sender publishes for ``call`` of ``epoch`` (both int64)."""
+    return (epoch << EPOCH_SHIFT) | call
 
-    Plain stores, code last: the word may live in pinned host memory, where device atomics are not
-    guaranteed to be atomic with respect to the host.
+
+@triton.jit
+def live_ranks(grp, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """int1 [WORLD_P2]: rank j is live (not excluded); False past WORLD."""
+    w = tl.arange(0, WORLD_P2)
+    return tl.load(grp + S_LIVE + w, mask=w < WORLD, other=0) != 0
+
+
+@triton.jit
+def is_live(grp, r):
+    return tl.load(grp + S_LIVE + r) != 0
+
+
+@triton.jit
+def failed_source(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """The lowest live rank whose group-wide error of this epoch is in this rank's status, or WORLD_P2."""
+    w = tl.arange(0, WORLD_P2)
+    tags = tl.load(status_ptr + w, mask=w < WORLD, other=0, volatile=True)
+    hit = (tags == tl.load(grp + S_EPOCH) + 1) & live_ranks(grp, WORLD, WORLD_P2)
+    return tl.min(tl.where(hit, w, WORLD_P2))
+
+
+@triton.jit
+def group_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """True once any live rank (this one included) broadcast a group-wide error in this epoch: then
+    kernels neither send nor wait. One vector load of the status tags (local memory)."""
+    return failed_source(grp, status_ptr, WORLD, WORLD_P2) < WORLD
+
+
+@triton.jit
+def claim(word_ptr):
+    """True for the one caller that turns the int64 device word at ``word_ptr`` from 0 to 1."""
+    zero = tl.zeros([], dtype=tl.int64)
+    return tl.atomic_cas(word_ptr, zero, zero + 1, sem="relaxed", scope="gpu") == 0
+
+
+@triton.jit
+def record_error(grp, code, op, rank, peer, value, bound):
+    """Record an error in this rank's error word, if no error holds it (the first one since the host
+    last released the word wins; a later one only marks the word 'dropped').
+
+    The word may live in pinned host memory: it is claimed with an atomic on a device word of the group
+    state, its fields are plain stores, and the code is published last with a system-scope release, so
+    the host (which reads the code first) never sees a torn record.
     """
-    err = as_ptr(err_addr, tl.int64)
-    if tl.load(err, volatile=True) == 0:
+    err = as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64)
+    if claim(grp + S_CLAIM):
         tl.store(err + 1, op)
         tl.store(err + 2, rank)
         tl.store(err + 3, peer)
         tl.store(err + 4, value)
         tl.store(err + 5, bound)
         tl.debug_barrier()
-        tl.store(err, code)
+        tl.atomic_xchg(err, code, sem="release", scope="sys")
+    else:
+        tl.store(err + ERR_DROPPED, 1)
 
 
 @triton.jit
-def signal(flag_ptr, value):
+def record_group_error(grp, code, op, rank, peer, value, bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """Record a group-wide error here and broadcast it: row ``rank`` of every live rank's status buffer
+    gets the record, then the tag ``epoch + 1`` (release). Once per epoch per rank (the first wins)."""
+    record_error(grp, code, op, rank, peer, value, bound)
+    if claim(grp + S_BCAST_CLAIM):
+        w = tl.arange(0, WORLD_P2)
+        live = live_ranks(grp, WORLD, WORLD_P2)
+        status = as_ptr(tl.load(grp + STATE_WORDS + WORLD + w, mask=live, other=0), tl.int64)
+        f = tl.arange(0, REC_WORDS)
+        rec = tl.where(f == 0, code, tl.where(f == 1, op, tl.where(f == 2, rank, tl.where(
+            f == 3, peer, tl.where(f == 4, value, tl.where(f == 5, bound, 0)))))).to(tl.int64)
+        tl.store(status[:, None] + WORLD + rank * REC_WORDS + f[None, :], rec[None, :], mask=live[:, None])
+        tl.debug_barrier()
+        tl.atomic_xchg(status + rank, tl.load(grp + S_EPOCH) + 1, mask=live, sem="release", scope="sys")
+
+
+@triton.jit
+def adopt_group_error(grp, status_ptr, source, WORLD: tl.constexpr):
+    """Copy rank ``source``'s broadcast record into this rank's error word (if free), so that the host
+    raises the same named error on every rank."""
+    tl.atomic_add(status_ptr + source, 0, sem="acquire", scope="sys")  # the record was stored before its tag
+    tl.debug_barrier()
+    rec = status_ptr + WORLD + source * REC_WORDS
+    code = tl.load(rec, volatile=True)
+    if tl.load(as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64), volatile=True) == 0:
+        record_error(grp, code, tl.load(rec + 1, volatile=True), tl.load(rec + 2, volatile=True),
+                     tl.load(rec + 3, volatile=True), tl.load(rec + 4, volatile=True),
+                     tl.load(rec + 5, volatile=True))
+
+
+@triton.jit
+def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """``group_failed``, and if so make sure the error is in this rank's error word too."""
+    source = failed_source(grp, status_ptr, WORLD, WORLD_P2)
+    failed = source < WORLD
+    if failed:
+        adopt_group_error(grp, status_ptr, source, WORLD)
+    return failed
+
+
+@triton.jit
+def wait_flag(flag_ptr, target, grp, status_ptr, op, rank, peer, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """Wait until the flag at ``flag_ptr`` (this rank's memory) equals ``target`` (acquire, system scope).
+
+    Returns True when it arrived; the CTA barrier after the wait lets the whole program read the payload
+    the flag covers. Otherwise returns False, having recorded why as a group-wide error: the peer
+    published ABORT for this call, or a flag of a later call of this epoch (out of step), or the group
+    failed meanwhile (another rank's error, adopted here), or the timeout passed (naming ``peer``).
+    """
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    ok = v == target
+    if not ok:
+        timeout_ns = tl.load(grp + S_TIMEOUT_NS)
+        t0 = now_ns()
+        state = 0  # 0 waiting, 1 arrived, 2 failed
+        while state == 0:
+            if v == target:
+                state = 1
+            elif v == (target | ABORT_BIT):
+                record_group_error(grp, ERR_ABORTED, op, rank, peer, 0, 0, WORLD, WORLD_P2)
+                state = 2
+            elif ((v >> EPOCH_SHIFT) == (target >> EPOCH_SHIFT)) & ((v & CALL_MASK) > (target & CALL_MASK)):
+                record_group_error(grp, ERR_DESYNC, op, rank, peer, v & CALL_MASK, target & CALL_MASK,
+                                   WORLD, WORLD_P2)
+                state = 2
+            elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
+                state = 2
+            elif now_ns() - t0 > timeout_ns:
+                record_group_error(grp, ERR_TIMEOUT, op, rank, peer, v & CALL_MASK, target & CALL_MASK,
+                                   WORLD, WORLD_P2)
+                state = 2
+            else:
+                v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        ok = state == 1
+    tl.debug_barrier()  # the whole program sees the payload the flag covers
+    return ok
+
+
+@triton.jit
+def publish(flag_ptr, value):
     """Publish ``value`` at ``flag_ptr`` (int64, usually in a peer's memory) after every prior store of
-    this program."""
+    this program: a CTA barrier orders the other warps' stores before the one-thread release."""
+    tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
 @triton.jit
-def wait_flag(flag_ptr, target, timeout_ns, err_addr, op, rank, peer):
-    """Wait until ``*flag_ptr >= target`` (acquire, system scope), at most ``timeout_ns``.
-
-    Returns True when the flag arrived. On expiry records ERR_TIMEOUT naming ``peer`` and returns False.
-    If a timeout is already recorded on this rank, returns at once (after one look at the flag).
-    """
-    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    if v < target:
-        # The error word lives in pinned host memory, and reads of it from many programs serialize
-        # (~4 us each on an H100, bench/NOTES.md). A flag that is merely a little late (a peer still
-        # sending) arrives within the grace period and never costs one; only a flag later than that
-        # reads the word, to skip the wait when a timeout is already recorded.
-        t0 = now_ns()
-        while (v < target) & (now_ns() - t0 < tl.minimum(timeout_ns, WAIT_GRACE_NS)):
-            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        if v < target:
-            already_failed = tl.load(as_ptr(err_addr, tl.int64), volatile=True) == ERR_TIMEOUT
-            if already_failed == 0:
-                while (v < target) & (now_ns() - t0 < timeout_ns):
-                    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-                if v < target:
-                    record_error(err_addr, ERR_TIMEOUT, op, rank, peer, v, target)
-    tl.debug_barrier()  # the whole program sees the payload the flag covers
-    return v >= target
+def publish_many(flag_ptrs, value, mask):
+    """``publish`` to a vector of flags (one per peer, lanes where ``mask``)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptrs, value, mask=mask, sem="release", scope="sys")
 
 
 @triton.jit
-def arrive(counter_ptr, num_programs):
-    """Count this program in; True for the last of ``num_programs`` to arrive, which resets the counter.
+def arrive(counter_ptr, num_programs, skipped):
+    """Count this program in; returns (last, any_skipped): True for the last of ``num_programs`` to
+    arrive (which resets the counter), and whether any of them (this one included) skipped its part
+    (``skipped`` != 0), in which case the last one must not publish.
 
-    acq_rel at system scope: every store the earlier programs made (to peers too) is visible to the
-    last one, and so to whatever it publishes next. Nobody waits here, so it is safe within a launch.
+    A CTA barrier first, then acq_rel at system scope: every store of the earlier programs (to peers
+    too) is visible to the last one, and so to whatever it publishes next. Nobody waits here, so it is
+    safe within a launch.
     """
-    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == num_programs - 1
+    tl.debug_barrier()
+    add = 1 + ((tl.zeros([], dtype=tl.int32) + skipped) != 0).to(tl.int32) * SKIP_UNIT  # skipped: int or bool
+    total = tl.atomic_add(counter_ptr, add, sem="acq_rel", scope="sys") + add
+    last = (total % SKIP_UNIT) == num_programs
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return last
+    return last, total >= SKIP_UNIT
+
+
+@triton.jit
+def abort_kernel(
+    ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words of the channel, [2 zones, WORLD, CTRL_WORDS]
+    send_seq_ptr,     # int64 [1]: the channel's send count (advanced here)
+    recv_seq_ptr,     # int64 [1]: the channel's receive count (advanced here)
+    grp, rank,
+    CTRL_WORDS: tl.constexpr, FLAG_WORD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+):
+    """A rank's part of a call it cannot make (an input error it raised, which its peers may not have
+    seen): publish ABORT for the call to every live peer and advance both call counters, without
+    sending or waiting. If every rank aborted the call, nobody waits for it and the group stays usable;
+    a peer that did make the call records CommAbortedError when it waits for this rank. Grid (1,)."""
+    call = tl.load(send_seq_ptr) + 1
+    w = tl.arange(0, WORLD_P2)
+    peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
+    ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=peers, other=0), tl.int64)
+    slot = ((call % 2) * WORLD + rank) * CTRL_WORDS + FLAG_WORD
+    publish_many(ctrl + slot, flag_value(tl.load(grp + S_EPOCH), call) | ABORT_BIT, peers)
+    tl.store(send_seq_ptr, call)
+    tl.store(recv_seq_ptr, tl.load(recv_seq_ptr) + 1)

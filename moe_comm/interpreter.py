@@ -1,0 +1,160 @@
+"""Which implementation of a Triton kernel runs a launch: compiled, or Triton's interpreter.
+
+moe-comm never switches Triton's interpreter on for the process (``TRITON_INTERPRET=1`` would change every
+other Triton user in it). Instead each launch picks its form from the tensors' device:
+
+- CUDA tensors: the ``@triton.jit`` kernel as defined (compiled);
+- CPU tensors (development and CI machines without a GPU): an *interpreted twin* of the kernel;
+- ``MOE_COMM_INTERPRET=1`` forces the twin for every launch (debugging; only meaningful with CPU tensors,
+  since our kernels dereference raw peer addresses).
+
+The twin of a kernel module is the same source file imported a second time under the package
+``moe_comm._interpreted`` while Triton's ``interpret`` knob is on (scoped: it is restored when the import
+ends). Triton's interpreter executes a kernel in its module's globals, so the twin's kernels call the
+twin's helpers: every ``@triton.jit`` function a twin kernel reaches is interpreted too. Twins are loaded
+on first use; a process that only runs on CUDA never loads one.
+
+Two things the interpreter needs are patched in here, once, and only take effect while an interpreted
+kernel runs (inside the interpreter's own patch scope, undone when the launch ends):
+
+- Triton's own ``@jit`` library functions (``tl.sum``, ``tl.cumsum``, ``tl.max``, ...) were defined
+  compiled, since Triton was imported with the interpreter off; while an interpreted kernel runs, calling
+  one runs its body interpreted (``JITFunction.__call__``, which otherwise only raises).
+- NumPy >= 2.4 refuses ``int()`` of a one-element array of ndim > 0, which Triton 3.6's interpreter relies
+  on to turn device scalars into loop bounds.
+- A call of one ``@jit`` helper from another re-patches the language modules in Triton's interpreter
+  (a third of the interpreted time of our kernels); inside a launch they are patched already, so nested
+  calls go straight to the rewritten function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import os
+import sys
+import threading
+import types
+
+import torch
+
+ENV = "MOE_COMM_INTERPRET"
+TWIN_ROOT = "moe_comm._interpreted"   # package under which kernel modules are imported interpreted
+_ROOT = "moe_comm"
+_lock = threading.Lock()
+
+
+def use_interpreter(device) -> bool:
+    """True when launches on ``device`` run interpreted (CPU tensors, or MOE_COMM_INTERPRET=1)."""
+    if os.environ.get(ENV, "0") == "1":
+        return True
+    return torch.device(device).type != "cuda"
+
+
+def kernel_for(fn, device):
+    """The launchable form of ``@triton.jit`` kernel ``fn`` for tensors on ``device``: ``fn`` itself when
+    compiled, else the same kernel from its interpreted twin module (a kernel defined outside moe_comm,
+    e.g. in a benchmark script, is interpreted in its own module: it may call other ``@triton.jit``
+    functions, but module-level choices it makes at import stay the compiled ones)."""
+    if not use_interpreter(device) or _is_interpreted(fn):
+        return fn
+    if fn.fn.__module__.startswith(_ROOT + "."):
+        return getattr(twin_module(fn.fn.__module__), fn.fn.__name__)
+    return _foreign(fn)
+
+
+_FOREIGN: dict = {}
+
+
+def _foreign(fn):
+    interpreted = _FOREIGN.get(fn.fn)
+    if interpreted is None:
+        import triton.language as tl  # noqa: PLC0415
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+        with _lock:
+            _patch_interpreter()
+            fn.fn.__globals__.setdefault("_triton_language_core", tl.core)  # see twin_module
+            interpreted = _FOREIGN[fn.fn] = InterpretedFunction(fn.fn)
+    return interpreted
+
+
+def is_interpreted_module(module_globals: dict) -> bool:
+    """For module-level code of a kernel module: is this copy the interpreted twin?"""
+    return module_globals.get("__name__", "").startswith(TWIN_ROOT + ".")
+
+
+def _is_interpreted(fn) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+    return isinstance(fn, InterpretedFunction)
+
+
+def twin_module(name: str) -> types.ModuleType:
+    """Import module ``name`` (``moe_comm.<...>``) a second time with every ``@triton.jit`` interpreted."""
+    if not name.startswith(_ROOT + "."):
+        raise ValueError(f"only moe_comm modules have interpreted twins, got {name!r}")
+    twin = TWIN_ROOT + name[len(_ROOT):]
+    mod = sys.modules.get(twin)
+    if mod is not None:
+        return mod
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+    with _lock:
+        _patch_interpreter()
+        _make_packages(twin)
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = True
+            mod = importlib.import_module(twin)
+        # A launch patches the language modules its kernel's globals hold; Triton's library functions
+        # (run interpreted, see _patch_interpreter) call triton.language.core's builtins, so every twin
+        # module holds that module too.
+        for name, m in list(sys.modules.items()):
+            if name.startswith(TWIN_ROOT + ".") and m is not None:
+                m.__dict__.setdefault("_triton_language_core", tl.core)
+        return mod
+
+
+def _make_packages(twin: str) -> None:
+    """Register ``moe_comm._interpreted`` and its subpackages as bare packages over the real directories,
+    so that the twin's relative imports resolve inside the twin without running any ``__init__``."""
+    real = importlib.import_module(_ROOT)
+    parts = twin.split(".")
+    for depth in range(2, len(parts)):  # moe_comm._interpreted, moe_comm._interpreted.<sub>, ...
+        pkg = ".".join(parts[:depth])
+        if pkg in sys.modules:
+            continue
+        real_pkg = _ROOT + pkg[len(TWIN_ROOT):]
+        path = list(real.__path__) if real_pkg == _ROOT else list(importlib.import_module(real_pkg).__path__)
+        mod = types.ModuleType(pkg, f"interpreted twin of {real_pkg}")
+        mod.__path__ = path
+        mod.__package__ = pkg
+        mod.__spec__ = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+        mod.__spec__.submodule_search_locations = path
+        sys.modules[pkg] = mod
+
+
+def _patch_interpreter() -> None:
+    """Hook the interpreter's per-launch patching (see the module docstring)."""
+    from triton.runtime import interpreter  # noqa: PLC0415
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+    if getattr(interpreter, "_moe_comm_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+    rewritten = {}  # a JITFunction's Python function -> its body rewritten for the interpreter
+
+    def call_interpreted(self, *args, **kwargs):
+        fn = rewritten.get(self.fn)  # keyed by the plain function: hashing a JITFunction walks its body
+        if fn is None:
+            fn = rewritten[self.fn] = interpreter.InterpretedFunction(self.fn).rewrite()
+        return fn(*args, **kwargs)
+
+    def call_nested(self, *args, **kwargs):
+        return self.rewrite()(*args, **kwargs)
+
+    def _patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(JITFunction, "__call__", call_interpreted)
+        scope.set_attr(interpreter.InterpretedFunction, "__call__", call_nested)
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+    interpreter._moe_comm_patched = True

@@ -1,0 +1,94 @@
+"""The host side of one op on one rank: phase order, the call between its phases, where errors surface.
+
+Every op (AllToAllvDynamic forward and reverse, dispatch, combine) runs the same state machine:
+
+    idle --send--> pending --recv--> idle            (phase="both" = send then recv in one call)
+
+Rules (the fault model, README "Faults and recovery"):
+
+- Before anything is launched, ``begin(phase)`` refuses an op on a closed group, an unknown phase, a
+  phase out of order, or ``phase="both"`` on a multi-rank loopback world. These raise without touching
+  any state (lossless): the rank has not joined the call, and the pending one (if any) is kept.
+- Inputs of the send phase are validated by ``validate(fn)``. An input error (TypeError/ValueError) is
+  raised, but a multi-rank rank first takes part in the call without sending or waiting
+  (``Channel.abort``): a rank never skips a call its peers make. If every rank saw the error, nobody
+  waits and the group stays usable; a peer that made the call raises CommAbortedError (group-wide).
+- Errors recorded by the kernels are raised at the end of an op (``finish``: after the receive phase is
+  launched), never before a launch: no rank skips a call because of an error its peers do not see. A
+  data error carries the call's result; a group-wide error is sticky until ``group.reset()``.
+- Input errors of a receive phase (``topk_weights``/``out`` given there) raise before its launch and keep
+  the pending call: fix the input and call the receive phase again.
+"""
+
+from __future__ import annotations
+
+PHASES = ("send", "recv", "both")
+
+
+class PhasedOp:
+    """State machine of one op on one rank (``name`` for messages, ``channel`` for abort and ordering)."""
+
+    def __init__(self, group, name: str, channel=None):
+        self.group, self.name, self.channel = group, name, channel
+        self.pending = None       # what the send phase left for the receive phase; None when idle
+        self._closed = False
+        group.register(self)
+
+    # ---- phases ----------------------------------------------------------------------------------
+    def begin(self, phase: str) -> tuple[bool, bool]:
+        """Validate ``phase`` against the call order; returns (run send, run recv). Raises before anything
+        is launched."""
+        if self._closed:
+            from .errors import ClosedError  # noqa: PLC0415
+            raise ClosedError(f"{self.name}: used after close()")
+        self.group.ensure_open()
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        g = self.group
+        if phase == "both" and g.backend == "loopback" and g.world_size > 1:
+            raise ValueError("loopback groups hold every rank in one process: call phase='send' on every "
+                             "rank, then phase='recv' on every rank (phase='both' would wait for peers "
+                             "that have not sent yet)")
+        if phase != "recv" and self.pending is not None:
+            raise RuntimeError(f"{self.name}: the previous call's phase='recv' has not run yet")
+        if phase == "recv" and self.pending is None:
+            raise RuntimeError(f"{self.name}: phase='recv' needs a preceding phase='send'")
+        return phase != "recv", phase != "send"
+
+    def validate(self, check):
+        """Run the send phase's input checks ``check()`` and return its value. On an input error, take
+        part in the call by aborting (multi-rank) before raising it."""
+        try:
+            return check()
+        except (TypeError, ValueError):
+            if self.channel is not None and self.group.world_size > 1:
+                self.channel.abort()
+            raise
+
+    def before_send(self) -> None:
+        if self.channel is not None:
+            self.channel.before_send()
+
+    def sent(self, pending) -> None:
+        """The send phase is launched; ``pending`` is what its receive phase needs."""
+        self.pending = pending
+
+    def take(self):
+        """The receive phase takes the pending call (the op is idle again once it returns)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def finish(self, result):
+        """The receive phase is launched: order the next send after it, then raise recorded errors."""
+        if self.channel is not None:
+            self.channel.after_recv()
+        return self.group.finish_op(result)
+
+    # ---- group events --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """``group.reset()``: a pending call is dropped (its receive phase will never run)."""
+        self.pending = None
+
+    def mark_closed(self) -> None:
+        self._closed = True
+        self.pending = None

@@ -1,0 +1,151 @@
+"""Randomized fault soak: world 3 over shared memory, a serving loop of 300 steps, each a barrier, a
+dispatch -> combine and an AllToAllvDynamic round trip, with random faults injected on random ranks:
+
+- ``host_error``   one rank passes x of the wrong dtype (TypeError; it takes part by aborting);
+- ``capacity``     every rank's tokens list one expert twice: more rows than its capacity (CapacityError
+                   on the receiving rank, data error: the step goes on with ``err.result``);
+- ``invalid_id``   one rank passes an expert id out of range (InvalidIndexError on that rank, data error);
+- ``a2a_lie``      one rank's AllToAllvDynamic count exceeds the capacity (CapacityError, data error);
+- ``skip``         one rank skips the combine of its step (the others' combine fails: group error);
+- ``late``         one rank sleeps longer than the timeout before its dispatch (group error).
+
+After a group error every rank calls ``group.reset()`` and the loop goes on. The property: every step
+on every rank either raised a named error or returned results equal to the reference (computed from
+every rank's inputs, with the faulty slots and rows dropped as the contract says), never anything else,
+never a hang; and no /dev/shm file is left.
+"""
+
+import collections
+import os
+import random
+import time
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import AllToAllvDynamic, CapacityError, EPBuffer, GroupError, InvalidIndexError, reference
+
+WORLD, STEPS, TIMEOUT_S = 3, 300, 2.0
+E, H, M, K = 6, 64, 2, 2           # 2 experts per rank; capacity world * M = 6 rows per expert
+CAP_A2A, ROW = 3, (8,)
+KINDS = ("none", "host_error", "capacity", "invalid_id", "a2a_lie", "skip", "late")
+WEIGHTS = (70, 6, 6, 6, 6, 3, 3)
+
+
+def _plan(seed):
+    rng = random.Random(seed)
+    return [(rng.choices(KINDS, WEIGHTS)[0], rng.randrange(WORLD)) for _ in range(STEPS)]
+
+
+def _inputs(step, kind, who):
+    """Every rank's inputs of ``step``, the fault applied (so every rank computes the same reference)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    xs, idxs, ws, sends, counts = [], [], [], [], []
+    for r in range(WORLD):
+        T = int(torch.randint(0, M + 1, (1,), generator=g))
+        xs.append(torch.randn(T, H, generator=g).to(torch.bfloat16))
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K).long()
+        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        if kind == "capacity" and T:
+            idx[:] = 1                    # expert 1: every slot of every token (up to 3 * 2 * 2 = 12 > 6 rows)
+        if kind == "invalid_id" and r == who and T:
+            idx[0, 0] = E + 3
+        idxs.append(idx)
+        ws.append(torch.rand(T, K, generator=g))
+        c = torch.randint(0, CAP_A2A + 1, (WORLD,), generator=g)
+        if kind == "a2a_lie" and r == who:
+            c[(who + 1) % WORLD] = CAP_A2A + 2
+        counts.append(c.to(torch.int32))
+        sends.append(torch.randn(int(c.sum()), *ROW, generator=g))
+    return xs, idxs, ws, sends, counts
+
+
+def _expert(x):
+    return (x.float() * 2 + 1).to(torch.bfloat16)
+
+
+def _check(rank, xs, idxs, ws, sends, counts, d, y, res, back):
+    """Mismatches of this rank's outputs against the reference (faulty slots/rows dropped as specified)."""
+    clean = [torch.where((i >= 0) & (i < E), i, -1) for i in idxs]
+    exp_d = reference.dispatch(xs, clean, E, M)[rank]
+    errs = []
+    if not torch.equal(d.counts, exp_d["counts"]):
+        errs.append(f"counts {d.counts.tolist()} != {exp_d['counts'].tolist()}")
+    for e, n in enumerate(exp_d["counts"].tolist()):
+        if not torch.equal(d.x[e, :n], exp_d["x"][e, :n]):
+            errs.append(f"d.x of expert {e}")
+    eos = [_expert(reference.dispatch(xs, clean, E, M)[r]["x"]) for r in range(WORLD)]
+    if not torch.equal(y, reference.combine(eos, ws, clean, E, M)[rank]):
+        errs.append("combine y")
+    recv, rc = reference.alltoallv(sends, counts, CAP_A2A)[rank]
+    if not torch.equal(res.recv_counts, rc):
+        errs.append(f"recv_counts {res.recv_counts.tolist()} != {rc.tolist()}")
+    for j in range(WORLD):
+        n = int(rc[j])
+        if not torch.equal(res.recv[j, :n], recv[j, :n]):
+            errs.append(f"a2a rows from {j}")
+    # reverse: the rows this rank sent come back where they were (rows it did not send are unspecified)
+    for j, (off, n) in enumerate(reference.sent_rows(counts[rank].tolist(), CAP_A2A, sends[rank].shape[0])):
+        if not torch.equal(back[off:off + n], sends[rank][off:off + n] * 3):
+            errs.append(f"a2a reverse rows for {j}")
+    return errs
+
+
+def _soak(group, seed):
+    ep = EPBuffer(group, E, H, M, K)
+    a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
+    outcomes, mismatches = collections.Counter(), []
+    for step, (kind, who) in enumerate(_plan(seed)):
+        xs, idxs, ws, sends, counts = _inputs(step, kind, who)
+        me = group.rank
+        data_errors = []
+        try:
+            group.barrier()
+            x = xs[me].float() if kind == "host_error" and me == who else xs[me]
+            if kind == "late" and me == who:
+                time.sleep(TIMEOUT_S * 1.3)
+            try:
+                d = ep.dispatch(x, idxs[me])
+            except (CapacityError, InvalidIndexError) as e:
+                d, _ = e.result, data_errors.append(type(e).__name__)
+            if kind == "skip" and me == who:
+                raise _Skipped()
+            y = ep.combine(_expert(d.x), ws[me], d.handle)
+            try:
+                res = a2a(sends[me], counts[me])
+            except CapacityError as e:
+                res, _ = e.result, data_errors.append("CapacityError")
+            back = a2a.combine(res.recv * 3, res.handle)
+            errs = _check(me, xs, idxs, ws, sends, counts, d, y, res, back)
+            mismatches += [f"step {step} ({kind} on {who}): {m}" for m in errs]
+            outcomes["exact+data_error" if data_errors else "exact"] += 1
+        except GroupError as e:
+            outcomes[f"group:{type(e).__name__}"] += 1
+            group.reset()
+        except TypeError:
+            outcomes["input_error"] += 1          # this rank aborted its part; the peers fail the group
+        except _Skipped:
+            outcomes["skipped"] += 1
+    return dict(outcomes), mismatches
+
+
+class _Skipped(Exception):
+    """The injected fault: this rank leaves the step before its combine."""
+
+
+@pytest.mark.timeout(1500)
+def test_randomized_fault_soak_world3_shm():
+    before = set(os.listdir("/dev/shm"))
+    plan = _plan(seed=7)
+    assert {k for k, _ in plan} == set(KINDS)  # every fault kind occurs
+    t0 = time.monotonic()
+    results = moe_comm.launch(_soak, WORLD, 7, backend="shm", timeout_s=TIMEOUT_S, grace_s=120)
+    took = time.monotonic() - t0
+    for rank, (outcomes, mismatches) in enumerate(results):
+        print(f"rank {rank}: {outcomes}")
+        assert mismatches == [], mismatches[:10]
+        assert outcomes.get("exact", 0) >= STEPS // 2, outcomes
+        assert sum(outcomes.values()) == STEPS
+    print(f"{STEPS} steps in {took:.0f} s")
+    assert not (set(os.listdir("/dev/shm")) - before)
