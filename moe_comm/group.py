@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from . import protocol
-from .errors import (ERR_DROPPED, ERR_NONE, ERR_WORDS, GROUP_CODES, ClosedError, CommTimeoutError, ExcludedError,
+from .errors import (ERR_DROPPED, ERR_NONE, ERR_TIMEOUT, ERR_WORDS, OPS, GROUP_CODES, ClosedError, CommTimeoutError, ExcludedError,
                      GroupError, LaunchError, MoECommError, decode_error)
 from .heap.base import Heap
 
@@ -160,8 +160,23 @@ class CommGroup:
         On a failed group it raises the group's error instead of waiting (a peer that is recovering will
         not come to this barrier). Then ``check()``."""
         self.ensure_open()
-        self.heap.barrier(self.live_ranks, poll=self._raise_if_failed)
-        self.check()
+        try:
+            self.heap.barrier(self.live_ranks, poll=self._raise_if_failed)
+        except CommTimeoutError as e:
+            self._fail_group(e)
+            raise
+        self._raise_if_failed()
+
+    def _fail_group(self, err: CommTimeoutError) -> None:
+        """Make a timeout the host saw group-wide (this rank's error word and every live rank's status),
+        as a kernel's failed wait does."""
+        from .interpreter import kernel_for  # noqa: PLC0415
+        from .triton_kernels.sync import fail_group_kernel  # noqa: PLC0415
+        w = self.world_size
+        kernel_for(fail_group_kernel, self.device)[(1,)](
+            self.state, ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, self.timeout_ns,
+            WORLD=w, WORLD_P2=1 << max(w - 1, 0).bit_length())
+        self.synchronize()
 
     def _raise_if_failed(self) -> None:
         """Raise the group-wide error broadcast into this rank's status, if any (host read of the status

@@ -242,7 +242,8 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         recv_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)
-        fp8_block_groups = min(pow2_groups, max(1, tile // (FP8_GROUP * next_pow2(world))))
+        # At least two groups per iteration: a one-group tile spills ~32 bytes on sm_90 (Triton 3.6).
+        fp8_block_groups = min(pow2_groups, max(2, tile // (FP8_GROUP * next_pow2(world))))
         # 64 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
         # program has threads (a shape some Triton versions' histogram lowering miscounted).
         route_tokens = max(1, GPU_ROUTE_SLOTS // slots)

@@ -9,7 +9,8 @@ dispatch -> combine and an AllToAllvDynamic round trip, with random faults injec
 - ``skip``         one rank skips the combine of its step (the others' combine fails: group error);
 - ``late``         one rank sleeps longer than the timeout before its dispatch (group error).
 
-After a group error every rank calls ``group.reset()`` and the loop goes on. The property: every step
+After a group error every rank calls ``group.reset()``, the ranks agree on the step to resume at
+(``group.exchange``; a rank that left a step early finds the failure one step later), and the loop goes on. The property: every step
 on every rank either raised a named error or returned results equal to the reference (computed from
 every rank's inputs, with the faulty slots and rows dropped as the contract says), never anything else,
 never a hang; and no /dev/shm file is left.
@@ -96,7 +97,9 @@ def _soak(group, seed):
     ep = EPBuffer(group, E, H, M, K)
     a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
     outcomes, mismatches = collections.Counter(), []
-    for step, (kind, who) in enumerate(_plan(seed)):
+    plan, step = _plan(seed), 0
+    while step < STEPS:
+        kind, who = plan[step]
         xs, idxs, ws, sends, counts = _inputs(step, kind, who)
         me = group.rank
         data_errors = []
@@ -122,11 +125,18 @@ def _soak(group, seed):
             outcomes["exact+data_error" if data_errors else "exact"] += 1
         except GroupError as e:
             outcomes[f"group:{type(e).__name__}"] += 1
+            # Recovery as a serving loop does it: reset, then resume every rank at the same step (a rank
+            # that left a step early, by an input error or a skip, found the failure one step later).
             group.reset()
+            resume = max(v[0] for v in group.exchange([step + 1]).values())
+            outcomes["lost_to_recovery"] += resume - (step + 1)
+            step = resume
+            continue
         except TypeError:
             outcomes["input_error"] += 1          # this rank aborted its part; the peers fail the group
         except _Skipped:
             outcomes["skipped"] += 1
+        step += 1
     return dict(outcomes), mismatches
 
 

@@ -371,3 +371,31 @@ def test_over_capacity_count_never_shifts_another_ranks_rows():
     back0 = results[0][3]
     assert torch.equal(back0[[0, 1, 2, 3, 4, 8, 9]], sends[0][[0, 1, 2, 3, 4, 8, 9]])
     assert _shm_files() == []
+
+
+def _late_to_barrier(group):
+    """Rank 1 comes to a barrier long after rank 0 gave up on it; then both recover and run exact."""
+    if group.rank == 1:
+        time.sleep(2.5 * group.timeout_s)
+    seen = None
+    try:
+        group.barrier()
+    except CommTimeoutError as e:
+        seen = str(e)
+    group.reset()
+    ep = EPBuffer(group, E, H, M, K)
+    xs, idxs, ws = _inputs(2, 11)
+    d = ep.dispatch(xs[group.rank], idxs[group.rank])
+    exp = reference.dispatch(xs, idxs, E, M)[group.rank]
+    exact = torch.equal(d.counts, exp["counts"]) and all(
+        torch.equal(d.x[e, :n], exp["x"][e, :n]) for e, n in enumerate(exp["counts"].tolist()))
+    return seen, exact
+
+
+def test_a_peer_late_to_a_barrier_that_timed_out_raises_too():
+    """A host barrier that times out fails the group for every rank: the late rank, which finds everyone
+    arrived, raises the same named error instead of going on alone into a group that is recovering."""
+    seen = moe_comm.launch(_late_to_barrier, 2, backend="shm", timeout_s=1.0)
+    for rank, (msg, exact) in enumerate(seen):
+        assert msg is not None and "barrier: rank 0 timed out" in msg and "peer rank 1" in msg, (rank, msg)
+        assert exact, rank

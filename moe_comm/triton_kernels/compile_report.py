@@ -121,6 +121,8 @@ def _ep_configs() -> list[KernelConfig]:
     out.append(KernelConfig("sync", "abort_kernel", "EP8 dispatch channel", dict(
         ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), dict(
         CTRL_WORDS=p.dispatch_ctrl_words, FLAG_WORD=p.dispatch_ctrl_words - 1, WORLD=8, WORLD_P2=8)))
+    out.append(KernelConfig("sync", "fail_group_kernel", "EP8 barrier timeout", dict(
+        grp="*i64", code="i64", op="i64", rank="i32", peer="i32", bound="i64"), dict(WORLD=8, WORLD_P2=8)))
     return out
 
 

@@ -264,3 +264,12 @@ def abort_kernel(
     publish_many(ctrl + slot, flag_value(tl.load(grp + S_EPOCH), call) | ABORT_BIT, peers)
     tl.store(send_seq_ptr, call)
     tl.store(recv_seq_ptr, tl.load(recv_seq_ptr) + 1)
+
+
+@triton.jit
+def fail_group_kernel(grp, code, op, rank, peer, bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """A group-wide error the host found (a host barrier that timed out): record it here and broadcast it
+    to every live rank's status, exactly as a kernel's failed wait does, so that a slow peer which still
+    passes that barrier raises the same error at its next check instead of sending into a group that is
+    recovering. Grid (1,)."""
+    record_group_error(grp, code, op, rank, peer, 0, bound, WORLD, WORLD_P2)
