@@ -39,7 +39,7 @@ def diff(a, b):
 
 env1, set1 = dict(os.environ), settings()
 import moe_comm
-import moe_comm.compat.deep_ep  # noqa: F401
+import moe_comm.compat.deep_ep, moe_comm.info, moe_comm.selftest, moe_comm.__main__  # noqa: E401, F401
 env2, set2 = dict(os.environ), settings()
 
 # An interpreted launch (CPU tensors) switches the interpreter on only for our own kernels, scoped.
