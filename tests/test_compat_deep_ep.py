@@ -328,3 +328,36 @@ def make_buffers_pg(pg, world):
 def test_shm_world2_process_group():
     errs = moe_comm.launch(_shm_rank, 2, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
+
+
+def test_invalid_expert_id_raises_after_the_call_with_its_outputs():
+    """An id outside [-1, E): the slot is not routed, the call completes, InvalidIndexError carries the
+    DeepEP-style outputs (the other slots were delivered)."""
+    groups = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    (buf,) = make_buffers(groups)
+    x = torch.ones(2, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, LOCAL_EXPERTS + 5], [1, 2]])
+    with pytest.raises(moe_comm.InvalidIndexError) as info:
+        buf.low_latency_dispatch(x, idx, MAX_TOKENS, LOCAL_EXPERTS, use_fp8=False)
+    recv_x, recv_count, handle, _event, hook = info.value.result
+    assert recv_count.tolist() == [1, 1, 1] and hook is None
+    y, _, _ = buf.low_latency_combine(recv_x.clone(), idx, torch.ones(2, 2), handle)
+    assert torch.equal(y, torch.stack([x[0], 2 * x[1]]))   # the bad slot counts as not routed
+
+
+def test_destroy_and_events():
+    groups = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    (kept,) = make_buffers(groups)
+    with pytest.raises(RuntimeError, match="explicitly_destroy"):
+        kept.destroy()
+    (buf,) = make_buffers(groups, explicitly_destroy=True)
+    xs, idxs, _ = make_inputs(1, 2, True)
+    out = buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS, async_finish=True)
+    with out[3]:    # DeepEP's overlap idiom: the stream waits for the event on exit
+        pass
+    with pytest.raises(RuntimeError, match="async_finish"):
+        buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS)[3].current_stream_wait()
+    deep_ep.Buffer.capture().current_stream_wait()
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS)
