@@ -53,9 +53,9 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
   there are no RDMA queue pairs). ``clean_low_latency_buffer`` checks its arguments and does nothing
   (flags carry call numbers: nothing needs zeroing).
 - ``recv_x`` (the fp8 data included) is not allocated per call: it is the buffer's receive tensor,
-  valid until two more dispatches with the same ``use_fp8`` have received (two buffers alternate);
-  ``.clone()`` it to keep it longer. recv_count, the fp8 scales and the handle's tensors are per call,
-  as in DeepEP. A handle is valid for combine until four more dispatches with its ``use_fp8``.
+  valid until two more dispatches with the same sizes and ``use_fp8`` have received (two buffers
+  alternate); ``.clone()`` it to keep it longer. recv_count, the fp8 scales and the handle's tensors are
+  per call, as in DeepEP. A handle is valid for combine until four more such dispatches.
 - Row order: each expert's rows are sorted by (source rank, token index), a special case of DeepEP's
   layout (within a source rank's run DeepEP's order is arbitrary).
 - fp8: one float32 scale = amax / 448 per 128 columns (an all-zero group gets 1.0; DeepEP clamps amax at
