@@ -11,7 +11,8 @@ def check_tensor(name: str, t, device: torch.device, dtypes, shape=None) -> None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, this group is on {device}")
+        raise ValueError(f"{name} is on {t.device}, this group is on {device}: move it with .to({str(device)!r}) "
+                         f"or build the group on {t.device} (moe_comm.init(..., device=...))")
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
     if t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")

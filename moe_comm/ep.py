@@ -160,7 +160,9 @@ class EPBuffer:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if num_experts % world:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of world_size={world}")
+            raise ValueError(f"num_experts={num_experts} must be a multiple of world_size={world} (rank r owns "
+                             f"experts [r*E/W, (r+1)*E/W)): use {-(-num_experts // world) * world} experts, the "
+                             f"extra ones selected by no token, or a world size that divides {num_experts}")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
         if fp8_dispatch and hidden % 128:

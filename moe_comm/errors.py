@@ -74,7 +74,10 @@ class CapacityError(MoECommError, ValueError):
         self.op, self.rank, self.peer, self.value, self.capacity = op, rank, peer, value, capacity
         super().__init__(
             f"{op}: rank {rank}: the count for peer/expert {peer} needs {value} rows, only {capacity} "
-            f"are available (capacity, or rows of the input); the excess was neither read nor written")
+            f"are available (capacity, or rows of the input); the excess was neither read nor written. "
+            f"Fix: a count must not exceed the capacity the op was built with (AllToAllvDynamic's "
+            f"max_rows_per_peer; an EPBuffer expert holds world * max_tokens_per_rank rows, exceeded "
+            f"only if tokens list the same expert twice) nor the rows the input has")
 
 
 class InvalidIndexError(MoECommError, ValueError):

@@ -1,0 +1,39 @@
+"""``python -m moe_comm`` (also the ``moe-comm`` command): ``info`` and ``selftest``.
+
+    python -m moe_comm info [--json]      versions, devices, heaps and transports usable here, NVSHMEM
+    python -m moe_comm selftest [--device cpu|cuda]   a short correctness run of every op (exit 1 on failure)
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "info": "what this machine offers moe-comm (versions, devices, heaps, transports, NVSHMEM), and fixes",
+    "selftest": "a short correctness run of every op on this machine's devices; exit status 1 on failure",
+}
+
+
+def _usage() -> str:
+    return "usage: moe-comm {info,selftest} [options]\n\n" + "\n".join(
+        f"  {name:<10}{what}" for name, what in COMMANDS.items()) + "\n\n'moe-comm COMMAND --help' for its options"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "info":
+        from .info import main as run  # noqa: PLC0415
+    elif cmd == "selftest":
+        from .selftest import main as run  # noqa: PLC0415
+    else:
+        print(f"moe-comm: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""DeepEP's low-latency API over moe-comm's EPBuffer: code written for DeepEP runs by changing one import.
+
+    from moe_comm.compat import deep_ep          # instead of: import deep_ep
+
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=0, low_latency_mode=True, num_qps_per_rank=num_local_experts,
+                            num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(M, hidden, W, E))
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True)
+    y, event, hook = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+Shapes, dtypes and layouts are DeepEP's (W ranks, M = num_max_dispatch_tokens_per_rank, E experts,
+L = E // W local experts, R = W * M, H hidden):
+
+low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=None, *, use_fp8=True, ...)
+    x         [T, H] bfloat16 on the group's device, T <= M
+    topk_idx  [T, K] int64 (``topk_idx_t``; int32 accepted): expert ids, -1 = slot not routed
+    returns (recv_x, recv_count, handle, event, hook):
+    recv_x    [L, R, H] bfloat16, or with use_fp8 a tuple (data [L, R, H] float8_e4m3fn, scales [L, R, H/128]
+              float32 whose last two dimensions are column-major, strides (H/128 * R, 1, R)); data * scale
+              per 128 columns ~= x. Rows recv_x[e, :recv_count[e]] are valid.
+    recv_count  int32 [L]: rows received per local expert (one per (token, k) routed to it)
+    handle    tuple (src_info int32 [L, R], layout_range int64 [L, W], M, H, E): src_info = the row's token
+              index on its source rank; layout_range[e, j] = (first row << 32) | rows of source rank j
+    cumulative_local_expert_recv_stats  optional int32 [L], incremented by recv_count
+low_latency_combine(x, topk_idx, topk_weights, handle, *, zero_copy=False, async_finish=False,
+                    return_recv_hook=False, out=None)
+    x             [L, R, H] bfloat16: row i of expert e answers recv_x[e, i] (rows past recv_count unread)
+    topk_weights  [T, K] float32;  out: optional [T, H] bfloat16, written in place and returned
+    returns (combined_x [T, H] bfloat16, event, hook): combined_x[t] = sum over the token's routed slots k,
+    ascending, of topk_weights[t, k] * its expert's row, in float32, then rounded (bitwise reproducible).
+
+Hooks (``return_recv_hook=True``): the call runs the op's send phase and returns at once; ``hook()`` runs
+its receive phase (for the dispatch also the layout above) and must be called exactly once before the
+results are read. On a loopback group of several ranks (one process holds every rank) hooks are required:
+call every rank's dispatch, then every rank's hook. ``async_finish=True`` returns an ``EventOverlap``
+recorded on the current stream.
+
+Differences from DeepEP (none is silent: an unsupported argument raises NotImplementedError):
+
+- Only the low-latency mode. ``low_latency_mode`` defaults to True; ``low_latency_mode=False``,
+  ``num_nvl_bytes > 0`` and the normal-mode methods (``dispatch``, ``combine``, ``get_dispatch_layout``,
+  ...), the rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
+  ``CommGroup.exclude``), ``use_logfmt=True``, ``round_scale=True``, ``use_ue8m0=True``,
+  ``dispatch_wait_recv_cost_stats``/``combine_wait_recv_cost_stats``, ``allow_nvlink_for_low_latency_mode=
+  False``, ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor``
+  raise NotImplementedError.
+- ``group``: a moe_comm ``CommGroup`` (any backend), or torch.distributed's default (world) group, for
+  which one CommGroup per process is made with ``moe_comm.init("auto")`` (NVSHMEM heap on CUDA, shared
+  memory on CPU) and shared by every Buffer. Subgroups are not supported.
+- ``num_rdma_bytes`` is a budget for the symmetric memory of the buffers this Buffer creates (one pair
+  per (M, H, E, K, use_fp8), made at the first call that uses it); a call that would exceed it raises
+  ValueError. ``get_low_latency_rdma_size_hint`` is moe-comm's own figure: both formats, top-k up to 11
+  (DeepEP's limit). ``num_qps_per_rank`` is checked and has no effect (peers are reached by load/store,
+  there are no RDMA queue pairs). ``clean_low_latency_buffer`` checks its arguments and does nothing
+  (flags carry call numbers: nothing needs zeroing).
+- ``recv_x`` (the fp8 data included) is not allocated per call: it is the buffer's receive tensor,
+  valid until two more dispatches with the same sizes and ``use_fp8`` have received (two buffers
+  alternate); ``.clone()`` it to keep it longer. recv_count, the fp8 scales and the handle's tensors are
+  per call, as in DeepEP. A handle is valid for combine until four more such dispatches.
+- Row order: each expert's rows are sorted by (source rank, token index), a special case of DeepEP's
+  layout (within a source rank's run DeepEP's order is arbitrary).
+- fp8: one float32 scale = amax / 448 per 128 columns (an all-zero group gets 1.0; DeepEP clamps amax at
+  1e-4) and data = x / scale rounded to e4m3 (DeepEP multiplies by 448 / amax: the last bit may differ).
+  Any H with H % 128 == 0 (DeepEP needs H % 512 for fp8); bf16 any even H.
+- combine: the slots combined are those routed at dispatch; ``topk_idx`` is only checked for shape
+  (DeepEP re-reads it). The rank's own share of ``x`` is read in place by the receive phase: keep ``x``
+  unchanged until the hook has run. ``zero_copy=True`` reads the tensor of
+  ``get_next_low_latency_combine_buffer(handle)`` instead of ``x`` (it saves no copy here: the op always
+  reads expert outputs in place).
+- Streams: kernels run on the caller's current stream (there is no communication stream), so
+  ``async_finish`` overlaps nothing; the event is still valid to wait on. On CPU calls complete before
+  returning.
+- Arguments after ``cumulative_local_expert_recv_stats`` (dispatch) and after ``handle`` (combine) are
+  keyword-only: DeepEP's positional order differs between its versions.
+- Errors follow moe-comm's fault model: an expert id outside [-1, E) is not routed and raises
+  InvalidIndexError (a ValueError) at the end of the call; a dead peer raises CommTimeoutError after
+  the group's timeout (DeepEP: undefined / hang). Input errors that this module finds itself (the
+  statistics tensor, ``topk_idx``'s shape at combine, unsupported arguments) raise before the op is
+  entered, as in DeepEP; make every rank pass the same arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_tensor
+from ..ep import EPBuffer
+from ..errors import MoECommError
+from ..group import CommGroup
+from ..planner import FP8_GROUP, plan_ep
+from . import deep_ep_layout as layout
+
+topk_idx_t = torch.int64          # DeepEP's expert-id dtype (int32 is accepted too)
+HINT_MAX_TOPK = 11                # DeepEP's low-latency kernels take at most 11 experts per token
+BUFFERS_PER_FORMAT = 2            # EPBuffers alternating per (shapes, use_fp8): recv_x of two calls stay valid
+DTYPE = torch.bfloat16            # DeepEP's low-latency token dtype
+
+_shared_group: CommGroup | None = None   # the CommGroup made for torch.distributed's default group
+
+
+def _unsupported(what: str, instead: str) -> NotImplementedError:
+    return NotImplementedError(f"moe_comm.compat.deep_ep: {what} is not supported; {instead}")
+
+
+def _check_int(name: str, v, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def _comm_group(group, comm) -> CommGroup:
+    """The CommGroup behind DeepEP's ``group`` argument (see the module docstring)."""
+    global _shared_group
+    if comm is not None:
+        raise _unsupported("comm= (an mpi4py communicator)", "pass a torch.distributed ProcessGroup or a "
+                           "moe_comm CommGroup as group")
+    if isinstance(group, CommGroup):
+        return group
+    import torch.distributed as dist  # noqa: PLC0415
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or a moe_comm CommGroup, got "
+                        f"{type(group).__name__}")
+    if group.size() != dist.get_world_size() or group.rank() != dist.get_rank():
+        raise _unsupported("a torch.distributed subgroup", "pass the default (world) group, or a moe_comm "
+                           "CommGroup built for the ranks that take part")
+    if _shared_group is None or _shared_group.closed:
+        from ..group import init  # noqa: PLC0415
+        _shared_group = init("auto")
+    return _shared_group
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: ``current_stream_wait()``, or ``with event:`` (waits on exit).
+
+    ``event`` is a ``torch.cuda.Event`` recorded on the stream the op ran on, or None: on CPU (the op
+    completed before returning) and for calls made without ``async_finish``.
+    """
+
+    def __init__(self, event=None, extra_tensors=None, valid: bool | None = None):
+        self.event, self.extra_tensors = event, extra_tensors
+        self._valid = event is not None if valid is None else valid
+
+    def current_stream_wait(self) -> None:
+        if not self._valid:
+            raise RuntimeError("this EventOverlap holds no event: the call was made without async_finish=True")
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._valid:
+            self.current_stream_wait()
+
+
+def _event_after(device: torch.device, tensors) -> EventOverlap:
+    """An EventOverlap marking the end of the work just queued on ``device``'s current stream."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return EventOverlap(ev, tensors)
+    return EventOverlap(None, tensors, valid=True)
+
+
+class _Hook:
+    """DeepEP's receive hook: runs a receive phase, once."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is None:
+            raise RuntimeError("this receive hook has already run (each hook runs its receive phase once)")
+        fn()
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's dispatch handle: the tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts), plus what ``low_latency_combine`` needs from the EPBuffer dispatch."""
+
+    def __new__(cls, items, owner, ep: EPBuffer, num_tokens: int, topk: int):
+        h = super().__new__(cls, items)
+        h.owner, h.ep, h.num_tokens, h.topk = owner, ep, num_tokens, topk
+        h.ep_handle = None   # EPBuffer's handle, once the dispatch's receive phase has run
+        return h
+
+
+class Buffer:
+    """DeepEP's ``deep_ep.Buffer`` in low-latency mode (see the module docstring for the differences).
+
+    Collective like DeepEP's: every rank builds its Buffer and makes the same calls in the same order
+    (on a loopback group: one Buffer per rank, built in rank order).
+    """
+
+    num_sms: int = 20   # DeepEP's SM count for its normal-mode kernels (kept for API compatibility)
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = True,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None):
+        if not low_latency_mode:
+            raise _unsupported("low_latency_mode=False (DeepEP's normal mode)", "use low_latency_mode=True, "
+                               "or moe_comm.EPBuffer / AllToAllvDynamic")
+        if num_nvl_bytes:
+            raise _unsupported("num_nvl_bytes > 0 (it sizes DeepEP's normal-mode NVLink buffer)", "pass 0")
+        if not allow_nvlink_for_low_latency_mode:
+            raise _unsupported("allow_nvlink_for_low_latency_mode=False", "peers on the same node are always "
+                               "reached by load/store")
+        if allow_mnnvl:
+            raise _unsupported("allow_mnnvl=True", "pass False")
+        if enable_shrink:
+            raise _unsupported("enable_shrink=True (rank masking)", "use CommGroup.exclude(ranks)")
+        self.num_rdma_bytes = _check_int("num_rdma_bytes", num_rdma_bytes, 0)
+        self.num_qps_per_rank = _check_int("num_qps_per_rank", num_qps_per_rank, 1)
+        self.comm_group = _comm_group(group, comm)
+        self.group = group
+        self.rank, self.group_size = self.comm_group.rank, self.comm_group.world_size
+        self.num_nvl_bytes, self.low_latency_mode = 0, True
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self._pairs: dict[tuple, list] = {}     # (M, H, E, K, fp8) -> [EPBuffers, calls]
+        self._staging: dict[int, torch.Tensor] = {}   # id(EPBuffer) -> zero-copy combine input
+        self._symmetric_bytes = 0
+        self._destroyed = False
+
+    # ---- sizes -----------------------------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Symmetric bytes a Buffer needs for low-latency calls with these sizes, both formats (bf16 and,
+        when hidden % 128 == 0, fp8), up to 11 experts per token. Pass it as ``num_rdma_bytes``."""
+        M = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        H = _check_int("hidden", hidden, 1)
+        W = _check_int("num_ranks", num_ranks, 1)
+        E = _check_int("num_experts", num_experts, 1)
+        _check_divisible(E, W)
+        formats = (False, True) if H % FP8_GROUP == 0 else (False,)
+        return sum(BUFFERS_PER_FORMAT * plan_ep(W, E, H, M, HINT_MAX_TOPK, DTYPE, fp8, "cpu").symmetric_bytes
+                   for fp8 in formats)
+
+    @property
+    def symmetric_bytes(self) -> int:
+        """Symmetric bytes of the buffers made so far (counted against ``num_rdma_bytes``)."""
+        return self._symmetric_bytes
+
+    def _ep_for(self, M: int, hidden: int, E: int, topk: int, fp8: bool) -> EPBuffer:
+        """The EPBuffer for the next call with these sizes: two alternate, each made on first use."""
+        key = (M, hidden, E, topk, fp8)
+        pair = self._pairs.setdefault(key, [[], 0])
+        bufs, calls = pair
+        slot = calls % BUFFERS_PER_FORMAT
+        if slot == len(bufs):
+            ep = EPBuffer(self.comm_group, E, hidden, M, topk, dtype=DTYPE, fp8_dispatch=fp8)
+            need = ep.plan.symmetric_bytes
+            if self._symmetric_bytes + need > self.num_rdma_bytes:
+                hint = self.get_low_latency_rdma_size_hint(M, hidden, self.group_size, E)
+                raise ValueError(
+                    f"num_rdma_bytes={self.num_rdma_bytes} is too small: this call (M={M}, hidden={hidden}, "
+                    f"num_experts={E}, topk={topk}, use_fp8={fp8}) needs {need} more symmetric bytes on top of "
+                    f"the {self._symmetric_bytes} in use; build the Buffer with num_rdma_bytes="
+                    f"Buffer.get_low_latency_rdma_size_hint({M}, {hidden}, {self.group_size}, {E}) (= {hint})"
+                    + ("" if topk <= HINT_MAX_TOPK else f" or more: the hint assumes topk <= {HINT_MAX_TOPK}"))
+            self._symmetric_bytes += need
+            bufs.append(ep)
+        pair[1] += 1
+        return bufs[slot]
+
+    def _check_call(self, async_finish: bool, return_recv_hook: bool) -> None:
+        """Checks every call makes first (the same on every rank: nothing is launched before them)."""
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
+        g = self.comm_group
+        if g.backend == "loopback" and g.world_size > 1 and not return_recv_hook:
+            raise ValueError("a loopback group holds every rank in one process: pass return_recv_hook=True, "
+                             "make this call on every rank, then call every rank's hook")
+
+    # ---- dispatch --------------------------------------------------------------------------------
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None, *,
+                             dispatch_wait_recv_cost_stats=None, use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook)
+        (module docstring)."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _unsupported("dispatch_wait_recv_cost_stats", "pass None")
+        if round_scale or use_ue8m0:
+            raise _unsupported("round_scale=True / use_ue8m0=True (power-of-two and UE8M0 scales)",
+                               "scales are float32 amax / 448")
+        self._check_call(async_finish, return_recv_hook)
+        M = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        E = _check_int("num_experts", num_experts, 1)
+        W, dev = self.group_size, self.comm_group.device
+        _check_divisible(E, W)
+        L, R = E // W, W * M
+        for name, t in (("x", x), ("topk_idx", topk_idx)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        hidden, topk = int(x.shape[1]), int(topk_idx.shape[1])
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", stats, dev, (torch.int32,), (L,))
+        fp8 = bool(use_fp8)
+        ep = self._ep_for(M, hidden, E, topk, fp8)
+
+        recv_count = torch.empty(L, dtype=torch.int32, device=dev)
+        src_info = torch.empty((L, R), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((L, W), dtype=torch.int64, device=dev)
+        scales = layout.empty_column_major_scales(L, R, hidden // FP8_GROUP, dev) if fp8 else None
+        handle = LowLatencyHandle((src_info, layout_range, M, hidden, E), self, ep, int(x.shape[0]), topk)
+
+        def finish(d) -> None:
+            recv_count.copy_(d.counts)
+            layout.src_info(d.src, M, out=src_info)
+            layout.layout_range(d.src, d.counts, M, W, out=layout_range)
+            if scales is not None:
+                scales.copy_(d.scales)
+            if stats is not None:
+                stats.add_(d.counts)
+            handle.ep_handle = d.handle
+
+        def outputs(hook):
+            recv_x = _receive_tensor(ep)
+            recv = (recv_x, scales) if fp8 else recv_x
+            event = (_event_after(dev, (x, topk_idx, recv_x, recv_count, src_info, layout_range))
+                     if async_finish else EventOverlap())
+            return recv, recv_count, handle, event, hook
+
+        if return_recv_hook:
+            ep.dispatch(x, topk_idx, phase="send")
+            return outputs(_Hook(lambda: _completed(lambda: ep.dispatch(phase="recv"), finish)))
+        _completed(lambda: ep.dispatch(x, topk_idx), finish, lambda: outputs(None))
+        return outputs(None)
+
+    # ---- combine ---------------------------------------------------------------------------------
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, *, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None, combine_wait_recv_cost_stats=None):
+        """Return expert outputs to their tokens, weighted and reduced; returns (combined_x, event, hook)
+        (module docstring)."""
+        if use_logfmt:
+            raise _unsupported("use_logfmt=True", "the combine sends bfloat16")
+        if combine_wait_recv_cost_stats is not None:
+            raise _unsupported("combine_wait_recv_cost_stats", "pass None")
+        self._check_call(async_finish, return_recv_hook)
+        if not isinstance(handle, LowLatencyHandle) or handle.owner is not self:
+            raise TypeError("handle must come from low_latency_dispatch on this Buffer")
+        if handle.ep_handle is None:
+            raise RuntimeError("the dispatch of this handle has not received yet: call its hook first")
+        ep, T = handle.ep, handle.num_tokens
+        if not isinstance(topk_idx, torch.Tensor) or tuple(topk_idx.shape) != (T, handle.topk):
+            raise ValueError(f"topk_idx must be the dispatch's [{T}, {handle.topk}] tensor, got "
+                             f"{getattr(topk_idx, 'shape', type(topk_idx).__name__)}")
+        if zero_copy:
+            x = self._staging.get(id(ep))
+            if x is None:
+                raise RuntimeError("zero_copy=True reads the tensor of get_next_low_latency_combine_buffer(handle): "
+                                   "fill it first")
+        dev = self.comm_group.device
+        if return_recv_hook:
+            if out is None:
+                out = torch.empty((T, ep.hidden), dtype=DTYPE, device=dev)
+            ep.combine(x, topk_weights, handle.ep_handle, out=out, phase="send")
+            return out, EventOverlap(), _Hook(lambda: ep.combine(phase="recv"))
+        combined = ep.combine(x, topk_weights, handle.ep_handle, out=out)
+        event = _event_after(dev, (x, topk_idx, topk_weights, combined)) if async_finish else EventOverlap()
+        return combined, event, None
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """bfloat16 [L, R, H]: fill it with the expert outputs, then call ``low_latency_combine(...,
+        zero_copy=True)`` (one such tensor per internal buffer, made on first use)."""
+        self._check_call(False, True)
+        if not isinstance(handle, LowLatencyHandle) or handle.owner is not self:
+            raise TypeError("handle must come from low_latency_dispatch on this Buffer")
+        ep = handle.ep
+        t = self._staging.get(id(ep))
+        if t is None:
+            t = self._staging[id(ep)] = torch.zeros(
+                (ep.num_local_experts, self.group_size * ep.max_tokens_per_rank, ep.hidden), dtype=DTYPE,
+                device=self.comm_group.device)
+        return t
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Checks its arguments; nothing to clean (flags carry call numbers, never reset between calls)."""
+        self._check_call(False, True)
+        _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        _check_int("hidden", hidden, 1)
+        _check_divisible(_check_int("num_experts", num_experts, 1), self.group_size)
+
+    # ---- lifetime and misc -----------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Free the symmetric buffers (collective). As in DeepEP, only for ``explicitly_destroy=True``."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs a Buffer built with explicitly_destroy=True (as in DeepEP)")
+        self._check_call(False, True)
+        for bufs, _ in self._pairs.values():
+            for ep in bufs:
+                ep.close()
+        self._pairs.clear()
+        self._staging.clear()
+        self._destroyed = True
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An EventOverlap on the current stream (CUDA), or a completed one (CPU)."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return _event_after(dev, None)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SM count of its normal-mode kernels: stored (``Buffer.num_sms``), used by nothing here."""
+        if _check_int("new_num_sms", new_num_sms, 2) % 2:
+            raise ValueError("the SM count must be even (as in DeepEP)")
+        Buffer.num_sms = new_num_sms
+
+    def _normal_mode(self, *args, **kwargs):
+        raise _unsupported("DeepEP's normal (high-throughput) mode", "use low_latency_dispatch/low_latency_combine, "
+                           "or moe_comm.EPBuffer / AllToAllvDynamic")
+
+    get_dispatch_layout = dispatch = combine = internode_dispatch = internode_combine = _normal_mode
+
+    @staticmethod
+    def get_dispatch_config(*args, **kwargs):
+        raise _unsupported("DeepEP's normal-mode configs", "the low-latency calls need none")
+
+    get_combine_config = get_dispatch_config
+
+    def _masking(self, *args, **kwargs):
+        raise _unsupported("rank masking (low_latency_*_mask_buffer)", "use CommGroup.exclude(ranks), which "
+                           "stops routing to the excluded ranks' experts")
+
+    low_latency_update_mask_buffer = low_latency_query_mask_buffer = low_latency_clean_mask_buffer = _masking
+
+    def get_comm_stream(self):
+        raise _unsupported("get_comm_stream()", "kernels run on the caller's current stream")
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise _unsupported("get_local_buffer_tensor()", "the symmetric buffers are internal to moe_comm.EPBuffer")
+
+
+def _check_divisible(num_experts: int, num_ranks: int) -> None:
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not a multiple of the {num_ranks} ranks (each rank owns "
+                         f"num_experts // num_ranks experts): use a multiple of {num_ranks}, e.g. "
+                         f"{-(-num_experts // num_ranks) * num_ranks} with experts that no token selects")
+
+
+def _receive_tensor(ep: EPBuffer) -> torch.Tensor:
+    """The EPBuffer's receive tensor d.x ([L, R, H]; fixed for its life, allocated by its first dispatch)."""
+    return ep._x
+
+
+def _completed(call, finish, outputs=None) -> None:
+    """Run an EPBuffer receive ``call`` and ``finish(DispatchResult)``. A data error raised at the end of
+    the op carries the result: it is finished too, and the error then carries the DeepEP-style outputs
+    (``outputs()``) instead."""
+    try:
+        d = call()
+    except MoECommError as e:
+        if e.result is None:
+            raise
+        finish(e.result)
+        e.result = outputs() if outputs is not None else None
+        raise
+    finish(d)

@@ -1,0 +1,51 @@
+"""DeepEP's low-latency receive layout, computed on the device from an EPBuffer dispatch result.
+
+Pure tensor functions (no host reads: CUDA-graph capturable). R = num_ranks * num_max_dispatch_tokens_per_rank.
+
+- ``src_info``      int32 [L, R]: for each valid row, the row's token index on its source rank (DeepEP's
+                    ``handle[0]``); EPBuffer's ``d.src`` holds source_rank * M + token_index.
+- ``layout_range``  int64 [L, num_ranks]: (first row << 32) | rows, per (local expert, source rank)
+                    (DeepEP's ``handle[1]``). EPBuffer packs each expert's rows sorted by source rank, so
+                    every source rank's rows are one contiguous run.
+- ``column_major_scales``  float32 [L, R, H/128] with strides (H/128 * R, 1, R): DeepEP returns fp8
+                    scales with the last two dimensions column-major (the layout TMA loads in grouped
+                    GEMMs such as DeepGEMM's masked layout take); EPBuffer's ``d.scales`` is row-major.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RANGE_SHIFT = 32   # layout_range = (begin << RANGE_SHIFT) | count
+
+
+def src_info(src: torch.Tensor, max_tokens_per_rank: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [L, R] int32 = token index at the source of each row (``src % M``); rows past a count hold
+    unspecified values, as ``src`` does."""
+    return torch.remainder(src, max_tokens_per_rank, out=out)
+
+
+def layout_range(src: torch.Tensor, counts: torch.Tensor, max_tokens_per_rank: int, num_ranks: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """``out`` [L, num_ranks] int64 = (begin << 32) | count of each source rank's run of rows per local
+    expert. Reads only rows below ``counts`` (the rest of ``src`` may hold anything)."""
+    L, R = src.shape
+    rows = torch.arange(R, device=src.device)
+    valid = rows.unsqueeze(0) < counts.unsqueeze(1).to(torch.int64)
+    # Source rank of each valid row; num_ranks past the count, so that every row stays sorted.
+    rank_of = torch.where(valid, torch.div(src, max_tokens_per_rank, rounding_mode="floor").to(torch.int64),
+                          num_ranks).contiguous()
+    ranks = torch.arange(num_ranks, device=src.device, dtype=torch.int64).expand(L, num_ranks).contiguous()
+    begin = torch.searchsorted(rank_of, ranks, right=False)
+    end = torch.searchsorted(rank_of, ranks, right=True)
+    return torch.bitwise_or(torch.bitwise_left_shift(begin, RANGE_SHIFT), end - begin, out=out)
+
+
+def empty_column_major_scales(num_local_experts: int, rows: int, num_scales: int, device) -> torch.Tensor:
+    """float32 [L, R, num_scales] whose last two dimensions are column-major (stride 1 along R)."""
+    return torch.empty((num_local_experts, num_scales, rows), dtype=torch.float32, device=device).transpose(1, 2)
+
+
+def split_range(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(begin, count) int64 tensors of a ``layout_range`` tensor."""
+    return torch.bitwise_right_shift(layout, RANGE_SHIFT), torch.bitwise_and(layout, (1 << RANGE_SHIFT) - 1)

@@ -1,0 +1,105 @@
+"""``python -m moe_comm info`` / ``selftest`` and the ``moe-comm`` command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import moe_comm
+from moe_comm import __main__ as cli
+from moe_comm import info, selftest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, env=None):
+    e = {k: v for k, v in os.environ.items() if k not in ("NVSHMEM_LIB_DIR", "NVSHMEM_HOME")}
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "moe_comm", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_info_json_matches_this_machine():
+    out = _run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["versions"]["moe_comm"] == moe_comm.__version__
+    assert r["versions"]["torch"] == torch.__version__ and r["versions"]["triton"] == triton.__version__
+    assert r["devices"]["cuda"] == torch.cuda.is_available()
+    assert len(r["devices"]["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert r["heaps"]["loopback"]["usable"] and r["transports"]["store"]["usable"]
+    if not torch.cuda.is_available():
+        assert not r["heaps"]["nvshmem"]["usable"] and "CUDA" in r["heaps"]["nvshmem"]["what"]
+        assert r["devices"]["cuda_missing_reason"]
+    for part in ("host_library", "device_bitcode"):
+        entry = r["nvshmem"][part]
+        assert entry["found"] or "pip install" in entry["detail"], entry   # missing: the fix is named
+
+
+def test_info_text_names_every_section():
+    text = info.render(info.collect())
+    for section in ("\nversions\n", "\ndevices\n", "\nheaps\n", "\ntransports\n", "\nNVSHMEM\n", "Triton pairing"):
+        assert section in text, section
+
+
+def test_info_finds_bitcode_and_pairs_versions(tmp_path, monkeypatch):
+    """A wheel-shaped folder (site/nvidia/nvshmem/lib + the dist-info) pointed at by NVSHMEM_LIB_DIR."""
+    lib = tmp_path / "site" / "nvidia" / "nvshmem" / "lib"
+    lib.mkdir(parents=True)
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(lib))
+    n = info.nvshmem()
+    assert not n["device_bitcode"]["found"] and "NVSHMEM_LIB_DIR" in n["device_bitcode"]["detail"]
+    assert n["triton_pairing"].startswith("not checked")
+    (lib / "libnvshmem_device.bc").write_bytes(b"BC")
+    (lib / "libnvshmem_host.so.3").write_bytes(b"")
+    n = info.nvshmem()
+    assert n["device_bitcode"]["found"] and str(lib / "libnvshmem_device.bc") in n["device_bitcode"]["detail"]
+    assert n["host_library"]["found"] and n["host_library"]["detail"] == str(lib / "libnvshmem_host.so.3")
+    assert "unknown" in n["triton_pairing"]
+    (tmp_path / "site" / "nvidia_nvshmem_cu13-3.4.5.dist-info").mkdir()
+    n = info.nvshmem(dict(info.versions(), **{"nvidia-nvshmem": None, "triton": "3.6.0"}))
+    assert n["triton_pairing"] == "Triton 3.6 with NVSHMEM 3.4: known to work"
+    n = info.nvshmem(dict(info.versions(), **{"nvidia-nvshmem": "3.9.1", "triton": "3.6.0"}))
+    assert "untested pair" in n["triton_pairing"]
+
+
+@pytest.mark.timeout(300)
+def test_selftest_command_passes_here():
+    """The installed ``moe-comm`` command (pyproject [project.scripts]) runs the self-test."""
+    script = os.path.join(os.path.dirname(sys.executable), "moe-comm")
+    assert os.path.exists(script), "the moe-comm console script is not installed (pip install -e .)"
+    out = subprocess.run([script, "selftest", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(selftest.CHECKS)} passed, 0 failed" in out.stdout, out.stdout
+
+
+def test_selftest_fails_on_a_wrong_result(monkeypatch, capsys):
+    """A combine that returns wrong values and an AllToAllvDynamic that raises: both reported, exit 1."""
+    from moe_comm.alltoallv import AllToAllvDynamic
+    from moe_comm.ep import EPBuffer
+    real = EPBuffer.combine
+
+    def wrong(self, *a, **kw):
+        y = real(self, *a, **kw)
+        return None if y is None else y + 1
+
+    def broken(self, *a, **kw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(EPBuffer, "combine", wrong)
+    monkeypatch.setattr(AllToAllvDynamic, "__call__", broken)
+    assert selftest.main(["--device", "cpu"]) == 1
+    text = capsys.readouterr().out
+    assert text.count("FAIL") == 3 and "injected" in text and "combine differs" in text, text
+    assert "1 passed, 3 failed" in text
+
+
+def test_command_usage_and_errors(capsys):
+    assert cli.main([]) == 2 and "usage: moe-comm" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["bogus"]) == 2 and "unknown command 'bogus'" in capsys.readouterr().err

@@ -1,0 +1,363 @@
+"""moe_comm.compat.deep_ep against DeepEP's own low-latency test semantics, checked exactly.
+
+Tokens carry their source rank (first 128 columns: rank - 128) and their index (last 128 columns), as in
+DeepEP's tests/legacy/test_low_latency.py; random tokens are checked against moe_comm.reference. Per local
+expert: recv_count, the cumulative statistics, src_info, layout_range (every source rank's run), the rows
+(bf16 bitwise; fp8 data and scales bitwise against reference.quantize_fp8, scales column-major), then the
+combine bitwise against reference.combine. Loopback worlds 1-4 (hooks: every rank's call, then every
+rank's hook), and shm world 2 in separate processes through a torch.distributed ProcessGroup, as DeepEP
+is called (no hooks, async_finish events, then hooks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import reference
+from moe_comm.compat import deep_ep
+from moe_comm.compat.deep_ep_layout import split_range
+
+RANK_OFFSET = 128   # DeepEP's test: token values rank - 128 stay exact in bf16 and fp8
+HIDDEN = 256        # [rank - 128] * 128 columns, then [token index] * 128 columns
+LOCAL_EXPERTS = 3   # experts per rank (not a power of two)
+MAX_TOKENS = 5      # num_max_dispatch_tokens_per_rank
+
+
+def _sizes(world):
+    E = LOCAL_EXPERTS * world
+    return E, min(4, E)
+
+
+def make_inputs(world: int, seed: int, marked: bool):
+    """Every rank's (x, topk_idx, topk_weights): distinct experts per token (top-k of random scores), about
+    a fifth of the slots -1, token counts M, M-1, 0, 1 across ranks."""
+    E, K = _sizes(world)
+    xs, idxs, ws = [], [], []
+    for r in range(world):
+        g = torch.Generator().manual_seed(seed * 100 + r)
+        T = (MAX_TOKENS, MAX_TOKENS - 1, 0, 1)[(seed + r) % 4]
+        if marked:
+            x = torch.full((T, HIDDEN), float(r - RANK_OFFSET), dtype=torch.bfloat16)
+            x[:, -128:] = torch.arange(T, dtype=torch.bfloat16).view(-1, 1)
+        else:
+            x = (torch.randn(T, HIDDEN, generator=g) * 2).to(torch.bfloat16)
+        idx = torch.topk(torch.rand(T, E, generator=g), K, dim=-1).indices
+        idx[torch.rand(T, K, generator=g) < 0.2] = -1
+        xs.append(x)
+        idxs.append(idx if (seed + r) % 2 else idx.to(torch.int32))
+        ws.append(torch.rand(T, K, generator=g))
+    return xs, idxs, ws
+
+
+def as_bf16(recv, fp8: bool) -> torch.Tensor:
+    """DeepEP's ``per_token_cast_back`` of the received rows (bf16 as is): the simulated expert output."""
+    if not fp8:
+        return recv.clone()
+    data, scales = recv
+    return reference.dequantize_fp8(data, scales.contiguous()).to(torch.bfloat16)
+
+
+def fp8_match(got: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
+    """Equal float8 codes; compiled (``exact=False``): a rounding tie may give the next code of the same sign."""
+    a, b = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    return torch.equal(a, b) or (not exact and bool(((a - b).abs() <= 1).all() and ((a ^ b) & 0x80 == 0).all()))
+
+
+def check_dispatch(rank, out, xs, idxs, fp8, stats, calls, tag, exact=True) -> list[str]:
+    recv, recv_count, handle, _event, _hook = out
+    scale_strides = recv[1].stride() if fp8 else None
+    if recv_count.device.type != "cpu":   # a GPU run: compare on the host
+        recv = (recv[0].cpu(), recv[1].cpu()) if fp8 else recv.cpu()
+        recv_count, stats = recv_count.cpu(), None if stats is None else stats.cpu()
+        handle = (handle[0].cpu(), handle[1].cpu(), *handle[2:])
+    world = len(xs)
+    E, _ = _sizes(world)
+    L, R = LOCAL_EXPERTS, world * MAX_TOKENS
+    errs = []
+    if tuple(handle[2:]) != (MAX_TOKENS, HIDDEN, E):
+        errs.append(f"{tag}: handle sizes {tuple(handle[2:])}")
+    data = recv[0] if fp8 else recv
+    if tuple(data.shape) != (L, R, HIDDEN) or data.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
+        return errs + [f"{tag}: recv_x {tuple(data.shape)} {data.dtype}"]
+    if fp8 and (tuple(recv[1].shape) != (L, R, HIDDEN // 128) or scale_strides != (HIDDEN // 128 * R, 1, R)
+                or recv[1].dtype != torch.float32):
+        errs.append(f"{tag}: scales {tuple(recv[1].shape)} strides {recv[1].stride()} (want column-major)")
+    if recv_count.dtype != torch.int32 or tuple(recv_count.shape) != (L,):
+        return errs + [f"{tag}: recv_count {recv_count.dtype} {tuple(recv_count.shape)}"]
+    src_info, layout_range = handle[0], handle[1]
+    begin, count = split_range(layout_range)
+    quant = [reference.quantize_fp8(x) if fp8 and len(x) else None for x in xs]
+    for e in range(L):
+        gid = rank * L + e
+        per_rank = [(idxs[j] == gid).sum().item() for j in range(world)]
+        n = int(recv_count[e])
+        if n != sum(per_rank):
+            errs.append(f"{tag}: expert {gid} recv_count {n} != {sum(per_rank)}")
+            continue
+        if stats is not None and int(stats[e]) != calls * n:
+            errs.append(f"{tag}: expert {gid} cumulative stats {int(stats[e])} != {calls} * {n}")
+        if count[e].tolist() != per_rank or begin[e].tolist() != [sum(per_rank[:j]) for j in range(world)]:
+            errs.append(f"{tag}: expert {gid} layout_range {begin[e].tolist()} {count[e].tolist()} for {per_rank}")
+            continue
+        for j in range(world):
+            b, c = int(begin[e, j]), int(count[e, j])
+            tokens = [t for t in range(len(xs[j])) if gid in idxs[j][t].tolist()]
+            got = src_info[e, b:b + c].tolist()
+            if got != tokens:
+                errs.append(f"{tag}: expert {gid} from rank {j}: src_info {got} != {tokens}")
+                continue
+            if not c:
+                continue
+            if fp8:
+                q, s = quant[j]
+                ok = fp8_match(recv[0][e, b:b + c], q[tokens], exact) and torch.equal(recv[1][e, b:b + c], s[tokens])
+            else:
+                ok = torch.equal(recv[e, b:b + c], xs[j][tokens])
+            if not ok:
+                errs.append(f"{tag}: expert {gid} rows from rank {j} differ")
+    return errs
+
+
+def expected_combine(xs, idxs, ws, fp8):
+    E, _ = _sizes(len(xs))
+    exp_d = reference.dispatch(xs, idxs, E, MAX_TOKENS, fp8=fp8)
+    eos = [as_bf16((d["x"], d["scales"]) if fp8 else d["x"], fp8) for d in exp_d]
+    return reference.combine(eos, ws, idxs, E, MAX_TOKENS)
+
+
+def combine_match(y: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
+    """Bitwise on CPU; compiled, float32 sums may round differently (fused multiply-adds)."""
+    return torch.equal(y, want) if exact else torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def make_buffers(groups, **kw):
+    E, _ = _sizes(groups[0].world_size)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, groups[0].world_size, E)
+    return [deep_ep.Buffer(g, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True,
+                           num_qps_per_rank=LOCAL_EXPERTS, **kw) for g in groups]
+
+
+# ---- loopback: every rank in this process, driven through the hooks --------------------------------
+
+def _dispatch_all(bufs, xs, idxs, fp8, stats):
+    outs = [b.low_latency_dispatch(x, i, MAX_TOKENS, _sizes(len(bufs))[0], s, use_fp8=fp8, return_recv_hook=True)
+            for b, x, i, s in zip(bufs, xs, idxs, stats)]
+    for o in outs:
+        o[4]()
+    return outs
+
+
+def _combine_all(bufs, gemm, idxs, ws, outs, **kw):
+    res = [b.low_latency_combine(g, i, w, o[2], return_recv_hook=True, **kw)
+           for b, g, i, w, o in zip(bufs, gemm, idxs, ws, outs)]
+    for r in res:
+        r[2]()
+    return [r[0] for r in res]
+
+
+def run_loopback(world: int, device: str = "cpu") -> list[str]:
+    """Four rounds (bf16/fp8 x marked/random tokens); on CPU every check is exact, compiled on a GPU fp8
+    codes may differ by one step (rounding ties) and combine sums by float32 rounding."""
+    exact = device == "cpu"
+    groups = moe_comm.init(backend="loopback", world_size=world, device=device)
+    bufs = make_buffers(groups)
+    errs = []
+    for seed, (fp8, marked) in enumerate(((False, True), (True, True), (False, False), (True, False))):
+        xs, idxs, ws = make_inputs(world, seed + 10 * world, marked)
+        dx, di, dw = ([t.to(device) for t in ts] for ts in (xs, idxs, ws))
+        stats = [torch.zeros(LOCAL_EXPERTS, dtype=torch.int32, device=device) for _ in range(world)]
+        for call in (1, 2):  # twice, as DeepEP's test does: the statistics accumulate
+            outs = _dispatch_all(bufs, dx, di, fp8, stats)
+            for r, o in enumerate(outs):
+                errs += check_dispatch(r, o, xs, idxs, fp8, stats[r], call,
+                                       f"w{world} seed{seed} fp8={fp8} call{call}", exact)
+        gemm = [as_bf16(o[0], fp8) for o in outs]
+        want = expected_combine(xs, idxs, ws, fp8)
+        outs_t = [torch.full((len(x), HIDDEN), float("nan"), dtype=torch.bfloat16, device=device) for x in xs]
+        ys = [y.cpu() for y in _combine_all(bufs, gemm, di, dw, outs)]
+        for b, o, g in zip(bufs, outs, gemm):  # zero copy: the expert outputs written into the buffer
+            b.get_next_low_latency_combine_buffer(o[2])[:] = g
+        ys_zero = [b.low_latency_combine(torch.empty_like(g), i, w, o[2], zero_copy=True, return_recv_hook=True,
+                                         out=t) for b, g, i, w, o, t in zip(bufs, gemm, di, dw, outs, outs_t)]
+        for r in ys_zero:
+            r[2]()
+        for r in range(world):
+            tag = f"w{world} seed{seed} fp8={fp8} rank{r}"
+            if not combine_match(ys[r], want[r], exact):
+                errs.append(f"{tag}: combine differs from the reference")
+            if ys_zero[r][0] is not outs_t[r] or not torch.equal(outs_t[r].cpu(), ys[r]):
+                errs.append(f"{tag}: zero-copy combine with out= differs")
+    return errs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_loopback(world):
+    assert run_loopback(world) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_loopback_gpu(world):
+    """The same rounds compiled on the GPU (loopback: every rank on one GPU)."""
+    assert run_loopback(world, "cuda") == []
+
+
+def test_two_dispatches_in_flight():
+    """Two dispatches of one format before either combine (two micro-batches): both results stay valid,
+    and each combine answers its own dispatch."""
+    world = 2
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    bufs = make_buffers(groups)
+    none = [None] * world
+    a, b = make_inputs(world, 3, False), make_inputs(world, 4, False)
+    outs_a = _dispatch_all(bufs, a[0], a[1], False, none)
+    outs_b = _dispatch_all(bufs, b[0], b[1], False, none)
+    errs = []
+    for r in range(world):
+        errs += check_dispatch(r, outs_a[r], a[0], a[1], False, None, 1, f"a rank{r}")
+        errs += check_dispatch(r, outs_b[r], b[0], b[1], False, None, 1, f"b rank{r}")
+    assert errs == []
+    for (xs, idxs, ws), outs in ((b, outs_b), (a, outs_a)):
+        ys = _combine_all(bufs, [as_bf16(o[0], False) for o in outs], idxs, ws, outs)
+        want = expected_combine(xs, idxs, ws, False)
+        assert all(torch.equal(y, w) for y, w in zip(ys, want))
+
+
+def test_hook_runs_once_and_handle_needs_it():
+    groups = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    (buf,) = make_buffers(groups)
+    xs, idxs, ws = make_inputs(1, 1, True)
+    out = buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match="hook"):
+        buf.low_latency_combine(out[0], idxs[0], ws[0], out[2])
+    out[4]()
+    with pytest.raises(RuntimeError, match="already run"):
+        out[4]()
+    assert check_dispatch(0, out, xs, idxs, False, None, 1, "w1") == []
+    y, event, hook = buf.low_latency_combine(out[0].clone(), idxs[0], ws[0], out[2], async_finish=True)
+    assert hook is None
+    event.current_stream_wait()
+    assert torch.equal(y, expected_combine(xs, idxs, ws, False)[0])
+
+
+def test_unsupported_arguments_raise_and_leave_the_group_usable():
+    world = 2
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    E, _ = _sizes(world)
+    for kw in (dict(low_latency_mode=False), dict(num_nvl_bytes=1 << 20), dict(enable_shrink=True),
+               dict(allow_nvlink_for_low_latency_mode=False), dict(allow_mnnvl=True), dict(comm=object())):
+        with pytest.raises(NotImplementedError, match="not supported"):
+            deep_ep.Buffer(groups[0], num_rdma_bytes=1 << 20, **kw)
+    bufs = make_buffers(groups)
+    xs, idxs, ws = make_inputs(world, 5, True)
+    b = bufs[0]
+    for kw in (dict(round_scale=True), dict(use_ue8m0=True), dict(dispatch_wait_recv_cost_stats=torch.zeros(2))):
+        with pytest.raises(NotImplementedError, match="not supported"):
+            b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True, **kw)
+    for name in ("dispatch", "combine", "get_dispatch_layout", "low_latency_update_mask_buffer", "get_comm_stream"):
+        with pytest.raises(NotImplementedError, match="not supported"):
+            getattr(b, name)()
+    with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
+        b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, async_finish=True, return_recv_hook=True)
+    with pytest.raises(ValueError, match="not a multiple"):
+        b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E + 1, return_recv_hook=True)
+    with pytest.raises(ValueError, match="return_recv_hook=True"):  # loopback: several ranks, one process
+        b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, use_fp8=False)
+    outs = _dispatch_all(bufs, xs, idxs, True, [None] * world)   # nothing above broke the group
+    assert [e for r, o in enumerate(outs) for e in check_dispatch(r, o, xs, idxs, True, None, 1, "after")] == []
+    for kw in (dict(use_logfmt=True), dict(combine_wait_recv_cost_stats=torch.zeros(2))):
+        with pytest.raises(NotImplementedError, match="not supported"):
+            b.low_latency_combine(as_bf16(outs[0][0], True), idxs[0], ws[0], outs[0][2], **kw)
+    ys = _combine_all(bufs, [as_bf16(o[0], True) for o in outs], idxs, ws, outs)
+    assert all(torch.equal(y, w) for y, w in zip(ys, expected_combine(xs, idxs, ws, True)))
+
+
+def test_rdma_budget_and_hint():
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    xs, idxs, _ = make_inputs(2, 1, True)
+    small = deep_ep.Buffer(groups[0], num_rdma_bytes=4096)
+    with pytest.raises(ValueError, match=r"too small.*get_low_latency_rdma_size_hint"):
+        small.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, 2 * LOCAL_EXPERTS, return_recv_hook=True)
+    groups = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    # The hint covers both formats, two buffers each, up to 11 experts per token.
+    E, K = 16, 11
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(2, 128, 1, E)
+    buf = deep_ep.Buffer(groups[0], num_rdma_bytes=hint)
+    x = torch.ones(2, 128, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(2)])
+    for fp8 in (False, True, False, True):
+        buf.low_latency_dispatch(x, idx, 2, E, use_fp8=fp8)
+    assert 0 < buf.symmetric_bytes <= hint
+
+
+# ---- shm world 2: separate processes, a torch.distributed ProcessGroup, no hooks ---------------------
+
+def _shm_rank(group) -> list[str]:
+    import torch.distributed as dist
+    world, rank = group.world_size, group.rank
+    (buf,) = make_buffers_pg(dist.group.WORLD, world)
+    E, _ = _sizes(world)
+    errs = []
+    for seed, (fp8, hooks) in enumerate(((True, False), (False, False), (True, True))):
+        xs, idxs, ws = make_inputs(world, 40 + seed, seed != 1)
+        stats = torch.zeros(LOCAL_EXPERTS, dtype=torch.int32)
+        out = buf.low_latency_dispatch(xs[rank], idxs[rank], MAX_TOKENS, E, stats, use_fp8=fp8,
+                                       async_finish=not hooks, return_recv_hook=hooks)
+        out[4]() if hooks else out[3].current_stream_wait()
+        errs += check_dispatch(rank, out, xs, idxs, fp8, stats, 1, f"shm rank{rank} seed{seed}")
+        y, event, hook = buf.low_latency_combine(as_bf16(out[0], fp8), idxs[rank], ws[rank], out[2],
+                                                 async_finish=not hooks, return_recv_hook=hooks)
+        hook() if hooks else event.current_stream_wait()
+        if not torch.equal(y, expected_combine(xs, idxs, ws, fp8)[rank]):
+            errs.append(f"shm rank{rank} seed{seed}: combine differs from the reference")
+    return errs
+
+
+def make_buffers_pg(pg, world):
+    E, _ = _sizes(world)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, E)
+    return [deep_ep.Buffer(pg, 0, hint, low_latency_mode=True, num_qps_per_rank=LOCAL_EXPERTS,
+                           explicitly_destroy=True)]
+
+
+@pytest.mark.timeout(240)
+def test_shm_world2_process_group():
+    errs = moe_comm.launch(_shm_rank, 2, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+
+
+def test_invalid_expert_id_raises_after_the_call_with_its_outputs():
+    """An id outside [-1, E): the slot is not routed, the call completes, InvalidIndexError carries the
+    DeepEP-style outputs (the other slots were delivered)."""
+    groups = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    (buf,) = make_buffers(groups)
+    x = torch.ones(2, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, LOCAL_EXPERTS + 5], [1, 2]])
+    with pytest.raises(moe_comm.InvalidIndexError) as info:
+        buf.low_latency_dispatch(x, idx, MAX_TOKENS, LOCAL_EXPERTS, use_fp8=False)
+    recv_x, recv_count, handle, _event, hook = info.value.result
+    assert recv_count.tolist() == [1, 1, 1] and hook is None
+    y, _, _ = buf.low_latency_combine(recv_x.clone(), idx, torch.ones(2, 2), handle)
+    assert torch.equal(y, torch.stack([x[0], 2 * x[1]]))   # the bad slot counts as not routed
+
+
+def test_destroy_and_events():
+    groups = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    (kept,) = make_buffers(groups)
+    with pytest.raises(RuntimeError, match="explicitly_destroy"):
+        kept.destroy()
+    (buf,) = make_buffers(groups, explicitly_destroy=True)
+    xs, idxs, _ = make_inputs(1, 2, True)
+    out = buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS, async_finish=True)
+    with out[3]:    # DeepEP's overlap idiom: the stream waits for the event on exit
+        pass
+    with pytest.raises(RuntimeError, match="async_finish"):
+        buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS)[3].current_stream_wait()
+    deep_ep.Buffer.capture().current_stream_wait()
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS)
