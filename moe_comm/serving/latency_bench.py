@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out-dir", default=os.path.join("bench", "results"))
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--emulate-ep", type=int, default=0, metavar="N",
+                   help="one rank of an EP-N deployment on this device: the model holds E/N experts and one rank's "
+                        "batch; every peer is emulated as this rank's mirror (what it sends peer p comes back as "
+                        "p's contribution), so the step is one rank's work minus the link (world 1 only)")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: where each step's time goes (attention, router, dispatch, experts, "
                         "combine, shared expert, LM head), eager steps under torch.profiler, one rank (world 1)")
@@ -63,7 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown backend {b!r}; choose from {BACKEND_NAMES}")
     cuda = torch.cuda.is_available() if opts.device == "auto" else opts.device == "cuda"
     opts.device = "cuda" if cuda else "cpu"
-    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    defaults = dict(GPU_DEFAULTS if cuda else CPU_DEFAULTS)
+    if opts.emulate_ep:
+        defaults["world"] = 1
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if opts.profile and opts.world is None and not torchrun:
         opts.world = 1
@@ -78,7 +84,55 @@ def parse_args(argv=None) -> argparse.Namespace:
     if opts.attention == "auto":
         opts.attention = "triton" if cuda else "torch"
     opts.max_batch = max(max(opts.batches), 3)
+    if opts.emulate_ep:
+        if opts.emulate_ep < 2 or (opts.world != 1 and not opts.profile):
+            p.error("--emulate-ep N needs N >= 2 and --world 1 (it emulates the other ranks)")
+        try:
+            model_config(opts.config, opts.device).experts_per_rank(opts.emulate_ep)
+        except ValueError as e:
+            p.error(str(e))
     return opts
+
+
+# ---- optional packages (the ``bench`` extra) -----------------------------------------------------------
+
+BENCH_EXTRA_HINT = "pip install 'moe-comm[bench]'"
+
+
+def missing_bench_packages() -> list[str]:
+    """The ``bench`` extra's packages that are not installed (tqdm: progress bar, matplotlib: plots)."""
+    import importlib.util  # noqa: PLC0415
+    return [m for m in ("tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
+
+
+class _NoBar:
+    """Stands in for tqdm when it is missing: no output."""
+
+    def set_postfix_str(self, *_):
+        pass
+
+    def update(self, *_):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total: int, disable: bool, desc: str):
+    """A tqdm bar on stderr, or a silent stand-in without the ``bench`` extra."""
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, disable=disable, desc=desc, unit="run", file=sys.stderr)
+
+
+def graphs_label(engine) -> str:
+    """How an engine runs a decode step: "graph" (one CUDA graph), "piecewise" (graphs between eager
+    exchanges) or "eager"."""
+    if getattr(engine, "piecewise_graphs", False):
+        return "piecewise"
+    return "graph" if engine.use_graphs else "eager"
 
 
 # ---- work on the ranks ---------------------------------------------------------------------------------
@@ -104,12 +158,11 @@ def run_ranks(groups: list, opts) -> dict:
     Returns {"timing": {backend: {batch: [step µs of this process]}}, "check": {backend: worst rel error},
     "graphs": {backend: bool}, "emulated": {backend: bool}}.
     """
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from .backends import make_comms  # noqa: PLC0415
+    from .backends import make_comms, tiled_reference_weights  # noqa: PLC0415
     from .check import ReferenceMismatch, check_generation, default_rtol  # noqa: PLC0415
     from .engine import DecodeEngine, global_max  # noqa: PLC0415
     from .model import MoEDecoder  # noqa: PLC0415
+    from .piecewise import PiecewiseEngine  # noqa: PLC0415
     from .reference_model import ReferenceModel  # noqa: PLC0415
     from .weights import build_weights  # noqa: PLC0415
 
@@ -122,21 +175,29 @@ def run_ranks(groups: list, opts) -> dict:
     need = opts.prompt_len + max(2 + opts.check_steps, opts.warmup + opts.steps) + 1
     if need > cfg.max_seq:
         raise ValueError(f"prompt + steps need {need} positions > max_seq={cfg.max_seq}; use fewer --steps")
-    # Every expert once (the reference needs them; ranks of this process take views) or only this rank's.
-    full = build_weights(cfg, device) if len(groups) > 1 or world == 1 else None
-    e_local = cfg.experts_per_rank(world)
-    shares = ([full.for_rank(g.rank, world) for g in groups] if full is not None else
-              [build_weights(cfg, device, experts=(groups[0].rank * e_local, (groups[0].rank + 1) * e_local))])
+    emulate = opts.emulate_ep
+    if emulate:
+        # One rank of EP-N: experts [0, E/N) only; its reference computes expert e with local e mod E/N.
+        e_local = cfg.experts_per_rank(emulate)
+        shares = [build_weights(cfg, device, experts=(0, e_local))]
+        full = tiled_reference_weights(shares[0], cfg.num_experts)
+    else:
+        # Every expert once (the reference needs them; ranks of this process take views) or only this rank's.
+        full = build_weights(cfg, device) if len(groups) > 1 or world == 1 else None
+        e_local = cfg.experts_per_rank(world)
+        shares = ([full.for_rank(g.rank, world) for g in groups] if full is not None else
+                  [build_weights(cfg, device, experts=(groups[0].rank * e_local, (groups[0].rank + 1) * e_local))])
     ranks = [g.rank for g in groups]
-    out = dict(timing={}, check={}, graphs={}, emulated={})
-    bar = tqdm(total=len(opts.backends) * (1 + len(opts.batches)), disable=0 not in ranks, desc="decode bench",
-               unit="run", file=sys.stderr)
+    out = dict(timing={}, check={}, graphs={}, emulated={}, counters={})
+    bar = progress_bar(total=len(opts.backends) * (1 + len(opts.batches)), disable=0 not in ranks,
+                       desc="decode bench")
 
     def engine_for(name):
-        comms = make_comms(name, groups, cfg, opts.max_batch)
-        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1, expert_impl=opts.experts,
+        comms = make_comms(name, groups, cfg, opts.max_batch, emulate_ep=emulate)
+        piecewise = getattr(comms[0], "piecewise", False)
+        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1 or piecewise, expert_impl=opts.experts,
                              attention_impl=opts.attention) for w, c in zip(shares, comms)]
-        return DecodeEngine(models), comms
+        return (PiecewiseEngine(models) if piecewise else DecodeEngine(models)), comms
 
     def release(comms):
         for c in comms:
@@ -170,7 +231,8 @@ def run_ranks(groups: list, opts) -> dict:
     # 2. timing
     for name in opts.backends:
         engine, comms = engine_for(name)
-        out["graphs"][name], out["emulated"][name] = engine.use_graphs, comms[0].emulated
+        out["graphs"][name] = graphs_label(engine)
+        out["emulated"][name] = comms[0].emulated
         out["timing"][name] = {}
         for batch in opts.batches:
             bar.set_postfix_str(f"{name}: batch {batch}")
@@ -235,12 +297,21 @@ def _run(opts) -> list[dict] | None:
 # ---- report ------------------------------------------------------------------------------------------
 
 def _describe(opts, results) -> str:
+    if opts.emulate_ep:
+        ep = (f"one rank of EP{opts.emulate_ep} EMULATED on one device (E/{opts.emulate_ep} experts, peers mirror "
+              f"this rank, no link); ")
+    else:
+        ep = ""
+    return ep + _describe_world(opts, results)
+
+
+def _describe_world(opts, results) -> str:
     if opts.device == "cpu":
         where = (f"world {opts.world} emulated in one process (loopback heap)" if opts.heap == "loopback"
                  else f"{opts.world} processes, {opts.heap} heap")
         return f"CPU, {where}, Triton kernels interpreted (TRITON_INTERPRET=1), no CUDA graphs"
     emulated = opts.heap == "loopback" and opts.world > 1
-    graphs = ", ".join(f"{b}: {'graph' if g else 'eager'}" for b, g in results[0]["graphs"].items())
+    graphs = ", ".join(f"{b}: {g}" for b, g in results[0]["graphs"].items())
     where = (f"world {opts.world} EMULATED on one GPU (loopback heap: every rank's work runs on this GPU, "
              f"one after another)" if emulated else f"world {opts.world}, {opts.heap} heap")
     return f"GPU, {where}; {graphs}"
@@ -258,15 +329,17 @@ def report(opts, results: list[dict]) -> dict:
                        experts=cfg.num_experts, topk=cfg.topk, dtype=str(cfg.dtype).replace("torch.", ""),
                        backend=b, batch_per_rank=n, world=opts.world, heap=opts.heap, expert_impl=opts.experts,
                        attention_impl=opts.attention,
-                       emulated=bool(results[0]["emulated"][b]), cuda_graphs=bool(results[0]["graphs"][b]),
+                       emulated=bool(results[0]["emulated"][b]), cuda_graphs=results[0]["graphs"][b] != "eager",
+                       graphs=results[0]["graphs"][b], emulate_ep=opts.emulate_ep,
                        warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
                        **percentiles(slowest_rank_per_step(per_process)), **env,
                        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             records.append(rec)
     os.makedirs(opts.out_dir, exist_ok=True)
     attention = "" if opts.attention == "torch" else f"_attn-{opts.attention}"
+    world = f"ep{opts.emulate_ep}emu" if opts.emulate_ep else f"w{opts.world}"
     stem = os.path.join(opts.out_dir,
-                        f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}_{opts.experts}{attention}")
+                        f"decode_latency_{cfg.name}_{opts.device}_{world}_{opts.experts}{attention}")
     write_jsonl(stem + ".jsonl", records)
     title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
              f"{rec['dtype']}, {opts.experts} expert GEMMs, {opts.attention} attention")
