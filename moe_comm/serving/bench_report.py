@@ -54,28 +54,96 @@ def improvement(base: float, ours: float) -> float:
     return 100.0 * (base - ours) / base
 
 
+BASELINES = ("sync", "sync-graphed", "padded")
+
+
+def _grid(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
 def format_table(records: list[dict], backends: list[str], batches: list[int]) -> str:
-    """One row per batch: p50 µs of every backend, then each of ours vs sync and vs padded."""
+    """One row per batch: p50 µs [p20-p80] of every backend."""
     by = {(r["backend"], r["batch_per_rank"]): r for r in records}
-    ours = [b for b in backends if b in ("dynamic", "fused")]
-    bases = [b for b in backends if b in ("sync", "padded")]
-    head = ["batch"] + [f"{b} p50 µs" for b in backends] + [f"{o} vs {s}" for o in ours for s in bases]
+    head = ["batch"] + [f"{b} p50 µs" for b in backends]
     rows = []
     for n in batches:
         row = [str(n)]
         for b in backends:
             r = by.get((b, n))
             row.append("-" if r is None else f"{r['us_p50']:.0f} [{r['us_p20']:.0f}-{r['us_p80']:.0f}]")
-        for o in ours:
-            for s in bases:
-                if (o, n) in by and (s, n) in by:
-                    row.append(f"{improvement(by[(s, n)]['us_p50'], by[(o, n)]['us_p50']):+.1f}%")
-                else:
-                    row.append("-")
         rows.append(row)
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return _grid(head, rows)
+
+
+def savings(records: list[dict], backends: list[str], batches: list[int]) -> list[dict]:
+    """Every backend against every baseline present (other than itself): % of the baseline's p50 saved."""
+    by = {(r["backend"], r["batch_per_rank"]): r["us_p50"] for r in records}
+    bases = [b for b in BASELINES if b in backends]
+    out = []
+    for n in batches:
+        for b in backends:
+            for base in bases:
+                if base != b and (b, n) in by and (base, n) in by:
+                    out.append(dict(batch=n, backend=b, baseline=base, pct=improvement(by[(base, n)], by[(b, n)])))
+    return out
+
+
+def format_savings(rows: list[dict], backends: list[str], batches: list[int]) -> str:
+    """One row per (batch, backend): % saved against each baseline (positive = faster)."""
+    bases = [b for b in BASELINES if b in backends]
+    pct = {(r["batch"], r["backend"], r["baseline"]): r["pct"] for r in rows}
+    head = ["batch", "backend"] + [f"vs {b}" for b in bases]
+    body = []
+    for n in batches:
+        for b in backends:
+            cells = [f"{pct[(n, b, base)]:+.1f}%" if (n, b, base) in pct else "-" for base in bases]
+            if any(c != "-" for c in cells):
+                body.append([str(n), b] + cells)
+    return _grid(head, body)
+
+
+COMM_PARTS = ("dispatch", "combine")
+
+
+def latest_profile(records: list[dict]) -> dict:
+    """{(backend, batch): {part: µs per step}} from ``decode_profile`` JSON lines (the last line wins)."""
+    out: dict = {}
+    for r in records:
+        if r.get("bench") == "decode_profile":
+            out.setdefault((r["backend"], r["batch_per_rank"]), {})[r["part"]] = r["us_per_step"]
+    return out
+
+
+def attribution(records: list[dict], profile: dict, baseline: str = "sync") -> list[dict]:
+    """Where each backend's difference from ``baseline`` comes from, per batch.
+
+    saved = baseline p50 - backend p50 (timed steps). communication = the baseline's dispatch + combine
+    time minus the backend's, from the step profile (eager steps, device time on a GPU). graphs = the
+    rest: what running the step as CUDA graphs (no launch gaps, no host-bound stretches) and without
+    host syncs saves outside the two ops. Rows without a profile for both backends are left out.
+    """
+    by = {(r["backend"], r["batch_per_rank"]): r["us_p50"] for r in records}
+    out = []
+    for (b, n), us in sorted(by.items()):
+        if b == baseline or (baseline, n) not in by:
+            continue
+        pb, pbase = profile.get((b, n)), profile.get((baseline, n))
+        if not pb or not pbase:
+            continue
+        saved = by[(baseline, n)] - us
+        comm = sum(pbase.get(p, 0.0) for p in COMM_PARTS) - sum(pb.get(p, 0.0) for p in COMM_PARTS)
+        out.append(dict(batch=n, backend=b, baseline=baseline, saved_us=saved, communication_us=comm,
+                        graphs_us=saved - comm))
+    return out
+
+
+def format_attribution(rows: list[dict]) -> str:
+    head = ["batch", "backend", "vs", "saved µs", "communication µs", "graphs + host µs"]
+    body = [[str(r["batch"]), r["backend"], r["baseline"], f"{r['saved_us']:.0f}", f"{r['communication_us']:.0f}",
+             f"{r['graphs_us']:.0f}"] for r in rows]
+    return _grid(head, body)
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:

@@ -23,7 +23,8 @@ import time
 import torch
 
 from .backends import BACKEND_NAMES
-from .bench_report import environment, format_table, percentiles, plot, slowest_rank_per_step, write_jsonl
+from .bench_report import (environment, format_savings, format_table, percentiles, plot, savings,
+                           slowest_rank_per_step, write_jsonl)
 from .configs import CONFIG_NAMES, model_config
 
 CPU_DEFAULTS = dict(batches=[1, 2, 4, 8], world=4, steps=5, warmup=2)
@@ -164,6 +165,7 @@ def run_ranks(groups: list, opts) -> dict:
     from .model import MoEDecoder  # noqa: PLC0415
     from .piecewise import PiecewiseEngine  # noqa: PLC0415
     from .reference_model import ReferenceModel  # noqa: PLC0415
+    from .step_profile import count_step  # noqa: PLC0415
     from .weights import build_weights  # noqa: PLC0415
 
     device, world = groups[0].device, groups[0].world_size
@@ -234,6 +236,8 @@ def run_ranks(groups: list, opts) -> dict:
         out["graphs"][name] = graphs_label(engine)
         out["emulated"][name] = comms[0].emulated
         out["timing"][name] = {}
+        # What every machine measures truly, before the timing: host reads, launches, bytes, graph mode.
+        out["counters"][name] = {batch: count_step(engine, batch) for batch in opts.batches}
         for batch in opts.batches:
             bar.set_postfix_str(f"{name}: batch {batch}")
             reqs = [_timing_requests(r, batch, cfg.vocab, opts.warmup + opts.steps + 1, opts.prompt_len)
@@ -332,6 +336,7 @@ def report(opts, results: list[dict]) -> dict:
                        emulated=bool(results[0]["emulated"][b]), cuda_graphs=results[0]["graphs"][b] != "eager",
                        graphs=results[0]["graphs"][b], emulate_ep=opts.emulate_ep,
                        warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
+                       **{f"step_{k}": v for k, v in results[0]["counters"][b][n].items() if k != "batch"},
                        **percentiles(slowest_rank_per_step(per_process)), **env,
                        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             records.append(rec)
@@ -343,22 +348,111 @@ def report(opts, results: list[dict]) -> dict:
     write_jsonl(stem + ".jsonl", records)
     title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
              f"{rec['dtype']}, {opts.experts} expert GEMMs, {opts.attention} attention")
-    plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
+    drawn = "matplotlib" not in missing_bench_packages()
+    if drawn:
+        plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
     worst = {b: max(res["check"][b] for res in results) for b in opts.backends}
     print(f"\n{title}\n{mode}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
-    print("reference check passed: " + ", ".join(f"{b} max rel err {e:.1e}" for b, e in worst.items()))
-    print(f"decode step latency, µs: p50 [p20-p80] over {opts.steps} steps after {opts.warmup} warm-up "
-          f"(slowest rank per step); improvement = latency saved vs the baseline\n")
-    print(format_table(records, opts.backends, opts.batches))
+    print("1. reference check passed: " + ", ".join(f"{b} max rel err {e:.1e}" for b, e in worst.items()))
+    print("\n2. per decode step and rank, counted on this machine (the same on any device):")
+    print(format_counters(results[0]["counters"], opts.backends, opts.batches))
+    timing = (f"decode step latency, µs: p50 [p20-p80] over {opts.steps} steps after {opts.warmup} warm-up "
+              f"(slowest rank per step)")
     if opts.device == "cpu":
-        print("\nNote: on the CPU the Triton kernels of dynamic/fused run in Triton's interpreter and the baselines "
-              "use gloo, so these numbers show the harness works, not how the designs compare on GPUs.")
-    print(f"\nJSON lines appended to {stem}.jsonl\nplot written to {stem}.png")
-    return dict(records=records, jsonl=stem + ".jsonl", png=stem + ".png")
+        print("\n3. " + committed_gpu_results(cfg.name))
+        print(f"\n4. harness check, NOT a comparison of the designs: {timing}. On the CPU the Triton kernels of "
+              "dynamic/fused run in Triton's interpreter and the baselines use gloo.\n")
+        print(format_table(records, opts.backends, opts.batches))
+    else:
+        print(f"\n3. {timing}\n")
+        print(format_table(records, opts.backends, opts.batches))
+        print("\n% of each baseline's latency saved (positive = faster):")
+        print(format_savings(savings(records, opts.backends, opts.batches), opts.backends, opts.batches))
+        print_attribution(opts, cfg, records)
+    print(f"\nJSON lines appended to {stem}.jsonl" + (f"\nplot written to {stem}.png" if drawn else ""))
+    return dict(records=records, jsonl=stem + ".jsonl", png=stem + ".png" if drawn else None)
+
+
+def format_counters(counters: dict, backends: list[str], batches: list[int]) -> str:
+    """counters[backend][batch] (``step_profile.count_step``) as one row per (backend, batch)."""
+    from .bench_report import _grid  # noqa: PLC0415
+    head = ["backend", "batch", "host syncs", "launches (ATen + Triton)", "bytes to other ranks", "CUDA graphs"]
+    rows = []
+    for b in backends:
+        for n in batches:
+            c = counters[b][n]
+            rows.append([b, str(n), str(c["host_reads"]), f"{c['launches']} ({c['aten_launches']} + {c['triton_launches']})",
+                         f"{c['wire_bytes']:,}", c["graph_mode"]])
+    return _grid(head, rows)
+
+
+def committed_gpu_results(config: str, root: str | None = None) -> str:
+    """The latest committed GPU decode results (world 1) of ``config`` under bench/results, labelled with
+    device and commit; a line saying there are none otherwise."""
+    import glob  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    from .bench_report import _grid, improvement  # noqa: PLC0415
+    root = root or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench", "results")
+    best = None
+    for path in glob.glob(os.path.join(root, "**", f"decode_latency_{config}_cuda_w1_*.jsonl"), recursive=True):
+        with open(path) as f:
+            recs = [json.loads(x) for x in f if x.strip()]
+        recs = [r for r in recs if r.get("bench") == "decode_latency" and not r.get("emulate_ep")]
+        if recs and (best is None or max(r["time"] for r in recs) > max(r["time"] for r in best[1])):
+            best = (path, recs)
+    if best is None:
+        return f"latest committed GPU results for {config}: none under {root}"
+    path, recs = best
+    last = {}
+    for r in recs:  # the latest line per (backend, batch)
+        last[(r["backend"], r["batch_per_rank"])] = r
+    backends = [b for b in ("sync", "sync-graphed", "padded", "dynamic", "fused") if any(k[0] == b for k in last)]
+    batches = sorted({k[1] for k in last})
+    r0 = next(iter(last.values()))
+    head = ["batch"] + [f"{b} µs" for b in backends] + [f"fused vs {b}" for b in backends if b != "fused"]
+    rows = []
+    for n in batches:
+        row = [str(n)] + [f"{last[(b, n)]['us_p50']:.0f}" if (b, n) in last else "-" for b in backends]
+        for b in backends:
+            if b != "fused":
+                ok = (b, n) in last and ("fused", n) in last
+                row.append(f"{improvement(last[(b, n)]['us_p50'], last[('fused', n)]['us_p50']):+.1f}%" if ok else "-")
+        rows.append(row)
+    note = ("" if "sync-graphed" in backends else
+            "\n   (these runs predate the sync-graphed baseline and per-bucket padded capacity: sync there is a fully "
+            "eager model, and padded used the largest bucket's capacity at every batch)")
+    return (f"latest committed GPU results for the same configuration ({config} at its real widths, world 1): "
+            f"{r0.get('device')}, commit {str(r0.get('commit'))[:7]}, "
+            f"{os.path.relpath(path, os.path.dirname(os.path.dirname(root)))}{note}\n"
+            + _grid(head, rows))
+
+
+def print_attribution(opts, cfg, records: list[dict]) -> None:
+    """Where each backend's difference from sync comes from, if a step profile of this configuration is
+    in --out-dir (``--profile`` writes it)."""
+    from .bench_report import attribution, format_attribution, latest_profile  # noqa: PLC0415
+    from .step_profile import profile_path  # noqa: PLC0415
+    path = profile_path(opts, cfg)
+    if not os.path.exists(path):
+        print(f"\ngraphs vs communication: no step profile at {path} (run with --profile first)")
+        return
+    with open(path) as f:
+        import json  # noqa: PLC0415
+        prof = latest_profile([json.loads(x) for x in f if x.strip()])
+    rows = [r for base in ("sync", "sync-graphed", "padded") for r in attribution(records, prof, base)]
+    print(f"\nwhere the difference comes from (communication = dispatch + combine device time from {path}; "
+          "graphs + host = the rest):")
+    print(format_attribution(rows))
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    missing = missing_bench_packages()
+    if missing:
+        print(f"note: {', '.join(missing)} not installed (the 'bench' extra: {BENCH_EXTRA_HINT}): "
+              f"running without {' and '.join({'tqdm': 'a progress bar', 'matplotlib': 'plots'}[m] for m in missing)}",
+              file=sys.stderr)
     results = _run(opts)
     if results is not None and (not opts.torchrun or int(os.environ["RANK"]) == 0):
         if opts.profile:
