@@ -152,12 +152,17 @@ def write_jsonl(path: str, records: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+# The decode target the issue tracker quotes: NCCLX's single-node decode saving (43 %).
+TARGET_SAVED_PCT = 43.0
+
+
 def plot(path: str, records: list[dict], backends: list[str], title: str) -> None:
-    """Latency (p50, whiskers p20-p80) against batch size per backend, log-log."""
+    """Left: latency (p50, whiskers p20-p80) against batch size per backend, log-log. Right: % of each
+    baseline's latency that every other backend saves, with the 43 % target line."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for b in backends:
         rs = sorted((r for r in records if r["backend"] == b), key=lambda r: r["batch_per_rank"])
         if not rs:
@@ -166,15 +171,58 @@ def plot(path: str, records: list[dict], backends: list[str], title: str) -> Non
         y = [r["us_p50"] for r in rs]
         err = [[r["us_p50"] - r["us_p20"] for r in rs], [r["us_p80"] - r["us_p50"] for r in rs]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=b)
-    ax.set_xscale("log", base=2)
     batches = sorted({r["batch_per_rank"] for r in records})
-    ax.set_xticks(batches, [str(b) for b in batches])
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(batches, [str(b) for b in batches])
+        a.set_xlabel("decode batch per rank (tokens per step)")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
-    ax.set_xlabel("decode batch per rank (tokens per step)")
     ax.set_ylabel("decode step latency, µs (p50; bars p20-p80)")
-    ax.set_title("\n".join(textwrap.fill(line, 100) for line in title.split("\n")), fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    rows = savings(records, backends, batches)
+    styles = {"sync": "-", "sync-graphed": "--", "padded": ":"}
+    for b in backends:
+        for base in BASELINES:
+            pts = sorted((r["batch"], r["pct"]) for r in rows if r["backend"] == b and r["baseline"] == base)
+            if pts and b not in BASELINES[:BASELINES.index(base) + 1]:
+                ax2.plot([p[0] for p in pts], [p[1] for p in pts], styles[base], marker=".", label=f"{b} vs {base}")
+    ax2.axhline(TARGET_SAVED_PCT, color="red", lw=1)
+    ax2.text(batches[0], TARGET_SAVED_PCT, f" {TARGET_SAVED_PCT:.0f} % target", color="red", va="bottom", fontsize=8)
+    ax2.axhline(0, color="black", lw=0.6)
+    ax2.set_ylabel("% of the baseline's step latency saved")
+    ax2.set_title("saved vs each baseline (solid: sync, dashed: sync-graphed, dotted: padded)", fontsize=9)
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle("\n".join(textwrap.fill(line, 150) for line in title.split("\n")), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_profile(path: str, profile: dict, backends: list[str], batches: list[int], parts: tuple,
+                 title: str, unit: str) -> None:
+    """The step profile as stacked bars: one bar per (batch, backend), one segment per part."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(batches) * len(backends)), 5))
+    width = 0.8 / max(1, len(backends))
+    colors = plt.get_cmap("tab10").colors
+    for j, b in enumerate(backends):
+        bottom = [0.0] * len(batches)
+        for k, part in enumerate(parts):
+            h = [profile[b][n].get(part, 0.0) for n in batches]
+            xs = [i + (j - (len(backends) - 1) / 2) * width for i in range(len(batches))]
+            ax.bar(xs, h, width * 0.95, bottom=bottom, color=colors[k % 10], label=part if j == 0 else None,
+                   edgecolor="white", lw=0.3)
+            bottom = [a + c for a, c in zip(bottom, h)]
+        for i, top in enumerate(bottom):
+            ax.text(i + (j - (len(backends) - 1) / 2) * width, top, b, rotation=90, fontsize=7, ha="center",
+                    va="bottom")
+    ax.set_xticks(range(len(batches)), [f"batch {n}" for n in batches])
+    ax.set_ylabel(unit)
+    ax.set_title("\n".join(textwrap.fill(line, 120) for line in title.split("\n")), fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -174,7 +174,16 @@ def report_profile(opts, results: list[dict]) -> dict:
     path = profile_path(opts, cfg)
     write_jsonl(path, records)
     print(f"\nJSON lines appended to {path}")
-    return dict(records=records, jsonl=path)
+    import importlib.util  # noqa: PLC0415
+    png = None
+    if importlib.util.find_spec("matplotlib") is not None:
+        from .bench_report import plot_profile  # noqa: PLC0415
+        png = path[:-len(".jsonl")] + ".png"
+        plot_profile(png, prof, list(prof), opts.batches, (*PARTS, "other"),
+                     f"{cfg.name}: where a step's time goes ({unit} per step, eager steps)\n"
+                     f"{env['device']}, commit {str(env['commit'])[:12]}", unit)
+        print(f"plot written to {png}")
+    return dict(records=records, jsonl=path, png=png)
 
 
 # ---- what a CPU measures truly: host reads, launches, bytes, graph mode ----------------------------------
