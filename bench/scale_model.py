@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--costs", default=sm.LOCAL_COSTS_FILE,
                     help="kernel bench JSON lines with world-1 dispatch/combine times (the local term)")
     ap.add_argument("--out", default="bench/results/scale-model")
+    ap.add_argument("--emulated-decode", metavar="JSONL",
+                    help="decode_latency JSON lines of an --emulate-ep run (GPU): adds the predicted decode step "
+                         "(emulated step + the modelled link of each layer's dispatch and combine)")
     a = ap.parse_args(argv)
     costs = sm.load_local_costs(a.costs)
     o = sm.fit_msg_overhead(costs)
@@ -77,12 +80,23 @@ def main(argv=None) -> int:
     print(sm.format_validation(validation, o))
     print()
     print(sm.format_predictions(predictions))
+    step_rows = []
+    if a.emulated_decode:
+        with open(a.emulated_decode) as f:
+            step_rows = sm.decode_step_rows([json.loads(x) for x in f if x.strip()], costs, o)
+        print("\nPREDICTION (decode step of one rank = emulated step + modelled link):")
+        for r in step_rows:
+            print(f"  {r['config']} EP{r['world']} batch {r['batch']}: {r['emulated_step_us']:.0f} us emulated "
+                  f"+ {r['layers']} x {r['link_per_layer_us']:.1f} us link = {r['step_us']:.0f} us "
+                  f"({r['device']}, commit {str(r['commit'])[:7]})")
+    else:
+        print("\nNo decode step prediction: pass --emulated-decode with the JSON lines of a GPU --emulate-ep run.")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "scale_model.json"), "w") as f:
         json.dump(dict(constants=sm.constants(), msg_overhead_us=o,
                        local_costs=dict(source=costs.source, device=costs.device, commit=costs.commit,
                                         launch_us=costs.launch_us),
-                       validation=validation, predictions=predictions), f, indent=1)
+                       validation=validation, predictions=predictions, decode_step=step_rows), f, indent=1)
     plot(validation, predictions, os.path.join(a.out, "scale_model.png"))
     print(f"\nwrote {a.out}/scale_model.json" + (" and scale_model.png" if os.path.exists(
         os.path.join(a.out, "scale_model.png")) else ""))

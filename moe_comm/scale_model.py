@@ -380,3 +380,34 @@ def format_predictions(rows: list[dict]) -> str:
         out.append(f"{world:>4}{t:>6}{v[('dispatch', 'fp8')]:>12.1f}us{v[('dispatch', 'bf16')]:>13.1f}us"
                    f"{v[('combine', 'bf16')]:>12.1f}us")
     return "\n".join(out)
+
+
+# ---- decode step: emulated per-rank step + the link from the model --------------------------------------
+
+def link_us(b: Breakdown) -> float:
+    """The part of an op the emulated rank does not pay: latency, link time, per-message cost (its
+    local kernel work is already in the emulated step)."""
+    return b.latency_us + max(b.nvlink_us, b.rdma_us) + b.msg_overhead_us
+
+
+def decode_step_rows(records: list[dict], costs: LocalCosts, msg_overhead_us: float,
+                     fabric: Fabric = H100_CX7) -> list[dict]:
+    """Predicted decode step of one EP-N rank: the measured p50 of ``--emulate-ep N`` decode records
+    (one rank's whole step, link excluded) plus, per MoE layer, the link part of one dispatch and one
+    combine from the model (``link_us``) at the record's batch. Labelled ``prediction``. Records of
+    every backend are kept; only ``fused`` has the message format of ``moe_comm_design``."""
+    rows = []
+    for r in records:
+        world, t = r.get("emulate_ep"), r["batch_per_rank"]
+        if not world or r.get("backend") != "fused":
+            continue
+        link = 0.0
+        for op, dtype in (("dispatch", "bf16"), ("combine", "bf16")):
+            d = moe_comm_design(op, dtype, hidden=r["hidden"], topk=r["topk"])
+            link += link_us(op_latency(d, fabric, world, t, 0.0, costs.launch_us, msg_overhead_us,
+                                       experts=r["experts"], topk=r["topk"]))
+        rows.append(dict(kind="prediction", config=r["config"], world=world, batch=t,
+                         emulated_step_us=r["us_p50"], link_per_layer_us=link, layers=r["layers"],
+                         step_us=r["us_p50"] + r["layers"] * link, device=r.get("device"),
+                         commit=r.get("commit")))
+    return rows

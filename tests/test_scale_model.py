@@ -92,3 +92,13 @@ def test_cli_writes_json(tmp_path, capsys):
     data = json.loads((tmp_path / "scale_model.json").read_text())
     assert data["local_costs"]["commit"] == "214d5ce" and len(data["validation"]) == 14
     assert "PREDICTION" in capsys.readouterr().out
+
+
+def test_decode_step_adds_the_modelled_link_per_layer(costs):
+    o = sm.fit_msg_overhead(costs)
+    rec = dict(backend="fused", emulate_ep=8, batch_per_rank=128, hidden=7168, topk=8, experts=256,
+               layers=1, us_p50=1000.0, config="deepseek-v3", device="test", commit="abc")
+    [row] = sm.decode_step_rows([rec, dict(rec, backend="padded"), dict(rec, emulate_ep=0)], costs, o)
+    link = sum(sm.link_us(sm.op_latency(sm.moe_comm_design(op, "bf16"), sm.H100_CX7, 8, 128, 0.0, costs.launch_us, o))
+               for op in ("dispatch", "combine"))
+    assert row["kind"] == "prediction" and row["step_us"] == pytest.approx(1000.0 + link) and link > 0
