@@ -90,7 +90,9 @@ def profile_ranks(groups: list, opts) -> dict:
         raise SystemExit("--profile runs one rank (world 1): the parts of a step are timed on that rank alone")
     device = groups[0].device
     cfg = model_config(opts.config, device)
-    weights = build_weights(cfg, device)
+    emulate = getattr(opts, "emulate_ep", 0)
+    # --emulate-ep N: one rank of EP-N holds experts [0, E/N) (see backends.EmulatedPeers)
+    weights = build_weights(cfg, device, experts=(0, cfg.experts_per_rank(emulate)) if emulate else None)
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     position = min(opts.prompt_len + opts.warmup, cfg.max_seq - 1)
@@ -98,7 +100,7 @@ def profile_ranks(groups: list, opts) -> dict:
     model_mod.PROFILE_SPANS = True
     try:
         for name in opts.backends:
-            comm = make_comms(name, groups, cfg, opts.max_batch)[0]
+            comm = make_comms(name, groups, cfg, opts.max_batch, emulate_ep=emulate)[0]
             model = MoEDecoder(weights, comm, opts.max_batch, expert_impl=opts.experts,
                                attention_impl=opts.attention)
             out[name] = {}
