@@ -168,7 +168,8 @@ def test_emulate_ep_dry_run(tmp_path, capsys):
 
     from moe_comm.serving.latency_bench import main  # noqa: PLC0415
     backends = "sync-graphed,padded"
-    assert main(["--config", "deepseek-v3", "--emulate-ep", "8", "--batches", "2", "--backends", backends,
+    assert main(["--config", "deepseek-v3", "--emulate-ep", "8", "--heap", "loopback", "--batches", "2",
+                 "--backends", backends,
                  "--steps", "1", "--warmup", "0", "--check-steps", "1", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "reference check passed" in out and "one rank of EP8 EMULATED" in out
@@ -242,7 +243,8 @@ def test_decode_bench_without_the_bench_extra(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("tqdm", "matplotlib") else real(name, *a))
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # import tqdm -> ImportError
-    assert latency_bench.main(["--config", "mixtral", "--world", "1", "--batches", "1", "--backends", "sync",
+    assert latency_bench.main(["--config", "mixtral", "--world", "1", "--heap", "loopback", "--batches", "1",
+                               "--backends", "sync",
                                "--steps", "1", "--warmup", "0", "--check-steps", "1",
                                "--out-dir", str(tmp_path)]) == 0
     err = capsys.readouterr().err

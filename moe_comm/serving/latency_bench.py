@@ -236,8 +236,6 @@ def run_ranks(groups: list, opts) -> dict:
         out["graphs"][name] = graphs_label(engine)
         out["emulated"][name] = comms[0].emulated
         out["timing"][name] = {}
-        # What every machine measures truly, before the timing: host reads, launches, bytes, graph mode.
-        out["counters"][name] = {batch: count_step(engine, batch) for batch in opts.batches}
         for batch in opts.batches:
             bar.set_postfix_str(f"{name}: batch {batch}")
             reqs = [_timing_requests(r, batch, cfg.vocab, opts.warmup + opts.steps + 1, opts.prompt_len)
@@ -245,6 +243,8 @@ def run_ranks(groups: list, opts) -> dict:
             engine.generate(reqs)
             out["timing"][name][batch] = [engine.step_us[opts.warmup:]]
             bar.update()
+        # What every machine measures truly: host reads, launches, bytes, graph mode (engine warm by now).
+        out["counters"][name] = {batch: count_step(engine, batch, warm=False) for batch in opts.batches}
         del engine
         release(comms)
     bar.close()

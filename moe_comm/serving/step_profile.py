@@ -262,11 +262,12 @@ def graph_mode(comm) -> str:
     return "eager (host reads)"
 
 
-def count_step(engine, batch: int) -> dict:
+def count_step(engine, batch: int, warm: bool = True) -> dict:
     """One decode step of ``batch`` tokens on every local rank of ``engine``, counted: host reads of
     device values, kernel launches (ATen kernels + Triton launches), payload bytes to other ranks (per
     rank, all layers), and the graph mode. Collective: every process of the world calls it together.
-    Runs eagerly (on a GPU too; one uncounted step first): launches are counted as the step issues them."""
+    Runs eagerly (on a GPU too): launches are counted as the step issues them. warm: one uncounted step
+    first (a backend's first call allocates its buffers); False for an engine that has already run."""
     import triton.runtime.interpreter as interp  # noqa: PLC0415
     import triton.runtime.jit as jit  # noqa: PLC0415
 
@@ -306,8 +307,9 @@ def count_step(engine, batch: int) -> dict:
     args = [[torch.zeros(b, dtype=torch.int64, device=dev), torch.arange(b, device=dev),
              torch.full((b,), 1, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.bool, device=dev)]
             for _ in models]
-    with torch.no_grad():  # warm: first calls allocate buffers and compile; not part of a step
-        engine._forward(*[list(col) for col in zip(*args)])
+    if warm:
+        with torch.no_grad():  # first calls allocate buffers and compile; not part of a step
+            engine._forward(*[list(col) for col in zip(*args)])
     try:
         for (cls, attr), fn in zip(saved, originals):
             setattr(cls, attr, paused(fn, count_launch=attr == "run"))
