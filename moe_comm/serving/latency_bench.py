@@ -2,14 +2,25 @@
 
 For one model config: first every backend's greedy decoding is checked against the single-process reference
 model (abort on mismatch), then decode steps are timed per batch size and backend (warm-up, then p20 / p50 /
-p80 of the per-step latency, CUDA events on a GPU). Prints a table with each of our backends' improvement
-over ``sync`` and ``padded``, appends JSON lines and draws a PNG under ``--out-dir``.
+p80 of the per-step latency, CUDA events on a GPU), then one step per batch is counted (host syncs, kernel
+launches, bytes to other ranks, graph mode; ``step_profile.count_step``). Backends: ``sync`` (eager model),
+``sync-graphed`` (piecewise graphs around the host-synced exchange), ``padded`` (the bucket's own capacity),
+``dynamic``, ``fused`` (backends.py). Appends JSON lines and draws a PNG under ``--out-dir``.
+
+Report: on the CPU the counted properties lead, then the latest committed GPU results of the same config
+(device and commit named), and the interpreter timings last as a harness check. On a GPU: the timings, the
+% saved against each baseline, and, with a ``--profile`` of the same config in ``--out-dir``, how much of
+each difference is communication (dispatch + combine time) and how much graphs and host.
+
+Without the ``bench`` extra (tqdm, matplotlib) it says so and runs without a progress bar and plots.
 
 Where the ranks run:
   CPU                         --world processes (default 4) over the shm heap, Triton interpreted, no graphs
   one GPU                     world 1 over the nvshmem heap, CUDA graphs
   one GPU, --heap loopback    --world ranks (2-8) emulated in one process on one GPU (labelled "emulated")
   several GPUs                torchrun --nproc-per-node N (one rank per GPU, nvshmem heap)
+  --emulate-ep N              one rank of EP-N on one device (E/N experts, peers emulated as its mirror;
+                              backends.EmulatedPeers), world 1
 """
 
 from __future__ import annotations
