@@ -391,39 +391,68 @@ def table(lines: list[dict]) -> str:
 
 
 def plot(lines: list[dict], path: str, title: str) -> None:
+    """Top: device time p50 per op (solid) with the floor (dotted, labelled) and the host wall time per
+    call of back-to-back eager calls (hollow markers, what an eager caller waits); bottom: x floor.
+    x axes carry the measured sizes."""
     try:
         import matplotlib  # noqa: PLC0415
     except ImportError:
-        print("matplotlib not installed: no PNG")
+        print("matplotlib not installed (pip install 'moe-comm[bench]'): no PNG")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     res = [r for r in lines if r["kind"] == "result"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9), sharex="col", gridspec_kw=dict(height_ratios=[3, 2]))
     panels = [("alltoallv (world 1)", "rows", lambda r: r["op"] == "alltoallv"),
               ("dispatch / combine (EP=1; _emulated_w8: 8 ranks in turn)", "tokens",
                lambda r: r["op"] != "alltoallv")]
     colors = plt.get_cmap("tab20").colors  # more series than the default cycle's 10 colours
-    for ax, (name, size_key, pick) in zip(axes, panels):
+    for col, (name, size_key, pick) in enumerate(panels):
+        ax, axf = axes[0][col], axes[1][col]
         series: dict = {}
         for r in filter(pick, res):
             key = r["impl"] if r["op"] == "alltoallv" else f"{r['op']} {r['impl']} {r['dtype']}"
-            series.setdefault(key, []).append((r[size_key], r["p50_us"], r["floor_us"]))
+            series.setdefault(key, []).append((r[size_key], r["p50_us"], r["floor_us"], r.get("wall_us"),
+                                               r["x_floor"]))
+        floor_labelled = False
         for i, (key, pts) in enumerate(sorted(series.items())):
             pts.sort()
+            c = colors[i % 20]
             ls = "-" if " moe_comm " in f" {key} " else ("-." if "emulated" in key else "--")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=ls, color=colors[i % 20], label=key)
+            xs = [p[0] for p in pts]
+            ax.plot(xs, [p[1] for p in pts], marker="o", ls=ls, color=c, label=f"{key} (device)")
+            walls = [(p[0], p[3]) for p in pts if p[3] is not None]
+            if walls:
+                ax.plot([w[0] for w in walls], [w[1] for w in walls], marker="o", mfc="none", ls="none", color=c)
             if key.endswith("moe_comm") or " moe_comm " in key:
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color="gray")
-        ax.set_xscale("log", base=2)
-        ax.set(yscale="log", xlabel=size_key, ylabel="µs (p50)", title=f"{name}; dotted = floor")
-        ax.grid(True, which="both", alpha=0.3)
+                ax.plot(xs, [p[2] for p in pts], ls=":", color="gray",
+                        label=None if floor_labelled else "floor: bytes / copy rate + one launch")
+                floor_labelled = True
+                axf.plot(xs, [p[4] for p in pts], marker="o", ls=ls, color=c, label=key)
+        sizes = sorted({r[size_key] for r in filter(pick, res)})
+        for a in (ax, axf):
+            a.set_xscale("log", base=2)
+            a.grid(True, which="both", alpha=0.3)
+            if sizes:
+                a.set_xticks(sizes, [str(x) for x in sizes])
+                a.minorticks_off()
+        ax.set(yscale="log", ylabel="µs: p50 device (filled), host wall per eager call (hollow)",
+               title=f"{name}")
+        axf.axhline(1.0, color="gray", lw=0.8)
+        axf.set(xlabel=f"{size_key} (measured sizes)", ylabel="x floor (device p50 / floor)")
         if series:
             ax.legend(fontsize=7)
+            axf.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _progress(total: int):
+    """A tqdm bar over the sections on stderr (the ``bench`` extra), or a silent stand-in."""
+    from moe_comm.serving.latency_bench import progress_bar  # noqa: PLC0415
+    return progress_bar(total=total, disable=False, desc="kernel bench")
 
 
 def main(argv=None) -> int:
@@ -448,6 +477,7 @@ def main(argv=None) -> int:
         """Run one section; a failure is recorded (JSON line + exit status) and the others still run."""
         if name not in o.sections:
             return
+        bar.set_postfix_str(name)
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001
@@ -455,8 +485,13 @@ def main(argv=None) -> int:
             out.write(kind="error", op=name, impl="-", reason=f"{type(e).__name__}: {str(e)[:2000]}")
             traceback.print_exc()
             print(f"section {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
+        bar.update()
 
+    steps = [n for n in ("floor", "a2a", "ep", "ep_emulated", "permute", "nccl", "vdev") if n in o.sections]
+    bar = _progress(len(steps))
     floor = measure_floor(o, out) if "floor" in o.sections else (1.0, 0.0)
+    if "floor" in o.sections:
+        bar.update()
     if {"a2a", "ep"} & set(o.sections):
         group = world1_group(o.device)
         try:
@@ -470,6 +505,7 @@ def main(argv=None) -> int:
     section("permute", bench_permute, o, out, floor)
     section("nccl", bench_nccl, o, out, floor)
     section("vdev", run_vdev, o, out, floor, argv)
+    bar.close()
     lines = read_jsonl(out.path)
     title = f"{env['device']}  torch {env['torch']}  triton {env['triton']}  {env['commit'][:12]}"
     plot(lines, base + ".png", (f"{DRY_LABEL}\n" if o.dry else "") + title)

@@ -91,3 +91,198 @@ def test_summary_judges_targets(tmp_path):
     assert "MISS  alltoallv vs torch_symm_mem_vdev: speedup 8r 1.20x" in text
     assert "n/a   dispatch fp8 T=128" in text and "tests: no junit XML found" in text
     assert LABEL not in text
+
+
+# ---- decode benchmark: the fair baselines, --emulate-ep, the counters, the report ----------------------
+
+def _dist_free_group():
+    import moe_comm  # noqa: PLC0415
+    g = moe_comm.init("loopback", world_size=1, device=torch.device("cpu"))
+    return g[0] if isinstance(g, list) else g
+
+
+def test_padded_capacity_is_the_buckets_own_at_world_1():
+    from moe_comm.serving import make_comms, model_config  # noqa: PLC0415
+    cfg = model_config("deepseek-v3", "cpu")
+    (padded,) = make_comms("padded", [_dist_free_group()], cfg, 256)
+    assert [padded.bucket_capacity(t) for t in (1, 8, 256)] == [8, 64, 2048]  # T x min(K, E_local)
+    (emu,) = make_comms("padded", [_dist_free_group()], cfg, 256, emulate_ep=8)
+    # one rank of EP8: 32 local experts; two of a token's experts may share one, so T x K rows
+    assert emu.experts_per_rank == 32 and emu.world == 8 and emu.inner.bucket_capacity(4) == 32
+
+
+def test_wire_bytes_follow_each_backends_message_format():
+    """Bytes to other ranks for a hand-made routing of 2 tokens, EP4 with 4 experts per rank (16
+    experts, top-3): token 0 -> experts 0, 1 (rank 0 = self) and 5 (rank 1); token 1 -> 4, 6 (rank 1)
+    and 15 (rank 3); slot -1 in neither."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from moe_comm.serving.step_profile import comm_wire_bytes  # noqa: PLC0415
+    idx = torch.tensor([[0, 1, 5], [4, 6, 15]])
+    row = 8 * 4  # hidden 8, float32
+    base = dict(world=4, experts_per_rank=4, hidden=8, dtype=torch.float32, rank=0, max_tokens=2)
+    c = lambda name: SimpleNamespace(name=name, **base)  # noqa: E731
+    remote_pairs = 4  # (0, 5), (1, 4), (1, 6), (1, 15)
+    assert comm_wire_bytes(c("sync"), idx) == remote_pairs * (row + 8) + remote_pairs * row
+    assert comm_wire_bytes(c("sync-graphed"), idx) == comm_wire_bytes(c("sync"), idx)
+    assert comm_wire_bytes(c("dynamic"), idx) == 2 * remote_pairs * (row + 4)
+    # fused: token 0 crosses to rank 1 once, token 1 to ranks 1 and 3: 3 rows with 3 ids each
+    assert comm_wire_bytes(c("fused"), idx) == 3 * (row + 4 * 3) + remote_pairs * row
+    # padded at world 4: 3 peers x the largest bucket's capacity (2 tokens x min(3, 4)) both ways
+    assert comm_wire_bytes(c("padded"), idx) == 3 * 6 * ((row + 8) + row)
+
+
+@pytest.mark.timeout(120)
+def test_counters_host_syncs_launches_and_graph_mode():
+    from moe_comm.serving import make_comms, model_config  # noqa: PLC0415
+    from moe_comm.serving.engine import DecodeEngine  # noqa: PLC0415
+    from moe_comm.serving.model import MoEDecoder  # noqa: PLC0415
+    from moe_comm.serving.piecewise import PiecewiseEngine  # noqa: PLC0415
+    from moe_comm.serving.step_profile import count_step  # noqa: PLC0415
+    from moe_comm.serving.weights import build_weights  # noqa: PLC0415
+    cfg = model_config("mixtral", "cpu")  # 2 layers
+    w = build_weights(cfg)
+    got = {}
+    for name in ("sync", "sync-graphed", "padded", "fused"):
+        (comm,) = make_comms(name, [_dist_free_group()], cfg, 2)
+        pw = getattr(comm, "piecewise", False)
+        model = MoEDecoder(w, comm, 2, phased=pw)
+        got[name] = count_step(PiecewiseEngine([model]) if pw else DecodeEngine([model]), 2)
+        comm.close()
+    # sync reads the send counts and the received counts on the host: 2 per layer, either way
+    assert got["sync"]["host_reads"] == got["sync-graphed"]["host_reads"] == 2 * cfg.num_layers
+    assert got["padded"]["host_reads"] == got["fused"]["host_reads"] == 0
+    assert got["fused"]["triton_launches"] == 2 * cfg.num_layers  # world 1: one kernel per op
+    assert got["sync"]["triton_launches"] == 0 and got["sync"]["aten_launches"] > 0
+    assert {k: v["graph_mode"] for k, v in got.items()} == {
+        "sync": "eager (host reads)", "sync-graphed": "graphs between eager exchanges",
+        "padded": "one CUDA graph", "fused": "one CUDA graph"}
+    assert all(v["wire_bytes"] == 0 for v in got.values())  # world 1: nothing leaves the rank
+
+
+@pytest.mark.timeout(180)
+def test_emulate_ep_dry_run(tmp_path, capsys):
+    """--emulate-ep 8 on the CPU, DeepSeek-V3 routing (top-8 of 256): the torch baselines end to end
+    against the tiled reference, labelled, with bytes counted (sync: the counters test; fused: the next test)."""
+    import json  # noqa: PLC0415
+
+    from moe_comm.serving.latency_bench import main  # noqa: PLC0415
+    backends = "sync-graphed,padded"
+    assert main(["--config", "deepseek-v3", "--emulate-ep", "8", "--heap", "loopback", "--batches", "2",
+                 "--backends", backends,
+                 "--steps", "1", "--warmup", "0", "--check-steps", "1", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reference check passed" in out and "one rank of EP8 EMULATED" in out
+    assert "harness check" in out and out.index("host syncs") < out.index("harness check")
+    [jsonl] = tmp_path.glob("decode_latency_deepseek-v3_cpu_ep8emu_*.jsonl")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {r["backend"] for r in records} == set(backends.split(","))
+    by = {r["backend"]: r for r in records}
+    assert all(r["emulate_ep"] == 8 and r["emulated"] and r["world"] == 1 for r in records)
+    # mirrors of 7 peers: bytes leave the rank; padding sends more
+    assert 0 < by["sync-graphed"]["step_wire_bytes"] < by["padded"]["step_wire_bytes"]
+    assert by["sync-graphed"]["graphs"] == "eager" and by["sync-graphed"]["step_host_reads"] == 2 * records[0]["layers"]
+    assert by["padded"]["step_host_reads"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_emulated_rank_fused_matches_tiled_reference():
+    """One rank of EP8 with the fused backend: experts [0, 32) only, top-8 of 256 (tokens often map two
+    experts to one local expert); greedy decoding equals the reference in which expert e is local e mod 32."""
+    from moe_comm.serving import (DecodeEngine, MoEDecoder, ReferenceModel, Request, build_weights,  # noqa: PLC0415
+                                  check_generation, make_comms, model_config)
+    from moe_comm.serving.backends import tiled_reference_weights  # noqa: PLC0415
+    cfg = model_config("deepseek-v3", "cpu")
+    share = build_weights(cfg, experts=(0, 32))
+    (comm,) = make_comms("fused", [_dist_free_group()], cfg, 2, emulate_ep=8)
+    engine = DecodeEngine([MoEDecoder(share, comm, 2)])
+    reqs = [Request([3, 7, 11], 2), Request([5], 2)]
+    [gens] = engine.generate([reqs], record_logits=True)
+    ref = ReferenceModel(tiled_reference_weights(share, cfg.num_experts), "torch")
+    for q, g in zip(reqs, gens):
+        assert check_generation(ref, q, g, 1e-4, "fused EP8 emulated") < 1e-4
+    # and the tiling is what makes it pass: the untiled reference (all 256 distinct experts) differs
+    full = ReferenceModel(build_weights(cfg), "torch")
+    assert not torch.allclose(full.logits(reqs[0].prompt), ref.logits(reqs[0].prompt), atol=1e-3)
+    comm.close()
+
+
+def test_savings_and_attribution_arithmetic():
+    from moe_comm.serving.bench_report import attribution, format_savings, latest_profile, savings  # noqa: PLC0415
+    recs = [dict(backend=b, batch_per_rank=1, us_p50=us) for b, us in
+            (("sync", 1000.0), ("sync-graphed", 400.0), ("padded", 500.0), ("fused", 300.0))]
+    rows = savings(recs, ["sync", "sync-graphed", "padded", "fused"], [1])
+    pct = {(r["backend"], r["baseline"]): r["pct"] for r in rows}
+    assert pct[("fused", "sync")] == pytest.approx(70.0) and pct[("fused", "sync-graphed")] == pytest.approx(25.0)
+    assert pct[("sync-graphed", "sync")] == pytest.approx(60.0) and ("sync", "sync") not in pct
+    assert "vs sync-graphed" in format_savings(rows, ["sync", "sync-graphed", "padded", "fused"], [1])
+    prof = latest_profile([dict(bench="decode_profile", backend=b, batch_per_rank=1, part=p, us_per_step=us)
+                           for b, p, us in (("sync", "dispatch", 60.0), ("sync", "combine", 40.0),
+                                            ("fused", "dispatch", 7.0), ("fused", "combine", 3.0),
+                                            ("sync", "dispatch", 70.0))])  # the last line wins
+    [fused] = [r for r in attribution(recs, prof, "sync") if r["backend"] == "fused"]
+    assert fused["saved_us"] == 700.0 and fused["communication_us"] == 100.0 and fused["graphs_us"] == 600.0
+    assert all(r["backend"] == "fused" for r in attribution(recs, prof, "sync"))  # others have no profile
+
+
+def test_committed_gpu_results_are_labelled():
+    from moe_comm.serving.latency_bench import committed_gpu_results  # noqa: PLC0415
+    text = committed_gpu_results("llama4-scout")
+    assert "NVIDIA H100" in text and "commit " in text and "fused vs sync" in text
+    assert "predate the sync-graphed baseline" in text
+    assert "none under" in committed_gpu_results("no-such-config")
+
+
+@pytest.mark.timeout(120)
+def test_decode_bench_without_the_bench_extra(tmp_path, monkeypatch, capsys):
+    """Without tqdm and matplotlib the bench says which extra to install and runs without them."""
+    import importlib.util  # noqa: PLC0415
+
+    from moe_comm.serving import latency_bench  # noqa: PLC0415
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tqdm", "matplotlib") else real(name, *a))
+    monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # import tqdm -> ImportError
+    assert latency_bench.main(["--config", "mixtral", "--world", "1", "--heap", "loopback", "--batches", "1",
+                               "--backends", "sync",
+                               "--steps", "1", "--warmup", "0", "--check-steps", "1",
+                               "--out-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "moe-comm[bench]" in err and "tqdm, matplotlib" in err
+    assert not list(tmp_path.glob("*.png")) and list(tmp_path.glob("*.jsonl"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="piecewise CUDA graph capture needs CUDA")
+def test_sync_graphed_piecewise_graphs_equal_eager_on_gpu():
+    """sync-graphed replayed as piecewise CUDA graphs gives the tokens and logits of the same pieces run
+    eagerly, and of sync; the graphs really are used (pieces per step recorded)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import moe_comm  # noqa: PLC0415
+    from moe_comm.serving import MoEDecoder, Request, build_weights, make_comms, model_config  # noqa: PLC0415
+    from moe_comm.serving.engine import DecodeEngine  # noqa: PLC0415
+    from moe_comm.serving.piecewise import PiecewiseEngine  # noqa: PLC0415
+    dev = torch.device("cuda", 0)
+    cfg = model_config("mixtral", "cpu", dtype=torch.float32)  # small widths, on the GPU
+    w = build_weights(cfg, dev)
+    reqs = [Request([3, 1, 4], 4), Request([1, 5], 3)]
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1, device_id=dev)
+    try:
+        with moe_comm.init("nvshmem") as group:
+            outs = {}
+            for label, graphs in (("eager", False), ("graphs", True), ("sync", None)):
+                (comm,) = make_comms("sync" if graphs is None else "sync-graphed", [group], cfg, 2)
+                if graphs is None:
+                    engine = DecodeEngine([MoEDecoder(w, comm, 2)])
+                else:
+                    engine = PiecewiseEngine([MoEDecoder(w, comm, 2, phased=True)], use_graphs=graphs)
+                [gens] = engine.generate([reqs], record_logits=True)
+                outs[label] = gens
+                if graphs:
+                    assert engine.pieces_per_step[0] == 2 * cfg.num_layers + 1
+            for a, b, c in zip(outs["eager"], outs["graphs"], outs["sync"]):
+                assert a.tokens == b.tokens == c.tokens
+                torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()

@@ -15,7 +15,12 @@ receives); the torch.distributed baselines are emulated there by copies through 
 
   sync     what serving code does today: counts exchanged, read on the host (.tolist()), then
            all_to_all_single with exact splits. Eager only: a host read cannot be captured.
-  padded   the capturable workaround: all_to_all_single with every split padded to the capacity.
+  sync-graphed  the same exchange as an engine runs it: the device work between the host reads (the
+           whole model apart from the exchange) split into pieces that ``piecewise.PiecewiseEngine``
+           captures as CUDA graphs; the split read and the collective run eagerly between them.
+  padded   the capturable workaround: all_to_all_single with every split padded to the capacity of the
+           step's batch bucket (T x min(K, E_local) rows per peer at world 1; at world > 1 the ranks pick
+           their buckets independently, so the capacity of the largest bucket).
   dynamic  moe_comm.AllToAllvDynamic (counts stay on the device) + a local permute; capturable.
   fused    moe_comm.EPBuffer dispatch / combine; capturable.
 """
@@ -24,7 +29,10 @@ from __future__ import annotations
 
 import torch
 
-BACKEND_NAMES = ("sync", "padded", "dynamic", "fused")
+BACKEND_NAMES = ("sync", "sync-graphed", "padded", "dynamic", "fused")
+# Baselines (torch.distributed all_to_all_single) and ours (moe-comm), for the report's comparisons.
+BASELINE_NAMES = ("sync", "sync-graphed", "padded")
+OURS_NAMES = ("dynamic", "fused")
 
 
 # ---- device-side layout helpers (no host reads) --------------------------------------------------
@@ -241,6 +249,148 @@ class SyncAllToAll(MoEComm):
         return weighted_sum(gather_rows(out, slot, lay.valid), topk_weights, self.dtype)
 
 
+def _a2a_into(ex, key: str, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
+              out_splits: list[int]) -> None:
+    """all_to_all_single of ``inp`` (rows split by ``in_splits``) into ``out[:sum(out_splits)]``: straight
+    into ``out`` over torch.distributed, through the mailbox (then a copy) on a loopback world."""
+    import torch.distributed as dist  # noqa: PLC0415
+    n = sum(out_splits)
+    if isinstance(ex, DistExchange) and dist.is_available() and dist.is_initialized():
+        dist.all_to_all_single(out[:n], inp, out_splits, in_splits)
+        return
+    ex.post(key, inp, in_splits)
+    out[:n].copy_(ex.fetch(key, out_splits))
+
+
+class SyncGraphedAllToAll(MoEComm):
+    """``sync``'s exchange (counts read on the host, all_to_all_single with exact splits), with every
+    piece of device work outside the exchange graph-capturable.
+
+    Each op is three pieces: the send phase (device only: layout, rows packed by destination into a
+    fixed buffer), ``run_pending()`` (eager: split read, counts and rows exchanged into fixed receive
+    buffers, tails marked empty) and the receive phase (device only, on the fixed buffers).
+    ``piecewise.PiecewiseEngine`` captures the device pieces of a whole step as CUDA graphs and runs the
+    eager pieces between them; with ``phase="both"`` (an unphased model) the three run in order. The
+    eager piece reads nothing the send phase left on the host: everything it needs is in tensors that
+    keep their addresses, so a replayed graph feeds it correctly. Receive-side shapes are fixed per
+    bucket at world 1 (``T x min(K, E_local)`` rows) and at the largest bucket's otherwise.
+    """
+
+    name = "sync-graphed"
+    piecewise = True  # device pieces capturable, split by eager exchanges (not capturable as one graph)
+
+    def __init__(self, exchange, **kw):
+        super().__init__(**kw)
+        self.ex, self.emulated = exchange, exchange.emulated
+        self.pairs_per_token = min(self.topk, self.experts_per_rank)
+        n_send, n_recv = self.max_tokens * self.topk, self.world * self.capacity
+        dev = self.device
+        # Fixed buffers the eager exchange reads and writes (one set: a step's ops run one at a time);
+        # the send buffers have one spare row where unrouted pairs are dumped.
+        self.send_rows = torch.empty(n_send + 1, self.hidden, dtype=self.dtype, device=dev)
+        self.send_eids = torch.empty(n_send + 1, dtype=torch.int64, device=dev)
+        self.send_counts = torch.zeros(self.world, dtype=torch.int64, device=dev)
+        self.recv_rows = torch.zeros(n_recv, self.hidden, dtype=self.dtype, device=dev)
+        self.recv_eids = torch.full((n_recv,), -1, dtype=torch.int64, device=dev)
+        self.back_send = torch.empty(n_recv, self.hidden, dtype=self.dtype, device=dev)
+        self.back_recv = torch.zeros(n_send, self.hidden, dtype=self.dtype, device=dev)
+        self._pending = None
+        self._splits: dict = {}  # host splits of the last dispatch exchange, for its combine exchange
+
+    def _recv_rows(self, tokens: int) -> int:
+        return self.world * (tokens if self.world == 1 else self.max_tokens) * self.pairs_per_token
+
+    # ---- the eager pieces -------------------------------------------------------------------------
+    def take_pending(self):
+        """The exchange the last send phase left, or None; cleared. A callable returning a generator
+        (eager; reads the host; yields between its posts and fetches).
+        ``PiecewiseEngine`` records it once per captured step and calls it at every replay."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def run_pending(self) -> None:
+        """Run the pending exchange to its end (one rank per process: ``phase="both"``)."""
+        pending = self.take_pending()
+        if pending is not None:
+            for _ in pending():
+                pass
+
+    def _direct(self) -> bool:
+        """True when the collective can write straight into the fixed buffers (torch.distributed)."""
+        import torch.distributed as dist  # noqa: PLC0415
+        return isinstance(self.ex, DistExchange) and dist.is_available() and dist.is_initialized()
+
+    def _dispatch_exchange(self, n_recv: int):
+        """Generator: yields after each post, so that on a loopback world every rank posts before any
+        rank fetches (``model.drive_lockstep`` drives the ranks' exchanges)."""
+        send_splits = self.send_counts.tolist()  # host sync
+        self.ex.post("counts", self.send_counts)
+        yield
+        recv_splits = self.ex.fetch("counts").tolist()  # host sync
+        n_send, total = sum(send_splits), sum(recv_splits)
+        if total > n_recv:
+            raise RuntimeError(f"received {total} rows > {n_recv} receive rows (capacity)")
+        if self._direct():
+            import torch.distributed as dist  # noqa: PLC0415
+            dist.all_to_all_single(self.recv_rows[:total], self.send_rows[:n_send], recv_splits, send_splits)
+            dist.all_to_all_single(self.recv_eids[:total], self.send_eids[:n_send], recv_splits, send_splits)
+        else:
+            self.ex.post("rows", self.send_rows[:n_send], send_splits)
+            self.ex.post("eids", self.send_eids[:n_send], send_splits)
+            yield
+            self.recv_rows[:total].copy_(self.ex.fetch("rows", recv_splits))
+            self.recv_eids[:total].copy_(self.ex.fetch("eids", recv_splits))
+        self.recv_eids[total:n_recv].fill_(-1)
+        self._splits = dict(send=send_splits, recv=recv_splits)
+
+    def _combine_exchange(self):
+        """Generator, like ``_dispatch_exchange``; the splits are the dispatch's (no host read)."""
+        send_splits, recv_splits = self._splits["send"], self._splits["recv"]
+        n_back, n_out = sum(recv_splits), sum(send_splits)
+        if self._direct():
+            import torch.distributed as dist  # noqa: PLC0415
+            dist.all_to_all_single(self.back_recv[:n_out], self.back_send[:n_back], send_splits, recv_splits)
+            return
+        self.ex.post("back", self.back_send[:n_back], recv_splits)
+        yield
+        self.back_recv[:n_out].copy_(self.ex.fetch("back", send_splits))
+
+    # ---- the device pieces ------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, phase="both"):
+        if phase in ("send", "both"):
+            self._check(x, topk_idx)
+            t = x.shape[0]
+            lay = PairLayout(topk_idx, self.experts_per_rank, self.world)
+            n = lay.valid.numel()
+            slot = lay.send_slots(exclusive_cumsum(lay.send_counts), n)  # grouped by destination; n = dump
+            self.send_rows[:n + 1].index_copy_(0, slot, x[lay.token])
+            self.send_eids[:n + 1].index_copy_(0, slot, lay.local_eid)
+            self.send_counts.copy_(lay.send_counts)
+            self._state = (lay, slot, t)
+            n_recv = self._recv_rows(t)
+            self._pending = lambda: self._dispatch_exchange(n_recv)  # a fresh generator per call
+            if phase == "send":
+                return None
+            self.run_pending()
+        lay, slot, t = self._state
+        n_recv = self._recv_rows(t)
+        x_e, counts, recv_slot = scatter_to_experts(self.recv_rows[:n_recv], self.recv_eids[:n_recv],
+                                                    self.experts_per_rank, self.rows_per_expert)
+        return x_e, counts, (lay, slot, recv_slot, n_recv)
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        lay, slot, recv_slot, n_recv = ctx
+        if phase in ("send", "both"):
+            flat = y_e.reshape(-1, self.hidden)
+            torch.index_select(flat, 0, recv_slot.clamp(max=flat.shape[0] - 1), out=self.back_send[:n_recv])
+            self._pending = self._combine_exchange
+            if phase == "send":
+                return None
+            self.run_pending()
+        n = lay.valid.numel()
+        return weighted_sum(gather_rows(self.back_recv[:n], slot, lay.valid), topk_weights, self.dtype)
+
+
 class PaddedAllToAll(MoEComm):
     """all_to_all_single with every split padded to the capacity: fixed shapes, capturable, more bytes."""
 
@@ -250,11 +400,19 @@ class PaddedAllToAll(MoEComm):
     def __init__(self, exchange, **kw):
         super().__init__(**kw)
         self.ex, self.emulated, self._state = exchange, exchange.emulated, None
+        self.pairs_per_token = min(self.topk, self.experts_per_rank)  # pairs one token sends one peer
+
+    def bucket_capacity(self, tokens: int) -> int:
+        """Rows per peer for a call with ``tokens`` tokens: the bucket's own at world 1; at world > 1
+        the largest bucket's, since every rank must send and receive the same padded sizes and this
+        engine's ranks choose their buckets independently."""
+        return (tokens if self.world == 1 else self.max_tokens) * self.pairs_per_token
 
     def dispatch(self, x, topk_idx, phase="both"):
-        cap, world = self.capacity, self.world
+        world = self.world
         if phase in ("send", "both"):
             self._check(x, topk_idx)
+            cap = self.bucket_capacity(x.shape[0])
             lay = PairLayout(topk_idx, self.experts_per_rank, world)
             slot = lay.send_slots(cap, world * cap)
             send = x.new_empty(world * cap + 1, self.hidden)
@@ -373,13 +531,97 @@ class FusedEP(MoEComm):
         self.ep.close()
 
 
+# ---- one rank of an EP-N deployment on one device ------------------------------------------------------
+
+class EmulatedPeers(MoEComm):
+    """One rank of an EP-N world, alone: ``inner`` is a world-1 backend over this rank's E/N experts.
+
+    The router still picks among all E experts. Every peer is emulated as this rank's mirror: what this
+    rank sends peer p comes back as peer p's contribution to this rank (the same rows, the same local
+    expert index), staged in local memory. So this rank receives, in expectation, the T*K rows a real
+    rank of EP-N receives, runs its E/N experts on them and combines them, with every backend's own
+    dispatch/combine code; what is missing is the link (``moe_comm.scale_model`` models it) and, for
+    dynamic/fused, the multi-rank kernels' extra landing-zone pass (they run their world-1 path).
+    Global expert e is computed by local expert e mod E/N: ``tiled_reference_weights`` builds the
+    matching reference. The inner backend holds up to T*K rows per local expert (a token may map two
+    of its experts to one local expert).
+    """
+
+    def __init__(self, inner: MoEComm, emulated_world: int, num_experts: int):
+        self.inner, self.name = inner, inner.name
+        self.rank, self.world, self.hidden, self.topk = 0, emulated_world, inner.hidden, inner.topk
+        self.dtype, self.device, self.num_experts = inner.dtype, inner.device, num_experts
+        self.experts_per_rank = inner.num_experts
+        if self.experts_per_rank * emulated_world != num_experts:
+            raise ValueError(f"{num_experts} experts do not split into {emulated_world} x {inner.num_experts}")
+        self.max_tokens = inner.max_tokens // inner.topk
+        self.capturable = inner.capturable
+        self.piecewise = getattr(inner, "piecewise", False)
+        self.emulated = True
+
+    @property
+    def groups(self) -> tuple:
+        return self.inner.groups
+
+    def _local(self, topk_idx):
+        return torch.where(topk_idx >= 0, topk_idx.remainder(self.experts_per_rank), -1)
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        if phase == "recv":
+            return self.inner.dispatch(None, None, phase="recv")
+        return self.inner.dispatch(x, self._local(topk_idx), phase=phase)
+
+    def combine(self, y_e, topk_weights, ctx, phase="both"):
+        return self.inner.combine(y_e, topk_weights, ctx, phase=phase)
+
+    def take_pending(self):
+        return self.inner.take_pending() if self.piecewise else None
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _TiledExperts:
+    """expert weights indexed by global id e -> local[e mod E_local] (views; for the reference only)."""
+
+    def __init__(self, local: torch.Tensor, num_experts: int):
+        self.local, self.num_experts = local, num_experts
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.local[int(e) % self.local.shape[0]]
+
+
+def tiled_reference_weights(share, num_experts: int):
+    """The reference weights of an ``EmulatedPeers`` rank: ``share`` (a ModelWeights holding experts
+    [0, E/N)) with every global expert e computed by local expert e mod E/N."""
+    from dataclasses import replace  # noqa: PLC0415
+    if share.expert_lo != 0:
+        raise ValueError("the emulated rank holds experts [0, E/N)")
+    layers = [replace(lw, expert_gate=_TiledExperts(lw.expert_gate, num_experts),
+                      expert_up=_TiledExperts(lw.expert_up, num_experts),
+                      expert_down=_TiledExperts(lw.expert_down, num_experts)) for lw in share.layers]
+    return replace(share, layers=layers, expert_lo=0, expert_hi=num_experts)
+
+
 # ---- factory -----------------------------------------------------------------------------------------
 
-def make_comms(name: str, groups: list, cfg, max_tokens: int) -> list[MoEComm]:
+def make_comms(name: str, groups: list, cfg, max_tokens: int, emulate_ep: int = 0) -> list[MoEComm]:
     """One backend object per rank of ``groups`` (one CommGroup in a process-per-rank world, or every
-    loopback group of a one-process world, built in rank order)."""
+    loopback group of a one-process world, built in rank order).
+
+    emulate_ep = N > 0: ``groups`` is one world-1 group and the backend is one rank of EP-N
+    (``EmulatedPeers`` around a world-1 backend over cfg.num_experts / N experts)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; choose from {BACKEND_NAMES}")
+    if emulate_ep:
+        import dataclasses  # noqa: PLC0415
+        if len(groups) != 1 or groups[0].world_size != 1:
+            raise ValueError("--emulate-ep runs one rank on one device: a world-1 group")
+        local = dataclasses.replace(cfg, num_experts=cfg.experts_per_rank(emulate_ep))
+        (inner,) = make_comms(name, groups, local, max_tokens * cfg.topk)
+        if hasattr(inner, "pairs_per_token"):  # two of a token's experts may share a local expert
+            inner.pairs_per_token = cfg.topk
+        return [EmulatedPeers(inner, emulate_ep, cfg.num_experts)]
     g0 = groups[0]
     world = g0.world_size
     loopback = g0.backend == "loopback" and world > 1
@@ -390,6 +632,8 @@ def make_comms(name: str, groups: list, cfg, max_tokens: int) -> list[MoEComm]:
                   max_tokens=max_tokens, topk=cfg.topk, dtype=cfg.dtype, device=g.device)
         if name == "sync":
             out.append(SyncAllToAll(ex, **kw))
+        elif name == "sync-graphed":
+            out.append(SyncGraphedAllToAll(ex, **kw))
         elif name == "padded":
             out.append(PaddedAllToAll(ex, **kw))
         elif name == "dynamic":

@@ -54,28 +54,96 @@ def improvement(base: float, ours: float) -> float:
     return 100.0 * (base - ours) / base
 
 
+BASELINES = ("sync", "sync-graphed", "padded")
+
+
+def _grid(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
 def format_table(records: list[dict], backends: list[str], batches: list[int]) -> str:
-    """One row per batch: p50 µs of every backend, then each of ours vs sync and vs padded."""
+    """One row per batch: p50 µs [p20-p80] of every backend."""
     by = {(r["backend"], r["batch_per_rank"]): r for r in records}
-    ours = [b for b in backends if b in ("dynamic", "fused")]
-    bases = [b for b in backends if b in ("sync", "padded")]
-    head = ["batch"] + [f"{b} p50 µs" for b in backends] + [f"{o} vs {s}" for o in ours for s in bases]
+    head = ["batch"] + [f"{b} p50 µs" for b in backends]
     rows = []
     for n in batches:
         row = [str(n)]
         for b in backends:
             r = by.get((b, n))
             row.append("-" if r is None else f"{r['us_p50']:.0f} [{r['us_p20']:.0f}-{r['us_p80']:.0f}]")
-        for o in ours:
-            for s in bases:
-                if (o, n) in by and (s, n) in by:
-                    row.append(f"{improvement(by[(s, n)]['us_p50'], by[(o, n)]['us_p50']):+.1f}%")
-                else:
-                    row.append("-")
         rows.append(row)
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return _grid(head, rows)
+
+
+def savings(records: list[dict], backends: list[str], batches: list[int]) -> list[dict]:
+    """Every backend against every baseline present (other than itself): % of the baseline's p50 saved."""
+    by = {(r["backend"], r["batch_per_rank"]): r["us_p50"] for r in records}
+    bases = [b for b in BASELINES if b in backends]
+    out = []
+    for n in batches:
+        for b in backends:
+            for base in bases:
+                if base != b and (b, n) in by and (base, n) in by:
+                    out.append(dict(batch=n, backend=b, baseline=base, pct=improvement(by[(base, n)], by[(b, n)])))
+    return out
+
+
+def format_savings(rows: list[dict], backends: list[str], batches: list[int]) -> str:
+    """One row per (batch, backend): % saved against each baseline (positive = faster)."""
+    bases = [b for b in BASELINES if b in backends]
+    pct = {(r["batch"], r["backend"], r["baseline"]): r["pct"] for r in rows}
+    head = ["batch", "backend"] + [f"vs {b}" for b in bases]
+    body = []
+    for n in batches:
+        for b in backends:
+            cells = [f"{pct[(n, b, base)]:+.1f}%" if (n, b, base) in pct else "-" for base in bases]
+            if any(c != "-" for c in cells):
+                body.append([str(n), b] + cells)
+    return _grid(head, body)
+
+
+COMM_PARTS = ("dispatch", "combine")
+
+
+def latest_profile(records: list[dict]) -> dict:
+    """{(backend, batch): {part: µs per step}} from ``decode_profile`` JSON lines (the last line wins)."""
+    out: dict = {}
+    for r in records:
+        if r.get("bench") == "decode_profile":
+            out.setdefault((r["backend"], r["batch_per_rank"]), {})[r["part"]] = r["us_per_step"]
+    return out
+
+
+def attribution(records: list[dict], profile: dict, baseline: str = "sync") -> list[dict]:
+    """Where each backend's difference from ``baseline`` comes from, per batch.
+
+    saved = baseline p50 - backend p50 (timed steps). communication = the baseline's dispatch + combine
+    time minus the backend's, from the step profile (eager steps, device time on a GPU). graphs = the
+    rest: what running the step as CUDA graphs (no launch gaps, no host-bound stretches) and without
+    host syncs saves outside the two ops. Rows without a profile for both backends are left out.
+    """
+    by = {(r["backend"], r["batch_per_rank"]): r["us_p50"] for r in records}
+    out = []
+    for (b, n), us in sorted(by.items()):
+        if b == baseline or (baseline, n) not in by:
+            continue
+        pb, pbase = profile.get((b, n)), profile.get((baseline, n))
+        if not pb or not pbase:
+            continue
+        saved = by[(baseline, n)] - us
+        comm = sum(pbase.get(p, 0.0) for p in COMM_PARTS) - sum(pb.get(p, 0.0) for p in COMM_PARTS)
+        out.append(dict(batch=n, backend=b, baseline=baseline, saved_us=saved, communication_us=comm,
+                        graphs_us=saved - comm))
+    return out
+
+
+def format_attribution(rows: list[dict]) -> str:
+    head = ["batch", "backend", "vs", "saved µs", "communication µs", "graphs + host µs"]
+    body = [[str(r["batch"]), r["backend"], r["baseline"], f"{r['saved_us']:.0f}", f"{r['communication_us']:.0f}",
+             f"{r['graphs_us']:.0f}"] for r in rows]
+    return _grid(head, body)
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:
@@ -84,12 +152,17 @@ def write_jsonl(path: str, records: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+# The decode target the issue tracker quotes: NCCLX's single-node decode saving (43 %).
+TARGET_SAVED_PCT = 43.0
+
+
 def plot(path: str, records: list[dict], backends: list[str], title: str) -> None:
-    """Latency (p50, whiskers p20-p80) against batch size per backend, log-log."""
+    """Left: latency (p50, whiskers p20-p80) against batch size per backend, log-log. Right: % of each
+    baseline's latency that every other backend saves, with the 43 % target line."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for b in backends:
         rs = sorted((r for r in records if r["backend"] == b), key=lambda r: r["batch_per_rank"])
         if not rs:
@@ -98,15 +171,58 @@ def plot(path: str, records: list[dict], backends: list[str], title: str) -> Non
         y = [r["us_p50"] for r in rs]
         err = [[r["us_p50"] - r["us_p20"] for r in rs], [r["us_p80"] - r["us_p50"] for r in rs]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=b)
-    ax.set_xscale("log", base=2)
     batches = sorted({r["batch_per_rank"] for r in records})
-    ax.set_xticks(batches, [str(b) for b in batches])
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(batches, [str(b) for b in batches])
+        a.set_xlabel("decode batch per rank (tokens per step)")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
-    ax.set_xlabel("decode batch per rank (tokens per step)")
     ax.set_ylabel("decode step latency, µs (p50; bars p20-p80)")
-    ax.set_title("\n".join(textwrap.fill(line, 100) for line in title.split("\n")), fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    rows = savings(records, backends, batches)
+    styles = {"sync": "-", "sync-graphed": "--", "padded": ":"}
+    for b in backends:
+        for base in BASELINES:
+            pts = sorted((r["batch"], r["pct"]) for r in rows if r["backend"] == b and r["baseline"] == base)
+            if pts and b not in BASELINES[:BASELINES.index(base) + 1]:
+                ax2.plot([p[0] for p in pts], [p[1] for p in pts], styles[base], marker=".", label=f"{b} vs {base}")
+    ax2.axhline(TARGET_SAVED_PCT, color="red", lw=1)
+    ax2.text(batches[0], TARGET_SAVED_PCT, f" {TARGET_SAVED_PCT:.0f} % target", color="red", va="bottom", fontsize=8)
+    ax2.axhline(0, color="black", lw=0.6)
+    ax2.set_ylabel("% of the baseline's step latency saved")
+    ax2.set_title("saved vs each baseline (solid: sync, dashed: sync-graphed, dotted: padded)", fontsize=9)
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle("\n".join(textwrap.fill(line, 150) for line in title.split("\n")), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_profile(path: str, profile: dict, backends: list[str], batches: list[int], parts: tuple,
+                 title: str, unit: str) -> None:
+    """The step profile as stacked bars: one bar per (batch, backend), one segment per part."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(batches) * len(backends)), 5))
+    width = 0.8 / max(1, len(backends))
+    colors = plt.get_cmap("tab10").colors
+    for j, b in enumerate(backends):
+        bottom = [0.0] * len(batches)
+        for k, part in enumerate(parts):
+            h = [profile[b][n].get(part, 0.0) for n in batches]
+            xs = [i + (j - (len(backends) - 1) / 2) * width for i in range(len(batches))]
+            ax.bar(xs, h, width * 0.95, bottom=bottom, color=colors[k % 10], label=part if j == 0 else None,
+                   edgecolor="white", lw=0.3)
+            bottom = [a + c for a, c in zip(bottom, h)]
+        for i, top in enumerate(bottom):
+            ax.text(i + (j - (len(backends) - 1) / 2) * width, top, b, rotation=90, fontsize=7, ha="center",
+                    va="bottom")
+    ax.set_xticks(range(len(batches)), [f"batch {n}" for n in batches])
+    ax.set_ylabel(unit)
+    ax.set_title("\n".join(textwrap.fill(line, 120) for line in title.split("\n")), fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,14 +2,25 @@
 
 For one model config: first every backend's greedy decoding is checked against the single-process reference
 model (abort on mismatch), then decode steps are timed per batch size and backend (warm-up, then p20 / p50 /
-p80 of the per-step latency, CUDA events on a GPU). Prints a table with each of our backends' improvement
-over ``sync`` and ``padded``, appends JSON lines and draws a PNG under ``--out-dir``.
+p80 of the per-step latency, CUDA events on a GPU), then one step per batch is counted (host syncs, kernel
+launches, bytes to other ranks, graph mode; ``step_profile.count_step``). Backends: ``sync`` (eager model),
+``sync-graphed`` (piecewise graphs around the host-synced exchange), ``padded`` (the bucket's own capacity),
+``dynamic``, ``fused`` (backends.py). Appends JSON lines and draws a PNG under ``--out-dir``.
+
+Report: on the CPU the counted properties lead, then the latest committed GPU results of the same config
+(device and commit named), and the interpreter timings last as a harness check. On a GPU: the timings, the
+% saved against each baseline, and, with a ``--profile`` of the same config in ``--out-dir``, how much of
+each difference is communication (dispatch + combine time) and how much graphs and host.
+
+Without the ``bench`` extra (tqdm, matplotlib) it says so and runs without a progress bar and plots.
 
 Where the ranks run:
   CPU                         --world processes (default 4) over the shm heap, Triton interpreted, no graphs
   one GPU                     world 1 over the nvshmem heap, CUDA graphs
   one GPU, --heap loopback    --world ranks (2-8) emulated in one process on one GPU (labelled "emulated")
   several GPUs                torchrun --nproc-per-node N (one rank per GPU, nvshmem heap)
+  --emulate-ep N              one rank of EP-N on one device (E/N experts, peers emulated as its mirror;
+                              backends.EmulatedPeers), world 1
 """
 
 from __future__ import annotations
@@ -23,10 +34,11 @@ import time
 import torch
 
 from .backends import BACKEND_NAMES
-from .bench_report import environment, format_table, percentiles, plot, slowest_rank_per_step, write_jsonl
+from .bench_report import (environment, format_savings, format_table, percentiles, plot, savings,
+                           slowest_rank_per_step, write_jsonl)
 from .configs import CONFIG_NAMES, model_config
 
-CPU_DEFAULTS = dict(batches=[1, 2, 4, 8], world=4, steps=5, warmup=2)
+CPU_DEFAULTS = dict(batches=[1, 4], world=4, steps=3, warmup=1)
 GPU_DEFAULTS = dict(batches=[1, 2, 4, 8, 16, 32, 64], world=1, steps=200, warmup=20)
 
 
@@ -35,18 +47,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="llama4-scout", choices=CONFIG_NAMES)
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
-                   help="decode batch sizes per rank, comma separated (CPU 1,2,4,8; GPU 1,2,...,64)")
+                   help="decode batch sizes per rank, comma separated (CPU 1,4; GPU 1,2,...,64)")
     p.add_argument("--backends", type=lambda s: s.split(","), default=list(BACKEND_NAMES),
                    help=f"comma separated subset of {','.join(BACKEND_NAMES)}")
     p.add_argument("--world", type=int, help="ranks (CPU default 4; GPU 1; under torchrun: its world)")
     p.add_argument("--heap", default="auto", choices=("auto", "shm", "nvshmem", "loopback"))
-    p.add_argument("--steps", type=int, help="timed decode steps per point (CPU 5, GPU 200)")
-    p.add_argument("--warmup", type=int, help="untimed decode steps first (CPU 2, GPU 20)")
+    p.add_argument("--steps", type=int, help="timed decode steps per point (CPU 3, GPU 200)")
+    p.add_argument("--warmup", type=int, help="untimed decode steps first (CPU 1, GPU 20)")
     p.add_argument("--prompt-len", type=int, default=4)
     p.add_argument("--check-steps", type=int, default=3, help="decode steps compared with the reference")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out-dir", default=os.path.join("bench", "results"))
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--emulate-ep", type=int, default=0, metavar="N",
+                   help="one rank of an EP-N deployment on this device: the model holds E/N experts and one rank's "
+                        "batch; every peer is emulated as this rank's mirror (what it sends peer p comes back as "
+                        "p's contribution), so the step is one rank's work minus the link (world 1 only)")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: where each step's time goes (attention, router, dispatch, experts, "
                         "combine, shared expert, LM head), eager steps under torch.profiler, one rank (world 1)")
@@ -63,7 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown backend {b!r}; choose from {BACKEND_NAMES}")
     cuda = torch.cuda.is_available() if opts.device == "auto" else opts.device == "cuda"
     opts.device = "cuda" if cuda else "cpu"
-    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    defaults = dict(GPU_DEFAULTS if cuda else CPU_DEFAULTS)
+    if opts.emulate_ep:
+        defaults["world"] = 1
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if opts.profile and opts.world is None and not torchrun:
         opts.world = 1
@@ -78,7 +96,55 @@ def parse_args(argv=None) -> argparse.Namespace:
     if opts.attention == "auto":
         opts.attention = "triton" if cuda else "torch"
     opts.max_batch = max(max(opts.batches), 3)
+    if opts.emulate_ep:
+        if opts.emulate_ep < 2 or (opts.world != 1 and not opts.profile):
+            p.error("--emulate-ep N needs N >= 2 and --world 1 (it emulates the other ranks)")
+        try:
+            model_config(opts.config, opts.device).experts_per_rank(opts.emulate_ep)
+        except ValueError as e:
+            p.error(str(e))
     return opts
+
+
+# ---- optional packages (the ``bench`` extra) -----------------------------------------------------------
+
+BENCH_EXTRA_HINT = "pip install 'moe-comm[bench]'"
+
+
+def missing_bench_packages() -> list[str]:
+    """The ``bench`` extra's packages that are not installed (tqdm: progress bar, matplotlib: plots)."""
+    import importlib.util  # noqa: PLC0415
+    return [m for m in ("tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
+
+
+class _NoBar:
+    """Stands in for tqdm when it is missing: no output."""
+
+    def set_postfix_str(self, *_):
+        pass
+
+    def update(self, *_):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total: int, disable: bool, desc: str):
+    """A tqdm bar on stderr, or a silent stand-in without the ``bench`` extra."""
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, disable=disable, desc=desc, unit="run", file=sys.stderr)
+
+
+def graphs_label(engine) -> str:
+    """How an engine runs a decode step: "graph" (one CUDA graph), "piecewise" (graphs between eager
+    exchanges) or "eager"."""
+    if getattr(engine, "piecewise_graphs", False):
+        return "piecewise"
+    return "graph" if engine.use_graphs else "eager"
 
 
 # ---- work on the ranks ---------------------------------------------------------------------------------
@@ -104,13 +170,13 @@ def run_ranks(groups: list, opts) -> dict:
     Returns {"timing": {backend: {batch: [step µs of this process]}}, "check": {backend: worst rel error},
     "graphs": {backend: bool}, "emulated": {backend: bool}}.
     """
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from .backends import make_comms  # noqa: PLC0415
+    from .backends import make_comms, tiled_reference_weights  # noqa: PLC0415
     from .check import ReferenceMismatch, check_generation, default_rtol  # noqa: PLC0415
     from .engine import DecodeEngine, global_max  # noqa: PLC0415
     from .model import MoEDecoder  # noqa: PLC0415
+    from .piecewise import PiecewiseEngine  # noqa: PLC0415
     from .reference_model import ReferenceModel  # noqa: PLC0415
+    from .step_profile import count_step  # noqa: PLC0415
     from .weights import build_weights  # noqa: PLC0415
 
     device, world = groups[0].device, groups[0].world_size
@@ -122,21 +188,29 @@ def run_ranks(groups: list, opts) -> dict:
     need = opts.prompt_len + max(2 + opts.check_steps, opts.warmup + opts.steps) + 1
     if need > cfg.max_seq:
         raise ValueError(f"prompt + steps need {need} positions > max_seq={cfg.max_seq}; use fewer --steps")
-    # Every expert once (the reference needs them; ranks of this process take views) or only this rank's.
-    full = build_weights(cfg, device) if len(groups) > 1 or world == 1 else None
-    e_local = cfg.experts_per_rank(world)
-    shares = ([full.for_rank(g.rank, world) for g in groups] if full is not None else
-              [build_weights(cfg, device, experts=(groups[0].rank * e_local, (groups[0].rank + 1) * e_local))])
+    emulate = opts.emulate_ep
+    if emulate:
+        # One rank of EP-N: experts [0, E/N) only; its reference computes expert e with local e mod E/N.
+        e_local = cfg.experts_per_rank(emulate)
+        shares = [build_weights(cfg, device, experts=(0, e_local))]
+        full = tiled_reference_weights(shares[0], cfg.num_experts)
+    else:
+        # Every expert once (the reference needs them; ranks of this process take views) or only this rank's.
+        full = build_weights(cfg, device) if len(groups) > 1 or world == 1 else None
+        e_local = cfg.experts_per_rank(world)
+        shares = ([full.for_rank(g.rank, world) for g in groups] if full is not None else
+                  [build_weights(cfg, device, experts=(groups[0].rank * e_local, (groups[0].rank + 1) * e_local))])
     ranks = [g.rank for g in groups]
-    out = dict(timing={}, check={}, graphs={}, emulated={})
-    bar = tqdm(total=len(opts.backends) * (1 + len(opts.batches)), disable=0 not in ranks, desc="decode bench",
-               unit="run", file=sys.stderr)
+    out = dict(timing={}, check={}, graphs={}, emulated={}, counters={})
+    bar = progress_bar(total=len(opts.backends) * (1 + len(opts.batches)), disable=0 not in ranks,
+                       desc="decode bench")
 
     def engine_for(name):
-        comms = make_comms(name, groups, cfg, opts.max_batch)
-        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1, expert_impl=opts.experts,
+        comms = make_comms(name, groups, cfg, opts.max_batch, emulate_ep=emulate)
+        piecewise = getattr(comms[0], "piecewise", False)
+        models = [MoEDecoder(w, c, opts.max_batch, phased=len(groups) > 1 or piecewise, expert_impl=opts.experts,
                              attention_impl=opts.attention) for w, c in zip(shares, comms)]
-        return DecodeEngine(models), comms
+        return (PiecewiseEngine(models) if piecewise else DecodeEngine(models)), comms
 
     def release(comms):
         for c in comms:
@@ -170,7 +244,8 @@ def run_ranks(groups: list, opts) -> dict:
     # 2. timing
     for name in opts.backends:
         engine, comms = engine_for(name)
-        out["graphs"][name], out["emulated"][name] = engine.use_graphs, comms[0].emulated
+        out["graphs"][name] = graphs_label(engine)
+        out["emulated"][name] = comms[0].emulated
         out["timing"][name] = {}
         for batch in opts.batches:
             bar.set_postfix_str(f"{name}: batch {batch}")
@@ -179,6 +254,8 @@ def run_ranks(groups: list, opts) -> dict:
             engine.generate(reqs)
             out["timing"][name][batch] = [engine.step_us[opts.warmup:]]
             bar.update()
+        # What every machine measures truly: host reads, launches, bytes, graph mode (engine warm by now).
+        out["counters"][name] = {batch: count_step(engine, batch, warm=False) for batch in opts.batches}
         del engine
         release(comms)
     bar.close()
@@ -235,12 +312,21 @@ def _run(opts) -> list[dict] | None:
 # ---- report ------------------------------------------------------------------------------------------
 
 def _describe(opts, results) -> str:
+    if opts.emulate_ep:
+        ep = (f"one rank of EP{opts.emulate_ep} EMULATED on one device (E/{opts.emulate_ep} experts, peers mirror "
+              f"this rank, no link); ")
+    else:
+        ep = ""
+    return ep + _describe_world(opts, results)
+
+
+def _describe_world(opts, results) -> str:
     if opts.device == "cpu":
         where = (f"world {opts.world} emulated in one process (loopback heap)" if opts.heap == "loopback"
                  else f"{opts.world} processes, {opts.heap} heap")
         return f"CPU, {where}, Triton kernels interpreted (TRITON_INTERPRET=1), no CUDA graphs"
     emulated = opts.heap == "loopback" and opts.world > 1
-    graphs = ", ".join(f"{b}: {'graph' if g else 'eager'}" for b, g in results[0]["graphs"].items())
+    graphs = ", ".join(f"{b}: {g}" for b, g in results[0]["graphs"].items())
     where = (f"world {opts.world} EMULATED on one GPU (loopback heap: every rank's work runs on this GPU, "
              f"one after another)" if emulated else f"world {opts.world}, {opts.heap} heap")
     return f"GPU, {where}; {graphs}"
@@ -258,34 +344,128 @@ def report(opts, results: list[dict]) -> dict:
                        experts=cfg.num_experts, topk=cfg.topk, dtype=str(cfg.dtype).replace("torch.", ""),
                        backend=b, batch_per_rank=n, world=opts.world, heap=opts.heap, expert_impl=opts.experts,
                        attention_impl=opts.attention,
-                       emulated=bool(results[0]["emulated"][b]), cuda_graphs=bool(results[0]["graphs"][b]),
+                       emulated=bool(results[0]["emulated"][b]), cuda_graphs=results[0]["graphs"][b] != "eager",
+                       graphs=results[0]["graphs"][b], emulate_ep=opts.emulate_ep,
                        warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
+                       **{f"step_{k}": v for k, v in results[0]["counters"][b][n].items() if k != "batch"},
                        **percentiles(slowest_rank_per_step(per_process)), **env,
                        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             records.append(rec)
     os.makedirs(opts.out_dir, exist_ok=True)
     attention = "" if opts.attention == "torch" else f"_attn-{opts.attention}"
+    world = f"ep{opts.emulate_ep}emu" if opts.emulate_ep else f"w{opts.world}"
     stem = os.path.join(opts.out_dir,
-                        f"decode_latency_{cfg.name}_{opts.device}_w{opts.world}_{opts.experts}{attention}")
+                        f"decode_latency_{cfg.name}_{opts.device}_{world}_{opts.experts}{attention}")
     write_jsonl(stem + ".jsonl", records)
     title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
              f"{rec['dtype']}, {opts.experts} expert GEMMs, {opts.attention} attention")
-    plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
+    drawn = "matplotlib" not in missing_bench_packages()
+    if drawn:
+        plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
     worst = {b: max(res["check"][b] for res in results) for b in opts.backends}
     print(f"\n{title}\n{mode}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
-    print("reference check passed: " + ", ".join(f"{b} max rel err {e:.1e}" for b, e in worst.items()))
-    print(f"decode step latency, µs: p50 [p20-p80] over {opts.steps} steps after {opts.warmup} warm-up "
-          f"(slowest rank per step); improvement = latency saved vs the baseline\n")
-    print(format_table(records, opts.backends, opts.batches))
+    print("1. reference check passed: " + ", ".join(f"{b} max rel err {e:.1e}" for b, e in worst.items()))
+    print("\n2. per decode step and rank, counted on this machine (the same on any device):")
+    print(format_counters(results[0]["counters"], opts.backends, opts.batches))
+    timing = (f"decode step latency, µs: p50 [p20-p80] over {opts.steps} steps after {opts.warmup} warm-up "
+              f"(slowest rank per step)")
     if opts.device == "cpu":
-        print("\nNote: on the CPU the Triton kernels of dynamic/fused run in Triton's interpreter and the baselines "
-              "use gloo, so these numbers show the harness works, not how the designs compare on GPUs.")
-    print(f"\nJSON lines appended to {stem}.jsonl\nplot written to {stem}.png")
-    return dict(records=records, jsonl=stem + ".jsonl", png=stem + ".png")
+        print("\n3. " + committed_gpu_results(cfg.name))
+        print(f"\n4. harness check, NOT a comparison of the designs: {timing}. On the CPU the Triton kernels of "
+              "dynamic/fused run in Triton's interpreter and the baselines use gloo.\n")
+        print(format_table(records, opts.backends, opts.batches))
+        print("\nharness check of the savings arithmetic (interpreter vs gloo; meaningless as a comparison):")
+        print(format_savings(savings(records, opts.backends, opts.batches), opts.backends, opts.batches))
+    else:
+        print(f"\n3. {timing}\n")
+        print(format_table(records, opts.backends, opts.batches))
+        print("\n% of each baseline's latency saved (positive = faster):")
+        print(format_savings(savings(records, opts.backends, opts.batches), opts.backends, opts.batches))
+        print_attribution(opts, cfg, records)
+    print(f"\nJSON lines appended to {stem}.jsonl" + (f"\nplot written to {stem}.png" if drawn else ""))
+    return dict(records=records, jsonl=stem + ".jsonl", png=stem + ".png" if drawn else None)
+
+
+def format_counters(counters: dict, backends: list[str], batches: list[int]) -> str:
+    """counters[backend][batch] (``step_profile.count_step``) as one row per (backend, batch)."""
+    from .bench_report import _grid  # noqa: PLC0415
+    head = ["backend", "batch", "host syncs", "launches (ATen + Triton)", "bytes to other ranks", "CUDA graphs"]
+    rows = []
+    for b in backends:
+        for n in batches:
+            c = counters[b][n]
+            rows.append([b, str(n), str(c["host_reads"]), f"{c['launches']} ({c['aten_launches']} + {c['triton_launches']})",
+                         f"{c['wire_bytes']:,}", c["graph_mode"]])
+    return _grid(head, rows)
+
+
+def committed_gpu_results(config: str, root: str | None = None) -> str:
+    """The latest committed GPU decode results (world 1) of ``config`` under bench/results, labelled with
+    device and commit; a line saying there are none otherwise."""
+    import glob  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    from .bench_report import _grid, improvement  # noqa: PLC0415
+    root = root or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench", "results")
+    best = None
+    for path in glob.glob(os.path.join(root, "**", f"decode_latency_{config}_cuda_w1_*.jsonl"), recursive=True):
+        with open(path) as f:
+            recs = [json.loads(x) for x in f if x.strip()]
+        recs = [r for r in recs if r.get("bench") == "decode_latency" and not r.get("emulate_ep")]
+        if recs and (best is None or max(r["time"] for r in recs) > max(r["time"] for r in best[1])):
+            best = (path, recs)
+    if best is None:
+        return f"latest committed GPU results for {config}: none under {root}"
+    path, recs = best
+    last = {}
+    for r in recs:  # the latest line per (backend, batch)
+        last[(r["backend"], r["batch_per_rank"])] = r
+    backends = [b for b in ("sync", "sync-graphed", "padded", "dynamic", "fused") if any(k[0] == b for k in last)]
+    batches = sorted({k[1] for k in last})
+    r0 = next(iter(last.values()))
+    head = ["batch"] + [f"{b} µs" for b in backends] + [f"fused vs {b}" for b in backends if b != "fused"]
+    rows = []
+    for n in batches:
+        row = [str(n)] + [f"{last[(b, n)]['us_p50']:.0f}" if (b, n) in last else "-" for b in backends]
+        for b in backends:
+            if b != "fused":
+                ok = (b, n) in last and ("fused", n) in last
+                row.append(f"{improvement(last[(b, n)]['us_p50'], last[('fused', n)]['us_p50']):+.1f}%" if ok else "-")
+        rows.append(row)
+    note = ("" if "sync-graphed" in backends else
+            "\n   (these runs predate the sync-graphed baseline and per-bucket padded capacity: sync there is a fully "
+            "eager model, and padded used the largest bucket's capacity at every batch)")
+    return (f"latest committed GPU results for the same configuration ({config} at its real widths, world 1): "
+            f"{r0.get('device')}, commit {str(r0.get('commit'))[:7]}, "
+            f"{os.path.relpath(path, os.path.dirname(os.path.dirname(root)))}{note}\n"
+            + _grid(head, rows))
+
+
+def print_attribution(opts, cfg, records: list[dict]) -> None:
+    """Where each backend's difference from sync comes from, if a step profile of this configuration is
+    in --out-dir (``--profile`` writes it)."""
+    from .bench_report import attribution, format_attribution, latest_profile  # noqa: PLC0415
+    from .step_profile import profile_path  # noqa: PLC0415
+    path = profile_path(opts, cfg)
+    if not os.path.exists(path):
+        print(f"\ngraphs vs communication: no step profile at {path} (run with --profile first)")
+        return
+    with open(path) as f:
+        import json  # noqa: PLC0415
+        prof = latest_profile([json.loads(x) for x in f if x.strip()])
+    rows = [r for base in ("sync", "sync-graphed", "padded") for r in attribution(records, prof, base)]
+    print(f"\nwhere the difference comes from (communication = dispatch + combine device time from {path}; "
+          "graphs + host = the rest):")
+    print(format_attribution(rows))
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    missing = missing_bench_packages()
+    if missing:
+        print(f"note: {', '.join(missing)} not installed (the 'bench' extra: {BENCH_EXTRA_HINT}): "
+              f"running without {' and '.join({'tqdm': 'a progress bar', 'matplotlib': 'plots'}[m] for m in missing)}",
+              file=sys.stderr)
     results = _run(opts)
     if results is not None and (not opts.torchrun or int(os.environ["RANK"]) == 0):
         if opts.profile:

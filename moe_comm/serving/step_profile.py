@@ -90,7 +90,9 @@ def profile_ranks(groups: list, opts) -> dict:
         raise SystemExit("--profile runs one rank (world 1): the parts of a step are timed on that rank alone")
     device = groups[0].device
     cfg = model_config(opts.config, device)
-    weights = build_weights(cfg, device)
+    emulate = getattr(opts, "emulate_ep", 0)
+    # --emulate-ep N: one rank of EP-N holds experts [0, E/N) (see backends.EmulatedPeers)
+    weights = build_weights(cfg, device, experts=(0, cfg.experts_per_rank(emulate)) if emulate else None)
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     position = min(opts.prompt_len + opts.warmup, cfg.max_seq - 1)
@@ -98,7 +100,7 @@ def profile_ranks(groups: list, opts) -> dict:
     model_mod.PROFILE_SPANS = True
     try:
         for name in opts.backends:
-            comm = make_comms(name, groups, cfg, opts.max_batch)[0]
+            comm = make_comms(name, groups, cfg, opts.max_batch, emulate_ep=emulate)[0]
             model = MoEDecoder(weights, comm, opts.max_batch, expert_impl=opts.experts,
                                attention_impl=opts.attention)
             out[name] = {}
@@ -127,6 +129,13 @@ def profile_ranks(groups: list, opts) -> dict:
     finally:
         model_mod.PROFILE_SPANS = False
     return dict(profile=out)
+
+
+def profile_path(opts, cfg) -> str:
+    """Where ``--profile`` writes its JSON lines (and the timing report looks for them)."""
+    ep = f"_ep{opts.emulate_ep}emu" if getattr(opts, "emulate_ep", 0) else ""
+    return os.path.join(opts.out_dir,
+                        f"decode_profile_{cfg.name}_{opts.device}{ep}_{opts.experts}_attn-{opts.attention}.jsonl")
 
 
 def _largest(us_by_kernel: dict, n: int) -> list[tuple[str, float]]:
@@ -164,8 +173,159 @@ def report_profile(opts, results: list[dict]) -> dict:
                 print(f"  largest {part} kernels at batch {opts.batches[-1]}: "
                       + "; ".join(f"{k[:60]} {us:.0f}" for k, us in top))
     os.makedirs(opts.out_dir, exist_ok=True)
-    path = os.path.join(opts.out_dir,
-                        f"decode_profile_{cfg.name}_{opts.device}_{opts.experts}_attn-{opts.attention}.jsonl")
+    path = profile_path(opts, cfg)
     write_jsonl(path, records)
     print(f"\nJSON lines appended to {path}")
-    return dict(records=records, jsonl=path)
+    import importlib.util  # noqa: PLC0415
+    png = None
+    if importlib.util.find_spec("matplotlib") is not None:
+        from .bench_report import plot_profile  # noqa: PLC0415
+        png = path[:-len(".jsonl")] + ".png"
+        plot_profile(png, prof, list(prof), opts.batches, (*PARTS, "other"),
+                     f"{cfg.name}: where a step's time goes ({unit} per step, eager steps)\n"
+                     f"{env['device']}, commit {str(env['commit'])[:12]}", unit)
+        print(f"plot written to {png}")
+    return dict(records=records, jsonl=path, png=png)
+
+
+# ---- what a CPU measures truly: host reads, launches, bytes, graph mode ----------------------------------
+
+class _Counters(torch.overrides.TorchFunctionMode):
+    """Counts host reads of tensor values (``tolist``, ``item``, ``int(t)``, ...): on a GPU each is a
+    device->host sync. Paused inside Triton launches (the interpreter's own reads) and moe-comm's
+    error-word checks (pinned host memory: no device sync on a GPU)."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.host_reads, self.paused = 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func in self.READS:
+            self.host_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Launches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen ops that run a kernel (view and metadata ops excluded): one launch each on a GPU."""
+
+    FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh"}
+
+    def __init__(self, counters: _Counters):
+        super().__init__()
+        self.counters, self.aten = counters, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.counters.paused and not func.is_view and func.overloadpacket.__name__ not in self.FREE:
+            self.aten += 1
+        return func(*args, **(kwargs or {}))
+
+
+def comm_wire_bytes(comm, topk_idx: torch.Tensor) -> int:
+    """Payload bytes this rank's dispatch + combine put into other ranks' buffers for one call, from
+    the call's routing and the backend's message format (rows to this rank itself are not counted):
+    sync/sync-graphed/dynamic send each routed (token, expert) pair's row both ways (with an 8-byte /
+    4-byte expert id on the dispatch); padded sends every row of every peer's padded block; fused
+    sends a token once per destination rank (with its K routing ids) and each pair's row back."""
+    world, e_local = comm.world, comm.experts_per_rank
+    row = comm.hidden * torch.empty((), dtype=comm.dtype).element_size()
+    t, k = topk_idx.shape
+    valid = topk_idx >= 0
+    dest = torch.where(valid, topk_idx.div(e_local, rounding_mode="floor"), comm.rank)
+    remote = valid & (dest != comm.rank)
+    pairs = int(remote.sum())
+    name = comm.name
+    if name in ("sync", "sync-graphed"):
+        return pairs * (row + 8) + pairs * row
+    if name == "dynamic":
+        return 2 * pairs * (row + 4)
+    if name == "padded":
+        per_token = min(k, e_local)
+        inner = getattr(comm, "inner", comm)
+        cap = t * per_token if (world == 1 or inner is not comm) else inner.max_tokens * per_token
+        return (world - 1) * cap * ((row + 8) + row)
+    if name == "fused":
+        ranks = torch.zeros(t, world, dtype=torch.bool)
+        ranks[remote.nonzero(as_tuple=True)[0], dest[remote]] = True
+        return int(ranks.sum()) * (row + 4 * k) + pairs * row
+    raise ValueError(f"no message format for backend {name!r}")
+
+
+def graph_mode(comm) -> str:
+    """How a step with this backend can run on a GPU."""
+    if comm.capturable:
+        return "one CUDA graph"
+    if getattr(comm, "piecewise", False):
+        return "graphs between eager exchanges"
+    return "eager (host reads)"
+
+
+def count_step(engine, batch: int, warm: bool = True) -> dict:
+    """One decode step of ``batch`` tokens on every local rank of ``engine``, counted: host reads of
+    device values, kernel launches (ATen kernels + Triton launches), payload bytes to other ranks (per
+    rank, all layers), and the graph mode. Collective: every process of the world calls it together.
+    Runs eagerly (on a GPU too): launches are counted as the step issues them. warm: one uncounted step
+    first (a backend's first call allocates its buffers); False for an engine that has already run."""
+    import triton.runtime.interpreter as interp  # noqa: PLC0415
+    import triton.runtime.jit as jit  # noqa: PLC0415
+
+    from ..group import CommGroup  # noqa: PLC0415
+
+    models = engine.models
+    dev = engine.device
+    counters = _Counters()
+    launches = _Launches(counters)
+    triton_launches = [0]
+    routed: list = []
+
+    def paused(fn, count_launch):
+        def wrapper(*a, **kw):
+            if count_launch and not counters.paused:
+                triton_launches[0] += 1
+            counters.paused += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                counters.paused -= 1
+        return wrapper
+
+    def recording(comm):
+        orig = comm.dispatch
+
+        def dispatch(x, topk_idx, phase="both"):
+            if phase != "recv":  # a phased model passes the same arguments to both phases
+                routed.append((comm, topk_idx.detach().to("cpu", copy=True)))
+            return orig(x, topk_idx, phase=phase)
+        return orig, dispatch
+
+    saved = [(interp.InterpretedFunction, "run"), (jit.JITFunction, "run"), (CommGroup, "check")]
+    originals = [getattr(cls, attr) for cls, attr in saved]
+    dispatches = [recording(m.comm) for m in models]
+    b = batch
+    args = [[torch.zeros(b, dtype=torch.int64, device=dev), torch.arange(b, device=dev),
+             torch.full((b,), 1, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.bool, device=dev)]
+            for _ in models]
+    if warm:
+        with torch.no_grad():  # first calls allocate buffers and compile; not part of a step
+            engine._forward(*[list(col) for col in zip(*args)])
+    try:
+        for (cls, attr), fn in zip(saved, originals):
+            setattr(cls, attr, paused(fn, count_launch=attr == "run"))
+        for m, (_, rec) in zip(models, dispatches):
+            m.comm.dispatch = rec
+        with torch.no_grad(), counters, launches:
+            engine._forward(*[list(col) for col in zip(*args)])
+    finally:
+        for (cls, attr), fn in zip(saved, originals):
+            setattr(cls, attr, fn)
+        for m, (orig, _) in zip(models, dispatches):
+            m.comm.dispatch = orig
+    # routing recorded on the CPU outside the modes; count per local rank (first one reported)
+    comm0 = models[0].comm
+    wire = sum(comm_wire_bytes(c, idx) for c, idx in routed if c is comm0)
+    n = len(models)
+    return dict(host_reads=counters.host_reads // n, launches=(launches.aten + triton_launches[0]) // n,
+                aten_launches=launches.aten // n, triton_launches=triton_launches[0] // n,
+                wire_bytes=wire, graph_mode=graph_mode(comm0), batch=batch)
