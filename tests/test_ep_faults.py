@@ -1,5 +1,6 @@
 """EPBuffer under faults: a peer that dies or never sends makes the others raise CommTimeoutError naming
-it, within about twice the timeout, and nothing hangs or leaks."""
+it, within about twice the timeout, and nothing hangs or leaks. (A survivor may raise the record of the
+other survivor, which timed out first and broadcast it: README "Faults and recovery".)"""
 
 import os
 import time
@@ -55,7 +56,9 @@ def test_killed_peer_is_named(where):
     for rank in (0, 2):
         got = err.results[rank]
         assert got["error"] == "CommTimeoutError", got
-        assert (got["op"], got["rank"], got["peer"]) == (where, rank, 1), got
+        # The error names the op and the dead peer. The waiting rank it names is this rank, or the other
+        # survivor whose timeout came first and was broadcast (every rank raises the same error).
+        assert (got["op"], got["peer"]) == (where, 1) and got["rank"] in (0, 2), got
         assert got["seconds"] < 2 * TIMEOUT_S + 2, got
     assert time.monotonic() - t0 < 120
     assert [f for f in _shm_files() if f not in before] == []
