@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import torch
 
+from .triton_kernels.copy_rows import copy_valid_rows
+
 __all__ = ["DispatchOutput", "alltoallv", "alltoallv_combine", "combine", "dispatch", "register",
            "unregister"]
 
@@ -134,11 +136,12 @@ def _ep_dispatch(buffer_id: int, x: torch.Tensor | None, topk_idx: torch.Tensor 
     if d is None:  # phase="send": results come with the matching phase="recv"
         return
     _HANDLES[buffer_id].append(d.handle)
-    recv_x.copy_(d.x)
+    # Only the valid rows (counts on the device): rows past a count are unspecified in the op's contract.
+    copy_valid_rows(d.x, recv_x, d.counts)
     if spec.scale_cols:
-        recv_scales.copy_(d.scales)
+        copy_valid_rows(d.scales, recv_scales, d.counts)
+    copy_valid_rows(d.src, recv_src, d.counts)
     recv_counts.copy_(d.counts)
-    recv_src.copy_(d.src)
 
 
 @_ep_dispatch.register_fake

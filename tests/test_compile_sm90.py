@@ -19,7 +19,8 @@ import triton.language as tl
 
 from moe_comm.triton_kernels import ptx_rules
 
-OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "moe_comm.serving.experts")
+OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
+              "moe_comm.serving.experts")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel"}
 WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel"}
 
@@ -45,6 +46,15 @@ def test_every_kernel_compiles_for_sm90_without_real_spills(report):
         assert r["registers"] is not None and r["registers"] <= 255, r
         # A few bytes of spill are harmless; a kernel that spills more has lost its shape.
         assert r["spill_store_bytes"] <= 16 and r["spill_load_bytes"] <= 16, r
+
+
+@pytest.mark.timeout(900)
+def test_the_ops_path_row_copy_moves_16_byte_vectors(report):
+    """Every global store of the counts-driven row copy (bf16 rows) is a 16-byte vector (the report
+    compiles with pointer arguments 16-byte aligned, as Triton specializes torch's allocations)."""
+    (r,) = [r for r in report if r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"]]
+    assert r["v4_stores"] >= 1 and r["v4_stores"] == r["global_stores"], r
+    assert r["v4_loads"] >= 1, r
 
 
 @pytest.mark.timeout(900)

@@ -145,7 +145,22 @@ def _module_path(name: str) -> str:
 
 
 def all_configs() -> list[KernelConfig]:
-    return _a2a_configs() + _ep_configs() + _extra_configs()
+    return _a2a_configs() + _ep_configs() + _copy_configs() + _extra_configs()
+
+
+def _copy_configs() -> list[KernelConfig]:
+    """The ops path's counts-driven row copy at DeepSeek-V3 EP8 (32 local experts, 1024 rows of capacity):
+    bf16 rows (3584 words) and their src indices (1 word)."""
+    import torch  # noqa: PLC0415
+
+    from .copy_rows import tile  # noqa: PLC0415
+
+    out, cuda = [], torch.device("cuda")
+    for label, words in (("DSV3 EP8 x bf16", 3584), ("DSV3 EP8 src", 1)):
+        br, bw = tile(1024, words, cuda)
+        out.append(KernelConfig("copy_rows", "copy_valid_rows_kernel", label, dict(
+            src_ptr="*i32", dst_ptr="*i32", counts_ptr="*i32"), dict(ROWS=1024, ROW_WORDS=words, BR=br, BW=bw)))
+    return out
 
 
 _PTXAS_RE = re.compile(r"Used (\d+) registers")
@@ -165,7 +180,9 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     missing = [a for a in fn.arg_names if a not in types]
     if missing:
         raise ValueError(f"{cfg.kernel}: no type given for {missing}")
-    compiled = triton.compile(ASTSource(fn, types, cfg.constexprs), target=GPUTarget("cuda", arch, 32))
+    # Pointer arguments 16-byte aligned, as Triton specializes them at launch for torch's allocations.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if types[a].startswith("*")}
+    compiled = triton.compile(ASTSource(fn, types, cfg.constexprs, aligned), target=GPUTarget("cuda", arch, 32))
     ptxas = get_ptxas(arch).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
