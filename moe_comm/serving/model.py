@@ -206,10 +206,12 @@ def run_to_end(gen):
     raise RuntimeError("forward yielded: a phased model must be driven by drive_lockstep")
 
 
-def drive_lockstep(gens: list):
+def drive_lockstep(gens: list, between=None):
     """Advance one generator per rank round-robin, in rank order, until all finish; their return values.
 
     Each yield ends a send phase, so every rank's send runs before any rank's matching receive.
+    ``between()``, if given, runs after each round in which some rank yielded (every rank has finished
+    that send phase), before the receives.
     """
     results, live = [None] * len(gens), list(enumerate(gens))
     while live:
@@ -221,4 +223,6 @@ def drive_lockstep(gens: list):
             except StopIteration as stop:
                 results[r] = stop.value
         live = still
+        if live and between is not None:
+            between()
     return results

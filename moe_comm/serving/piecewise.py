@@ -51,19 +51,7 @@ class PiecewiseEngine(DecodeEngine):
     # ---- cutting the step at the exchanges ------------------------------------------------------------
     def _forward(self, tokens, slots, positions, valid):
         gens = [m.forward(*a) for m, a in zip(self.models, zip(tokens, slots, positions, valid))]
-        results, live = [None] * len(gens), list(enumerate(gens))
-        while live:
-            still = []
-            for r, g in live:
-                try:
-                    next(g)
-                    still.append((r, g))
-                except StopIteration as stop:
-                    results[r] = stop.value
-            live = still
-            if live:
-                self._cut()
-        return results
+        return drive_lockstep(gens, between=self._cut)
 
     def _cut(self) -> None:
         """Every local rank has finished a send phase: run their pending exchanges (eager)."""
