@@ -30,6 +30,7 @@ def _version(dist_name: str) -> str | None:
 
 
 def environment(device: torch.device) -> dict:
+    from moe_comm.interpreter import use_interpreter  # noqa: PLC0415
     """What a result line needs to be reproducible: device, versions, commit, time."""
     cuda = device.type == "cuda"
     nvshmem = _version("nvshmem4py-cu13") or _version("nvshmem4py-cu12")
@@ -43,7 +44,7 @@ def environment(device: torch.device) -> dict:
         torch=torch.__version__, triton=triton_version, nvshmem4py=nvshmem,
         cuda=torch.version.cuda if cuda else None, python=platform.python_version(),
         commit=git_commit(), time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+        triton_interpret=use_interpreter(device),   # our kernels ran in Triton's interpreter
     )
 
 

@@ -324,7 +324,7 @@ def _describe_world(opts, results) -> str:
     if opts.device == "cpu":
         where = (f"world {opts.world} emulated in one process (loopback heap)" if opts.heap == "loopback"
                  else f"{opts.world} processes, {opts.heap} heap")
-        return f"CPU, {where}, Triton kernels interpreted (TRITON_INTERPRET=1), no CUDA graphs"
+        return f"CPU, {where}, Triton kernels interpreted (on CPU tensors), no CUDA graphs"
     emulated = opts.heap == "loopback" and opts.world > 1
     graphs = ", ".join(f"{b}: {g}" for b, g in results[0]["graphs"].items())
     where = (f"world {opts.world} EMULATED on one GPU (loopback heap: every rank's work runs on this GPU, "
