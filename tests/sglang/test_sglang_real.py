@@ -185,3 +185,19 @@ def test_plugin_world_shm(world, split):
 def test_plugin_off_keeps_sglang_dispatcher():
     names = moe_comm.launch(_plugin_rank, 1, False, False, backend="shm", timeout_s=60)
     assert names == [("StandardDispatcher", None)]
+
+
+def test_silent_peer_is_raised_by_name_and_stays():
+    """Rank 1 never dispatches: rank 0's dispatch raises CommTimeoutError naming it, and so does every
+    later dispatch (the group is failed until reset), instead of serving on with missing tokens."""
+    from moe_comm.errors import CommTimeoutError  # noqa: PLC0415
+
+    groups = moe_comm.init(backend="loopback", world_size=2, timeout_s=0.5, device="cpu")
+    d0, _ = [adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK)) for g in groups]
+    (x,), (idx,), (w,) = make_inputs(1, [2], E, TOPK, HIDDEN, 8)
+    topk = StandardTopKOutput(w, idx, torch.zeros(2, E))
+    d0.dispatch_a(x, topk)
+    with pytest.raises(CommTimeoutError, match="waiting for peer rank 1"):
+        d0.dispatch_b()
+    with pytest.raises(CommTimeoutError, match="peer rank 1"):
+        adapter.dispatcher_class()(d0.ep).dispatch(x, topk)
