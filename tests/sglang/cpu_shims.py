@@ -54,7 +54,16 @@ class _StubFinder:
         pass
 
 
+def _found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def install() -> None:
-    """Register the placeholder when the real torchvision is absent (idempotent)."""
-    if importlib.util.find_spec("torchvision") is None:
+    """Register the placeholder where SGLang is installed and the real torchvision is absent (idempotent)."""
+    if not _found("sglang.srt") or _found("torchvision"):
+        return
+    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
         sys.meta_path.append(_StubFinder())

@@ -201,3 +201,16 @@ def test_silent_peer_is_raised_by_name_and_stays():
         d0.dispatch_b()
     with pytest.raises(CommTimeoutError, match="peer rank 1"):
         adapter.dispatcher_class()(d0.ep).dispatch(x, topk)
+
+
+def test_readme_snippet():
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import cpu_shims; cpu_shims.install(); " \
+           f"exec(open({os.path.join(here, 'readme_snippet.py')!r}).read())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_COMM_SGLANG")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "MoECommDispatcher [1, 1, 1, 1, 1, 1, 0, 1]", run.stdout

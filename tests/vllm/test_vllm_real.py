@@ -172,3 +172,15 @@ def test_silent_peer_is_raised_by_name_and_stays():
         receiver()
     with pytest.raises(CommTimeoutError, match="peer rank 1"):
         pf0.prepare(*args)
+
+
+def test_readme_snippet():
+    import os
+    import subprocess
+    import sys
+
+    snippet = os.path.join(os.path.dirname(os.path.abspath(__file__)), "readme_snippet.py")
+    run = subprocess.run([sys.executable, snippet], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(snippet))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "MoECommPrepareAndFinalize [1, 1, 1, 1, 1, 1, 0, 1]", run.stdout
