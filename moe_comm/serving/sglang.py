@@ -16,6 +16,9 @@ result, then ``dispatcher.combine(combine_input)``. Here:
   same layout, rows [:masked_m[e]] valid) with the router weights applied inside the combine kernel;
   returns [T, hidden].
 
+Each dispatch feeds the received counts to SGLang's expert-distribution recorder (EPLB statistics), as
+SGLang's DeepEP low-latency dispatcher does.
+
 ``dispatch_a``/``dispatch_b`` and ``combine_a``/``combine_b`` (SGLang's split calls) map onto the
 buffer's send and receive phases. Every dispatch first raises, by name, an error the group recorded in
 an earlier step (``moe_comm.serving.ep_group.check_group``).
@@ -40,6 +43,7 @@ __all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "dispatcher_class",
            "options_from_env"]
 
 _DISPATCHER = "sglang.srt.layers.moe.token_dispatcher"
+_EPLB = "sglang.srt.eplb.expert_distribution"
 _ENV_PREFIX = "MOE_COMM_SGLANG"
 DEFAULT_MAX_TOKENS_PER_RANK = 128  # SGLang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK
 
@@ -74,9 +78,13 @@ class EPBufferDispatcher:
         self._pending = None   # (topk_ids, topk_weights, T) between dispatch_a and dispatch_b
         self._handle = None    # the dispatch the next combine answers
         self._weights = None
+        self._out = None       # the combine's [T, hidden] output between combine_a and combine_b
 
     def _output(self, *fields):
         return LowLatencyDispatchOutput(*fields)
+
+    def _record_counts(self, counts: torch.Tensor) -> None:
+        """Hook for the framework's expert-load statistics (int32 [E_local] device counts)."""
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch_a(self, hidden_states: torch.Tensor, topk_output) -> None:
@@ -99,6 +107,7 @@ class EPBufferDispatcher:
         if d is None:
             d = self.ep.dispatch(None, None, phase="recv")
         self._handle, self._weights = d.handle, weights
+        self._record_counts(d.counts)
         scales = None if d.scales is None else deepep_scale_layout(d.scales)
         world, topk, experts = self.ep.group.world_size, self.ep.topk, self.ep.num_experts
         expected_m = (tokens * world * topk + experts) // experts
@@ -137,6 +146,7 @@ class EPBufferDispatcher:
 def dispatcher_class() -> type:
     """``MoECommDispatcher``: EPBufferDispatcher on SGLang's BaseDispatcher, with its output types."""
     sgl = importlib.import_module(_DISPATCHER)
+    recorder = importlib.import_module(_EPLB).get_global_expert_distribution_recorder
 
     class MoECommDispatcher(EPBufferDispatcher, sgl.BaseDispatcher):
         """SGLang dispatcher on a moe-comm EPBuffer (DeepEP low-latency formats; moe_comm.serving.sglang)."""
@@ -147,6 +157,9 @@ def dispatcher_class() -> type:
 
         def _output(self, *fields):
             return sgl.DeepEPLLDispatchOutput(*fields)
+
+        def _record_counts(self, counts):  # SGLang's expert-distribution recorder (EPLB), as DeepEP's does
+            recorder().on_deepep_dispatch_low_latency(counts)
 
         def combine_a(self, combine_input) -> None:
             if combine_input.format != sgl.CombineInputFormat.DEEPEP_LL:

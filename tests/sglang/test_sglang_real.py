@@ -214,3 +214,23 @@ def test_readme_snippet():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split("\n")[-2] == "MoECommDispatcher [1, 1, 1, 1, 1, 1, 0, 1]", run.stdout
+
+
+def test_counts_reach_sglang_expert_distribution_recorder(monkeypatch):
+    from sglang.srt.eplb import expert_distribution  # noqa: PLC0415
+
+    seen = []
+
+    class Recorder:
+        def on_deepep_dispatch_low_latency(self, counts):
+            seen.append(counts.tolist())
+
+    monkeypatch.setattr(expert_distribution, "get_global_expert_distribution_recorder", lambda: Recorder())
+    adapter.dispatcher_class.cache_clear()
+    try:
+        (g,) = moe_comm.init(backend="loopback", world_size=1)
+        d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+        _, _, out, _ = _layer(d, 0, 1, 4)
+        assert seen == [out.masked_m.tolist()]
+    finally:
+        adapter.dispatcher_class.cache_clear()
