@@ -5,7 +5,8 @@ result, then ``dispatcher.combine(combine_input)``. Here:
 
 - dispatch = EPBuffer.dispatch, returned as SGLang's ``DeepEPLLDispatchOutput``: the expert-major
   layout its DeepEP low-latency expert kernels take (DeepGEMM's masked grouped GEMM and friends), which
-  is EPBuffer's own layout, so nothing is copied:
+  is EPBuffer's own layout, so the tokens are not copied (with fp8 the small scale tensor is re-laid
+  out into DeepEP's order):
       hidden_states        [E_local, world * max_tokens_per_rank, hidden] (bf16, or float8_e4m3fn with fp8)
       hidden_states_scale  None, or float32 [E_local, world * max_tokens_per_rank, hidden // 128] with
                            fp8, column-major over the token rows as DeepEP returns it (stride 1 on dim 1)
@@ -22,6 +23,11 @@ SGLang's DeepEP low-latency dispatcher does.
 ``dispatch_a``/``dispatch_b`` and ``combine_a``/``combine_b`` (SGLang's split calls) map onto the
 buffer's send and receive phases. Every dispatch first raises, by name, an error the group recorded in
 an earlier step (``moe_comm.serving.ep_group.check_group``).
+
+Limits: one layout, DeepEP's low-latency one, for every batch (there is no "normal" high-throughput
+mode): a batch of more than max_tokens_per_rank tokens on a rank raises ValueError, so cap SGLang's
+per-rank batch (e.g. --chunked-prefill-size, --cuda-graph-max-bs) at MOE_COMM_SGLANG_MAX_TOKENS.
+Two-batch overlap (two dispatches in flight) and fused shared experts are not supported (clear errors).
 
 SGLang is imported only when ``dispatcher_class()`` (or ``make_dispatcher``) is first used;
 ``EPBufferDispatcher`` holds all the logic and needs no SGLang. Switched on by the plugin
