@@ -50,6 +50,7 @@ __all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "dispatcher_class",
 
 _DISPATCHER = "sglang.srt.layers.moe.token_dispatcher"
 _EPLB = "sglang.srt.eplb.expert_distribution"
+_MOE_UTILS = "sglang.srt.layers.moe.utils"
 _ENV_PREFIX = "MOE_COMM_SGLANG"
 DEFAULT_MAX_TOKENS_PER_RANK = 128  # SGLang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK
 
@@ -210,6 +211,9 @@ def make_dispatcher(moe_runner_config, options: dict):
     share one EPBuffer. Expert parallelism must span the whole torch.distributed world, experts placed
     linearly (rank r owns [r*E_local, (r+1)*E_local)), as with SGLang's DeepEP backend."""
     cfg = moe_runner_config
+    if importlib.import_module(_MOE_UTILS).is_tbo_enabled():
+        raise NotImplementedError("moe-comm's SGLang dispatcher keeps one dispatch in flight: run without "
+                                  "--enable-two-batch-overlap")
     if cfg.num_fused_shared_experts:
         raise NotImplementedError("moe-comm dispatches routed experts only: run SGLang without shared-experts "
                                   "fusion (--disable-shared-experts-fusion), as with its DeepEP backend")

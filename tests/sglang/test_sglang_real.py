@@ -234,3 +234,20 @@ def test_counts_reach_sglang_expert_distribution_recorder(monkeypatch):
         assert seen == [out.masked_m.tolist()]
     finally:
         adapter.dispatcher_class.cache_clear()
+
+
+def test_unsupported_configurations_raise():
+    from sglang.srt.layers.moe.utils import get_flags  # noqa: PLC0415
+
+    opts = dict(backend="loopback", max_tokens_per_rank=MAXT)
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    ep_group.use_group(g)
+    with pytest.raises(NotImplementedError, match="shared-experts-fusion"):
+        adapter.make_dispatcher(MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=HIDDEN, top_k=TOPK,
+                                                num_fused_shared_experts=1, params_dtype=torch.bfloat16), opts)
+    with pytest.raises(NotImplementedError, match="whole world"):
+        adapter.make_dispatcher(_runner_config(2), opts)
+    with get_flags().moe.override(tbo_enabled=True):
+        with pytest.raises(NotImplementedError, match="two-batch-overlap"):
+            adapter.make_dispatcher(_runner_config(1), opts)
+    assert type(adapter.make_dispatcher(_runner_config(1), opts)).__name__ == "MoECommDispatcher"
