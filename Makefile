@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: test demo test-vllm gpu-check clean
+.PHONY: test demo test-vllm test-sglang gpu-check clean
 OUT ?= bench/results/gpu-check
 
 $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
@@ -23,9 +23,13 @@ test: $(VENV)/.ready
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench
 
-# vLLM integration against vLLM's real classes: its own venv (.venv-vllm, ~6 GB), not part of `make test`.
+# vLLM / SGLang integration against their real classes on CPU ranks: each in its own venv (.venv-vllm
+# ~4 GB, .venv-sglang ~3.5 GB), not part of `make test`.
 test-vllm:
 	bash scripts/test_vllm.sh
+
+test-sglang:
+	bash scripts/test_sglang.sh
 
 # On a GPU machine, offline, with that machine's own Python (no .venv: installing would fetch packages):
 # GPU tests, kernel benchmark, decode benchmark, summary table; everything under OUT.

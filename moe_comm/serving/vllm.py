@@ -11,8 +11,12 @@ vLLM's modular MoE kernel is prepare -> experts -> finalize. Here:
 
 vLLM is imported only when ``MoECommPrepareAndFinalize`` (or ``make_prepare_finalize``) is first used;
 ``EPBufferPrepareFinalize`` holds all the logic and needs no vLLM (the tests drive it directly).
-Target: vLLM 0.32 (``FusedMoEPrepareAndFinalizeModular``); older releases that call the base class
-``FusedMoEPrepareAndFinalize`` are detected and used instead.
+Tested against vLLM 0.33 and 0.32 (``FusedMoEPrepareAndFinalizeModular``: ``prepare`` takes
+``defer_input_quant``, ``finalize`` writes into ``output`` and returns None); older releases that call the
+base class ``FusedMoEPrepareAndFinalize`` are detected and used instead.
+
+Faults: every prepare first raises, by name, the error the group recorded in an earlier step
+(``moe_comm.serving.ep_group.check_group``), so vLLM's worker stops on it instead of serving on.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import importlib
 from dataclasses import dataclass
 
 import torch
+
+from .ep_group import check_group, process_group, shared_buffer, use_group
 
 __all__ = ["EPBufferPrepareFinalize", "ExpertTokens", "MoECommPrepareAndFinalize", "make_prepare_finalize",
            "prepare_finalize_class", "use_group"]
@@ -109,6 +115,7 @@ class EPBufferPrepareFinalize:
         receiver()   -> (x [E_local, world*max_tokens_per_rank, hidden], scales or None,
                         ExpertTokensMetadata(expert_num_tokens=int32 [E_local] device counts), None, None)
         """
+        check_group(self.ep.group)  # a fault of the previous step is raised here, by name
         if num_experts != self.ep.num_experts:
             raise ValueError(f"vLLM has {num_experts} experts, the EPBuffer was built for {self.ep.num_experts}")
         if apply_router_weight_on_input:
@@ -229,25 +236,6 @@ def __getattr__(name):
 
 # ---- building one from vLLM's MoE config ----------------------------------------------------------
 
-_GROUP = None
-_BUFFERS: dict[tuple, object] = {}
-
-
-def use_group(group) -> None:
-    """Make ``make_prepare_finalize`` use ``group`` instead of creating this process's own CommGroup."""
-    global _GROUP
-    _GROUP = group
-
-
-def _group(options: dict):
-    """This process's CommGroup (one per process, over torch.distributed's default group)."""
-    global _GROUP
-    if _GROUP is None:
-        import moe_comm  # noqa: PLC0415
-        _GROUP = moe_comm.init(options.get("backend", "auto"), timeout_s=float(options.get("timeout_s", 30.0)))
-    return _GROUP
-
-
 def make_prepare_finalize(moe, quant_config, options: dict | None = None):
     """Build MoECommPrepareAndFinalize for a vLLM FusedMoEConfig ``moe``.
 
@@ -256,11 +244,9 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
     one EPBuffer. The EP group must be the whole torch.distributed world (data parallel x expert parallel,
     tensor parallel 1), with the default linear expert placement.
     """
-    from moe_comm.ep import EPBuffer  # noqa: PLC0415
-
     options = dict(options or {})
     par = moe.moe_parallel_config
-    group = _group(options)
+    group = process_group(options.get("backend", "auto"), options.get("timeout_s", 30.0))
     if (par.ep_size, par.ep_rank) != (group.world_size, group.rank):
         raise NotImplementedError(
             f"moe-comm needs the expert-parallel group to be the whole world: vLLM has ep_size={par.ep_size} "
@@ -270,8 +256,6 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
     if fp8 == "auto":
         fp8 = (getattr(quant_config, "quant_dtype", None) == torch.float8_e4m3fn
                and list(getattr(quant_config, "block_shape", None) or []) == _FP8_BLOCK)
-    key = (moe.num_experts, moe.hidden_dim, moe.max_num_tokens, moe.experts_per_token, moe.in_dtype, bool(fp8))
-    if key not in _BUFFERS:
-        _BUFFERS[key] = EPBuffer(group, moe.num_experts, moe.hidden_dim, moe.max_num_tokens,
-                                 moe.experts_per_token, dtype=moe.in_dtype, fp8_dispatch=bool(fp8))
-    return prepare_finalize_class()(_BUFFERS[key])
+    ep = shared_buffer(group, moe.num_experts, moe.hidden_dim, moe.max_num_tokens, moe.experts_per_token,
+                       moe.in_dtype, bool(fp8))
+    return prepare_finalize_class()(ep)

@@ -11,10 +11,14 @@ Then every MoE layer that runs expert parallel with an all-to-all (EP with DP > 
 vLLM picks experts of the BatchedExperts activation format to go with it. Options: see
 ``moe_comm.serving.vllm.make_prepare_finalize``.
 
-vLLM 0.32 has no registry for prepare/finalize implementations, so the hook wraps
+vLLM 0.32 and 0.33 have no registry for prepare/finalize implementations, so the hook wraps
 ``all2all_utils.maybe_make_prepare_finalize`` (where vLLM builds them, and every module that imported it)
 and ``FusedMoEParallelConfig.use_batched_activation_format`` (what the kernel oracles read to choose the
 experts' format). Both fall through to vLLM's own code when moe-comm is not requested.
+
+A fault (a dead or stuck peer, a bad expert id) recorded by moe-comm's kernels in one step is raised by
+name (CommTimeoutError, ...) at the next MoE layer's prepare, so vLLM's worker stops on it; the group
+stays failed until ``group.reset()``.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def _run_kernel(pf, world, rank, steps=2):
 
 
 def test_vllm_version_and_class_shape():
-    assert vllm.__version__.startswith("0.32"), vllm.__version__
+    assert vllm.__version__.startswith(("0.32", "0.33")), vllm.__version__
     cls = adapter.prepare_finalize_class()
     assert issubclass(cls, getattr(mk, "FusedMoEPrepareAndFinalizeModular", mk.FusedMoEPrepareAndFinalize))
     assert not getattr(cls, "__abstractmethods__", None)
@@ -155,3 +155,32 @@ def _plugin_rank(group):
 def test_plugin_and_modular_kernel_world2_shm():
     errs = moe_comm.launch(_plugin_rank, 2, backend="shm", timeout_s=120)
     assert max(e for r in errs for e in r) < 0.05, errs
+
+
+def test_silent_peer_is_raised_by_name_and_stays():
+    """Rank 1 never dispatches: rank 0's prepare raises CommTimeoutError naming it, and so does the next
+    step's prepare (the group is failed until reset), so vLLM's worker stops instead of serving on."""
+    from moe_comm.errors import CommTimeoutError
+
+    groups = moe_comm.init(backend="loopback", world_size=2, timeout_s=0.5, device="cpu")
+    pf0, _ = [adapter.prepare_finalize_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+              for g in groups]
+    x, ids, weights = _inputs(1, 3)[0]
+    args = (x, weights, ids, E, None, False, moe_config_module.FUSED_MOE_UNQUANTIZED_CONFIG, False)
+    hook, receiver = pf0.prepare_async(*args)
+    with pytest.raises(CommTimeoutError, match="waiting for peer rank 1"):
+        receiver()
+    with pytest.raises(CommTimeoutError, match="peer rank 1"):
+        pf0.prepare(*args)
+
+
+def test_readme_snippet():
+    import os
+    import subprocess
+    import sys
+
+    snippet = os.path.join(os.path.dirname(os.path.abspath(__file__)), "readme_snippet.py")
+    run = subprocess.run([sys.executable, snippet], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(snippet))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "MoECommPrepareAndFinalize [1, 1, 1, 1, 1, 1, 0, 1]", run.stdout

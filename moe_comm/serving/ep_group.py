@@ -1,0 +1,60 @@
+"""The CommGroup and EPBuffers a serving framework's MoE layers share within one process.
+
+Serving frameworks build one dispatcher per MoE layer; moe-comm gives them one CommGroup per process
+(over torch.distributed's default group, created on first use) and one EPBuffer per distinct layer shape
+(layers with the same shapes share it: calls alternate between its two buffer sets). Used by the vLLM
+adapter (moe_comm.serving.vllm) and the SGLang dispatcher (moe_comm.serving.sglang).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_group", "process_group", "shared_buffer", "use_group"]
+
+_GROUP = None
+_BUFFERS: dict[tuple, object] = {}
+
+
+def use_group(group) -> None:
+    """Use ``group`` instead of creating this process's own CommGroup (and forget the buffers made on
+    the previous one)."""
+    global _GROUP
+    _GROUP = group
+    _BUFFERS.clear()
+
+
+def process_group(backend: str = "auto", timeout_s: float = 30.0):
+    """This process's CommGroup: the one given to ``use_group``, else ``moe_comm.init(backend)`` over
+    torch.distributed's default group, created on the first call."""
+    global _GROUP
+    if _GROUP is None:
+        import moe_comm  # noqa: PLC0415
+        _GROUP = moe_comm.init(backend, timeout_s=float(timeout_s))
+    return _GROUP
+
+
+def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                  dtype: torch.dtype, fp8_dispatch: bool):
+    """The EPBuffer of ``group`` with these sizes, built on first request (collective: every rank asks
+    for the same shapes in the same order, as every rank builds the same layers)."""
+    from moe_comm.ep import EPBuffer  # noqa: PLC0415
+
+    key = (id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch))
+    if key not in _BUFFERS:
+        _BUFFERS[key] = EPBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype,
+                                 fp8_dispatch=bool(fp8_dispatch))
+    return _BUFFERS[key]
+
+
+def check_group(group) -> None:
+    """Raise the error the group's kernels recorded (CommTimeoutError naming the peer, ...), by name.
+
+    Called by the serving adapters at the start of every dispatch, so a fault in step i stops step i+1
+    instead of being carried on; a group error stays raised until ``group.reset()``. Reads pinned host
+    memory, no device sync. Skipped while a CUDA graph is being captured (a captured step cannot raise);
+    replays are checked at the next eager call.
+    """
+    if group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    group.check()

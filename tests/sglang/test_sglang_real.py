@@ -1,0 +1,253 @@
+"""The SGLang dispatcher against SGLang's real classes (``make test-sglang``; skipped where SGLang is absent).
+
+What is SGLang's own code here: the plugin loader (``sglang.srt.plugins.load_plugins``, which finds our
+``sglang.srt.plugins`` entry point), its HookRegistry, the MoE dispatcher factory
+(``create_moe_dispatcher``) that the hook wraps, MoeRunnerConfig, BaseDispatcher, StandardTopKOutput,
+DeepEPLLDispatchOutput / DeepEPLLCombineInput. The experts are torch (tests/moe_cases.toy_experts):
+SGLang's kernels for the DeepEP low-latency layout (DeepGEMM masked grouped GEMM, CuteDSL) are GPU-only.
+torchvision is replaced by an import placeholder (cpu_shims), as PyPI's build does not load on CPU torch.
+"""
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+
+import cpu_shims
+
+cpu_shims.install()
+pytest.importorskip("sglang.srt.plugins")
+import sglang  # noqa: E402
+from sglang.srt import plugins as sgl_plugins  # noqa: E402
+from sglang.srt.layers.moe import token_dispatcher as sgl_dispatcher  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import layer as sgl_layer  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig  # noqa: E402
+from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+
+import moe_comm  # noqa: E402
+from moe_comm.ep import EPBuffer  # noqa: E402
+from moe_comm.serving import ep_group  # noqa: E402
+from moe_comm.serving import sglang as adapter  # noqa: E402
+from moe_comm.serving import sglang_plugin  # noqa: E402
+
+from moe_cases import make_inputs, reference_moe, toy_experts  # noqa: E402
+
+E, TOPK, HIDDEN, MAXT = 8, 2, 128, 4
+TOKENS = [MAXT, 3, 0, 1]  # rank r dispatches TOKENS[r] tokens (0: a rank with nothing to send)
+
+
+def _runner_config(world):
+    return MoeRunnerConfig(num_experts=E, num_local_experts=E // world, hidden_size=HIDDEN, top_k=TOPK,
+                           num_fused_shared_experts=0, params_dtype=torch.bfloat16)
+
+
+def _experts(rank, world, out):
+    """SGLang's experts' part: the unweighted expert output in the same layout; rows past masked_m are
+    set to NaN, so a combine that read one would show it."""
+    y = toy_experts(rank, E // world, out.hidden_states)
+    rows = torch.arange(y.shape[1]).view(1, -1)
+    y[rows >= out.masked_m.view(-1, 1).long()] = float("nan")
+    return sgl_dispatcher.DeepEPLLCombineInput(y, out.topk_ids, out.topk_weights)
+
+
+def _layer(dispatcher, rank, world, seed, split=False):
+    """One MoE layer as SGLang runs it: dispatch -> experts -> combine; returns (output, reference, out)."""
+    xs, idxs, ws = make_inputs(world, TOKENS[:world], E, TOPK, HIDDEN, seed)
+    x, idx, w = xs[rank], idxs[rank].to(torch.int32), ws[rank]
+    topk = StandardTopKOutput(topk_weights=w, topk_ids=idx, router_logits=torch.zeros(x.shape[0], E))
+    if split:
+        dispatcher.dispatch_a(x, topk)
+        out = dispatcher.dispatch_b()
+        dispatcher.combine_a(_experts(rank, world, out))
+        y = dispatcher.combine_b()
+    else:
+        out = dispatcher.dispatch(hidden_states=x, topk_output=topk)
+        y = dispatcher.combine(combine_input=_experts(rank, world, out))
+    return y, reference_moe(x, idx, w), out, idxs
+
+
+def _check_dispatch_output(out, rank, world, idxs):
+    assert isinstance(out, sgl_dispatcher.DeepEPLLDispatchOutput)
+    assert out.format.is_deepep_ll()
+    assert out.hidden_states.shape == (E // world, world * MAXT, HIDDEN)
+    assert out.hidden_states_scale is None
+    local = torch.cat(idxs) - rank * (E // world)
+    want = torch.bincount(local[(local >= 0) & (local < E // world)], minlength=E // world)
+    assert out.masked_m.dtype == torch.int32 and torch.equal(out.masked_m.long(), want)
+    assert out.expected_m == (TOKENS[rank] * world * TOPK + E) // E
+
+
+def test_sglang_version_and_class_shape():
+    assert sglang.__version__.startswith("0.5.23"), sglang.__version__
+    cls = adapter.dispatcher_class()
+    assert issubclass(cls, sgl_dispatcher.BaseDispatcher)
+    assert not getattr(cls, "__abstractmethods__", None)
+
+
+def test_entry_point_is_installed():
+    eps = importlib.metadata.entry_points(group=sgl_plugins.GENERAL_PLUGINS_GROUP)
+    assert any(ep.value == "moe_comm.serving.sglang_plugin:register" for ep in eps)
+
+
+def test_options_from_env():
+    assert adapter.options_from_env({}) is None
+    assert adapter.options_from_env({"MOE_COMM_SGLANG": "0"}) is None
+    opts = adapter.options_from_env({"MOE_COMM_SGLANG": "1", "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "64"})
+    assert opts == dict(backend="auto", timeout_s=30.0, fp8_dispatch=False, max_tokens_per_rank=64)
+    opts = adapter.options_from_env({"MOE_COMM_SGLANG": "1", "MOE_COMM_SGLANG_FP8": "1",
+                                     "MOE_COMM_SGLANG_MAX_TOKENS": "8", "MOE_COMM_SGLANG_BACKEND": "shm"})
+    assert opts["fp8_dispatch"] and opts["max_tokens_per_rank"] == 8 and opts["backend"] == "shm"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_dispatcher_world1_equals_reference(split):
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    for seed in (0, 1):
+        y, ref, out, idxs = _layer(d, 0, 1, seed, split)
+        _check_dispatch_output(out, 0, 1, idxs)
+        assert torch.equal(y, ref)
+
+
+def test_sglang_hooks_wrap_dispatcher():
+    """BaseDispatcher's own pre/post hooks (used by SGLang's EPLB and overlap code) run around ours."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    seen = []
+    d.register_post_dispatch_hook(lambda disp, out: seen.append(int(out.masked_m.sum())))
+    d.register_post_combine_hook(lambda disp, y: y * 2)
+    y, ref, out, _ = _layer(d, 0, 1, 3)
+    assert seen == [int(out.masked_m.sum())] and torch.equal(y, ref * 2)
+
+
+def test_fp8_dispatch_layout():
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16, fp8_dispatch=True))
+    (x,), (idx,), (w,) = make_inputs(1, [MAXT], E, TOPK, HIDDEN, 5)
+    out = d.dispatch(x, StandardTopKOutput(w, idx, torch.zeros(MAXT, E)))
+    xq, s = out.hidden_states, out.hidden_states_scale
+    assert xq.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert s.shape == (E, MAXT, HIDDEN // 128) and s.stride(1) == 1  # DeepEP's column-major scales
+    for e in range(E):
+        rows = (idx == e).any(1).nonzero().flatten()  # tokens routed to e, in token order
+        assert int(out.masked_m[e]) == len(rows)
+        deq = xq[e, :len(rows)].float() * s[e, :len(rows)].repeat_interleave(128, dim=1)
+        assert torch.allclose(deq, x[rows].float(), rtol=0.07, atol=1e-2)
+    d.combine(sgl_dispatcher.DeepEPLLCombineInput(torch.zeros(E, MAXT, HIDDEN, dtype=torch.bfloat16), idx, w))
+
+
+def test_combine_rejects_other_formats():
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    (x,), (idx,), (w,) = make_inputs(1, [2], E, TOPK, HIDDEN, 6)
+    d.dispatch(x, StandardTopKOutput(w, idx, torch.zeros(2, E)))
+    with pytest.raises(ValueError, match="low_latency"):
+        d.combine(sgl_dispatcher.StandardCombineInput(hidden_states=x))
+    fresh = adapter.dispatcher_class()(d.ep)
+    with pytest.raises(RuntimeError, match="combine without"):
+        fresh.combine(sgl_dispatcher.DeepEPLLCombineInput(x, idx, w))
+
+
+def _plugin_rank(group, requested, split):
+    """One shm rank: SGLang loads our entry point; its own create_moe_dispatcher, wrapped by the hook,
+    builds the dispatcher (or SGLang's own when not requested); two MoE layers of two steps each."""
+    os.environ["MOE_COMM_SGLANG"] = "1" if requested else "0"
+    os.environ["MOE_COMM_SGLANG_MAX_TOKENS"] = str(MAXT)
+    ep_group.use_group(group)
+    sgl_plugins.load_plugins()
+    sglang_plugin.register()  # idempotent
+    world, rank = group.world_size, group.rank
+    if not requested:  # SGLang's own dispatcher reads its parallel state (set up by its server)
+        from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
+        with get_parallel().override(moe_ep_size=world, moe_ep_rank=rank):
+            d = sgl_layer.create_moe_dispatcher(_runner_config(world), quant_method=None)
+        return type(d).__name__, None
+    d = sgl_layer.create_moe_dispatcher(_runner_config(world), quant_method=None)
+    d2 = sgl_layer.create_moe_dispatcher(_runner_config(world), quant_method=None)
+    assert d2.ep is d.ep  # layers of one shape share one EPBuffer
+    for step in range(2):
+        for layer in (d, d2):
+            y, ref, out, idxs = _layer(layer, rank, world, 10 + step, split)
+            _check_dispatch_output(out, rank, world, idxs)
+            assert torch.equal(y, ref), (rank, step)
+    return type(d).__name__, d.ep.max_tokens_per_rank
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,split", [(1, False), (2, False), (2, True)])
+def test_plugin_world_shm(world, split):
+    names = moe_comm.launch(_plugin_rank, world, True, split, backend="shm", timeout_s=120)
+    assert names == [("MoECommDispatcher", MAXT)] * world
+
+
+@pytest.mark.timeout(300)
+def test_plugin_off_keeps_sglang_dispatcher():
+    names = moe_comm.launch(_plugin_rank, 1, False, False, backend="shm", timeout_s=60)
+    assert names == [("StandardDispatcher", None)]
+
+
+def test_silent_peer_is_raised_by_name_and_stays():
+    """Rank 1 never dispatches: rank 0's dispatch raises CommTimeoutError naming it, and so does every
+    later dispatch (the group is failed until reset), instead of serving on with missing tokens."""
+    from moe_comm.errors import CommTimeoutError  # noqa: PLC0415
+
+    groups = moe_comm.init(backend="loopback", world_size=2, timeout_s=0.5, device="cpu")
+    d0, _ = [adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK)) for g in groups]
+    (x,), (idx,), (w,) = make_inputs(1, [2], E, TOPK, HIDDEN, 8)
+    topk = StandardTopKOutput(w, idx, torch.zeros(2, E))
+    d0.dispatch_a(x, topk)
+    with pytest.raises(CommTimeoutError, match="waiting for peer rank 1"):
+        d0.dispatch_b()
+    with pytest.raises(CommTimeoutError, match="peer rank 1"):
+        adapter.dispatcher_class()(d0.ep).dispatch(x, topk)
+
+
+def test_readme_snippet():
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import cpu_shims; cpu_shims.install(); " \
+           f"exec(open({os.path.join(here, 'readme_snippet.py')!r}).read())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_COMM_SGLANG")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "MoECommDispatcher [1, 1, 1, 1, 1, 1, 0, 1]", run.stdout
+
+
+def test_counts_reach_sglang_expert_distribution_recorder(monkeypatch):
+    from sglang.srt.eplb import expert_distribution  # noqa: PLC0415
+
+    seen = []
+
+    class Recorder:
+        def on_deepep_dispatch_low_latency(self, counts):
+            seen.append(counts.tolist())
+
+    monkeypatch.setattr(expert_distribution, "get_global_expert_distribution_recorder", lambda: Recorder())
+    adapter.dispatcher_class.cache_clear()
+    try:
+        (g,) = moe_comm.init(backend="loopback", world_size=1)
+        d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+        _, _, out, _ = _layer(d, 0, 1, 4)
+        assert seen == [out.masked_m.tolist()]
+    finally:
+        adapter.dispatcher_class.cache_clear()
+
+
+def test_unsupported_configurations_raise():
+    from sglang.srt.layers.moe.utils import get_flags  # noqa: PLC0415
+
+    opts = dict(backend="loopback", max_tokens_per_rank=MAXT)
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    ep_group.use_group(g)
+    with pytest.raises(NotImplementedError, match="shared-experts-fusion"):
+        adapter.make_dispatcher(MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=HIDDEN, top_k=TOPK,
+                                                num_fused_shared_experts=1, params_dtype=torch.bfloat16), opts)
+    with pytest.raises(NotImplementedError, match="whole world"):
+        adapter.make_dispatcher(_runner_config(2), opts)
+    with get_flags().moe.override(tbo_enabled=True):
+        with pytest.raises(NotImplementedError, match="two-batch-overlap"):
+            adapter.make_dispatcher(_runner_config(1), opts)
+    assert type(adapter.make_dispatcher(_runner_config(1), opts)).__name__ == "MoECommDispatcher"
