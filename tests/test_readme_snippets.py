@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -28,3 +30,19 @@ def test_deep_ep_door_snippet_runs_under_torchrun(tmp_path):
     lines = re.findall(r"rank (\d): \[[\d, ]+\] rows per local expert; combine within ([\d.]+)% \(fp8\)", out.stdout)
     assert sorted(r for r, _ in lines) == ["0", "1"], out.stdout
     assert all(float(e) < 10 for _, e in lines), lines   # fp8 round trip of identity experts
+
+
+def _body(path: pathlib.Path) -> str:
+    """A snippet file without its leading comment lines (what the README shows)."""
+    lines = path.read_text().splitlines()
+    while lines and lines[0].startswith("#"):
+        lines.pop(0)
+    return "\n".join(lines).strip() + "\n"
+
+
+@pytest.mark.parametrize("door,path", [("**vLLM**", "tests/vllm/readme_snippet.py"),
+                                       ("**SGLang**", "tests/sglang/readme_snippet.py")])
+def test_serving_snippets_are_the_files_their_suites_run(door, path):
+    """The vLLM and SGLang snippets need their frameworks (make test-vllm / make test-sglang run the
+    files); here: the README shows exactly those files."""
+    assert snippet(door) == _body(README.parent / path)
