@@ -55,6 +55,10 @@ class Heap:
         """Restart the barrier sequence at ``base`` (every live rank passes the same value, in a reset)."""
         raise NotImplementedError
 
+    def reachable(self) -> list[bool]:
+        """For every rank: is its memory mapped here (load/store)? The CPU heaps map every peer."""
+        return [True] * self.world_size
+
     def release_peer(self, peer: int) -> None:
         """``peer`` is excluded and will never be addressed again: point every live buffer's
         ``peer_ptrs[peer]`` at this rank's own copy (an address that stays valid) and drop this process's

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language import core
 
-from ..heap import peer_map
+from moe_comm.heap import peer_map  # absolute: the interpreted twin must share the real module's table
 
 SIGNAL_SET = tl.constexpr(9)    # NVSHMEM_SIGNAL_SET (nvshmem_common_transport.h)
 SIGNAL_ADD = tl.constexpr(10)   # NVSHMEM_SIGNAL_ADD
