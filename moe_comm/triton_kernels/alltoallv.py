@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .sync import ERR_CAPACITY, S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, record_error, wait_flag
-from .transport import deliver, put_peers
+from .transport import deliver, dest, put_peers
 
 
 @triton.jit
@@ -110,12 +110,12 @@ def a2a_send_kernel(
     region = (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS  # this source's rows on the peer
     stage = stage_ptr + peer.to(tl.int64) * max_rows * ROW_WORDS
     if live & (failed == 0):
-        dst = tl.where(put, stage, as_ptr(tl.load(data_ptrs_ptr + peer), elem) + region)
+        dst = dest(put, stage, as_ptr(tl.load(data_ptrs_ptr + peer), elem) + region, PUT)
         _copy_rows(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
     last, skipped = arrive(done_ptr + peer, NBLK, failed)
     if last & live & (skipped == 0):
         ctrl_off = (zone * WORLD + rank) * 2
-        ctrl = tl.where(put, stage_ctrl_ptr + peer * 2, as_ptr(tl.load(ctrl_ptrs_ptr + peer), tl.int64) + ctrl_off)
+        ctrl = dest(put, stage_ctrl_ptr + peer * 2, as_ptr(tl.load(ctrl_ptrs_ptr + peer), tl.int64) + ctrl_off, PUT)
         tl.store(ctrl, my_cnt)
         own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off  # local symmetric addresses
         deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,

@@ -37,6 +37,25 @@ def put_peers(grp, peers, mask, WORLD: tl.constexpr, PUT: tl.constexpr):
 
 
 @triton.jit
+def dest(put, stage_addr, store_addr, PUT: tl.constexpr):
+    """Where the stores for a peer go: ``stage_addr`` (this rank's staging) where ``put``, else
+    ``store_addr`` (the peer's memory). Without PUT the staging is not even computed."""
+    if PUT:
+        return tl.where(put, stage_addr, store_addr)
+    else:
+        return store_addr
+
+
+@triton.jit
+def store_only(put, mask, PUT: tl.constexpr):
+    """``mask`` without the peers reached by puts (the lanes a store-path publish serves)."""
+    if PUT:
+        return tl.where(put, False, mask)
+    else:
+        return mask
+
+
+@triton.jit
 def flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, pe):
     """Put path's publish to rank ``pe`` (scalar arguments, called by every thread of the program):
     ``nbytes`` staged bytes at ``src`` to ``dst_sym``, then ``ctrl_bytes`` staged control bytes to
