@@ -203,7 +203,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     args = [a for a in fn.arg_names if a not in cfg.constexprs]
     ptx = compiled.asm["ptx"]
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
-                nvshmem=cfg.nvshmem, nvshmem_linked=cfg.nvshmem and "nvshmemi_device_state_d" in ptx,
+                nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
