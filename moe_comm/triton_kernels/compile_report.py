@@ -129,7 +129,7 @@ def _ep_configs() -> list[KernelConfig]:
         WORLD=8, RANKS_P2=8, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=32, BINS=256, CHUNK_T=4)))
     out.append(KernelConfig("sync", "abort_kernel", "EP8 dispatch channel", dict(
         ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), dict(
-        CTRL_WORDS=p.dispatch_ctrl_words, FLAG_WORD=p.dispatch_ctrl_words - 1, WORLD=8, WORLD_P2=8, PUT=False)))
+        CTRL_WORDS=p.dispatch_ctrl_words, FLAG_WORD=p.dispatch_ctrl_words - 1, WORLD=8, WORLD_P2=8)))
     return out
 
 
@@ -179,8 +179,11 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     fn = getattr(importlib.import_module(_module_path(cfg.module)), cfg.kernel)
+    constexprs = dict(cfg.constexprs)
+    if "PUT" in fn.arg_names:
+        constexprs.setdefault("PUT", False)   # the store-only build unless the config says otherwise
     types = dict(cfg.types)
-    types.update({k: "constexpr" for k in cfg.constexprs})
+    types.update({k: "constexpr" for k in constexprs})
     missing = [a for a in fn.arg_names if a not in types]
     if missing:
         raise ValueError(f"{cfg.kernel}: no type given for {missing}")
@@ -188,7 +191,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     if cfg.nvshmem:
         from .nvshmem_bitcode import launch_options  # noqa: PLC0415
         options = launch_options(arch)
-    compiled = triton.compile(ASTSource(fn, types, cfg.constexprs), target=GPUTarget("cuda", arch, 32),
+    compiled = triton.compile(ASTSource(fn, types, constexprs), target=GPUTarget("cuda", arch, 32),
                               options=options)
     ptxas = get_ptxas(arch).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -200,7 +203,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     finally:
         os.unlink(f.name)
     regs, spill, smem = _PTXAS_RE.search(rep), _SPILL_RE.search(rep), _SMEM_RE.search(rep)
-    args = [a for a in fn.arg_names if a not in cfg.constexprs]
+    args = [a for a in fn.arg_names if a not in constexprs]
     ptx = compiled.asm["ptx"]
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
