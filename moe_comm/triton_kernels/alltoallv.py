@@ -10,6 +10,10 @@ Receive (grid = world sources x blocks_per_peer): wait (bounded) for the flag of
 then copy its rows out of the landing zone into the output; the receive counts its own calls. If a
 wait failed, no result is partial: the last program zeroes every receive count.
 
+Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
+PUT): the rows for j go to this rank's staging for j; the last program for j puts them in one
+``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag.
+
 World 1 (``a2a_local_kernel``): one kernel copies the rows straight from the input to the output.
 
 Forward rows come from ``send`` at prefix-sum offsets of the device counts as given (what is sent is

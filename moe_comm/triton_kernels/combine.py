@@ -19,6 +19,11 @@ ascending order, cast to the output dtype; row(t, k) is ``expert_out[row_of[rank
 rank holds the expert (zeros if dropped), else ``landing[t, k]``. The sum sees each slot's row bit for
 bit as the expert wrote it and always in the same order, so y is bitwise reproducible across runs and
 world sizes.
+
+Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
+PUT): the send stores a slot's row into this rank's staging copy of the peer's zone instead, then puts
+that row (one ``putmem_nbi`` per row: one rank's slots are interleaved with other ranks' slots) and
+``quiet``s before counting itself in; the last program delivers the flag as an NVSHMEM signal.
 """
 
 import triton

@@ -20,6 +20,11 @@ expert e's rows from source s start at ``base[s, e] = sum over s' < s of count[s
 with routing word (e, pos) is copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted
 by (source, token, k) without atomics. Counts read from peers are clamped so that no value can steer
 a store out of bounds; a row past the capacity is dropped and recorded (CapacityError).
+
+Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
+PUT): the rows and control words for such a peer are stored into this rank's staging copy of its region
+instead; the last program puts rows [0, T) in one ``putmem_nbi``, then the control words in a
+``putmem_signal_nbi`` whose signal is the flag. The receive is the same for both transports.
 """
 
 import triton
