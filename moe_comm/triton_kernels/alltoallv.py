@@ -122,8 +122,9 @@ def a2a_send_kernel(
         ctrl = dest(put, stage_ctrl_ptr + peer * 2, as_ptr(tl.load(ctrl_ptrs_ptr + peer), tl.int64) + ctrl_off, PUT)
         tl.store(ctrl, my_cnt)
         own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off  # local symmetric addresses
+        row_bytes = ROW_WORDS * (elem.primitive_bitwidth // 8)
         deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,
-                as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * ROW_WORDS * (elem.primitive_bitwidth // 8),
+                as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * row_bytes,
                 own_ctrl, ctrl, 8, own_ctrl + 1, peer, PUT)
     last_all, _ = arrive(done_ptr + WORLD, WORLD * NBLK, 0)
     if last_all:

@@ -106,7 +106,8 @@ def check_pairing(triton_version: str | None = None, nvshmem: str | None = None)
         known = ", ".join(f"Triton {t[0]}.{t[1]} + NVSHMEM {n[0]}.{n[1]}" for t, n in VERIFIED)
         raise NvshmemSetupError(f"Triton {triton_version} with NVSHMEM {nvshmem} has not been verified "
                                 f"(verified: {known}); set {ENV_UNVERIFIED}=1 to try it anyway")
-    return f"Triton {triton_version} + NVSHMEM {nvshmem}: {VERIFIED.get(pair, 'unverified, allowed by ' + ENV_UNVERIFIED)}"
+    status = VERIFIED.get(pair, f"unverified, allowed by {ENV_UNVERIFIED}")
+    return f"Triton {triton_version} + NVSHMEM {nvshmem}: {status}"
 
 
 def launch_options(arch: int = 90) -> dict:

@@ -95,6 +95,22 @@ def _int64_p(dest, value, pe, _semantic=None):
     return _extern("nvshmem_int64_p", [dest, value, pe], [_I64, _I64, _I32], _I32, _semantic)
 
 
+@triton.jit
+def _i64(x):
+    """int64 of a pointer, an integer tensor or a Python int (extern arguments)."""
+    return tl.cast(x, tl.int64)
+
+
+@triton.jit
+def _u64(x):
+    return tl.cast(x, tl.uint64)
+
+
+@triton.jit
+def _i32(x):
+    return tl.cast(x, tl.int32)
+
+
 # ---- interpreted twin: plain memory operations in this process -------------------------------------
 def _int(x) -> int:
     """A Python int from an interpreted scalar (tl.tensor over a NumPy array), a pointer or an int."""
@@ -176,20 +192,19 @@ if INTERPRET:
 else:
     @triton.jit
     def putmem_nbi_block(dest, src, nbytes, pe):
-        _putmem_nbi_block(tl.cast(dest, tl.int64), tl.cast(src, tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+        _putmem_nbi_block(_i64(dest), _i64(src), _i64(nbytes), _i32(pe))
 
     @triton.jit
     def signal_op(sig, value, op, pe):
-        _signal_op(tl.cast(sig, tl.int64), tl.cast(value, tl.uint64), tl.cast(op, tl.int32), tl.cast(pe, tl.int32))
+        _signal_op(_i64(sig), _u64(value), _i32(op), _i32(pe))
 
     @triton.jit
     def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
-        _putmem_signal_nbi_block(tl.cast(dest, tl.int64), tl.cast(src, tl.int64), tl.cast(nbytes, tl.int64), tl.cast(sig, tl.int64),
-                                 tl.cast(value, tl.uint64), tl.cast(op, tl.int32), tl.cast(pe, tl.int32))
+        _putmem_signal_nbi_block(_i64(dest), _i64(src), _i64(nbytes), _i64(sig), _u64(value), _i32(op), _i32(pe))
 
     @triton.jit
     def signal_wait_until(sig, cmp, value):
-        return _signal_wait_until(tl.cast(sig, tl.int64), tl.cast(cmp, tl.int32), tl.cast(value, tl.uint64)).to(tl.int64)
+        return _signal_wait_until(_i64(sig), _i32(cmp), _u64(value)).to(tl.int64)
 
     @triton.jit
     def quiet():
@@ -201,12 +216,12 @@ else:
 
     @triton.jit
     def ptr(dest, pe):
-        return _ptr(tl.cast(dest, tl.int64), tl.cast(pe, tl.int32))
+        return _ptr(_i64(dest), _i32(pe))
 
     @triton.jit
     def uint64_atomic_add(dest, value, pe):
-        _uint64_atomic_add(tl.cast(dest, tl.int64), tl.cast(value, tl.uint64), tl.cast(pe, tl.int32))
+        _uint64_atomic_add(_i64(dest), _u64(value), _i32(pe))
 
     @triton.jit
     def int64_p(dest, value, pe):
-        _int64_p(tl.cast(dest, tl.int64), tl.cast(value, tl.int64), tl.cast(pe, tl.int32))
+        _int64_p(_i64(dest), _i64(value), _i32(pe))
