@@ -58,8 +58,14 @@ class Channel:
             stage_shape = tuple(data_shape[1:]) if stage_shape is None else tuple(stage_shape)
             self.stage = heap.alloc(f"{name}.stage", stage_shape, data_dtype)
             self.stage_ctrl = heap.alloc(f"{name}.stage_ctrl", (world, ctrl_words), torch.int64)
-            if dev.type == "cuda":
+        self._put_args = dict(stage_ptr=self.data.local, stage_ctrl_ptr=self.ctrl.local, PUT=False)
+        if self.put:
+            extra = {}
+            if dev.type == "cuda":   # checked once here, not per launch: the pairing check reads the disk
                 register_put_kernels()
+                extra = nvshmem_bitcode.launch_options()
+            self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local, PUT=True,
+                                  **extra)
         self._recv_event = None  # (CUDA event after the last receive phase, recorded while capturing?)
         group.register(self)
 
@@ -71,10 +77,7 @@ class Channel:
     def put_args(self) -> dict:
         """Send-kernel arguments of the put transport: the staging buffers (this channel's own buffers as
         never-read placeholders when no peer uses puts), ``PUT``, and on CUDA the NVSHMEM bitcode."""
-        if not self.put:
-            return dict(stage_ptr=self.data.local, stage_ctrl_ptr=self.ctrl.local, PUT=False)
-        extra = nvshmem_bitcode.launch_options() if self.group.device.type == "cuda" else {}
-        return dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local, PUT=True, **extra)
+        return dict(self._put_args)
 
     # ---- ordering between the phases of consecutive calls (CUDA streams) -------------------------
     def before_send(self) -> None:
