@@ -15,6 +15,7 @@ $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 	$(PIP) --upgrade pip setuptools
 	$(PIP) torch
 	$(PIP) --no-build-isolation -e '.[test,bench]'
+	$(PIP) --no-deps nvidia-nvshmem-cu13  # NVSHMEM device bitcode only: the put transport's sm_90 compile check
 	touch $@
 
 test: $(VENV)/.ready

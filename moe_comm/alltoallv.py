@@ -131,7 +131,7 @@ class AllToAllvDynamic:
         ch, dev = (self._fwd if forward else self._rev), self.group.device
         kernel_for(a2a_send_kernel, dev)[self._grid()](
             src, counts, kept_counts, kept_offsets, self._dropped, n_rows, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
-            ch.send_seq, ch.done, **self._phase_args(forward))
+            seq_ptr=ch.send_seq, done_ptr=ch.done, **self._phase_args(forward), **ch.put_args())
 
     def _recv_phase(self, forward: bool, dst, handle) -> None:
         ch, dev = (self._fwd if forward else self._rev), self.group.device

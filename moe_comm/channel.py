@@ -6,7 +6,17 @@ import torch
 
 from .interpreter import kernel_for
 from .planner import next_pow2
+from .triton_kernels import nvshmem_bitcode
 from .triton_kernels.sync import abort_kernel
+
+PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel")
+
+
+def register_put_kernels() -> None:
+    """CUDA modules of the kernels that carry NVSHMEM calls get ``nvshmemx_cumodule_init`` on load."""
+    nvshmem_bitcode.install_module_init_hook()
+    for name in PUT_KERNELS:
+        nvshmem_bitcode.register_kernel(name)
 
 
 class Channel:
@@ -21,6 +31,10 @@ class Channel:
               receive owns its counter, so send and receive may run on different streams.
     done      int32 [world + 2] on device: arrival counters of "last program publishes" (zero between
               launches): [j] per destination of a send, [world] the send total, [world + 1] the receive
+    stage, stage_ctrl
+              put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
+              [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
+              (``moe_comm/triton_kernels/transport.py``); None otherwise
 
     Ordering on CUDA: the send phase of call i+1 waits (``torch.cuda.Stream.wait_event``) for the
     receive phase of call i on this rank, whatever streams they were launched on. Together with the
@@ -28,7 +42,7 @@ class Channel:
     """
 
     def __init__(self, group, name: str, data_shape, data_dtype: torch.dtype, ctrl_words: int = 2,
-                 flag_word: int | None = None):
+                 flag_word: int | None = None, stage_shape=None):
         heap, dev, world = group.heap, group.device, group.world_size
         self.group, self.name = group, name
         self.ctrl_words = ctrl_words
@@ -38,12 +52,32 @@ class Channel:
         self.send_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.recv_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.done = torch.zeros(world + 2, dtype=torch.int32, device=dev)
+        self.put = group.uses_put
+        self.stage = self.stage_ctrl = None
+        if self.put:  # collective: MOE_COMM_TRANSPORT and the heap's reachability agree on every rank
+            stage_shape = tuple(data_shape[1:]) if stage_shape is None else tuple(stage_shape)
+            self.stage = heap.alloc(f"{name}.stage", stage_shape, data_dtype)
+            self.stage_ctrl = heap.alloc(f"{name}.stage_ctrl", (world, ctrl_words), torch.int64)
+        self._put_args = dict(stage_ptr=self.data.local, stage_ctrl_ptr=self.ctrl.local, PUT=False)
+        if self.put:
+            extra = {}
+            if dev.type == "cuda":   # checked once here, not per launch: the pairing check reads the disk
+                register_put_kernels()
+                extra = nvshmem_bitcode.launch_options()
+            self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local, PUT=True,
+                                  **extra)
         self._recv_event = None  # (CUDA event after the last receive phase, recorded while capturing?)
         group.register(self)
 
     @property
     def symmetric_bytes(self) -> int:
-        return sum(b.local.numel() * b.local.element_size() for b in (self.data, self.ctrl))
+        bufs = (self.data, self.ctrl) + ((self.stage, self.stage_ctrl) if self.put else ())
+        return sum(b.local.numel() * b.local.element_size() for b in bufs)
+
+    def put_args(self) -> dict:
+        """Send-kernel arguments of the put transport: the staging buffers (this channel's own buffers as
+        never-read placeholders when no peer uses puts), ``PUT``, and on CUDA the NVSHMEM bitcode."""
+        return dict(self._put_args)
 
     # ---- ordering between the phases of consecutive calls (CUDA streams) -------------------------
     def before_send(self) -> None:
@@ -67,10 +101,12 @@ class Channel:
         advanced (see ``abort_kernel``)."""
         g = self.group
         self.before_send()
+        put = self.put_args()
+        del put["stage_ptr"], put["stage_ctrl_ptr"]
         kernel_for(abort_kernel, g.device)[(1,)](
             self.ctrl.peer_ptrs, self.send_seq, self.recv_seq, g.state, g.rank,
             CTRL_WORDS=self.ctrl_words, FLAG_WORD=self.flag_word, WORLD=g.world_size,
-            WORLD_P2=next_pow2(g.world_size))
+            WORLD_P2=next_pow2(g.world_size), **put)
         self.after_recv()
 
     def reset(self) -> None:
@@ -83,5 +119,8 @@ class Channel:
 
     def free(self) -> None:
         self.group.unregister(self)
+        if self.put:
+            self.group.heap.free(self.stage_ctrl)
+            self.group.heap.free(self.stage)
         self.group.heap.free(self.ctrl)
         self.group.heap.free(self.data)

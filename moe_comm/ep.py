@@ -208,7 +208,8 @@ class EPBuffer:
         p, g, dev = self.plan, self.group, self.group.device
         self._dispatch_ch = Channel(g, "ep.dispatch", p.dispatch_data_shape, torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
-        self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2)
+        self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
+                                   stage_shape=(g.world_size, *p.combine_data_shape[1:]))
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
@@ -318,8 +319,8 @@ class EPBuffer:
     def _launch_send(self, xin, idx, s, T) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
         kernel_for(dispatch_send_kernel, g.device)[(p.send_programs,)](
-            xin, idx, s.routed, self._excluded, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, ch.send_seq, ch.done,
-            num_tokens=T, num_experts=self.num_experts,
+            xin, idx, s.routed, self._excluded, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, seq_ptr=ch.send_seq,
+            done_ptr=ch.done, **ch.put_args(), num_tokens=T, num_experts=self.num_experts,
             OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
             S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
             BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
@@ -376,7 +377,7 @@ class EPBuffer:
                 s, ch = self._sets[handle.call_index % 2], self._combine_ch
                 kernel_for(combine_send_kernel, g.device)[(p.recv_programs,)](
                     expert_out.view(torch.int32), s.row_of, s.src_tokens, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
-                    ch.send_seq, ch.done, **self._signal_args(),
+                    seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
                     ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                     BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
             op.sent((handle, expert_out, topk_weights, out))

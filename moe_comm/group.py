@@ -21,6 +21,7 @@ from . import protocol
 from .errors import (ERR_DROPPED, ERR_NONE, ERR_TIMEOUT, ERR_WORDS, OPS, GROUP_CODES, ClosedError, CommTimeoutError, ExcludedError,
                      GroupError, LaunchError, MoECommError, decode_error)
 from .heap.base import Heap
+from .transport import choose_transports
 
 BACKENDS = ("auto", "nvshmem", "shm", "loopback")
 
@@ -52,11 +53,17 @@ class CommGroup:
         self._owns_dist, self._closed, self._excluded_self = owns_dist, False, False
         self.status = heap.alloc("group.status", (protocol.status_words(self.world_size),), torch.int64)
         self.state = torch.zeros(protocol.state_words(self.world_size), dtype=torch.int64, device=self.device)
+        self.transports = choose_transports(heap)   # per peer: protocol.TRANSPORT_STORE / TRANSPORT_PUT
         self._write_state()
 
     @property
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
+
+    @property
+    def uses_put(self) -> bool:
+        """True if any peer is reached by NVSHMEM puts (``moe_comm/transport.py``)."""
+        return protocol.TRANSPORT_PUT in self.transports
 
     @property
     def live_ranks(self) -> list[int]:
@@ -79,6 +86,7 @@ class CommGroup:
         st[protocol.S_TIMEOUT_NS] = self.timeout_ns
         st[protocol.S_LIVE:protocol.S_LIVE + w] = torch.tensor(self._live, dtype=torch.int64)
         st[protocol.s_status(w):protocol.s_status(w) + w] = self.status.peer_ptrs.cpu()
+        st[protocol.s_transport(w):protocol.s_transport(w) + w] = torch.tensor(self.transports, dtype=torch.int64)
         self.state.copy_(st)
 
     # ---- members ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ this rank), and reads what it needs from it. Addresses and the timeout live ther
 arguments: a Python int argument is typed by its value (an address below 2**31 would become an i32), a
 tensor entry is always int64.
 
-Group state ``grp`` (int64 [STATE_WORDS + 2 * world]):
+Group state ``grp`` (int64 [STATE_WORDS + 3 * world]):
 
     [S_EPOCH]        epoch: bumped by every ``reset()`` / ``exclude()``; flags and status records carry it
     [S_ERR_ADDR]     address of this rank's error word (pinned host memory on CUDA, plain memory on CPU)
@@ -13,7 +13,9 @@ Group state ``grp`` (int64 [STATE_WORDS + 2 * world]):
     [S_CLAIM]        0, or 1 once a kernel claimed the error word (first error wins; the host releases it)
     [S_BCAST_CLAIM]  0, or 1 once a kernel of this rank broadcast a group-wide error (one broadcast per epoch)
     [S_LIVE + j]     1 if rank j is live, 0 once excluded
-    [S_STATUS + j]   address of rank j's status buffer, as mapped here
+    [S_STATUS + j]   address of rank j's status buffer, as mapped here (0: not load/store reachable)
+    [S_TRANSPORT + j] how this rank's kernels reach rank j: TRANSPORT_STORE (stores through a peer
+                     pointer) or TRANSPORT_PUT (NVSHMEM puts, the flag as the put's signal)
 
 Status buffer (symmetric, int64 [world + world * REC_WORDS], one per rank): ``tags[j]`` then
 ``records[j]``. Row j is written only by rank j: when a kernel of rank j records a group-wide error it
@@ -42,8 +44,18 @@ def s_status(world: int) -> int:
     return STATE_WORDS + world
 
 
-def state_words(world: int) -> int:
+def s_transport(world: int) -> int:
+    """Index in the group state of the first per-peer transport word."""
     return STATE_WORDS + 2 * world
+
+
+def state_words(world: int) -> int:
+    return STATE_WORDS + 3 * world
+
+
+TRANSPORT_STORE = 0      # peer memory mapped here: plain stores, flag published with a release
+TRANSPORT_PUT = 1        # NVSHMEM putmem(_signal)_nbi into the same landing layout, flag = the signal
+TRANSPORTS = {"store": TRANSPORT_STORE, "put": TRANSPORT_PUT}
 
 
 REC_WORDS = 8            # status record: [code, op, rank, peer, value, bound, 0, 0]

@@ -25,9 +25,20 @@ SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", 
 WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel"}
 
 
+def _bitcode_problem():
+    """Why the put-transport variants cannot be compiled here (NVSHMEM's bitcode), or None."""
+    from moe_comm.triton_kernels import nvshmem_bitcode
+    try:
+        nvshmem_bitcode.launch_options()
+    except nvshmem_bitcode.NvshmemSetupError as e:
+        return str(e)
+    return None
+
+
 @pytest.fixture(scope="module")
 def report():
-    out = subprocess.run([sys.executable, "-m", "moe_comm.triton_kernels.compile_report", "--json"],
+    args = [] if _bitcode_problem() is None else ["--no-put"]
+    out = subprocess.run([sys.executable, "-m", "moe_comm.triton_kernels.compile_report", "--json", *args],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -120,3 +131,24 @@ def test_the_rules_find_the_reviewed_bug_in_compiled_ptx():
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     found = ptx_rules.check(ptx, "_stores_then_arrive", list(types))
     assert any("acq_rel" in p and "no CTA barrier" in p for p in found), found
+
+
+PUT_KERNELS = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel"}
+
+
+@pytest.mark.timeout(900)
+def test_every_kernel_with_nvshmem_calls_links_the_bitcode_for_sm90a(report):
+    """The put transport (PUT=True) of every send kernel compiles with NVSHMEM's device bitcode linked
+    (its device state is in the module), with no spills, and keeps the ordering rules (above)."""
+    problem = _bitcode_problem()
+    if problem is not None:
+        pytest.skip(f"NVSHMEM device bitcode unusable here: {problem}")
+    from moe_comm.channel import PUT_KERNELS as channel_put_kernels
+    assert set(channel_put_kernels) == PUT_KERNELS
+    put = [r for r in report if r["nvshmem"]]
+    assert {r["kernel"] for r in put} == PUT_KERNELS
+    for r in put:
+        assert r["nvshmem_linked"], r
+        assert r["spill_store_bytes"] <= 16 and r["spill_load_bytes"] <= 16, r
+    # Without PUT, no kernel carries NVSHMEM (nothing to link, nothing to initialize).
+    assert not any(r["nvshmem_linked"] for r in report if not r["nvshmem"])

@@ -16,6 +16,12 @@ class SymmetricBuffer:
     peer_ptrs: torch.Tensor  # int64 [world] on the heap's device: peer_ptrs[j] = address of rank j's copy, usable here
     handle: object = None    # heap-private bookkeeping
 
+    def __post_init__(self):
+        if self.local.device.type == "cpu":  # interpreted puts find peers' copies here (peer_map.py)
+            from . import peer_map  # noqa: PLC0415
+            peer_map.register(self.local.data_ptr(), self.local.numel() * self.local.element_size(),
+                              self.peer_ptrs)
+
 
 class Heap:
     """Symmetric memory shared by ``world_size`` ranks.
@@ -48,6 +54,10 @@ class Heap:
     def realign_barriers(self, base: int) -> None:
         """Restart the barrier sequence at ``base`` (every live rank passes the same value, in a reset)."""
         raise NotImplementedError
+
+    def reachable(self) -> list[bool]:
+        """For every rank: is its memory mapped here (load/store)? The CPU heaps map every peer."""
+        return [True] * self.world_size
 
     def release_peer(self, peer: int) -> None:
         """``peer`` is excluded and will never be addressed again: point every live buffer's

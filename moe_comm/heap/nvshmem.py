@@ -1,9 +1,16 @@
-"""NVSHMEM heap: symmetric tensors from nvshmem4py; peers reached by load/store over NVLink.
+"""NVSHMEM heap: symmetric tensors from nvshmem4py; peers reached by load/store over NVLink, or by NVSHMEM
+puts (``moe_comm/transport.py``) where they cannot be mapped.
 
 nvshmem4py is imported lazily, so this module imports without a GPU. Facts relied on (nvshmem4py 0.4.1):
 UID bootstrap (rank 0 makes the id, torch.distributed broadcasts it), ``nvshmem.core.tensor`` /
 ``free_tensor`` are collective and must be freed explicitly in the same order on every PE, and
 ``get_peer_tensor(t, pe)`` maps a peer's copy here (raises if it is not load/store reachable).
+
+Reachability is found on the first allocation: a peer whose copy cannot be mapped gets ``peer_ptrs``
+entry 0 and the put transport. The host control plane (barriers and the recovery meetings,
+``control.py``) still reads and writes peers' memory through mappings, so a group with an unreachable
+peer (a second node) is refused at init with a NotImplementedError: the device put path is built and
+compiled, the multi-node control plane is not (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -49,7 +56,14 @@ class NvshmemHeap(Heap):
         self._next = 0
         self._excluded: set[int] = set()
         self._control = None
+        self._reachable = None   # per PE, found by the first allocation
         barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
+        if not all(self._reachable):
+            gone = [pe for pe, r in enumerate(self._reachable) if not r]
+            raise NotImplementedError(
+                f"rank {rank}: PEs {gone} are not load/store reachable (another node). The kernels can reach "
+                f"them by NVSHMEM puts, but the host control plane (barrier, reset/exclude meetings) maps "
+                f"every peer's memory and has no multi-node implementation yet (see docs/multinode.md)")
         recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
         self._control = ControlBlock(self._live[barrier_buf.handle][2], rank, timeout_s)
         self._recovery = ControlBlock(self._live[recovery_buf.handle][2], rank, 2 * timeout_s)  # see group._meet
@@ -64,13 +78,27 @@ class NvshmemHeap(Heap):
                                "allocation is collective over every PE): allocate buffers before serving")
         t = self.nv.tensor(tuple(int(s) for s in shape), dtype=dtype)
         t.zero_()
-        peers = [t if pe == self.rank else self.nv.get_peer_tensor(t, pe) for pe in range(self.world_size)]
+        peers = [t if pe == self.rank else self._peer_tensor(t, pe) for pe in range(self.world_size)]
+        if self._reachable is None:
+            self._reachable = [p is not None for p in peers]
         k, self._next = self._next, self._next + 1
-        buf = SymmetricBuffer(name, t, torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64,
-                                                    device=self.device), handle=k)
+        buf = SymmetricBuffer(name, t, torch.tensor([0 if p is None else p.data_ptr() for p in peers],
+                                                    dtype=torch.int64, device=self.device), handle=k)
         self._live[k] = [t, buf, peers]
         self.barrier()  # every PE zeroed its copy before anyone writes into it
         return buf
+
+    def _peer_tensor(self, t, pe):
+        """Rank ``pe``'s copy of ``t`` mapped here, or None if NVSHMEM cannot map it (not on this node)."""
+        if self._reachable is not None and not self._reachable[pe]:
+            return None
+        try:
+            return self.nv.get_peer_tensor(t, pe)
+        except Exception:  # noqa: BLE001  (nvshmem4py raises its own error types for an unmappable PE)
+            return None
+
+    def reachable(self) -> list[bool]:
+        return list(self._reachable)
 
     def free(self, buf: SymmetricBuffer) -> None:
         entry = self._live.pop(buf.handle, None)

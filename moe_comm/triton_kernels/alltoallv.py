@@ -10,6 +10,10 @@ Receive (grid = world sources x blocks_per_peer): wait (bounded) for the flag of
 then copy its rows out of the landing zone into the output; the receive counts its own calls. If a
 wait failed, no result is partial: the last program zeroes every receive count.
 
+Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
+PUT): the rows for j go to this rank's staging for j; the last program for j puts them in one
+``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag.
+
 World 1 (``a2a_local_kernel``): one kernel copies the rows straight from the input to the output.
 
 Forward rows come from ``send`` at prefix-sum offsets of the device counts as given (what is sent is
@@ -20,8 +24,8 @@ clamped to the capacity and to N, the clamped values kept for the reverse); reve
 import triton
 import triton.language as tl
 
-from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, publish, record_error,
-                   wait_flag)
+from .sync import ERR_CAPACITY, S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, record_error, wait_flag
+from .transport import deliver, dest, put_peers
 
 
 @triton.jit
@@ -81,12 +85,15 @@ def a2a_send_kernel(
     n_rows,            # forward: N (rows in src); reverse: unused
     data_ptrs_ptr,     # int64 [WORLD]: base of every rank's landing zone [2, WORLD, max_rows, ROW_WORDS]
     ctrl_ptrs_ptr,     # int64 [WORLD]: base of every rank's control words [2, WORLD, 2] = (rows, flag)
+    stage_ptr,         # put transport: this rank's staging, words [WORLD dest, max_rows, ROW_WORDS] (symmetric)
+    stage_ctrl_ptr,    # put transport: int64 [WORLD dest, 2] staged control words (symmetric)
     seq_ptr,           # int64 [1]: the channel's send count (advanced here)
     done_ptr,          # int32 [WORLD + 2]: arrival counters, zero between launches
     grp, status_ptr,   # group state and this rank's status buffer (moe_comm/protocol.py)
     rank, max_rows,
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
+    PUT: tl.constexpr,
 ):
     peer = tl.program_id(0)
     blk = tl.program_id(1)
@@ -100,15 +107,25 @@ def a2a_send_kernel(
         my_cnt = tl.minimum(tl.maximum(tl.load(counts_ptr + peer).to(tl.int64), 0), max_rows)
         my_off = peer.to(tl.int64) * max_rows
     live = is_live(grp, peer)
+    # Store transport: straight into the peer's landing zone; put transport: into this rank's staging for
+    # the peer, the same rows, put by the last program (transport.py).
+    put = put_peers(grp, peer, True, WORLD, PUT)
+    elem = src_ptr.dtype.element_ty
+    region = (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS  # this source's rows on the peer
+    stage = stage_ptr + peer.to(tl.int64) * max_rows * ROW_WORDS
     if live & (failed == 0):
-        elem = src_ptr.dtype.element_ty
-        dst = as_ptr(tl.load(data_ptrs_ptr + peer), elem) + (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS
+        dst = dest(put, stage, as_ptr(tl.load(data_ptrs_ptr + peer), elem) + region, PUT)
         _copy_rows(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
     last, skipped = arrive(done_ptr + peer, NBLK, failed)
     if last & live & (skipped == 0):
-        ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + peer), tl.int64) + (zone * WORLD + rank) * 2
+        ctrl_off = (zone * WORLD + rank) * 2
+        ctrl = dest(put, stage_ctrl_ptr + peer * 2, as_ptr(tl.load(ctrl_ptrs_ptr + peer), tl.int64) + ctrl_off, PUT)
         tl.store(ctrl, my_cnt)
-        publish(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call))
+        own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off  # local symmetric addresses
+        row_bytes = ROW_WORDS * (elem.primitive_bitwidth // 8)
+        deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,
+                as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * row_bytes,
+                own_ctrl, ctrl, 8, own_ctrl + 1, peer, PUT)
     last_all, _ = arrive(done_ptr + WORLD, WORLD * NBLK, 0)
     if last_all:
         tl.store(seq_ptr, call)

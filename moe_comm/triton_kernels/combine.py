@@ -19,12 +19,18 @@ ascending order, cast to the output dtype; row(t, k) is ``expert_out[row_of[rank
 rank holds the expert (zeros if dropped), else ``landing[t, k]``. The sum sees each slot's row bit for
 bit as the expert wrote it and always in the same order, so y is bitwise reproducible across runs and
 world sizes.
+
+Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
+PUT): the send stores a slot's row into this rank's staging copy of the peer's zone instead, then puts
+that row (one ``putmem_nbi`` per row: one rank's slots are interleaved with other ranks' slots) and
+``quiet``s before counting itself in; the last program delivers the flag as an NVSHMEM signal.
 """
 
 import triton
 import triton.language as tl
 
 from .quant import cast_rne
+from .transport import dest, drain, put_peers, put_rows, signal_only, store_only
 from .sync import (S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
                    wait_flag)
 
@@ -36,12 +42,15 @@ def combine_send_kernel(
     src_tokens_ptr,   # int32 [WORLD]: tokens T of every rank in that dispatch
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, M, TOPK, X_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, 2]
+    stage_ptr,        # put transport: int32 [WORLD dest, M, TOPK, X_WORDS], rows staged per dest (symmetric)
+    stage_ctrl_ptr,   # put transport: int64 [WORLD, 2] (unused: the flag travels as a bare signal)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
     rank,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
+    PUT: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -66,7 +75,12 @@ def combine_send_kernel(
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
         src = expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
-        landing = as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone.to(tl.int64) * M * TOPK * X_WORDS
+        # Slot (t, k) of rank s: in s's landing zone (store transport), or in this rank's staging for s
+        # (put transport: each staged row is put right after this tile, below).
+        put = put_peers(grp, s, send, WORLD, PUT)
+        zone_off = zone.to(tl.int64) * M * TOPK * X_WORDS
+        landing = dest(put, stage_ptr + s.to(tl.int64) * M * TOPK * X_WORDS,
+                       as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone_off, PUT)
         dst = landing + (t * TOPK + k).to(tl.int64) * X_WORDS
         v_next = tl.load(src[:, None] + ww[None, :], mask=has_row[:, None] & (ww < X_WORDS)[None, :], other=0)
         for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's store
@@ -75,13 +89,34 @@ def combine_send_kernel(
             v_next = tl.load(src[:, None] + w0 + BW + ww[None, :],
                              mask=has_row[:, None] & (w0 + BW + ww < X_WORDS)[None, :], other=0)
             tl.store(dst[:, None] + w0 + ww[None, :], v, mask=send[:, None] & w_live)
+        if PUT:  # one put per staged row: slots of one rank are scattered among other ranks' slots
+            put_send = tl.where(put, send, False)
+            if tl.max(put_send.to(tl.int32)) > 0:
+                own = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone_off
+                j = tl.arange(0, BS)
+                for jj in range(BS):
+                    one = j == jj
+                    if tl.sum(tl.where(one & put_send, 1, 0)) > 0:
+                        row = tl.sum(tl.where(one, t * TOPK + k, 0)).to(tl.int64) * X_WORDS
+                        to_rank = tl.sum(tl.where(one, s, 0))
+                        put_rows(own + row, stage_ptr + to_rank.to(tl.int64) * M * TOPK * X_WORDS + row,
+                                 X_WORDS * 4, to_rank)
+    if PUT:
+        drain()  # this program's puts are complete before it counts itself in: the signal follows them
     # The last program publishes to every live rank, unless a program skipped its part because the group
     # failed, and advances the send count.
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:
         if skipped == 0:
+            flag = flag_value(tl.load(grp + S_EPOCH), call)
             ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=live, other=0), tl.int64) + (zone * WORLD + rank) * 2
-            publish_many(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), live)
+            put_all = put_peers(grp, w, w < WORLD, WORLD, PUT)
+            publish_many(ctrl + 1, flag, store_only(put_all, live, PUT))
+            if PUT:
+                own_flag = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + (zone * WORLD + rank) * 2 + 1
+                for p in range(WORLD):
+                    if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
+                        signal_only(own_flag, flag, p)
         tl.store(seq_ptr, call)
 
 

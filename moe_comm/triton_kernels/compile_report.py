@@ -33,9 +33,17 @@ class KernelConfig:
     label: str         # what configuration this is
     types: dict        # argument name -> Triton type string ("*i32", "i64", ...); constexprs get "constexpr"
     constexprs: dict   # constexpr argument name -> value
+    nvshmem: bool = False  # carries NVSHMEM calls (PUT=True): compiled with NVSHMEM's device bitcode linked
 
 
 SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank kernel's group arguments
+STAGE = dict(stage_ptr="*i32", stage_ctrl_ptr="*i64")      # every send kernel's put-transport staging
+
+
+def with_put(cfg: KernelConfig) -> KernelConfig:
+    """The same kernel and shapes with the put transport compiled in (NVSHMEM calls, bitcode linked)."""
+    return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, dict(cfg.constexprs, PUT=True),
+                        nvshmem=True)
 
 
 def _a2a_configs() -> list[KernelConfig]:
@@ -45,7 +53,7 @@ def _a2a_configs() -> list[KernelConfig]:
     from ..planner import plan_copy  # noqa: PLC0415
     ptrs = dict(counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64", seq_ptr="*i64")
     send = dict(src_ptr="*i32", dropped_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", done_ptr="*i32",
-                n_rows="i64", max_rows="i32", **SIGNAL, **ptrs)
+                n_rows="i64", max_rows="i32", **SIGNAL, **ptrs, **STAGE)
     recv = dict(dst_ptr="*i32", recv_counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
                 data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", max_rows="i32", **SIGNAL)
     local = dict(src_ptr="*i32", counts_ptr="*i32", kept_counts_ptr="*i32", kept_offsets_ptr="*i64",
@@ -57,7 +65,8 @@ def _a2a_configs() -> list[KernelConfig]:
         c = dict(OP=0 if forward else 1, FORWARD=forward, ROW_WORDS=cp.row_words, BLOCK_R=cp.block_rows,
                  BLOCK_C=cp.block_words, NBLK=cp.blocks_per_peer)
         label = f"{'fwd' if forward else 'rev'} 7168 bf16"
-        out.append(KernelConfig("alltoallv", "a2a_send_kernel", f"{label} EP8", send, dict(c, WORLD=8, WORLD_P2=8)))
+        out.append(KernelConfig("alltoallv", "a2a_send_kernel", f"{label} EP8", send,
+                                dict(c, WORLD=8, WORLD_P2=8, PUT=False)))
         out.append(KernelConfig("alltoallv", "a2a_recv_kernel", f"{label} EP8", recv, dict(c, WORLD=8, WORLD_P2=8)))
         out.append(KernelConfig("alltoallv", "a2a_local_kernel", f"{label} EP1", local, c))
     return out
@@ -81,9 +90,9 @@ def _ep_configs() -> list[KernelConfig]:
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
             x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
             data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
-            num_experts="i32", **SIGNAL), dict(
+            num_experts="i32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)))
+            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, PUT=False)))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
             row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
@@ -111,9 +120,9 @@ def _ep_configs() -> list[KernelConfig]:
             HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs)))
     out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
         expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
-        ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
+        ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
         WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
-        BW=p.out_block_words, NBLK=p.recv_programs)))
+        BW=p.out_block_words, NBLK=p.recv_programs, PUT=False)))
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
         num_tokens="i32", num_experts="i32"), dict(
@@ -124,6 +133,15 @@ def _ep_configs() -> list[KernelConfig]:
     out.append(KernelConfig("sync", "fail_group_kernel", "EP8 barrier timeout", dict(
         grp="*i64", code="i64", op="i64", rank="i32", peer="i32", bound="i64"), dict(WORLD=8, WORLD_P2=8)))
     return out
+
+
+PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with the put transport
+    ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("dispatch_send_kernel", "DSV3 EP8 bf16"),
+    ("combine_send_kernel", "DSV3 EP8 bf16"), ("abort_kernel", "EP8 dispatch channel")}
+
+
+def put_configs(base: list[KernelConfig]) -> list[KernelConfig]:
+    return [with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS]
 
 
 def _extra_configs() -> list[KernelConfig]:
@@ -144,8 +162,11 @@ def _module_path(name: str) -> str:
     return name if "." in name else f"moe_comm.triton_kernels.{name}"
 
 
-def all_configs() -> list[KernelConfig]:
-    return _a2a_configs() + _ep_configs() + _copy_configs() + _extra_configs()
+def all_configs(put: bool = True) -> list[KernelConfig]:
+    """Every kernel configuration; with ``put``, also the put-transport variants (NVSHMEM calls), which
+    need NVSHMEM's device bitcode (``nvshmem_bitcode.py``)."""
+    base = _a2a_configs() + _ep_configs() + _copy_configs() + _extra_configs()
+    return base + (put_configs(base) if put else [])
 
 
 def _copy_configs() -> list[KernelConfig]:
@@ -175,14 +196,22 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     fn = getattr(importlib.import_module(_module_path(cfg.module)), cfg.kernel)
+    constexprs = dict(cfg.constexprs)
+    if "PUT" in fn.arg_names:
+        constexprs.setdefault("PUT", False)   # the store-only build unless the config says otherwise
     types = dict(cfg.types)
-    types.update({k: "constexpr" for k in cfg.constexprs})
+    types.update({k: "constexpr" for k in constexprs})
     missing = [a for a in fn.arg_names if a not in types]
     if missing:
         raise ValueError(f"{cfg.kernel}: no type given for {missing}")
+    options = None
+    if cfg.nvshmem:
+        from .nvshmem_bitcode import launch_options  # noqa: PLC0415
+        options = launch_options(arch)
     # Pointer arguments 16-byte aligned, as Triton specializes them at launch for torch's allocations.
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if types[a].startswith("*")}
-    compiled = triton.compile(ASTSource(fn, types, cfg.constexprs, aligned), target=GPUTarget("cuda", arch, 32))
+    compiled = triton.compile(ASTSource(fn, types, constexprs, aligned), target=GPUTarget("cuda", arch, 32),
+                              options=options)
     ptxas = get_ptxas(arch).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
@@ -193,9 +222,10 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     finally:
         os.unlink(f.name)
     regs, spill, smem = _PTXAS_RE.search(rep), _SPILL_RE.search(rep), _SMEM_RE.search(rep)
-    args = [a for a in fn.arg_names if a not in cfg.constexprs]
+    args = [a for a in fn.arg_names if a not in constexprs]
     ptx = compiled.asm["ptx"]
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
+                nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
@@ -209,11 +239,20 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     ap.add_argument("--only", action="append", help="compile only this kernel (repeatable)")
+    ap.add_argument("--no-put", action="store_true",
+                    help="skip the put-transport variants (they need NVSHMEM's device bitcode)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("TRITON_INTERPRET=1 is set: unset it (or set 0) to compile", file=sys.stderr)
         return 2
-    rows = [compile_one(c, a.arch) for c in all_configs() if not a.only or c.kernel in a.only]
+    if not a.no_put:
+        from .nvshmem_bitcode import NvshmemSetupError, launch_options  # noqa: PLC0415
+        try:
+            launch_options(a.arch)
+        except NvshmemSetupError as e:
+            print(f"put-transport variants not compiled: {e} (--no-put to skip them)", file=sys.stderr)
+            return 3
+    rows = [compile_one(c, a.arch) for c in all_configs(not a.no_put) if not a.only or c.kernel in a.only]
     if a.json:
         for r in rows:
             print(json.dumps(r))

@@ -20,6 +20,11 @@ expert e's rows from source s start at ``base[s, e] = sum over s' < s of count[s
 with routing word (e, pos) is copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted
 by (source, token, k) without atomics. Counts read from peers are clamped so that no value can steer
 a store out of bounds; a row past the capacity is dropped and recorded (CapacityError).
+
+Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
+PUT): the rows and control words for such a peer are stored into this rank's staging copy of its region
+instead; the last program puts rows [0, T) in one ``putmem_nbi``, then the control words in a
+``putmem_signal_nbi`` whose signal is the flag. The receive is the same for both transports.
 """
 
 import triton
@@ -27,29 +32,34 @@ import triton.language as tl
 
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
+from .transport import dest, flush, put_peers, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks,
                    publish_many, record_error, wait_flag)
 
 
 @triton.jit
-def count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, ctrl_offset, grp, rank, num_tokens,
-                    num_experts, send, OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+def count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, grp, rank,
+                    num_tokens, num_experts, send, OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
                     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr,
-                    CHUNK_T: tl.constexpr, BINS: tl.constexpr):
+                    CHUNK_T: tl.constexpr, BINS: tl.constexpr, CTRL_WORDS: tl.constexpr, PUT: tl.constexpr):
     """The combine's mask (routed), the excluded-slot count and the first bad id, in one pass over the
     slots; then, unless the group failed, every live rank's control words (tokens, per-local-expert
-    counts: a histogram of the valid ids with BINS >= E bins)."""
+    counts: a histogram of the valid ids with BINS >= E bins): in the rank's memory, or staged here for a
+    rank reached by puts."""
     counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2,
                       EXPERTS_PER_RANK, CHUNK_T, BINS)
     # (tl.where, not `&`: Triton's interpreter turns `bool vector & bool scalar` into int32, no mask)
     live = tl.where(send, live_ranks(grp, WORLD, WORLD_P2), False)
     peer = tl.arange(0, WORLD_P2)
-    ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=live, other=0), tl.int64) + ctrl_offset
+    ctrl = dest(put_peers(grp, peer, peer < WORLD, WORLD, PUT), stage_ctrl_ptr + peer * CTRL_WORDS,
+                as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=live, other=0), tl.int64) + ctrl_offset, PUT)
     tl.store(ctrl, num_tokens, mask=live)
     expert = tl.arange(0, BINS)
     owner = tl.minimum(expert // EXPERTS_PER_RANK, WORLD - 1)
     owner_live = tl.where(send, tl.load(grp + S_LIVE + owner) != 0, False)
-    ctrl_of_expert = as_ptr(tl.load(ctrl_ptrs_ptr + owner, mask=owner_live, other=0), tl.int64) + ctrl_offset
+    ctrl_of_expert = dest(put_peers(grp, owner, owner_live, WORLD, PUT), stage_ctrl_ptr + owner * CTRL_WORDS,
+                          as_ptr(tl.load(ctrl_ptrs_ptr + owner, mask=owner_live, other=0), tl.int64) + ctrl_offset,
+                          PUT)
     tl.store(ctrl_of_expert + 1 + expert % EXPERTS_PER_RANK, counts.to(tl.int64),
              mask=(expert < WORLD * EXPERTS_PER_RANK) & owner_live)
 
@@ -62,6 +72,8 @@ def dispatch_send_kernel(
     excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (accumulated)
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]
+    stage_ptr,        # put transport: int32 [WORLD dest, M, ROW_WORDS], this rank's rows for each dest (symmetric)
+    stage_ctrl_ptr,   # put transport: int64 [WORLD dest, CTRL_WORDS] staged control words (symmetric)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
@@ -70,7 +82,7 @@ def dispatch_send_kernel(
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, BINS: tl.constexpr,
-    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr,
+    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr, PUT: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -80,14 +92,18 @@ def dispatch_send_kernel(
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     peer = tl.arange(0, WORLD_P2)
     peer_live = tl.where(failed, False, live_ranks(grp, WORLD, WORLD_P2))
-    landing_all = as_ptr(tl.load(data_ptrs_ptr + peer, mask=peer_live, other=0), tl.int32) + first_row * ROW_WORDS
+    # Where this program's rows for each rank go: that rank's landing zone (store transport), or this
+    # rank's staging for it (put transport: the last program puts rows [0, T) of it, transport.py).
+    landing_all = dest(put_peers(grp, peer, peer < WORLD, WORLD, PUT), stage_ptr + peer.to(tl.int64) * M * ROW_WORDS,
+                       as_ptr(tl.load(data_ptrs_ptr + peer, mask=peer_live, other=0), tl.int32) + first_row * ROW_WORDS,
+                       PUT)
 
     # 1. Bookkeeping, by one program: the combine's mask, the excluded-slot count, the first bad id, and
     #    per-expert counts (a histogram of the valid ids; BINS >= E) into each live rank's control words.
     if blk == NBLK - 1:
-        count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, (zone * WORLD + rank) * CTRL_WORDS, grp,
-                        rank, num_tokens, num_experts, failed == 0, OP, WORLD, WORLD_P2, TOPK, TOPK_P2,
-                        EXPERTS_PER_RANK, ROUTE_T, BINS)
+        count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
+                        (zone * WORLD + rank) * CTRL_WORDS, grp, rank, num_tokens, num_experts, failed == 0, OP,
+                        WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT)
 
     # 2. This program's tokens, a contiguous range: routing words to every live rank, payload once to row
     #    t of every live rank holding one of the token's experts. Positions continue a histogram of the
@@ -141,9 +157,19 @@ def dispatch_send_kernel(
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:
         if skipped == 0:
+            ctrl_off = (zone * WORLD + rank) * CTRL_WORDS
+            flag = flag_value(tl.load(grp + S_EPOCH), call)
             ctrl_last = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=peer_live, other=0), tl.int64)
-            publish_many(ctrl_last + (zone * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 1,
-                         flag_value(tl.load(grp + S_EPOCH), call), peer_live)
+            publish_many(ctrl_last + ctrl_off + CTRL_WORDS - 1, flag,
+                         store_only(put_peers(grp, peer, peer < WORLD, WORLD, PUT), peer_live, PUT))
+            if PUT:
+                own_rows = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + first_row * ROW_WORDS
+                own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off
+                for p in range(WORLD):
+                    if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
+                        flush(own_rows, stage_ptr + p * M * ROW_WORDS, num_tokens.to(tl.int64) * ROW_WORDS * 4,
+                              own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
+                              own_ctrl + CTRL_WORDS - 1, flag, p)
         tl.store(seq_ptr, call)
 
 

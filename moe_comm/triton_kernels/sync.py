@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import errors, protocol
+from . import nvshmem_device
 
 # Codes and layout as constexpr: compiled @jit code may only read module globals that are constexpr.
 ERR_TIMEOUT = tl.constexpr(errors.ERR_TIMEOUT)
@@ -40,6 +41,7 @@ REC_WORDS = tl.constexpr(protocol.REC_WORDS)
 EPOCH_SHIFT = tl.constexpr(protocol.EPOCH_SHIFT)
 CALL_MASK = tl.constexpr(protocol.CALL_MASK)
 ABORT_BIT = tl.constexpr(protocol.ABORT_BIT)
+TRANSPORT_PUT = tl.constexpr(protocol.TRANSPORT_PUT)
 SKIP_UNIT = tl.constexpr(1 << 16)  # arrive(): skipped programs are counted in the counter's high half
 
 # True in the interpreted twin of this module (moe_comm/interpreter.py): decided when the module is
@@ -251,6 +253,7 @@ def abort_kernel(
     recv_seq_ptr,     # int64 [1]: the channel's receive count (advanced here)
     grp, rank,
     CTRL_WORDS: tl.constexpr, FLAG_WORD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+    PUT: tl.constexpr,
 ):
     """A rank's part of a call it cannot make (an input error it raised, which its peers may not have
     seen): publish ABORT for the call to every live peer and advance both call counters, without
@@ -261,7 +264,17 @@ def abort_kernel(
     peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
     ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=peers, other=0), tl.int64)
     slot = ((call % 2) * WORLD + rank) * CTRL_WORDS + FLAG_WORD
-    publish_many(ctrl + slot, flag_value(tl.load(grp + S_EPOCH), call) | ABORT_BIT, peers)
+    flag = flag_value(tl.load(grp + S_EPOCH), call) | ABORT_BIT
+    if PUT:  # peers reached by puts get the flag as an NVSHMEM signal (moe_comm/triton_kernels/transport.py)
+        put = tl.load(grp + STATE_WORDS + 2 * WORLD + w, mask=peers, other=0) == TRANSPORT_PUT
+        publish_many(ctrl + slot, flag, tl.where(put, False, peers))
+        own = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + slot
+        for p in range(WORLD):
+            if (p != rank) & is_live(grp, p) & (tl.load(grp + STATE_WORDS + 2 * WORLD + p) == TRANSPORT_PUT):
+                nvshmem_device.signal_op(own, flag, nvshmem_device.SIGNAL_SET, p)
+        nvshmem_device.quiet()
+    else:
+        publish_many(ctrl + slot, flag, peers)
     tl.store(send_seq_ptr, call)
     tl.store(recv_seq_ptr, tl.load(recv_seq_ptr) + 1)
 

@@ -1,0 +1,149 @@
+"""Host side of the NVSHMEM device binding: find the device bitcode, check that it pairs with the installed
+Triton, and initialize every loaded module that calls NVSHMEM.
+
+- ``bitcode_path(arch)``: ``MOE_COMM_NVSHMEM_BITCODE`` if set; else nvshmem4py's
+  ``nvshmem.core.find_device_bitcode_library()``; else the ``nvidia-nvshmem-cu13``/``-cu12`` wheel's
+  ``lib/`` (``libnvshmem_device.bc`` up to NVSHMEM 3.6, ``libnvshmem_device_sm_<arch>.bc`` from 3.7).
+- ``check_pairing()``: the most common NVSHMEM failure is a version mismatch. Triton links the bitcode
+  with its own LLVM, which must be able to read it: only pairs listed in ``VERIFIED`` are accepted (a
+  pair known to fail, or not yet tried, raises ``NvshmemSetupError`` naming both versions and the fix;
+  ``MOE_COMM_NVSHMEM_UNVERIFIED=1`` lets an untried pair through, never a known-bad one).
+- ``launch_options(arch)``: the ``extern_libs`` a launch of a kernel with NVSHMEM calls needs.
+- ``install_module_init_hook()``: NVSHMEM needs ``nvshmemx_cumodule_init`` on every loaded CUDA module
+  that uses its device state, before the first launch. The hook joins Triton's
+  ``knobs.runtime.kernel_load_end_hook`` chain (other users' hooks keep running) and initializes only
+  modules of the kernels registered with ``register_kernel``.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import re
+
+ENV_BITCODE = "MOE_COMM_NVSHMEM_BITCODE"
+ENV_UNVERIFIED = "MOE_COMM_NVSHMEM_UNVERIFIED"
+WHEELS = ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
+LIB_NAME = "libnvshmem_device"        # extern_libs key
+
+# (Triton major.minor, NVSHMEM major.minor): checked by compiling to sm_90 with the bitcode linked.
+VERIFIED = {((3, 6), (3, 4)): "compiles and links (tests/test_nvshmem_compile.py)"}
+KNOWN_BAD = {((3, 6), (3, 8)): "Triton 3.6's LLVM cannot parse NVSHMEM 3.8's bitcode"}
+
+
+class NvshmemSetupError(RuntimeError):
+    """NVSHMEM's device library is missing, or does not pair with the installed Triton."""
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        raise NvshmemSetupError(f"cannot read a version from {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def nvshmem_version() -> str | None:
+    """Version of the installed NVSHMEM wheel, or None."""
+    for wheel in WHEELS:
+        try:
+            return importlib.metadata.version(wheel)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _wheel_lib_dir() -> str | None:
+    spec = importlib.util.find_spec("nvidia.nvshmem") if importlib.util.find_spec("nvidia") else None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "lib")
+
+
+def bitcode_path(arch: int = 90) -> str:
+    """Path of NVSHMEM's device bitcode for ``sm_<arch>``; NvshmemSetupError if none is installed."""
+    env = os.environ.get(ENV_BITCODE)
+    if env:
+        if not os.path.isfile(env):
+            raise NvshmemSetupError(f"{ENV_BITCODE}={env} is not a file")
+        return env
+    try:
+        import nvshmem.core as nvc  # noqa: PLC0415  (optional: nvshmem4py)
+        found = nvc.find_device_bitcode_library()
+        if found and os.path.isfile(str(found)):
+            return str(found)
+    except (ImportError, AttributeError, TypeError, RuntimeError, OSError):
+        pass
+    lib = _wheel_lib_dir()
+    if lib is not None:
+        for name in (f"{LIB_NAME}_sm_{arch}.bc", f"{LIB_NAME}.bc"):
+            if os.path.isfile(os.path.join(lib, name)):
+                return os.path.join(lib, name)
+        others = sorted(os.path.basename(p) for p in glob.glob(os.path.join(lib, f"{LIB_NAME}*.bc")))
+        if others:
+            raise NvshmemSetupError(f"NVSHMEM's device bitcode for sm_{arch} is not in {lib} (found {others})")
+    raise NvshmemSetupError(
+        "NVSHMEM's device bitcode (libnvshmem_device*.bc) is not installed: pip install --no-deps "
+        "nvidia-nvshmem-cu13==3.4.5 (the version pinned in requirements/constraints.txt), or point "
+        f"{ENV_BITCODE} at the file")
+
+
+def check_pairing(triton_version: str | None = None, nvshmem: str | None = None) -> str:
+    """Refuse an NVSHMEM bitcode that the installed Triton cannot link; returns a one-line summary."""
+    if triton_version is None:
+        import triton  # noqa: PLC0415
+        triton_version = triton.__version__
+    nvshmem = nvshmem or nvshmem_version()
+    if nvshmem is None:
+        raise NvshmemSetupError(f"cannot tell which NVSHMEM is installed (none of {WHEELS}); install "
+                                f"nvidia-nvshmem-cu13==3.4.5")
+    pair = (_major_minor(triton_version), _major_minor(nvshmem))
+    if pair in KNOWN_BAD:
+        raise NvshmemSetupError(f"Triton {triton_version} with NVSHMEM {nvshmem}: {KNOWN_BAD[pair]}. "
+                                f"Install nvidia-nvshmem-cu13==3.4.5 (the pinned version)")
+    if pair not in VERIFIED and os.environ.get(ENV_UNVERIFIED, "0") != "1":
+        known = ", ".join(f"Triton {t[0]}.{t[1]} + NVSHMEM {n[0]}.{n[1]}" for t, n in VERIFIED)
+        raise NvshmemSetupError(f"Triton {triton_version} with NVSHMEM {nvshmem} has not been verified "
+                                f"(verified: {known}); set {ENV_UNVERIFIED}=1 to try it anyway")
+    status = VERIFIED.get(pair, f"unverified, allowed by {ENV_UNVERIFIED}")
+    return f"Triton {triton_version} + NVSHMEM {nvshmem}: {status}"
+
+
+def launch_options(arch: int = 90) -> dict:
+    """Keyword arguments for launching (or ``triton.compile`` options for compiling) a kernel that makes
+    NVSHMEM calls: the bitcode, after the pairing check."""
+    check_pairing()
+    return {"extern_libs": {LIB_NAME: bitcode_path(arch)}}
+
+
+# ---- module init ------------------------------------------------------------------------------------
+_kernel_names: set[str] = set()
+_hook_installed = False
+
+
+def register_kernel(name: str) -> None:
+    """Kernels named here get ``nvshmemx_cumodule_init`` when Triton loads their module."""
+    _kernel_names.add(name)
+
+
+def _module_init(module, function, name, metadata_group, hash_) -> None:  # Triton's InitHandleHook
+    if module is None or name not in _kernel_names:
+        return
+    try:
+        import nvshmem.core as nvc  # noqa: PLC0415
+        kernel_object = getattr(nvc, "NvshmemKernelObject")
+        init = getattr(nvc, "module_init")
+    except (ImportError, AttributeError) as e:
+        raise NvshmemSetupError(f"kernel {name} calls NVSHMEM and needs nvshmem4py's module_init to load "
+                                f"(pip install 'moe-comm[nvshmem]'): {e}") from e
+    init(kernel_object.from_handle(module))
+
+
+def install_module_init_hook() -> None:
+    """Join Triton's kernel-load hook chain once (idempotent; other hooks in the chain are kept)."""
+    global _hook_installed
+    import triton  # noqa: PLC0415
+    if not _hook_installed:
+        triton.knobs.runtime.kernel_load_end_hook.add(_module_init)
+        _hook_installed = True

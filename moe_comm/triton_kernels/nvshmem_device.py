@@ -1,0 +1,227 @@
+"""NVSHMEM device calls for Triton kernels, from stock Triton (no fork, no C++ extension).
+
+Each function below is ``@triton.jit``-callable from a kernel. Compiled, it is a call into NVSHMEM's
+device bitcode (``libnvshmem_device*.bc``, linked by launching with ``extern_libs``; see
+``nvshmem_bitcode.py`` for finding it, the version check and the module-init hook). Every address is
+passed as an int64 (Triton 3.6's extern signatures cannot name pointer types): pass a pointer or an
+int64, the functions convert. Destinations are *local* symmetric addresses; NVSHMEM finds rank ``pe``'s
+copy.
+
+The ``*_block`` calls are collective over the calling program (CTA): every thread must make the same
+call with the same arguments, so call them with scalar arguments only, from code every thread of the
+program runs (uniform branches). ``quiet`` completes this thread's outstanding puts; the kernels call
+it from every program that issued puts before they count themselves in (``sync.arrive``).
+
+Interpreted twin (CPU tests, ``moe_comm/interpreter.py``): the same functions run as plain memory
+operations in this process: a put is a byte copy into the peer's copy (found through
+``moe_comm/heap/peer_map.py``, as NVSHMEM would find it), a signal is a release store / atomic add on
+the peer's word, ``fence`` and ``quiet`` do nothing (every interpreted put is complete when it
+returns). So CPU tests run the put transport's protocol (the order of payload, counts and signal)
+through the very calls the compiled kernels make; they cannot show RDMA timing.
+"""
+
+import ctypes
+import time
+
+import triton
+import triton.language as tl
+from triton.language import core
+
+from moe_comm.heap import peer_map  # absolute: the interpreted twin must share the real module's table
+
+SIGNAL_SET = tl.constexpr(9)    # NVSHMEM_SIGNAL_SET (nvshmem_common_transport.h)
+SIGNAL_ADD = tl.constexpr(10)   # NVSHMEM_SIGNAL_ADD
+CMP_EQ = tl.constexpr(0)        # NVSHMEM_CMP_EQ (nvshmem_constants.h)
+CMP_GE = tl.constexpr(5)        # NVSHMEM_CMP_GE
+
+# The C functions called, in the order of the public functions below (the compile check reads this).
+C_FUNCTIONS = ("nvshmemx_putmem_nbi_block", "nvshmemx_putmem_signal_nbi_block", "nvshmemx_signal_op",
+               "nvshmem_signal_wait_until", "nvshmem_quiet", "nvshmem_fence", "nvshmem_ptr",
+               "nvshmem_uint64_atomic_add", "nvshmem_int64_p")
+
+INTERPRET = bool(triton.knobs.runtime.interpret)   # see sync.py: decided when the module is imported
+
+_I64, _U64, _I32 = core.dtype("int64"), core.dtype("uint64"), core.dtype("int32")
+
+
+def _extern(name, args, types, ret, _semantic):
+    return core.extern_elementwise("", "", args, {tuple(types): (name, ret)}, is_pure=False, _semantic=_semantic)
+
+
+# ---- compiled: calls into the NVSHMEM device library (void functions are declared as returning i32) ----
+@core.extern
+def _putmem_nbi_block(dest, src, nbytes, pe, _semantic=None):
+    return _extern("nvshmemx_putmem_nbi_block", [dest, src, nbytes, pe], [_I64, _I64, _I64, _I32], _I32, _semantic)
+
+
+@core.extern
+def _putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe, _semantic=None):
+    return _extern("nvshmemx_putmem_signal_nbi_block", [dest, src, nbytes, sig, value, op, pe],
+                   [_I64, _I64, _I64, _I64, _U64, _I32, _I32], _I32, _semantic)
+
+
+@core.extern
+def _signal_op(sig, value, op, pe, _semantic=None):
+    return _extern("nvshmemx_signal_op", [sig, value, op, pe], [_I64, _U64, _I32, _I32], _I32, _semantic)
+
+
+@core.extern
+def _signal_wait_until(sig, cmp, value, _semantic=None):
+    return _extern("nvshmem_signal_wait_until", [sig, cmp, value], [_I64, _I32, _U64], _U64, _semantic)
+
+
+@core.extern
+def _quiet(_semantic=None):
+    return _extern("nvshmem_quiet", [], [], _I32, _semantic)
+
+
+@core.extern
+def _fence(_semantic=None):
+    return _extern("nvshmem_fence", [], [], _I32, _semantic)
+
+
+@core.extern
+def _ptr(dest, pe, _semantic=None):
+    return _extern("nvshmem_ptr", [dest, pe], [_I64, _I32], _I64, _semantic)
+
+
+@core.extern
+def _uint64_atomic_add(dest, value, pe, _semantic=None):
+    return _extern("nvshmem_uint64_atomic_add", [dest, value, pe], [_I64, _U64, _I32], _I32, _semantic)
+
+
+@core.extern
+def _int64_p(dest, value, pe, _semantic=None):
+    return _extern("nvshmem_int64_p", [dest, value, pe], [_I64, _I64, _I32], _I32, _semantic)
+
+
+@triton.jit
+def _i64(x):
+    """int64 of a pointer, an integer tensor or a Python int (extern arguments)."""
+    return tl.cast(x, tl.int64)
+
+
+@triton.jit
+def _u64(x):
+    return tl.cast(x, tl.uint64)
+
+
+@triton.jit
+def _i32(x):
+    return tl.cast(x, tl.int32)
+
+
+# ---- interpreted twin: plain memory operations in this process -------------------------------------
+def _int(x) -> int:
+    """A Python int from an interpreted scalar (tl.tensor over a NumPy array), a pointer or an int."""
+    h = getattr(x, "handle", None)
+    if h is not None:
+        return int(h.data.reshape(-1)[0])
+    return int(x)
+
+
+def _copy_to_peer(dest, src, nbytes, pe):
+    n = _int(nbytes)
+    if n > 0:
+        ctypes.memmove(peer_map.peer_address(_int(dest), _int(pe)), _int(src), n)
+
+
+if INTERPRET:
+    @triton.jit
+    def _peer_word(sig, pe):
+        return tl.full([], peer_map.peer_address(_int(sig), _int(pe)), tl.int64).to(tl.pointer_type(tl.int64))
+
+    @triton.jit
+    def putmem_nbi_block(dest, src, nbytes, pe):
+        """Put ``nbytes`` bytes from local ``src`` to rank ``pe``'s copy of symmetric ``dest``; returns
+        at once (the source must not change until ``quiet``)."""
+        _copy_to_peer(dest, src, nbytes, pe)
+
+    @triton.jit
+    def signal_op(sig, value, op, pe):
+        """Set (SIGNAL_SET) or add to (SIGNAL_ADD) the uint64 word ``sig`` of rank ``pe`` (release)."""
+        word = _peer_word(sig, pe)
+        if op == SIGNAL_SET:
+            tl.atomic_xchg(word, tl.cast(value, tl.int64), sem="release", scope="sys")
+        else:
+            tl.atomic_add(word, tl.cast(value, tl.int64), sem="release", scope="sys")
+
+    @triton.jit
+    def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
+        """``putmem_nbi_block``, then ``signal_op`` on rank ``pe``'s ``sig``, which is delivered after
+        the data (a receiver that sees the signal sees the bytes)."""
+        _copy_to_peer(dest, src, nbytes, pe)
+        signal_op(sig, value, op, pe)
+
+    @triton.jit
+    def signal_wait_until(sig, cmp, value):
+        """Wait (unbounded, as NVSHMEM's) until local word ``sig`` compares to ``value`` (CMP_EQ or
+        CMP_GE); returns the word. The kernels wait with the bounded ``sync.wait_flag`` instead."""
+        word = tl.cast(sig, tl.int64).to(tl.pointer_type(tl.int64))
+        v = tl.atomic_add(word, 0, sem="acquire", scope="sys")
+        while (v != value) & ((cmp != CMP_GE) | (v < value)):
+            time.sleep(0.0002)
+            v = tl.atomic_add(word, 0, sem="acquire", scope="sys")
+        return v
+
+    @triton.jit
+    def quiet():
+        """Complete every put this thread issued (interpreted puts are complete already)."""
+        pass
+
+    @triton.jit
+    def fence():
+        """Order this thread's earlier puts to each rank before its later ones (interpreted: in order)."""
+        pass
+
+    @triton.jit
+    def ptr(dest, pe):
+        """Address, usable by loads and stores here, of rank ``pe``'s copy of symmetric ``dest``; 0 if
+        that rank is not load/store reachable (interpreted: every registered peer is)."""
+        return tl.full([], peer_map.peer_address(_int(dest), _int(pe)), tl.int64)
+
+    @triton.jit
+    def uint64_atomic_add(dest, value, pe):
+        """Atomically add ``value`` to rank ``pe``'s copy of the symmetric uint64 word ``dest``."""
+        tl.atomic_add(_peer_word(dest, pe), tl.cast(value, tl.int64), sem="relaxed", scope="sys")
+
+    @triton.jit
+    def int64_p(dest, value, pe):
+        """Store one int64 ``value`` into rank ``pe``'s copy of symmetric ``dest`` (ordered by ``fence``)."""
+        tl.store(_peer_word(dest, pe), tl.cast(value, tl.int64))
+else:
+    @triton.jit
+    def putmem_nbi_block(dest, src, nbytes, pe):
+        _putmem_nbi_block(_i64(dest), _i64(src), _i64(nbytes), _i32(pe))
+
+    @triton.jit
+    def signal_op(sig, value, op, pe):
+        _signal_op(_i64(sig), _u64(value), _i32(op), _i32(pe))
+
+    @triton.jit
+    def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
+        _putmem_signal_nbi_block(_i64(dest), _i64(src), _i64(nbytes), _i64(sig), _u64(value), _i32(op), _i32(pe))
+
+    @triton.jit
+    def signal_wait_until(sig, cmp, value):
+        return _signal_wait_until(_i64(sig), _i32(cmp), _u64(value)).to(tl.int64)
+
+    @triton.jit
+    def quiet():
+        _quiet()
+
+    @triton.jit
+    def fence():
+        _fence()
+
+    @triton.jit
+    def ptr(dest, pe):
+        return _ptr(_i64(dest), _i32(pe))
+
+    @triton.jit
+    def uint64_atomic_add(dest, value, pe):
+        _uint64_atomic_add(_i64(dest), _u64(value), _i32(pe))
+
+    @triton.jit
+    def int64_p(dest, value, pe):
+        _int64_p(_i64(dest), _i64(value), _i32(pe))

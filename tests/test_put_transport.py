@@ -1,0 +1,210 @@
+"""The put transport (NVSHMEM puts, ``moe_comm/triton_kernels/transport.py``) on the CPU.
+
+In the interpreter the NVSHMEM calls run as plain copies and release stores into the peer's memory
+(``nvshmem_device.py``'s twin), through the same kernel code the GPU compiles. So these tests check the
+put path's protocol (staging layout, one put per region or row, counts and flag as the put's signal,
+abort and timeout) exactly against the references, with ``MOE_COMM_TRANSPORT=put`` forcing it for every
+peer. They cannot show RDMA timing or ordering on a real NIC: nothing here ran on a GPU or across nodes.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import moe_comm
+from moe_comm import AllToAllvDynamic, CommAbortedError, CommTimeoutError, EPBuffer, protocol, reference
+from moe_comm.interpreter import kernel_for, twin_module
+from moe_comm.transport import ENV, choose_transports
+
+import a2a_cases
+import ep_cases
+
+PUT, STORE = protocol.TRANSPORT_PUT, protocol.TRANSPORT_STORE
+
+
+@pytest.fixture
+def put_forced(monkeypatch):
+    monkeypatch.setenv(ENV, "put")
+
+
+class _Puts:
+    """Counts the interpreted puts; ``drop=True`` makes them copy nothing (a broken transport)."""
+
+    def __init__(self, monkeypatch, drop=False):
+        twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+        original, self.count = twin._copy_to_peer, 0
+
+        def copy(*args):
+            self.count += 1
+            if not drop:
+                original(*args)
+        monkeypatch.setattr(twin, "_copy_to_peer", copy)
+
+
+# ---- the transport table ----------------------------------------------------------------------------
+
+class _FakeHeap:
+    def __init__(self, reach, kind="shm", device="cpu"):
+        self._reach, self.kind, self.device, self.rank = reach, kind, torch.device(device), 0
+
+    def reachable(self):
+        return self._reach
+
+
+@pytest.mark.parametrize("mode, reach, expected", [
+    (None, [True, True], [STORE, STORE]), ("auto", [True, False], [STORE, PUT]),
+    ("put", [True, True], [PUT, PUT]), ("store", [True, True], [STORE, STORE])])
+def test_transport_choice(monkeypatch, mode, reach, expected):
+    if mode is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, mode)
+    assert choose_transports(_FakeHeap(reach)) == expected
+
+
+def test_transport_choice_refuses_what_cannot_work(monkeypatch):
+    monkeypatch.setenv(ENV, "rdma")
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_transports(_FakeHeap([True]))
+    monkeypatch.setenv(ENV, "store")
+    with pytest.raises(ValueError, match=r"ranks \[1\] are not load/store reachable"):
+        choose_transports(_FakeHeap([True, False]))
+    monkeypatch.setenv(ENV, "put")
+    with pytest.raises(ValueError, match="needs backend='nvshmem' on CUDA"):
+        choose_transports(_FakeHeap([True, True], kind="loopback", device="cuda"))
+
+
+def test_the_group_state_carries_the_table(put_forced):
+    groups = moe_comm.init(backend="loopback", world_size=3, device="cpu")
+    w = protocol.s_transport(3)
+    for g in groups:
+        assert g.uses_put and g.state[w:w + 3].tolist() == [PUT] * 3
+        assert g.state.numel() == protocol.state_words(3)
+
+
+# ---- the binding's interpreted twin -------------------------------------------------------------------
+
+nv = twin_module("moe_comm.triton_kernels.nvshmem_device")  # the interpreted twin (this kernel runs on CPU)
+
+
+@triton.jit
+def _every_call(dst, src, sig, out, nbytes, pe):
+    nv.putmem_nbi_block(dst, src, nbytes, pe)
+    nv.fence()
+    nv.putmem_signal_nbi_block(dst + 4, src, 8, sig, 5, nv.SIGNAL_SET, pe)
+    nv.signal_op(sig, 2, nv.SIGNAL_ADD, pe)
+    nv.uint64_atomic_add(sig + 1, 3, pe)
+    nv.int64_p(sig + 2, 11, pe)
+    nv.quiet()
+    tl.store(out, nv.ptr(dst, pe))
+    tl.store(out + 1, nv.signal_wait_until(sig + 3, nv.CMP_GE, 0))
+
+
+def test_interpreted_calls_reach_the_peers_copy():
+    """put / put+signal / signal add / p / atomic add / ptr / wait, from rank 0 to rank 1's copies,
+    addressed by rank 0's own (symmetric) addresses, as NVSHMEM addresses them."""
+    heaps = [g.heap for g in moe_comm.init(backend="loopback", world_size=2, device="cpu")]
+    data = [h.alloc("d", (16,), torch.int32) for h in heaps]
+    sig = [h.alloc("s", (4,), torch.int64) for h in heaps]
+    src = torch.arange(100, 116, dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int64)
+    kernel_for(_every_call, "cpu")[(1,)](data[0].local, src, sig[0].local, out, 16, 1)
+    assert data[1].local[:4].tolist() == [100, 101, 102, 103] and data[1].local[4:6].tolist() == [100, 101]
+    assert data[0].local.abs().sum() == 0 and sig[0].local.abs().sum() == 0   # nothing landed locally
+    assert sig[1].local[:3].tolist() == [7, 3, 11]
+    assert out[0] == data[1].local.data_ptr()
+
+
+def test_a_put_outside_symmetric_memory_is_refused():
+    from moe_comm.heap import peer_map
+    with pytest.raises(ValueError, match="not in a registered symmetric buffer"):
+        peer_map.peer_address(torch.zeros(4).data_ptr(), 0)
+
+
+# ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [3])
+def test_alltoallv_loopback_over_puts(put_forced, monkeypatch, world):
+    puts = _Puts(monkeypatch)
+    assert a2a_cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=world)) == []
+    assert puts.count > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [3])
+def test_ep_loopback_over_puts(put_forced, monkeypatch, world):
+    puts = _Puts(monkeypatch)
+    assert ep_cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=world)) == []
+    assert puts.count > 0
+
+
+@pytest.mark.timeout(300)
+def test_ep_shm_processes_over_puts(put_forced):
+    """One process per rank (the environment variable reaches the launched ranks)."""
+    errs = moe_comm.launch(_ep_shm_cases, 2, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+
+
+def _ep_shm_cases(group):
+    assert group.uses_put
+    return ep_cases.run_shm_cases(group)
+
+
+def test_dropped_puts_are_seen(put_forced, monkeypatch):
+    """Control: if the puts carried nothing (the signals still arrive), the receivers would get the wrong
+    counts: the rows and counts of the cases above did travel by the put path."""
+    puts = _Puts(monkeypatch, drop=True)
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    ops = [AllToAllvDynamic(g, 4, (8,), torch.float32) for g in groups]
+    sends = [torch.randn(4, 8) for _ in groups]
+    counts = torch.tensor([2, 2])
+    for op, s in zip(ops, sends):
+        op(s, counts, phase="send")
+    res = [op(phase="recv") for op in ops]
+    assert puts.count > 0
+    assert all(r.recv_counts.tolist() == [0, 0] for r in res)   # the reference says [2, 2]
+
+
+# ---- the fault rules over puts -------------------------------------------------------------------------
+
+def test_timeout_and_recovery_over_puts(put_forced):
+    """A rank that skips its send: the peer's bounded wait names it, the error is sticky, reset() recovers
+    and later rounds are exact."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=0.3)
+    ops = [AllToAllvDynamic(g, 4, (8,), torch.float32) for g in groups]
+    sends = [torch.randn(3, 8) for _ in groups]
+    counts = torch.tensor([1, 2])
+    ops[0](sends[0], counts, phase="send")
+    with pytest.raises(CommTimeoutError, match="peer rank 1"):
+        ops[0](phase="recv")
+    ops[0](sends[0], counts, phase="send")     # sticky: the next call raises at once
+    with pytest.raises(CommTimeoutError, match="peer rank 1"):
+        ops[0](phase="recv")
+    for g in groups:
+        g.reset()
+    for _ in range(2):
+        for op, s in zip(ops, sends):
+            op(s, counts, phase="send")
+        res = [op(phase="recv") for op in ops]
+        exp = reference.alltoallv(sends, [counts, counts], 4)
+        for r in range(2):
+            assert torch.equal(res[r].recv_counts, exp[r][1])
+            for j in range(2):
+                n = int(exp[r][1][j])
+                assert torch.equal(res[r].recv[j, :n], exp[r][0][j, :n])
+
+
+def test_abort_reaches_put_peers(put_forced):
+    """A rank that cannot make a call publishes ABORT by an NVSHMEM signal: the peer raises
+    CommAbortedError instead of timing out."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
+    eps = [EPBuffer(g, 8, 128, 3, 2) for g in groups]
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (3, 2))
+    with pytest.raises(ValueError):
+        eps[1].dispatch(x[:, :64], idx, phase="send")      # bad input on rank 1 only: it aborts the call
+    eps[0].dispatch(x, idx, phase="send")
+    with pytest.raises(CommAbortedError):
+        eps[0].dispatch(phase="recv")
