@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import sys
-import sysconfig
 
 import torch
 
@@ -30,10 +29,6 @@ PACKAGES = {
     "sglang": ("sglang",),
 }
 NVSHMEM_FIX = "pip install 'moe-comm[nvshmem]' (nvshmem4py and cuda-core; they bring NVSHMEM's host library)"
-BITCODE_FIX = "pip install nvidia-nvshmem-cu13 (or -cu12), or set NVSHMEM_LIB_DIR to the folder holding it"
-# (Triton major.minor, NVSHMEM major.minor) pairs known to work: Triton 3.6 compiles kernels with NVSHMEM
-# 3.4's device bitcode linked (checked on CPU by compiling for sm_90; torch 2.11-2.14 pin NVSHMEM 3.4.5).
-KNOWN_BITCODE_PAIRS = {("3.6", "3.4")}
 
 
 def _version(names) -> str | None:
@@ -120,23 +115,11 @@ def transports(heap_info: dict) -> dict:
         "store": {"usable": any(h["usable"] for h in heap_info.values()),
                   "what": "plain stores through peer pointers: one process (loopback), shared memory (shm), "
                           "GPUs that NVSHMEM maps into each other (one NVLink domain)"},
-        "put": {"usable": False, "what": "NVSHMEM device puts to peers that are not load/store reachable "
-                                         "(other nodes): not provided by this version"},
+        "put": {"usable": any(h["usable"] for h in heap_info.values()),
+                "what": "NVSHMEM device puts (MOE_COMM_TRANSPORT=put forces them): on the CPU as plain copies "
+                        "(testing); on GPUs they need the device bitcode and a verified Triton pairing (below); "
+                        "peers on other nodes are not supported yet (the host control plane maps peers)"},
     }
-
-
-def _search_dirs() -> list[str]:
-    dirs = []
-    if os.environ.get("NVSHMEM_LIB_DIR"):
-        dirs.append(os.environ["NVSHMEM_LIB_DIR"])
-    if os.environ.get("NVSHMEM_HOME"):
-        dirs.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib"))
-    for key in ("purelib", "platlib"):
-        d = os.path.join(sysconfig.get_path(key), "nvidia", "nvshmem", "lib")
-        if d not in dirs:
-            dirs.append(d)
-    dirs += ["/usr/local/lib", "/usr/lib", "/usr/lib/x86_64-linux-gnu", "/opt/nvidia/nvshmem/lib"]
-    return dirs
 
 
 def _first(pattern: str, dirs) -> str | None:
@@ -147,48 +130,35 @@ def _first(pattern: str, dirs) -> str | None:
     return None
 
 
-def _wheel_version_of(path: str) -> str | None:
-    """NVSHMEM version of a file inside an nvidia-nvshmem wheel (<site>/nvidia/nvshmem/lib/<file>)."""
-    site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path)))))
-    hits = sorted(glob.glob(os.path.join(site, "nvidia_nvshmem_cu*-*.dist-info")))
-    return os.path.basename(hits[-1]).split("-")[1] if hits else None
-
-
 def nvshmem(vers: dict | None = None) -> dict:
-    """NVSHMEM host library, device bitcode, and the Triton/bitcode pairing."""
+    """NVSHMEM host library, device bitcode, and the Triton/bitcode pairing (the checks the put
+    transport's kernels make: ``triton_kernels/nvshmem_bitcode.py``)."""
+    from .triton_kernels import nvshmem_bitcode as nb  # noqa: PLC0415
     vers = versions() if vers is None else vers
-    dirs = _search_dirs()
+    dirs = nb.search_dirs()
     py_ok, py_why = _nvshmem_python()
     host = _first("libnvshmem_host.so*", dirs)
-    bitcode = _first("libnvshmem_device*.bc", dirs)
-    bitcode_via = "search of " + ", ".join(dirs)
-    if bitcode is None and py_ok:
-        try:  # nvshmem4py knows its own wheel's layout (per-architecture files from NVSHMEM 3.7)
-            import nvshmem.core as nv  # noqa: PLC0415
-            found = nv.find_device_bitcode_library()
-            bitcode, bitcode_via = (str(found), "nvshmem.core.find_device_bitcode_library()") if found else \
-                (None, bitcode_via)
-        except Exception:  # noqa: BLE001, S110  (older nvshmem4py: keep the directory search's answer)
-            pass
-    nv_version = vers["nvidia-nvshmem"] or (_wheel_version_of(bitcode) if bitcode else None)
-    pair = (_major_minor(vers["triton"]), _major_minor(nv_version))
+    try:
+        bitcode, bitcode_detail = nb.bitcode_path(), None
+    except nb.NvshmemSetupError as e:
+        bitcode, bitcode_detail = None, str(e)
+    nv_version = vers["nvidia-nvshmem"] or (nb.nvshmem_version(bitcode) if bitcode else None)
     if bitcode is None:
         pairing = "not checked: no NVSHMEM device bitcode"
-    elif pair[1] is None:
+    elif nv_version is None:
         pairing = "not checked: the bitcode's NVSHMEM version is unknown (not from a pip wheel)"
-    elif pair in KNOWN_BITCODE_PAIRS:
-        pairing = f"Triton {pair[0]} with NVSHMEM {pair[1]}: known to work"
     else:
-        pairing = (f"Triton {pair[0]} with NVSHMEM {pair[1]}: untested pair (known to work: "
-                   + ", ".join(f"Triton {t} + NVSHMEM {n}" for t, n in sorted(KNOWN_BITCODE_PAIRS)) + ")")
+        try:
+            pairing = nb.check_pairing(vers["triton"], nv_version)
+        except nb.NvshmemSetupError as e:
+            pairing = str(e)
     return {
         "python_bindings": {"found": py_ok, "detail": py_why},
         "host_library": {"found": host is not None,
                          "detail": host or f"libnvshmem_host.so not found in {', '.join(dirs)}: {NVSHMEM_FIX}"},
-        "device_bitcode": {"found": bitcode is not None,
-                           "detail": (f"{bitcode} (via {bitcode_via})" if bitcode else
-                                      f"libnvshmem_device*.bc not found ({bitcode_via}): {BITCODE_FIX}"),
-                           "needed": "no: this version's kernels reach peers by load/store only"},
+        "device_bitcode": {"found": bitcode is not None, "detail": bitcode or bitcode_detail,
+                           "needed": "for the put transport's kernels on a GPU (MOE_COMM_TRANSPORT=put, or "
+                                     "peers NVSHMEM cannot map)"},
         "triton_pairing": pairing,
     }
 

@@ -47,24 +47,33 @@ def test_info_text_names_every_section():
 
 
 def test_info_finds_bitcode_and_pairs_versions(tmp_path, monkeypatch):
-    """A wheel-shaped folder (site/nvidia/nvshmem/lib + the dist-info) pointed at by NVSHMEM_LIB_DIR."""
+    """A wheel-shaped folder (site/nvidia/nvshmem/lib + the dist-info) pointed at by NVSHMEM_LIB_DIR, the
+    only place searched (no installed wheel)."""
+    from moe_comm.triton_kernels import nvshmem_bitcode as nb
     lib = tmp_path / "site" / "nvidia" / "nvshmem" / "lib"
     lib.mkdir(parents=True)
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(lib))
-    n = info.nvshmem()
+    monkeypatch.delenv(nb.ENV_BITCODE, raising=False)
+    monkeypatch.setattr(nb, "search_dirs", lambda: [str(lib)])
+    monkeypatch.setattr(nb, "WHEELS", ())
+    monkeypatch.setitem(sys.modules, "nvshmem", None)   # no nvshmem4py either
+    no_wheel = dict(info.versions(), **{"nvidia-nvshmem": None, "triton": "3.6.0"})
+    n = info.nvshmem(no_wheel)
     assert not n["device_bitcode"]["found"] and "NVSHMEM_LIB_DIR" in n["device_bitcode"]["detail"]
     assert n["triton_pairing"].startswith("not checked")
     (lib / "libnvshmem_device.bc").write_bytes(b"BC")
     (lib / "libnvshmem_host.so.3").write_bytes(b"")
-    n = info.nvshmem()
-    assert n["device_bitcode"]["found"] and str(lib / "libnvshmem_device.bc") in n["device_bitcode"]["detail"]
+    n = info.nvshmem(no_wheel)
+    assert n["device_bitcode"]["found"] and n["device_bitcode"]["detail"] == str(lib / "libnvshmem_device.bc")
     assert n["host_library"]["found"] and n["host_library"]["detail"] == str(lib / "libnvshmem_host.so.3")
     assert "unknown" in n["triton_pairing"]
     (tmp_path / "site" / "nvidia_nvshmem_cu13-3.4.5.dist-info").mkdir()
-    n = info.nvshmem(dict(info.versions(), **{"nvidia-nvshmem": None, "triton": "3.6.0"}))
-    assert n["triton_pairing"] == "Triton 3.6 with NVSHMEM 3.4: known to work"
-    n = info.nvshmem(dict(info.versions(), **{"nvidia-nvshmem": "3.9.1", "triton": "3.6.0"}))
-    assert "untested pair" in n["triton_pairing"]
+    n = info.nvshmem(no_wheel)
+    assert n["triton_pairing"].startswith("Triton 3.6.0 + NVSHMEM 3.4.5: compiles and links"), n["triton_pairing"]
+    n = info.nvshmem(dict(no_wheel, **{"nvidia-nvshmem": "3.9.1"}))
+    assert "has not been verified" in n["triton_pairing"]
+    n = info.nvshmem(dict(no_wheel, **{"nvidia-nvshmem": "3.8.0"}))
+    assert "cannot parse" in n["triton_pairing"]
 
 
 @pytest.mark.timeout(300)

@@ -3,6 +3,7 @@
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -24,11 +25,18 @@ def test_deep_ep_door_snippet_runs_under_torchrun(tmp_path):
     path = tmp_path / "deep_ep_door.py"
     path.write_text(code)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--standalone", str(path)], capture_output=True, text=True, timeout=180, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = re.findall(r"rank (\d): \[[\d, ]+\] rows per local expert; combine within ([\d.]+)% \(fp8\)", out.stdout)
-    assert sorted(r for r, _ in lines) == ["0", "1"], out.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--standalone", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:  # torchrun's workers too, whatever happened
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    lines = re.findall(r"rank (\d): \[[\d, ]+\] rows per local expert; combine within ([\d.]+)% \(fp8\)", stdout)
+    assert sorted(r for r, _ in lines) == ["0", "1"], stdout
     assert all(float(e) < 10 for _, e in lines), lines   # fp8 round trip of identity experts
 
 

@@ -31,6 +31,7 @@ LIB_NAME = "libnvshmem_device"        # extern_libs key
 # (Triton major.minor, NVSHMEM major.minor): checked by compiling to sm_90 with the bitcode linked.
 VERIFIED = {((3, 6), (3, 4)): "compiles and links (tests/test_nvshmem_compile.py)"}
 KNOWN_BAD = {((3, 6), (3, 8)): "Triton 3.6's LLVM cannot parse NVSHMEM 3.8's bitcode"}
+SYSTEM_DIRS = ("/usr/local/lib", "/usr/lib", "/usr/lib/x86_64-linux-gnu", "/opt/nvidia/nvshmem/lib")
 
 
 class NvshmemSetupError(RuntimeError):
@@ -44,13 +45,20 @@ def _major_minor(version: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def nvshmem_version() -> str | None:
-    """Version of the installed NVSHMEM wheel, or None."""
+def nvshmem_version(bitcode: str | None = None) -> str | None:
+    """Version of the installed NVSHMEM wheel; else, for a ``bitcode`` file inside a wheel-shaped folder
+    (``<site>/nvidia/nvshmem/lib/<file>`` next to ``nvidia_nvshmem_cu*-<version>.dist-info``), that
+    version; else None."""
     for wheel in WHEELS:
         try:
             return importlib.metadata.version(wheel)
         except importlib.metadata.PackageNotFoundError:
             continue
+    if bitcode is not None:
+        site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(bitcode)))))
+        hits = sorted(glob.glob(os.path.join(site, "nvidia_nvshmem_cu*-*.dist-info")))
+        if hits:
+            return os.path.basename(hits[-1]).removesuffix(".dist-info").split("-")[1]
     return None
 
 
@@ -61,13 +69,32 @@ def _wheel_lib_dir() -> str | None:
     return os.path.join(list(spec.submodule_search_locations)[0], "lib")
 
 
+def search_dirs() -> list[str]:
+    """Where NVSHMEM's libraries are looked for, in order: ``NVSHMEM_LIB_DIR``, ``$NVSHMEM_HOME/lib``, the
+    pip wheel's folder, the usual system folders."""
+    dirs = [os.environ[v] for v in ("NVSHMEM_LIB_DIR",) if os.environ.get(v)]
+    if os.environ.get("NVSHMEM_HOME"):
+        dirs.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib"))
+    wheel = _wheel_lib_dir()
+    dirs += [wheel] if wheel else []
+    return dirs + [d for d in SYSTEM_DIRS if d not in dirs]
+
+
 def bitcode_path(arch: int = 90) -> str:
-    """Path of NVSHMEM's device bitcode for ``sm_<arch>``; NvshmemSetupError if none is installed."""
+    """Path of NVSHMEM's device bitcode for ``sm_<arch>``: ``MOE_COMM_NVSHMEM_BITCODE``, else the first
+    ``libnvshmem_device_sm_<arch>.bc`` / ``libnvshmem_device.bc`` in ``search_dirs()``, else what nvshmem4py
+    finds. NvshmemSetupError (with the fix) if there is none."""
     env = os.environ.get(ENV_BITCODE)
     if env:
         if not os.path.isfile(env):
             raise NvshmemSetupError(f"{ENV_BITCODE}={env} is not a file")
         return env
+    dirs, others = search_dirs(), []
+    for d in dirs:
+        for name in (f"{LIB_NAME}_sm_{arch}.bc", f"{LIB_NAME}.bc"):
+            if os.path.isfile(os.path.join(d, name)):
+                return os.path.join(d, name)
+        others += sorted(glob.glob(os.path.join(d, f"{LIB_NAME}*.bc")))
     try:
         import nvshmem.core as nvc  # noqa: PLC0415  (optional: nvshmem4py)
         found = nvc.find_device_bitcode_library()
@@ -75,18 +102,12 @@ def bitcode_path(arch: int = 90) -> str:
             return str(found)
     except (ImportError, AttributeError, TypeError, RuntimeError, OSError):
         pass
-    lib = _wheel_lib_dir()
-    if lib is not None:
-        for name in (f"{LIB_NAME}_sm_{arch}.bc", f"{LIB_NAME}.bc"):
-            if os.path.isfile(os.path.join(lib, name)):
-                return os.path.join(lib, name)
-        others = sorted(os.path.basename(p) for p in glob.glob(os.path.join(lib, f"{LIB_NAME}*.bc")))
-        if others:
-            raise NvshmemSetupError(f"NVSHMEM's device bitcode for sm_{arch} is not in {lib} (found {others})")
+    if others:
+        raise NvshmemSetupError(f"NVSHMEM's device bitcode for sm_{arch} was not found (found {others})")
     raise NvshmemSetupError(
-        "NVSHMEM's device bitcode (libnvshmem_device*.bc) is not installed: pip install --no-deps "
-        "nvidia-nvshmem-cu13==3.4.5 (the version pinned in requirements/constraints.txt), or point "
-        f"{ENV_BITCODE} at the file")
+        "NVSHMEM's device bitcode (libnvshmem_device*.bc) is not installed (searched " + ", ".join(dirs) +
+        "): pip install --no-deps nvidia-nvshmem-cu13==3.4.5 (the version pinned in "
+        f"requirements/constraints.txt), or set NVSHMEM_LIB_DIR to its folder or {ENV_BITCODE} to the file")
 
 
 def check_pairing(triton_version: str | None = None, nvshmem: str | None = None) -> str:
