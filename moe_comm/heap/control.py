@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..errors import CommTimeoutError
+from .base import Heap, all_ranks
 
 PAYLOAD_WORDS = 8   # all-gather payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
 POLL_S = 0.0002
@@ -85,3 +86,36 @@ class ControlBlock:
         got = {j: [int(v) for v in self.views[self.rank][p, j, 1:1 + len(payload)].tolist()]
                for j in live if j not in missing}
         return got, missing
+
+
+class ControlledHeap(Heap):
+    """A heap whose barriers and recovery meetings run over two ControlBlocks (shm and nvshmem): a barrier
+    block (barriers, allocations) and a recovery block (``agree``, bounded by twice the timeout: ranks
+    reach recovery up to one timeout apart, see ``CommGroup._meet``). Subclasses call ``_start_control``
+    once both buffers exist and implement ``_release_mappings``; ``_excluded`` holds released peers."""
+
+    _control: ControlBlock | None = None
+    _recovery: ControlBlock | None = None
+
+    def _start_control(self, barrier_views: list[torch.Tensor], recovery_views: list[torch.Tensor]) -> None:
+        self._control = ControlBlock(barrier_views, self.rank, self.timeout_s)
+        self._recovery = ControlBlock(recovery_views, self.rank, 2 * self.timeout_s)
+
+    def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
+        self._control.barrier(all_ranks(self, live), op, poll)
+
+    def agree(self, live, payload):
+        return self._recovery.allgather(all_ranks(self, live), payload)
+
+    def realign_barriers(self, base: int) -> None:
+        self._control.realign(base)
+
+    def release_peer(self, peer: int) -> None:
+        self._excluded.add(peer)
+        for block in (self._control, self._recovery):
+            block.views[peer] = block.views[self.rank]  # never written to again
+        self._release_mappings(peer)
+
+    def _release_mappings(self, peer: int) -> None:
+        """Repoint every buffer's ``peer_ptrs[peer]`` at this rank's copy and drop the peer's mappings."""
+        raise NotImplementedError

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Heap, SymmetricBuffer, all_ranks
-from .control import ControlBlock, control_shape
+from .base import SymmetricBuffer
+from .control import ControlledHeap, control_shape
 
 
 def _import_nvshmem():
@@ -32,7 +32,7 @@ def _import_nvshmem():
     return nvshmem, Device
 
 
-class NvshmemHeap(Heap):
+class NvshmemHeap(ControlledHeap):
     kind = "nvshmem"
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float):
@@ -65,8 +65,7 @@ class NvshmemHeap(Heap):
                 f"them by NVSHMEM puts, but the host control plane (barrier, reset/exclude meetings) maps "
                 f"every peer's memory and has no multi-node implementation yet (see docs/multinode.md)")
         recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
-        self._control = ControlBlock(self._live[barrier_buf.handle][2], rank, timeout_s)
-        self._recovery = ControlBlock(self._live[recovery_buf.handle][2], rank, 2 * timeout_s)  # see group._meet
+        self._start_control(self._live[barrier_buf.handle][2], self._live[recovery_buf.handle][2])
 
     def _stream(self):
         from nvshmem.core import NvshmemStream  # noqa: PLC0415
@@ -112,18 +111,9 @@ class NvshmemHeap(Heap):
             self.nv.barrier_all(self._stream())
             torch.cuda.current_stream(self.device).synchronize()
         else:
-            self._control.barrier(all_ranks(self, live), op, poll)
+            super().barrier(live, op, poll)
 
-    def agree(self, live, payload):
-        return self._recovery.allgather(all_ranks(self, live), payload)
-
-    def realign_barriers(self, base: int) -> None:
-        self._control.realign(base)
-
-    def release_peer(self, peer: int) -> None:
-        self._excluded.add(peer)
-        for block in (self._control, self._recovery):
-            block.views[peer] = block.views[self.rank]
+    def _release_mappings(self, peer: int) -> None:
         for entry in self._live.values():
             entry[1].peer_ptrs[peer] = entry[1].peer_ptrs[self.rank]
             entry[2][peer] = None

@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from .base import Heap, SymmetricBuffer, all_ranks, nbytes_of
-from .control import ControlBlock, control_shape
+from .base import SymmetricBuffer, nbytes_of
+from .control import ControlledHeap, control_shape
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moecomm_"
@@ -48,7 +48,7 @@ def _map_file(path: str, nbytes: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-class ShmHeap(Heap):
+class ShmHeap(ControlledHeap):
     """``session`` names this launch's files; ``barrier_fn`` is a bootstrap barrier (torch.distributed),
     used only until the heap's own control block exists."""
 
@@ -63,8 +63,7 @@ class ShmHeap(Heap):
         self._control = None
         barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
         recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
-        self._control = ControlBlock(self._peer_views(barrier_buf), rank, timeout_s)
-        self._recovery = ControlBlock(self._peer_views(recovery_buf), rank, 2 * timeout_s)  # see group._meet
+        self._start_control(self._peer_views(barrier_buf), self._peer_views(recovery_buf))
 
     def _path(self, rank: int, k: int) -> str:
         return os.path.join(SHM_DIR, f"{session_prefix(self.session)}{rank}_{k}")
@@ -104,19 +103,7 @@ class ShmHeap(Heap):
     def _sync_live(self) -> None:
         self.barrier([j for j in range(self.world_size) if j not in self._excluded], "alloc")
 
-    def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
-        self._control.barrier(all_ranks(self, live), op, poll)
-
-    def agree(self, live, payload):
-        return self._recovery.allgather(all_ranks(self, live), payload)
-
-    def realign_barriers(self, base: int) -> None:
-        self._control.realign(base)
-
-    def release_peer(self, peer: int) -> None:
-        self._excluded.add(peer)
-        for block in (self._control, self._recovery):
-            block.views[peer] = block.views[self.rank]  # never written to again
+    def _release_mappings(self, peer: int) -> None:
         for maps, views, buf in self._live.values():
             buf.peer_ptrs[peer] = buf.peer_ptrs[self.rank]
             maps[peer], views[peer] = None, None  # the mapping goes with its last view
