@@ -8,7 +8,9 @@
 # Without a GPU it still runs, as a dry run (CPU interpreter, tiny shapes, numbers labelled as not GPU
 # measurements): the GPU tests skip, bench/kernels.py gets --dry, the decode benchmark a small CPU setting.
 #
-# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels decode profile");
+# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels profile decode emulate": the
+# profile first, so the decode report can split each difference into communication and graphs + host;
+# "emulate" = one rank of EP8 per config, GPU_CHECK_EMULATE_CONFIGS, default Scout, Maverick, DeepSeek-V3);
 # GPU_CHECK_MARK (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak);
 # GPU_CHECK_DECODE_CONFIGS (default "llama4-scout deepseek-v3", batches 1-256); GPU_CHECK_DECODE_ATTENTION
 # (default "triton", the GPU default; "torch triton" runs the decode benchmark and profile once per kernel);
@@ -63,7 +65,7 @@ if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     DECODE_CONFIGS=${GPU_CHECK_DECODE_CONFIGS:-llama4-scout}
 fi
 
-STEPS=" ${GPU_CHECK_STEPS:-pytest kernels decode profile} "
+STEPS=" ${GPU_CHECK_STEPS:-pytest kernels profile decode emulate} "
 # shellcheck disable=SC2086  (the extra-args variables are word lists on purpose)
 [[ $STEPS == *" pytest "* ]] && step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra \
     -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
@@ -77,15 +79,6 @@ fi
 # shellcheck disable=SC2086
 [[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
 ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-triton}
-if [[ $STEPS == *" decode "* ]]; then
-    for cfg in ${DECODE_CONFIGS}; do
-        for attn in ${ATTENTION}; do
-            # shellcheck disable=SC2086
-            step "decode-$cfg-attn-$attn" $PY bench/decode_latency.py --config "$cfg" --attention "$attn" \
-                $DECODE_DEFAULTS --out-dir "$OUT" ${GPU_CHECK_DECODE_ARGS:-}
-        done
-    done
-fi
 if [[ $STEPS == *" profile "* ]]; then
     PROFILE_ARGS="--batches 1,64,256 --steps 20 --warmup 3"
     [ -n "$KERNEL_DRY" ] && PROFILE_ARGS="--batches 1,2 --steps 2 --warmup 1"
@@ -95,6 +88,26 @@ if [[ $STEPS == *" profile "* ]]; then
             step "profile-$cfg-attn-$attn" $PY bench/decode_latency.py --profile --world 1 --config "$cfg" \
                 --attention "$attn" $PROFILE_ARGS --out-dir "$OUT"
         done
+    done
+fi
+if [[ $STEPS == *" decode "* ]]; then
+    for cfg in ${DECODE_CONFIGS}; do
+        for attn in ${ATTENTION}; do
+            # shellcheck disable=SC2086
+            step "decode-$cfg-attn-$attn" $PY bench/decode_latency.py --config "$cfg" --attention "$attn" \
+                $DECODE_DEFAULTS --out-dir "$OUT" ${GPU_CHECK_DECODE_ARGS:-}
+        done
+    done
+fi
+# One rank of EP8 on this one device (E/8 experts, one rank's batch, peers emulated), world 1: the step
+# one rank of an 8-GPU deployment does, minus the link (every backend, the same batches).
+if [[ $STEPS == *" emulate "* ]]; then
+    EMULATE_DEFAULTS="--world 1 --batches 1,2,4,8,16,32,64,128,256"
+    [ -n "$KERNEL_DRY" ] && EMULATE_DEFAULTS="--world 1 --batches 1,2 --steps 3 --warmup 1 --check-steps 2"
+    for cfg in ${GPU_CHECK_EMULATE_CONFIGS:-llama4-scout llama4-maverick deepseek-v3}; do
+        # shellcheck disable=SC2086
+        step "emulate-ep8-$cfg" $PY bench/decode_latency.py --config "$cfg" --emulate-ep 8 $EMULATE_DEFAULTS \
+            --out-dir "$OUT" ${GPU_CHECK_DECODE_ARGS:-}
     done
 fi
 $PY scripts/gpu_summary.py "$OUT" --markdown "$OUT/summary.md" | tee "$OUT/summary.txt"

@@ -124,12 +124,20 @@ def kernel_table(kern: list[dict]) -> list[str]:
     return out
 
 
+def where(world, long: bool = False) -> str:
+    """'w8' / 'world 8' for a real world; one rank of an emulated EP-N as it is."""
+    if isinstance(world, str):
+        return f"one rank of {world}" if long else world.replace(" ", "-")
+    return f"world {world}" if long else f"w{world}"
+
+
 def decode_groups(dec: list[dict]) -> dict[tuple, list[dict]]:
     """Decode records by (config, world, heap, expert kernel, attention kernel); records from before a
     kernel was recorded ran torch.bmm experts ("dense") and the torch attention."""
     groups: dict[tuple, list[dict]] = {}
     for r in dec:
-        key = (r.get("config"), r.get("world"), r.get("heap"), r.get("expert_impl", "dense"),
+        world = f"EP{r['emulate_ep']} emulated" if r.get("emulate_ep") else r.get("world")
+        key = (r.get("config"), world, r.get("heap"), r.get("expert_impl", "dense"),
                r.get("attention_impl", "torch"))
         groups.setdefault(key, []).append(r)
     return groups
@@ -148,7 +156,7 @@ def decode_targets(dec: list[dict]) -> list[str]:
             gain = {b: 100.0 * (1 - p50[(be, b)] / p50[("sync", b)]) for b in batches}
             small = [b for b in batches if b <= DECODE_GAIN_BATCH]
             worst = min(small, key=gain.get) if small else None
-            tag = f"{config} w{world} {experts}" + ("" if attention == "torch" else f" attn-{attention}")
+            tag = f"{config} {where(world)} {experts}" + ("" if attention == "torch" else f" attn-{attention}")
             ok = None if worst is None else gain[worst] >= DECODE_GAIN_TARGET
             lines.append(f"  {verdict(ok)}  decode {be} vs sync "
                          f"({tag}): " + (f"least {gain[worst]:.1f} % at batch {worst}, most {max(gain.values()):.1f} % "
@@ -171,7 +179,7 @@ def decode_table(dec: list[dict]) -> list[str]:
         backends = list(dict.fromkeys(r["backend"] for r in rows))
         batches = sorted({r["batch_per_rank"] for r in rows})
         by = {(r["backend"], r["batch_per_rank"]): r for r in rows}
-        out += [f"  {config} world {world} {heap} heap, {experts} expert GEMMs, {attention} attention; "
+        out += [f"  {config} {where(world, long=True)} {heap} heap, {experts} expert GEMMs, {attention} attention; "
                 "step p50 µs by batch per rank",
                 "  " + f"{'backend':<10}" + "".join(f"{b:>9}" for b in batches)]
         for be in backends:
