@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CommTimeoutError, GroupError
+from ..errors import GroupError
+from ..recovery import recover
 from .model import MoEDecoder, drive_lockstep, run_to_end
 
 
@@ -267,14 +268,8 @@ class DecodeEngine:
     def _recover(self) -> None:
         """Every driven local rank: reset(); a rank that does not come to the reset (dead) is excluded,
         and its requests are lost."""
-        try:
-            for g in self.groups:
-                g.reset()
-        except CommTimeoutError as missing:
-            gone = [missing.peer]
-            for g in self.groups:
-                if g.rank not in gone:
-                    g.exclude(gone)
+        gone = recover(self.groups)
+        if gone:
             self.lost_ranks += [r for r in gone if r not in self.lost_ranks]
             keep = [n for n, g in enumerate(self.groups) if g.rank not in gone]
             self._keep = [self._keep[n] for n in keep]  # a loopback world stops driving them

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_group", "process_group", "shared_buffer", "use_group"]
+__all__ = ["check_group", "process_group", "recover", "shared_buffer", "use_group"]
 
 _GROUP = None
 _BUFFERS: dict[tuple, object] = {}
@@ -58,3 +58,15 @@ def check_group(group) -> None:
     if group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
     group.check()
+
+
+def recover() -> list[int]:
+    """After a group-wide error raised by an adapter (``check_group`` or an op): the recovery policy of
+    ``moe_comm.recovery`` on this process's group, to be called on every live rank. Returns the ranks
+    excluded (a dead peer: its experts' slots are no longer routed, the buffers are kept); afterwards
+    the next dispatch runs in a new epoch. The serving framework decides what to do with the requests of
+    the step that failed (neither vLLM nor SGLang re-runs a step by itself)."""
+    from moe_comm.recovery import recover as policy  # noqa: PLC0415
+    if _GROUP is None:
+        raise RuntimeError("no moe-comm group in this process yet (nothing to recover)")
+    return policy([_GROUP])

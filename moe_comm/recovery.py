@@ -1,0 +1,27 @@
+"""The recovery policy a serving loop applies after a group-wide error (README "Faults and recovery").
+
+``recover(groups)``: ``reset()`` every given group (the ranks this process drives: one for a real rank,
+several on a loopback world); if the reset names a rank that does not come to it (dead, or stuck past
+twice the timeout), ``exclude()`` that rank on every surviving group (the exclusion agrees on the set:
+a rank another survivor names is excluded too, and ``exclude`` ends with a reset). Returns the ranks
+excluded by this call. Used by ``DecodeEngine`` and, for serving frameworks, by
+``moe_comm.serving.ep_group.recover``. It is a collective: every live rank calls it after the same error.
+"""
+
+from __future__ import annotations
+
+from .errors import CommTimeoutError
+
+
+def recover(groups) -> list[int]:
+    groups = list(groups)
+    try:
+        for g in groups:
+            g.reset()
+        return []
+    except CommTimeoutError as missing:
+        gone = {missing.peer}
+        for g in groups:
+            if g.rank not in gone:
+                gone |= set(g.exclude(sorted(gone)))
+        return sorted(gone)
