@@ -125,18 +125,10 @@ def test_a_put_outside_symmetric_memory_is_refused():
 # ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [3])
-def test_alltoallv_loopback_over_puts(put_forced, monkeypatch, world):
+@pytest.mark.parametrize("cases", [a2a_cases, ep_cases], ids=["alltoallv", "ep"])
+def test_loopback_world3_over_puts(put_forced, monkeypatch, cases):
     puts = _Puts(monkeypatch)
-    assert a2a_cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=world)) == []
-    assert puts.count > 0
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [3])
-def test_ep_loopback_over_puts(put_forced, monkeypatch, world):
-    puts = _Puts(monkeypatch)
-    assert ep_cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=world)) == []
+    assert cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=3)) == []
     assert puts.count > 0
 
 
