@@ -289,6 +289,9 @@ def _run(opts) -> list[dict] | None:
             res = _work(opts)([group], opts)
             gathered = [None] * group.world_size if group.rank == 0 else None
             dist.gather_object(res, gathered, dst=0)
+            # Every rank's part of the gather complete before any rank tears its process group down (a
+            # rank that destroyed gloo with the gather still in flight was seen to abort at exit).
+            dist.barrier()
         return gathered
     if opts.heap == "loopback":
         device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
