@@ -27,10 +27,10 @@ demo: $(VENV)/.ready
 # vLLM / SGLang integration against their real classes on CPU ranks: each in its own venv (.venv-vllm
 # ~4 GB, .venv-sglang ~3.5 GB), not part of `make test`.
 test-vllm:
-	bash scripts/test_vllm.sh
+	bash scripts/test_serving.sh vllm
 
 test-sglang:
-	bash scripts/test_sglang.sh
+	bash scripts/test_serving.sh sglang
 
 # On a GPU machine, offline, with that machine's own Python (no .venv: installing would fetch packages):
 # GPU tests, kernel benchmark, decode benchmark, summary table; everything under OUT.

@@ -18,8 +18,8 @@ import weakref
 import torch
 
 from . import protocol
-from .errors import (ERR_DROPPED, ERR_NONE, ERR_TIMEOUT, ERR_WORDS, OPS, GROUP_CODES, ClosedError, CommTimeoutError, ExcludedError,
-                     GroupError, LaunchError, MoECommError, decode_error)
+from .errors import (ERR_DROPPED, ERR_NONE, ERR_TIMEOUT, ERR_WORDS, GROUP_CODES, OPS, ClosedError,
+                     CommTimeoutError, ExcludedError, GroupError, LaunchError, MoECommError, decode_error)
 from .heap.base import Heap
 from .transport import choose_transports
 

@@ -1,4 +1,4 @@
-# Sourced by test_vllm.sh / test_sglang.sh: serving_venv DIST VERSION "SKIP..." "RELAX..." builds $VENV
+# Sourced by test_serving.sh: serving_venv DIST VERSION "SKIP..." "RELAX..." builds $VENV
 # once per DIST version (marker file), then installs moe-comm into it (editable, --no-deps) on every run,
 # which picks up entry-point changes in pyproject.toml. Sets PY.
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}

@@ -18,32 +18,15 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, GroupError, LaunchError, reference
+from moe_comm import AllToAllvDynamic, EPBuffer, GroupError, LaunchError
+from moe_comm.recovery import recover
+
+from fault_cases import check_rank, expert, step_inputs
 
 E_PER_RANK, H, M, K = 2, 64, 2, 2
 CAP_A2A, ROW = 3, (8,)
 TIMEOUT_S = 1.5
 WHERE = ("before_send", "between_phases", "inside_wait", "between_ops")
-
-
-def _inputs(world, step, E):
-    g = torch.Generator().manual_seed(5000 + step)
-    xs, idxs, ws, sends, counts = [], [], [], [], []
-    for _ in range(world):
-        T = int(torch.randint(0, M + 1, (1,), generator=g))
-        xs.append(torch.randn(T, H, generator=g).to(torch.bfloat16))
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K).long()
-        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
-        idxs.append(idx)
-        ws.append(torch.rand(T, K, generator=g))
-        c = torch.randint(0, CAP_A2A + 1, (world,), generator=g).to(torch.int32)
-        counts.append(c)
-        sends.append(torch.randn(int(c.sum()), *ROW, generator=g))
-    return xs, idxs, ws, sends, counts
-
-
-def _expert(x):
-    return (x.float() * 2 + 1).to(torch.bfloat16)
 
 
 def _die(where, now):
@@ -61,7 +44,8 @@ def _serve(group, steps, kills):
     a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
     log, mismatches = [], []
     for step in range(steps):
-        xs, idxs, ws, sends, counts = _inputs(world, step, E)
+        inputs = step_inputs(5000 + step, world, E, M, K, H, CAP_A2A, ROW)
+        xs, idxs, ws, sends, counts = inputs
         dead = set(range(world)) - set(group.live_ranks)
         who, where = kills.get(step, (None, None))
         mine = who == me
@@ -74,35 +58,16 @@ def _serve(group, steps, kills):
             d = ep.dispatch(phase="recv")
             if mine and where == "between_ops":
                 _die(where, True)
-            y = ep.combine(_expert(d.x), ws[me], d.handle)
+            y = ep.combine(expert(d.x), ws[me], d.handle)
             res = a2a(sends[me], counts[me])
             back = a2a.combine(res.recv * 3, res.handle)
-            exp_d = reference.dispatch(xs, idxs, E, M, excluded=dead)
-            eos = [_expert(e["x"]) for e in exp_d]
-            errs = []
-            if not torch.equal(d.counts, exp_d[me]["counts"]):
-                errs.append("counts")
-            for e, n in enumerate(exp_d[me]["counts"].tolist()):
-                if not torch.equal(d.x[e, :n], exp_d[me]["x"][e, :n]):
-                    errs.append(f"d.x {e}")
-            if not torch.equal(y, reference.combine(eos, ws, idxs, E, M, excluded=dead)[me]):
-                errs.append("combine")
-            recv, rc = reference.alltoallv(sends, counts, CAP_A2A, excluded=dead)[me]
-            if not torch.equal(res.recv_counts, rc) or any(
-                    not torch.equal(res.recv[j, :int(rc[j])], recv[j, :int(rc[j])]) for j in range(world)):
-                errs.append("a2a")
-            for off, n in (x for j, x in enumerate(reference.sent_rows(counts[me].tolist(), CAP_A2A,
-                                                                      sends[me].shape[0], dead))):
-                if not torch.equal(back[off:off + n], sends[me][off:off + n] * 3):
-                    errs.append("a2a reverse")
+            errs = check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
             mismatches += [f"step {step}: {e}" for e in errs]
             log.append("exact")
         except GroupError as err:
             log.append(f"error:{type(err).__name__}")
-            try:
-                group.reset()
-            except CommTimeoutError as missing:  # a rank does not come to the reset: it is gone
-                excluded = group.exclude([missing.peer])
+            excluded = recover([group])   # reset; a rank that does not come to it is gone: exclude it
+            if excluded:
                 log[-1] += f";excluded:{excluded}"
     return dict(log=log, mismatches=mismatches, live=group.live_ranks,
                 excluded_slots=int(ep.excluded_slots), dropped_rows=int(a2a.dropped_rows))

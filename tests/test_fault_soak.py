@@ -10,10 +10,10 @@ dispatch -> combine and an AllToAllvDynamic round trip, with random faults injec
 - ``late``         one rank sleeps longer than the timeout before its dispatch (group error).
 
 After a group error every rank calls ``group.reset()``, the ranks agree on the step to resume at
-(``group.exchange``; a rank that left a step early finds the failure one step later), and the loop goes on. The property: every step
-on every rank either raised a named error or returned results equal to the reference (computed from
-every rank's inputs, with the faulty slots and rows dropped as the contract says), never anything else,
-never a hang; and no /dev/shm file is left.
+(``group.exchange``; a rank that left a step early finds the failure one step later), and the loop goes
+on. The property: every step on every rank either raised a named error or returned results equal to the
+reference (computed from every rank's inputs, with the faulty slots and rows dropped as the contract
+says), never anything else, never a hang; and no /dev/shm file is left.
 """
 
 import collections
@@ -25,7 +25,9 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import AllToAllvDynamic, CapacityError, EPBuffer, GroupError, InvalidIndexError, reference
+from moe_comm import AllToAllvDynamic, CapacityError, EPBuffer, GroupError, InvalidIndexError
+
+from fault_cases import check_rank, expert, step_inputs
 
 WORLD, STEPS, TIMEOUT_S = 3, 300, 2.0
 E, H, M, K = 6, 64, 2, 2           # 2 experts per rank; capacity world * M = 6 rows per expert
@@ -41,56 +43,14 @@ def _plan(seed):
 
 def _inputs(step, kind, who):
     """Every rank's inputs of ``step``, the fault applied (so every rank computes the same reference)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    xs, idxs, ws, sends, counts = [], [], [], [], []
-    for r in range(WORLD):
-        T = int(torch.randint(0, M + 1, (1,), generator=g))
-        xs.append(torch.randn(T, H, generator=g).to(torch.bfloat16))
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K).long()
-        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
-        if kind == "capacity" and T:
+    def fault(r, idx, c):
+        if kind == "capacity" and len(idx):
             idx[:] = 1                    # expert 1: every slot of every token (up to 3 * 2 * 2 = 12 > 6 rows)
-        if kind == "invalid_id" and r == who and T:
+        if kind == "invalid_id" and r == who and len(idx):
             idx[0, 0] = E + 3
-        idxs.append(idx)
-        ws.append(torch.rand(T, K, generator=g))
-        c = torch.randint(0, CAP_A2A + 1, (WORLD,), generator=g)
         if kind == "a2a_lie" and r == who:
             c[(who + 1) % WORLD] = CAP_A2A + 2
-        counts.append(c.to(torch.int32))
-        sends.append(torch.randn(int(c.sum()), *ROW, generator=g))
-    return xs, idxs, ws, sends, counts
-
-
-def _expert(x):
-    return (x.float() * 2 + 1).to(torch.bfloat16)
-
-
-def _check(rank, xs, idxs, ws, sends, counts, d, y, res, back):
-    """Mismatches of this rank's outputs against the reference (faulty slots/rows dropped as specified)."""
-    clean = [torch.where((i >= 0) & (i < E), i, -1) for i in idxs]
-    exp_d = reference.dispatch(xs, clean, E, M)[rank]
-    errs = []
-    if not torch.equal(d.counts, exp_d["counts"]):
-        errs.append(f"counts {d.counts.tolist()} != {exp_d['counts'].tolist()}")
-    for e, n in enumerate(exp_d["counts"].tolist()):
-        if not torch.equal(d.x[e, :n], exp_d["x"][e, :n]):
-            errs.append(f"d.x of expert {e}")
-    eos = [_expert(reference.dispatch(xs, clean, E, M)[r]["x"]) for r in range(WORLD)]
-    if not torch.equal(y, reference.combine(eos, ws, clean, E, M)[rank]):
-        errs.append("combine y")
-    recv, rc = reference.alltoallv(sends, counts, CAP_A2A)[rank]
-    if not torch.equal(res.recv_counts, rc):
-        errs.append(f"recv_counts {res.recv_counts.tolist()} != {rc.tolist()}")
-    for j in range(WORLD):
-        n = int(rc[j])
-        if not torch.equal(res.recv[j, :n], recv[j, :n]):
-            errs.append(f"a2a rows from {j}")
-    # reverse: the rows this rank sent come back where they were (rows it did not send are unspecified)
-    for j, (off, n) in enumerate(reference.sent_rows(counts[rank].tolist(), CAP_A2A, sends[rank].shape[0])):
-        if not torch.equal(back[off:off + n], sends[rank][off:off + n] * 3):
-            errs.append(f"a2a reverse rows for {j}")
-    return errs
+    return step_inputs(1000 + step, WORLD, E, M, K, H, CAP_A2A, ROW, fault)
 
 
 def _soak(group, seed):
@@ -114,13 +74,13 @@ def _soak(group, seed):
                 d, _ = e.result, data_errors.append(type(e).__name__)
             if kind == "skip" and me == who:
                 raise _Skipped()
-            y = ep.combine(_expert(d.x), ws[me], d.handle)
+            y = ep.combine(expert(d.x), ws[me], d.handle)
             try:
                 res = a2a(sends[me], counts[me])
             except CapacityError as e:
                 res, _ = e.result, data_errors.append("CapacityError")
             back = a2a.combine(res.recv * 3, res.handle)
-            errs = _check(me, xs, idxs, ws, sends, counts, d, y, res, back)
+            errs = check_rank(me, (xs, idxs, ws, sends, counts), d, y, res, back, E, M, CAP_A2A)
             mismatches += [f"step {step} ({kind} on {who}): {m}" for m in errs]
             outcomes["exact+data_error" if data_errors else "exact"] += 1
         except GroupError as e:
