@@ -30,8 +30,8 @@ def _version(dist_name: str) -> str | None:
 
 
 def environment(device: torch.device) -> dict:
-    from moe_comm.interpreter import use_interpreter  # noqa: PLC0415
     """What a result line needs to be reproducible: device, versions, commit, time."""
+    from moe_comm.interpreter import use_interpreter  # noqa: PLC0415
     cuda = device.type == "cuda"
     nvshmem = _version("nvshmem4py-cu13") or _version("nvshmem4py-cu12")
     try:

@@ -394,8 +394,8 @@ def decode_step_rows(records: list[dict], costs: LocalCosts, msg_overhead_us: fl
                      fabric: Fabric = H100_CX7) -> list[dict]:
     """Predicted decode step of one EP-N rank: the measured p50 of ``--emulate-ep N`` decode records
     (one rank's whole step, link excluded) plus, per MoE layer, the link part of one dispatch and one
-    combine from the model (``link_us``) at the record's batch. Labelled ``prediction``. Records of
-    every backend are kept; only ``fused`` has the message format of ``moe_comm_design``."""
+    combine from the model (``link_us``) at the record's batch. Labelled ``prediction``. Only ``fused``
+    records are used: it is the only backend with the message format of ``moe_comm_design``."""
     rows = []
     for r in records:
         world, t = r.get("emulate_ep"), r["batch_per_rank"]

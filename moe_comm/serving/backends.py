@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 
 BACKEND_NAMES = ("sync", "sync-graphed", "padded", "dynamic", "fused")
-# Baselines (torch.distributed all_to_all_single) and ours (moe-comm), for the report's comparisons.
+# Baselines (torch.distributed all_to_all_single), for the report's comparisons; the rest are moe-comm's.
 BASELINE_NAMES = ("sync", "sync-graphed", "padded")
-OURS_NAMES = ("dynamic", "fused")
 
 
 # ---- device-side layout helpers (no host reads) --------------------------------------------------
@@ -247,19 +246,6 @@ class SyncAllToAll(MoEComm):
                 return None
         out = self.ex.fetch("back", send_splits)
         return weighted_sum(gather_rows(out, slot, lay.valid), topk_weights, self.dtype)
-
-
-def _a2a_into(ex, key: str, inp: torch.Tensor, in_splits: list[int], out: torch.Tensor,
-              out_splits: list[int]) -> None:
-    """all_to_all_single of ``inp`` (rows split by ``in_splits``) into ``out[:sum(out_splits)]``: straight
-    into ``out`` over torch.distributed, through the mailbox (then a copy) on a loopback world."""
-    import torch.distributed as dist  # noqa: PLC0415
-    n = sum(out_splits)
-    if isinstance(ex, DistExchange) and dist.is_available() and dist.is_initialized():
-        dist.all_to_all_single(out[:n], inp, out_splits, in_splits)
-        return
-    ex.post(key, inp, in_splits)
-    out[:n].copy_(ex.fetch(key, out_splits))
 
 
 class SyncGraphedAllToAll(MoEComm):

@@ -10,6 +10,8 @@ import textwrap
 import numpy as np
 import torch
 
+from .backends import BASELINE_NAMES
+
 
 def percentiles(step_us: list[float]) -> dict:
     """Per-step latencies (µs) -> p20 / p50 / p80 and the step count."""
@@ -54,7 +56,7 @@ def improvement(base: float, ours: float) -> float:
     return 100.0 * (base - ours) / base
 
 
-BASELINES = ("sync", "sync-graphed", "padded")
+BASELINES = BASELINE_NAMES
 
 
 def _grid(head: list[str], rows: list[list[str]]) -> str:

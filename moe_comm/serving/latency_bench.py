@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .backends import BACKEND_NAMES
+from .backends import BACKEND_NAMES, BASELINE_NAMES
 from .bench_report import (environment, format_savings, format_table, percentiles, plot, savings,
                            slowest_rank_per_step, write_jsonl)
 from .configs import CONFIG_NAMES, model_config
@@ -423,7 +423,7 @@ def committed_gpu_results(config: str, root: str | None = None) -> str:
     last = {}
     for r in recs:  # the latest line per (backend, batch)
         last[(r["backend"], r["batch_per_rank"])] = r
-    backends = [b for b in ("sync", "sync-graphed", "padded", "dynamic", "fused") if any(k[0] == b for k in last)]
+    backends = [b for b in BACKEND_NAMES if any(k[0] == b for k in last)]
     batches = sorted({k[1] for k in last})
     r0 = next(iter(last.values()))
     head = ["batch"] + [f"{b} µs" for b in backends] + [f"fused vs {b}" for b in backends if b != "fused"]
@@ -456,7 +456,7 @@ def print_attribution(opts, cfg, records: list[dict]) -> None:
     with open(path) as f:
         import json  # noqa: PLC0415
         prof = latest_profile([json.loads(x) for x in f if x.strip()])
-    rows = [r for base in ("sync", "sync-graphed", "padded") for r in attribution(records, prof, base)]
+    rows = [r for base in BASELINE_NAMES for r in attribution(records, prof, base)]
     print(f"\nwhere the difference comes from (communication = dispatch + combine device time from {path}; "
           "graphs + host = the rest):")
     print(format_attribution(rows))
