@@ -200,3 +200,35 @@ def test_abort_reaches_put_peers(put_forced):
     eps[0].dispatch(x, idx, phase="send")
     with pytest.raises(CommAbortedError):
         eps[0].dispatch(phase="recv")
+
+
+# ---- ordering on the put path: every signal to a rank after a fence that follows the puts to it -------
+
+def _unordered_signals(events):
+    """Signals to a rank that a plain put to the same rank precedes with no fence (or quiet) in between.
+    (A put_signal's own data is ordered before its signal by NVSHMEM.)"""
+    pending, bad = set(), []
+    for i, (event, pe) in enumerate(events):
+        if event == "put":
+            pending.add(pe)
+        elif event in ("fence", "quiet"):
+            pending.clear()
+        elif event == "signal" and pe in pending:
+            bad.append(i)
+    return bad
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cases", [a2a_cases, ep_cases], ids=["alltoallv", "ep"])
+def test_put_path_fences_rows_before_every_signal(put_forced, monkeypatch, cases):
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    assert cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=3)) == []
+    assert any(e == "put" for e, _ in events) and any(e == "signal" for e, _ in events)
+    assert _unordered_signals(events) == [], events[:40]
+
+
+def test_the_ordering_check_finds_a_missing_fence():
+    assert _unordered_signals([("put", 1), ("fence", -1), ("put_signal", 1), ("signal", 1)]) == []
+    assert _unordered_signals([("put", 1), ("put_signal", 1), ("signal", 1)]) == [2]

@@ -120,6 +120,13 @@ def _int(x) -> int:
     return int(x)
 
 
+def _order(event: str, pe) -> None:
+    """Interpreted calls report here, in program order: "put", "put_signal" (then its "signal"),
+    "signal", "fence", "quiet" with the target rank (-1 for fence/quiet). Nothing by default; a test records them to check that
+    every signal to a rank follows a fence after the plain puts to it (the interpreter cannot reorder,
+    so the order of the calls is what can be checked on the CPU)."""
+
+
 def _copy_to_peer(dest, src, nbytes, pe):
     n = _int(nbytes)
     if n > 0:
@@ -135,11 +142,13 @@ if INTERPRET:
     def putmem_nbi_block(dest, src, nbytes, pe):
         """Put ``nbytes`` bytes from local ``src`` to rank ``pe``'s copy of symmetric ``dest``; returns
         at once (the source must not change until ``quiet``)."""
+        _order("put", _int(pe))
         _copy_to_peer(dest, src, nbytes, pe)
 
     @triton.jit
     def signal_op(sig, value, op, pe):
         """Set (SIGNAL_SET) or add to (SIGNAL_ADD) the uint64 word ``sig`` of rank ``pe`` (release)."""
+        _order("signal", _int(pe))
         word = _peer_word(sig, pe)
         if op == SIGNAL_SET:
             tl.atomic_xchg(word, tl.cast(value, tl.int64), sem="release", scope="sys")
@@ -150,6 +159,7 @@ if INTERPRET:
     def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
         """``putmem_nbi_block``, then ``signal_op`` on rank ``pe``'s ``sig``, which is delivered after
         the data (a receiver that sees the signal sees the bytes)."""
+        _order("put_signal", _int(pe))
         _copy_to_peer(dest, src, nbytes, pe)
         signal_op(sig, value, op, pe)
 
@@ -167,12 +177,12 @@ if INTERPRET:
     @triton.jit
     def quiet():
         """Complete every put this thread issued (interpreted puts are complete already)."""
-        pass
+        _order("quiet", -1)
 
     @triton.jit
     def fence():
         """Order this thread's earlier puts to each rank before its later ones (interpreted: in order)."""
-        pass
+        _order("fence", -1)
 
     @triton.jit
     def ptr(dest, pe):

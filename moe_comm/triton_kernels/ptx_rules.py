@@ -77,7 +77,6 @@ def check(ptx: str, kernel: str, arg_names: list[str]) -> list[str]:
     return problems
 
 
-GLOBAL_STORE = re.compile(r"\bst\.global\b")                   # any global store (atomics excluded)
 V4_STORE = re.compile(r"\bst\.global(\.\w+)*\.v4\.b32\b")   # a 16-byte global store
 V4_LOAD = re.compile(r"\bld\.global(\.\w+)*\.v4\.b32\b")    # a 16-byte global load
 
