@@ -152,3 +152,14 @@ def test_every_kernel_with_nvshmem_calls_links_the_bitcode_for_sm90a(report):
         assert r["spill_store_bytes"] <= 16 and r["spill_load_bytes"] <= 16, r
     # Without PUT, no kernel carries NVSHMEM (nothing to link, nothing to initialize).
     assert not any(r["nvshmem_linked"] for r in report if not r["nvshmem"])
+
+
+@pytest.mark.parametrize("store", ["st.global.b32", "st.volatile.global.b32", "st.global.v4.b32",
+                                   "st.relaxed.sys.global.b32"])
+def test_the_publish_rule_sees_every_kind_of_payload_store(store):
+    """A payload store of any qualifier right before a publish without a barrier is found (a narrower
+    store pattern once let st.volatile.global through)."""
+    ptx = SYNTHETIC.replace("st.global.b32", store).replace("{BEFORE_PUBLISH}", "") \
+                   .replace("{AFTER_ACQUIRE}", "bar.sync 0;")
+    found = ptx_rules.check(ptx, "k", ["data_ptr", "flag_ptr"])
+    assert len(found) == 1, (store, found)
