@@ -64,13 +64,6 @@ def _experts(x: torch.Tensor, scales, first_expert: int) -> torch.Tensor:
     return (xf * f.view(-1, 1, 1)).to(torch.bfloat16)
 
 
-def _fp8_close(got: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
-    a, b = got.view(torch.uint8).int(), want.view(torch.uint8).int()
-    if exact:
-        return torch.equal(a, b)
-    return bool(((a - b).abs() <= 1).all() and ((a & 0x80) == (b & 0x80)).all())
-
-
 def check_ep(device: str, world: int, fp8: bool) -> str:
     """EPBuffer dispatch + combine on a loopback group; '' when it matches the reference."""
     from .ep import EPBuffer  # noqa: PLC0415
@@ -91,7 +84,7 @@ def check_ep(device: str, world: int, fp8: bool) -> str:
             if not torch.equal(d.src[e, :n].cpu(), w["src"][e, :n]):
                 return f"rank {r} expert {e}: token order differs"
             if fp8:
-                if not (_fp8_close(d.x[e, :n].cpu(), w["x"][e, :n], exact)
+                if not (reference.fp8_codes_match(d.x[e, :n].cpu(), w["x"][e, :n], exact)
                         and torch.equal(d.scales[e, :n].cpu(), w["scales"][e, :n])):
                     return f"rank {r} expert {e}: fp8 rows or scales differ"
             elif not torch.equal(d.x[e, :n].cpu(), w["x"][e, :n]):

@@ -59,12 +59,6 @@ def as_bf16(recv, fp8: bool) -> torch.Tensor:
     return reference.dequantize_fp8(data, scales.contiguous()).to(torch.bfloat16)
 
 
-def fp8_match(got: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
-    """Equal float8 codes; compiled (``exact=False``): a rounding tie may give the next code of the same sign."""
-    a, b = got.view(torch.uint8).int(), want.view(torch.uint8).int()
-    return torch.equal(a, b) or (not exact and bool(((a - b).abs() <= 1).all() and ((a ^ b) & 0x80 == 0).all()))
-
-
 def check_dispatch(rank, out, xs, idxs, fp8, stats, calls, tag, exact=True) -> list[str]:
     recv, recv_count, handle, _event, _hook = out
     scale_strides = recv[1].stride() if fp8 else None
@@ -112,7 +106,7 @@ def check_dispatch(rank, out, xs, idxs, fp8, stats, calls, tag, exact=True) -> l
                 continue
             if fp8:
                 q, s = quant[j]
-                ok = fp8_match(recv[0][e, b:b + c], q[tokens], exact) and torch.equal(recv[1][e, b:b + c], s[tokens])
+                ok = reference.fp8_codes_match(recv[0][e, b:b + c], q[tokens], exact) and torch.equal(recv[1][e, b:b + c], s[tokens])
             else:
                 ok = torch.equal(recv[e, b:b + c], xs[j][tokens])
             if not ok:

@@ -315,7 +315,7 @@ class Buffer:
             layout.src_info(d.src, M, out=src_info)
             layout.layout_range(d.src, d.counts, M, W, out=layout_range)
             if scales is not None:
-                scales.copy_(d.scales)
+                layout.column_major_scales(d.scales, out=scales)
             if stats is not None:
                 stats.add_(d.counts)
             handle.ep_handle = d.handle

@@ -46,6 +46,14 @@ def empty_column_major_scales(num_local_experts: int, rows: int, num_scales: int
     return torch.empty((num_local_experts, num_scales, rows), dtype=torch.float32, device=device).transpose(1, 2)
 
 
+def column_major_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``scales`` (float32 [L, R, G]) with DeepEP's strides (column-major over the R rows): copied into
+    ``out`` (from ``empty_column_major_scales``) or into a new tensor."""
+    if out is None:
+        out = empty_column_major_scales(scales.shape[0], scales.shape[1], scales.shape[2], scales.device)
+    return out.copy_(scales)
+
+
 def split_range(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(begin, count) int64 tensors of a ``layout_range`` tensor."""
     return torch.bitwise_right_shift(layout, RANGE_SHIFT), torch.bitwise_and(layout, (1 << RANGE_SHIFT) - 1)

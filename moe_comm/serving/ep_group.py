@@ -51,7 +51,7 @@ def check_group(group) -> None:
     """Raise the error the group's kernels recorded (CommTimeoutError naming the peer, ...), by name.
 
     Called by the serving adapters at the start of every dispatch, so a fault in step i stops step i+1
-    instead of being carried on; a group error stays raised until ``group.reset()``. Reads pinned host
+    instead of being carried on; a group error stays raised until ``recover()`` (below). Reads pinned host
     memory, no device sync. Skipped while a CUDA graph is being captured (a captured step cannot raise);
     replays are checked at the next eager call.
     """

@@ -5,8 +5,8 @@ result, then ``dispatcher.combine(combine_input)``. Here:
 
 - dispatch = EPBuffer.dispatch, returned as SGLang's ``DeepEPLLDispatchOutput``: the expert-major
   layout its DeepEP low-latency expert kernels take (DeepGEMM's masked grouped GEMM and friends), which
-  is EPBuffer's own layout, so the tokens are not copied (with fp8 the small scale tensor is re-laid
-  out into DeepEP's order):
+  is EPBuffer's own layout, so the tokens are not copied (with fp8 the scale tensor, 1/32 of the fp8
+  payload's bytes, is copied whole into DeepEP's column-major order on every dispatch):
       hidden_states        [E_local, world * max_tokens_per_rank, hidden] (bf16, or float8_e4m3fn with fp8)
       hidden_states_scale  None, or float32 [E_local, world * max_tokens_per_rank, hidden // 128] with
                            fp8, column-major over the token rows as DeepEP returns it (stride 1 on dim 1)
@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..compat.deep_ep_layout import column_major_scales
 from .ep_group import check_group, process_group, shared_buffer
 
 __all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "dispatcher_class", "make_dispatcher",
@@ -64,11 +65,6 @@ class LowLatencyDispatchOutput(NamedTuple):
     topk_weights: torch.Tensor
     masked_m: torch.Tensor
     expected_m: int
-
-
-def deepep_scale_layout(scales: torch.Tensor) -> torch.Tensor:
-    """[E, R, G] float32 scales, same values, with DeepEP's strides (column-major over the R rows)."""
-    return scales.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class EPBufferDispatcher:
@@ -115,7 +111,7 @@ class EPBufferDispatcher:
             d = self.ep.dispatch(None, None, phase="recv")
         self._handle, self._weights = d.handle, weights
         self._record_counts(d.counts)
-        scales = None if d.scales is None else deepep_scale_layout(d.scales)
+        scales = None if d.scales is None else column_major_scales(d.scales)
         world, topk, experts = self.ep.group.world_size, self.ep.topk, self.ep.num_experts
         expected_m = (tokens * world * topk + experts) // experts
         return self._output(d.x, scales, ids, weights, d.counts, expected_m)
@@ -131,10 +127,12 @@ class EPBufferDispatcher:
             raise RuntimeError("combine without a matching dispatch")
         weights = getattr(combine_input, "topk_weights", None)
         weights = self._weights if weights is None else weights
-        self._out = torch.empty((self._handle.num_tokens, self.ep.hidden), dtype=self.ep.dtype,
+        # The dispatch is answered whatever the send does: a send that raises (bad input, a failed group)
+        # must not leave this dispatcher refusing every later dispatch.
+        handle, self._handle, self._weights = self._handle, None, None
+        self._out = torch.empty((handle.num_tokens, self.ep.hidden), dtype=self.ep.dtype,
                                 device=self.ep.group.device)
-        self.ep.combine(combine_input.hidden_states, weights, self._handle, out=self._out, phase="send")
-        self._handle = self._weights = None
+        self.ep.combine(combine_input.hidden_states, weights, handle, out=self._out, phase="send")
 
     def combine_b(self) -> torch.Tensor:
         """Receive phase: -> [T, hidden], y[t] = sum_k topk_weights[t, k] * expert output of (t, k)."""

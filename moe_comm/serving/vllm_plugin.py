@@ -18,7 +18,7 @@ experts' format). Both fall through to vLLM's own code when moe-comm is not requ
 
 A fault (a dead or stuck peer, a bad expert id) recorded by moe-comm's kernels in one step is raised by
 name (CommTimeoutError, ...) at the next MoE layer's prepare, so vLLM's worker stops on it; the group
-stays failed until ``group.reset()``.
+stays failed until ``moe_comm.serving.ep_group.recover()`` on every live rank (reset, or exclude a dead rank).
 """
 
 from __future__ import annotations
