@@ -17,7 +17,7 @@ from .checks import check_tensor
 from .errors import op_id
 from .interpreter import kernel_for
 from .phased import PhasedOp
-from .planner import next_pow2, plan_alltoallv
+from .planner import next_pow2, plan_alltoallv, vector_aligned
 from .triton_kernels.alltoallv import a2a_local_kernel, a2a_recv_kernel, a2a_send_kernel
 
 
@@ -127,23 +127,28 @@ class AllToAllvDynamic:
     def _grid(self):
         return (self.group.world_size, self.plan.copy.blocks_per_peer)
 
+    def _aligned(self, *tensors) -> bool:
+        """The copy loops may move 16-byte vectors (rows of whole vectors; symmetric buffers are aligned)."""
+        return self.plan.copy.vector_rows and vector_aligned(*tensors)
+
     def _send(self, forward: bool, src, counts, kept_counts, kept_offsets, n_rows) -> None:
         ch, dev = (self._fwd if forward else self._rev), self.group.device
         kernel_for(a2a_send_kernel, dev)[self._grid()](
             src, counts, kept_counts, kept_offsets, self._dropped, n_rows, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
-            seq_ptr=ch.send_seq, done_ptr=ch.done, **self._phase_args(forward), **ch.put_args())
+            seq_ptr=ch.send_seq, done_ptr=ch.done, ALIGNED=self._aligned(src), **self._phase_args(forward),
+            **ch.put_args())
 
     def _recv_phase(self, forward: bool, dst, handle) -> None:
         ch, dev = (self._fwd if forward else self._rev), self.group.device
         kernel_for(a2a_recv_kernel, dev)[self._grid()](
             dst, handle.recv_counts, handle.send_counts, handle.send_offsets, ch.data.local, ch.ctrl.local,
-            ch.recv_seq, ch.done, **self._phase_args(forward))
+            ch.recv_seq, ch.done, ALIGNED=self._aligned(dst), **self._phase_args(forward))
 
     def _local(self, forward: bool, src, counts, handle, dst, n_rows) -> None:
         """World 1: one kernel, straight from the input to the output."""
         kernel_for(a2a_local_kernel, self.group.device)[self._grid()[1:]](
             src, counts, handle.send_counts, handle.send_offsets, handle.recv_counts, dst, self._dropped, n_rows,
-            **self._common(forward))
+            ALIGNED=self._aligned(src, dst), **self._common(forward))
 
     # ---- forward -------------------------------------------------------------------------------
     def __call__(self, send: torch.Tensor | None = None, send_counts: torch.Tensor | None = None, *,

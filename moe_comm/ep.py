@@ -17,7 +17,7 @@ from .checks import check_tensor
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
 from .phased import PhasedOp
-from .planner import EPPlan, next_pow2, plan_ep
+from .planner import VEC_BYTES, EPPlan, next_pow2, plan_ep, vector_aligned
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
 from .triton_kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
 from .triton_kernels.dispatch_local import dispatch_local_kernel
@@ -167,8 +167,9 @@ class EPBuffer:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
         if fp8_dispatch and hidden % 128:
             raise ValueError(f"fp8_dispatch needs hidden % 128 == 0 (one scale per 128 columns), got {hidden}")
-        if hidden * torch.empty((), dtype=dtype).element_size() % 4:
-            raise ValueError(f"hidden * element size must be a multiple of 4 bytes, got hidden={hidden} {dtype}")
+        if hidden * torch.empty((), dtype=dtype).element_size() % VEC_BYTES:
+            raise ValueError(f"hidden * element size must be a multiple of {VEC_BYTES} bytes (rows move as 16-byte "
+                             f"vectors), got hidden={hidden} {dtype}")
         if (num_experts // world) * max_tokens_per_rank * topk >= 2 ** 31:
             raise ValueError("experts per rank * max_tokens_per_rank * topk must stay below 2**31")
         return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
@@ -318,14 +319,15 @@ class EPBuffer:
 
     def _launch_send(self, xin, idx, s, T) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
-        kernel_for(dispatch_send_kernel, g.device)[(p.send_programs,)](
+        kernel_for(dispatch_send_kernel, g.device)[p.send_grid](
             xin, idx, s.routed, self._excluded, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, seq_ptr=ch.send_seq,
             done_ptr=ch.done, **ch.put_args(), num_tokens=T, num_experts=self.num_experts,
             OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
             S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
             BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
             BINS=histogram_bins(p.num_experts),
-            FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, **self._signal_args(), **self._common())
+            FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=vector_aligned(xin),
+            num_warps=p.send_warps, **self._signal_args(), **self._common())
 
     def _launch_local(self, xin, idx, s, T) -> None:
         """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""

@@ -18,6 +18,9 @@ GPU_TARGET_PROGRAMS = 132
 # instead of four dependent 4 KB ones (the same reasoning as GPU_EP_COPY_WORDS below).
 GPU_BLOCK_BYTES = 16384
 GPU_TILE_ELEMS = 1024  # elements of one register tile (8 per thread at 4 warps)
+# The widest global access (ld/st.global.v4.b32): the copy loops move 16-byte vectors when every row
+# length and base address is a multiple of it (``triton_kernels/copy.py``). Heaps align every buffer.
+VEC_BYTES = 16
 
 
 def next_pow2(n: int) -> int:
@@ -41,6 +44,18 @@ class CopyPlan:
     block_rows: int          # rows per program iteration
     block_words: int         # words per program iteration along a row
     blocks_per_peer: int     # programs per peer in each phase's grid (grid = world x blocks_per_peer)
+
+    @property
+    def vector_rows(self) -> bool:
+        """Rows are whole 16-byte vectors (32-bit words, a multiple of 4 per row)."""
+        return self.word_dtype == torch.int32 and self.row_words % 4 == 0
+
+
+def vector_aligned(*tensors) -> bool:
+    """True when every tensor's first byte is 16-byte aligned (torch's allocations are; a view that
+    starts mid-row may not be). With row lengths multiples of 16 bytes this lets the copy loops declare
+    16-byte accesses (their ``ALIGNED`` constexpr); otherwise they move narrower words, still exact."""
+    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
 
 
 def plan_copy(row_bytes: int, max_rows: int, world: int, device: torch.device) -> CopyPlan:
@@ -144,7 +159,8 @@ class EPPlan:
     capacity: int             # rows per local expert in d.x: W * M (every token of every rank, once)
     x_words: int              # 32-bit words of one dispatched payload row (dtype row, or fp8 bytes / 4)
     scale_words: int          # float32 scales per dispatched row (H / 128 with fp8, else 0)
-    row_words: int            # dispatch landing row: payload, scales, then K int32 routing words
+    row_words: int            # dispatch landing row: payload, scales, K int32 routing words, padded to
+    #                           whole 16-byte vectors (every row starts 16-byte aligned)
     dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
     out_words: int            # 32-bit words of one expert-output row (H * b / 4)
     # Launch shapes (1-D grids, but for the combine reduction and the world-1 dispatch). The interpreter
@@ -161,7 +177,9 @@ class EPPlan:
     block_hidden: int         # BH: elements per iteration of the combine reduction
     fp8_block_groups: int     # 128-column groups per quantization iteration (divides H / 128)
     route_tokens: int         # tokens per pass of the routing scans (histograms of expert ids)
-    send_programs: int        # grid of the dispatch send
+    send_programs: int        # token blocks of the dispatch send's grid (send_grid)
+    send_warps: int           # warps per dispatch send program: fp8 tiles of 1024 bytes need 2 warps for
+    #                           16 bytes per thread (a 16-byte store per thread, not two 8-byte ones)
     recv_programs: int        # grid of the dispatch receive and of the combine send
     reduce_programs: int      # token blocks of the combine reduction's grid
 
@@ -170,6 +188,14 @@ class EPPlan:
         """Combine reduction grid: token blocks x column blocks (one column block per program, so that a
         single token's row is read by several SMs at once)."""
         return (self.reduce_programs, -(-self.hidden // self.block_hidden))
+
+    @property
+    def send_grid(self) -> tuple:
+        """Dispatch send grid (world > 1): token blocks x column blocks. With fp8 each program quantizes
+        one block of ``fp8_block_groups`` groups of its tokens' rows (no program walks a whole row);
+        otherwise one column block (the copy loop walks the row)."""
+        cols = self.hidden // (FP8_GROUP * self.fp8_block_groups) if self.fp8 else 1
+        return (self.send_programs, cols)
 
     @property
     def local_grid(self) -> tuple:
@@ -237,17 +263,19 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
     if device.type == "cuda":
         block_tokens, block_slots = 1, next_pow2(topk)
         tile = GPU_TILE_ELEMS
-        send_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(world))
-                               if world > 1 else GPU_LOCAL_COPY_WORDS)
+        # One register tile stored to each destination in turn (copy.py): the tile no longer grows with
+        # the world, so the send copies whole 16 KB blocks at every world size.
+        send_block_words = min(next_pow2(x_words), GPU_EP_COPY_WORDS if world > 1 else GPU_LOCAL_COPY_WORDS)
         recv_block_words = min(next_pow2(x_words), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         out_block_words = min(next_pow2(hidden * b // 4), max(32, GPU_EP_COPY_WORDS // next_pow2(topk)))
         block_hidden = min(next_pow2(hidden), tile)
-        # At least two groups per iteration: a one-group tile spills ~32 bytes on sm_90 (Triton 3.6).
-        fp8_block_groups = min(pow2_groups, max(2, tile // (FP8_GROUP * next_pow2(world))))
+        # A program quantizes 1024 columns (8 groups): a DeepSeek-V3 row is spread over 7 programs.
+        fp8_block_groups = min(pow2_groups, max(2, tile // FP8_GROUP))
         # 64 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
         # program has threads (a shape some Triton versions' histogram lowering miscounted).
         route_tokens = max(1, GPU_ROUTE_SLOTS // slots)
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
+        send_warps = 2 if fp8 and world > 1 else 4
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
     else:
@@ -260,13 +288,14 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         fp8_block_groups = min(pow2_groups, 32)
         route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))
         send_programs = recv_programs = reduce_programs = 1
+        send_warps = 4
     return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
-                  row_words=x_words + scale_words + topk, dispatch_ctrl_words=L + 2,
+                  row_words=-(-(x_words + scale_words + topk) // 4) * 4, dispatch_ctrl_words=L + 2,
                   out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
                   send_block_words=send_block_words, recv_block_words=recv_block_words,
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
-                  route_tokens=route_tokens, send_programs=send_programs,
+                  route_tokens=route_tokens, send_programs=send_programs, send_warps=send_warps,
                   recv_programs=recv_programs, reduce_programs=reduce_programs)
 
 

@@ -357,8 +357,9 @@ def test_constructor_validation():
         EPBuffer(g, 8, 192, 4, 2, fp8_dispatch=True)
     with pytest.raises(TypeError, match="dtype"):
         EPBuffer(g, 8, 128, 4, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="multiple of 4 bytes"):
-        EPBuffer(g, 8, 127, 4, 2)
+    for hidden in (127, 4):   # 254 and 8 bytes: rows must be whole 16-byte vectors
+        with pytest.raises(ValueError, match="multiple of 16 bytes"):
+            EPBuffer(g, 8, hidden, 4, 2)
     for bad in (dict(topk=0), dict(max_tokens_per_rank=0), dict(hidden=-128)):
         kw = dict(num_experts=8, hidden=128, max_tokens_per_rank=4, topk=2) | bad
         with pytest.raises(ValueError, match="positive int"):

@@ -24,24 +24,21 @@ clamped to the capacity and to N, the clamped values kept for the reverse); reve
 import triton
 import triton.language as tl
 
+from .copy import address, copy_rows
 from .sync import ERR_CAPACITY, S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, record_error, wait_flag
 from .transport import deliver, dest, put_peers
 
 
 @triton.jit
-def _copy_rows(src, dst, n_rows, first_block, ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr, NBLK: tl.constexpr):
+def copy_row_range(src, dst, n_rows, first_block, ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr):
     """dst[r, :] = src[r, :] for r < n_rows, rows first_block*BLOCK_R + k*NBLK*BLOCK_R + [0, BLOCK_R)."""
     r = tl.arange(0, BLOCK_R)
-    c = tl.arange(0, BLOCK_C)
     for r0 in range(first_block * BLOCK_R, n_rows, NBLK * BLOCK_R):
-        rows = r0 + r
+        rows = (r0 + r).to(tl.int64)
         row_ok = rows < n_rows
-        for c0 in range(0, ROW_WORDS, BLOCK_C):
-            cols = c0 + c
-            m = row_ok[:, None] & (cols < ROW_WORDS)[None, :]
-            offs = rows.to(tl.int64)[:, None] * ROW_WORDS + cols[None, :]
-            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+        copy_rows(src + rows * ROW_WORDS, row_ok, address(dst + rows * ROW_WORDS)[:, None], row_ok[:, None],
+                  ROW_WORDS, BLOCK_C, 1, 1, ALIGNED)
 
 
 @triton.jit
@@ -93,7 +90,7 @@ def a2a_send_kernel(
     rank, max_rows,
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
-    PUT: tl.constexpr,
+    ALIGNED: tl.constexpr, PUT: tl.constexpr,
 ):
     peer = tl.program_id(0)
     blk = tl.program_id(1)
@@ -115,7 +112,7 @@ def a2a_send_kernel(
     stage = stage_ptr + peer.to(tl.int64) * max_rows * ROW_WORDS
     if live & (failed == 0):
         dst = dest(put, stage, as_ptr(tl.load(data_ptrs_ptr + peer), elem) + region, PUT)
-        _copy_rows(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
+        copy_row_range(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK, ALIGNED)
     last, skipped = arrive(done_ptr + peer, NBLK, failed)
     if last & live & (skipped == 0):
         ctrl_off = (zone * WORLD + rank) * 2
@@ -144,6 +141,7 @@ def a2a_recv_kernel(
     grp, status_ptr, rank, max_rows,
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     src = tl.program_id(0)
     blk = tl.program_id(1)
@@ -166,7 +164,7 @@ def a2a_recv_kernel(
         if blk == 0:
             tl.store(recv_counts_ptr + src, cnt.to(tl.int32))
     landing = data_ptr + (zone * WORLD + src).to(tl.int64) * max_rows * ROW_WORDS
-    _copy_rows(landing, dst_ptr + off * ROW_WORDS, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
+    copy_row_range(landing, dst_ptr + off * ROW_WORDS, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK, ALIGNED)
     last, _ = arrive(done_ptr + WORLD + 1, WORLD * NBLK, 0)
     if last:
         tl.store(seq_ptr, call)
@@ -189,6 +187,7 @@ def a2a_local_kernel(
     grp, rank, max_rows,
     OP: tl.constexpr, FORWARD: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """World 1 in one kernel: the rows go straight from the input to the output (no landing zone, no
     flag), with the counts clamped and kept exactly as the two-phase kernels do. Grid = (NBLK,)."""
@@ -198,8 +197,8 @@ def a2a_local_kernel(
                                  grp, rank, max_rows, OP, 1, 1)
         if blk == 0:
             tl.store(recv_counts_ptr, cnt.to(tl.int32))
-        _copy_rows(src_ptr + off * ROW_WORDS, dst_ptr, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
+        copy_row_range(src_ptr + off * ROW_WORDS, dst_ptr, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK, ALIGNED)
     else:
         off = tl.minimum(tl.maximum(tl.load(kept_offsets_ptr), 0), n_rows)
         cnt = tl.minimum(tl.minimum(tl.maximum(tl.load(counts_ptr).to(tl.int64), 0), max_rows), n_rows - off)
-        _copy_rows(src_ptr, dst_ptr + off * ROW_WORDS, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK)
+        copy_row_range(src_ptr, dst_ptr + off * ROW_WORDS, cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK, ALIGNED)

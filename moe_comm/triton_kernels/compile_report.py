@@ -34,6 +34,7 @@ class KernelConfig:
     types: dict        # argument name -> Triton type string ("*i32", "i64", ...); constexprs get "constexpr"
     constexprs: dict   # constexpr argument name -> value
     nvshmem: bool = False  # carries NVSHMEM calls (PUT=True): compiled with NVSHMEM's device bitcode linked
+    num_warps: int = 4     # as the launch passes it
 
 
 SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank kernel's group arguments
@@ -43,7 +44,7 @@ STAGE = dict(stage_ptr="*i32", stage_ctrl_ptr="*i64")      # every send kernel's
 def with_put(cfg: KernelConfig) -> KernelConfig:
     """The same kernel and shapes with the put transport compiled in (NVSHMEM calls, bitcode linked)."""
     return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, dict(cfg.constexprs, PUT=True),
-                        nvshmem=True)
+                        nvshmem=True, num_warps=cfg.num_warps)
 
 
 def _a2a_configs() -> list[KernelConfig]:
@@ -63,7 +64,7 @@ def _a2a_configs() -> list[KernelConfig]:
     out = []
     for forward in (True, False):
         c = dict(OP=0 if forward else 1, FORWARD=forward, ROW_WORDS=cp.row_words, BLOCK_R=cp.block_rows,
-                 BLOCK_C=cp.block_words, NBLK=cp.blocks_per_peer)
+                 BLOCK_C=cp.block_words, NBLK=cp.blocks_per_peer, ALIGNED=cp.vector_rows)
         label = f"{'fwd' if forward else 'rev'} 7168 bf16"
         out.append(KernelConfig("alltoallv", "a2a_send_kernel", f"{label} EP8", send,
                                 dict(c, WORLD=8, WORLD_P2=8, PUT=False)))
@@ -92,7 +93,8 @@ def _ep_configs() -> list[KernelConfig]:
             data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
             num_experts="i32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, PUT=False)))
+            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=True, PUT=False),
+            num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
             row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
@@ -204,10 +206,10 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     missing = [a for a in fn.arg_names if a not in types]
     if missing:
         raise ValueError(f"{cfg.kernel}: no type given for {missing}")
-    options = None
+    options = dict(num_warps=cfg.num_warps)
     if cfg.nvshmem:
         from .nvshmem_bitcode import launch_options  # noqa: PLC0415
-        options = launch_options(arch)
+        options.update(launch_options(arch))
     # Pointer arguments 16-byte aligned, as Triton specializes them at launch for torch's allocations.
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if types[a].startswith("*")}
     compiled = triton.compile(ASTSource(fn, types, constexprs, aligned), target=GPUTarget("cuda", arch, 32),

@@ -30,6 +30,7 @@ instead; the last program puts rows [0, T) in one ``putmem_nbi``, then the contr
 import triton
 import triton.language as tl
 
+from .copy import address, copy_rows, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .transport import dest, flush, put_peers, store_only
@@ -82,13 +83,15 @@ def dispatch_send_kernel(
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, BINS: tl.constexpr,
-    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr, PUT: tl.constexpr,
+    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
 ):
     blk = tl.program_id(0)
+    col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
+    ROW_BYTES: tl.constexpr = ROW_WORDS * 4
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     peer = tl.arange(0, WORLD_P2)
     peer_live = tl.where(failed, False, live_ranks(grp, WORLD, WORLD_P2))
@@ -100,61 +103,55 @@ def dispatch_send_kernel(
 
     # 1. Bookkeeping, by one program: the combine's mask, the excluded-slot count, the first bad id, and
     #    per-expert counts (a histogram of the valid ids; BINS >= E) into each live rank's control words.
-    if blk == NBLK - 1:
+    if (blk == NBLK - 1) & (col == 0):
         count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
                         (zone * WORLD + rank) * CTRL_WORDS, grp, rank, num_tokens, num_experts, failed == 0, OP,
                         WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT)
 
-    # 2. This program's tokens, a contiguous range: routing words to every live rank, payload once to row
-    #    t of every live rank holding one of the token's experts. Positions continue a histogram of the
-    #    ids of every earlier token (linear in T, see routing.py).
+    # 2. This program's tokens, a contiguous range: routing words to every live rank (column block 0),
+    #    payload (column block `col`) once to row t of every live rank holding one of the token's experts.
+    #    Positions continue a histogram of the ids of every earlier token (linear in T, see routing.py).
     per_program = tl.cdiv(num_tokens, NBLK)
     t_begin = tl.minimum(blk * per_program, num_tokens)
     t_end = tl.minimum(t_begin + per_program, num_tokens)
     before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
+    kk = tl.arange(0, TOPK_P2)
     for t0 in range(t_begin, t_end, BT):
         ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
         pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
         owner = tl.where(valid, idx // EXPERTS_PER_RANK, -1)
-        word = tl.where(owner[None, :] == peer[:, None], idx % EXPERTS_PER_RANK + pos * EXPERTS_PER_RANK, -1)
-        tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
-                 mask=peer_live[:, None] & live[None, :])
+        if col == 0:
+            word = tl.where(owner[None, :] == peer[:, None], idx % EXPERTS_PER_RANK + pos * EXPERTS_PER_RANK, -1)
+            tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
+                     mask=peer_live[:, None] & live[None, :])
 
+        # Destinations of token t: one per slot k, the slot's rank if it is live and no earlier slot of
+        # the token has it (so a rank gets the row once); its address is that rank's row t.
         t = t0 + tl.arange(0, BT)
-        t_live = t < t_end
         slot_owner = tl.reshape(owner, (BT, TOPK_P2))
-        send = tl.max((slot_owner[:, :, None] == peer[None, None, :]).to(tl.int32), axis=1) > 0   # [BT, WORLD_P2]
-        send = send & t_live[:, None] & peer_live[None, :]
-        read = tl.max(send.to(tl.int32), axis=1) > 0
-        row = landing_all[None, :] + t[:, None].to(tl.int64) * ROW_WORDS                    # [BT, WORLD_P2]
-        if FP8:
+        earlier = (slot_owner[:, :, None] == slot_owner[:, None, :]) & (kk[None, None, :] < kk[None, :, None])
+        first = tl.max(earlier.to(tl.int32), axis=2) == 0
+        to = tl.maximum(slot_owner, 0)
+        owner_live = tl.load(grp + S_LIVE + to, mask=slot_owner >= 0, other=0) != 0
+        write = tl.where(failed, False, (slot_owner >= 0) & first & owner_live & (t < t_end)[:, None])
+        zone_base = dest(put_peers(grp, to, write, WORLD, PUT), address(stage_ptr) + to.to(tl.int64) * M * ROW_BYTES,
+                         tl.load(data_ptrs_ptr + to, mask=write, other=0) + first_row * ROW_BYTES, PUT)
+        dst = zone_base + t[:, None].to(tl.int64) * ROW_BYTES                           # [BT, TOPK_P2] bytes
+        read = tl.max(write.to(tl.int32), axis=1) > 0
+        if FP8:  # column block `col` of the row: quantized in registers, stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
-            c = tl.arange(0, COLS)
-            g = tl.arange(0, FP8_GROUPS)
-            row_q = row.to(tl.pointer_type(tl.float8e4nv))  # payload bytes: 4 per word
-            row_s = (row + X_WORDS).to(tl.pointer_type(tl.float32))
-            x_row = x_ptr + t[:, None].to(tl.int64) * HIDDEN + c[None, :]
-            v_next = tl.load(x_row, mask=read[:, None], other=0.0)
-            for c0 in range(0, HIDDEN, COLS):  # COLS divides HIDDEN; next block's load issued first
-                v = v_next.to(tl.float32)
-                v_next = tl.load(x_row + c0 + COLS, mask=read[:, None] & (c0 + COLS < HIDDEN), other=0.0)
-                q, scale = quantize_e4m3_groups(v, BT, FP8_GROUPS)
-                tl.store(row_q[:, :, None] + c0 + c[None, None, :], q[:, None, :], mask=send[:, :, None])
-                tl.store(row_s[:, :, None] + c0 // 128 + g[None, None, :], scale[:, None, :], mask=send[:, :, None])
+            xs = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + col * COLS + tl.arange(0, COLS)[None, :],
+                         mask=read[:, None], other=0.0)
+            q, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS)
+            store_tile(q, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
+            store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
+                       ALIGNED)
         else:
-            w = tl.arange(0, BW)
-            x_row = x_ptr + t[:, None].to(tl.int64) * X_WORDS + w[None, :]
-            v_next = tl.load(x_row, mask=read[:, None] & (w < X_WORDS)[None, :])
-            for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's stores
-                w_live = w0 + w < X_WORDS
-                v = v_next
-                v_next = tl.load(x_row + w0 + BW, mask=read[:, None] & (w0 + BW + w < X_WORDS)[None, :])
-                tl.store(row[:, :, None] + w0 + w[None, None, :], v[:, None, :],
-                         mask=send[:, :, None] & w_live[None, None, :])
+            copy_rows(x_ptr + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2, ALIGNED)
 
     # 3. The last program publishes to every live rank, unless a program skipped its part because the
     #    group failed, and advances the send count.
-    last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
+    last, skipped = arrive(done_ptr + WORLD, NBLK * tl.num_programs(1), failed)
     if last:
         if skipped == 0:
             ctrl_off = (zone * WORLD + rank) * CTRL_WORDS

@@ -81,10 +81,47 @@ V4_STORE = re.compile(r"\bst\.global(\.\w+)*\.v4\.b32\b")   # a 16-byte global s
 V4_LOAD = re.compile(r"\bld\.global(\.\w+)*\.v4\.b32\b")    # a 16-byte global load
 
 
-def counts(ptx: str) -> dict:
-    """How many publishes, acquires, CTA barriers and 16-byte global loads/stores the PTX holds."""
+LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+\d+")
+FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"')
+PAYLOAD_FILE = "copy.py"   # triton_kernels/copy.py: the one copy loop and tile store every payload moves by
+
+
+def source_files(ptx: str) -> list[str | None]:
+    """For each PTX line, the source file of the ``.loc`` directive in force there (None before the first):
+    the line info Triton emits, which names the file of inlined device functions too."""
     lines = ptx.splitlines()
-    return dict(publishes=sum(bool(PUBLISH.search(x)) for x in lines),
+    files = {m.group(1): m.group(2) for m in map(FILE.match, lines) if m}
+    out, current = [], None
+    for line in lines:
+        m = LOC.match(line)
+        if m:
+            current = files.get(m.group(1))
+        out.append(current)
+    return out
+
+
+def payload_accesses(ptx: str) -> dict:
+    """Global loads and stores issued by the payload copy code (``copy.py``), and how many of them are
+    16-byte vectors."""
+    lines = ptx.splitlines()
+    stores = loads = v4_stores = v4_loads = 0
+    for line, f in zip(lines, source_files(ptx)):
+        if not (f and f.endswith(PAYLOAD_FILE)):
+            continue
+        if GLOBAL_STORE.search(line):
+            stores += 1
+            v4_stores += bool(V4_STORE.search(line))
+        elif GLOBAL_LOAD.search(line):
+            loads += 1
+            v4_loads += bool(V4_LOAD.search(line))
+    return dict(payload_stores=stores, payload_v4_stores=v4_stores, payload_loads=loads, payload_v4_loads=v4_loads)
+
+
+def counts(ptx: str) -> dict:
+    """How many publishes, acquires, CTA barriers and 16-byte global loads/stores the PTX holds, and the
+    payload copy's accesses (``payload_accesses``)."""
+    lines = ptx.splitlines()
+    return dict(**payload_accesses(ptx), publishes=sum(bool(PUBLISH.search(x)) for x in lines),
                 acquires=sum(bool(ACQUIRE.search(x)) and not bool(PUBLISH.search(x)) for x in lines),
                 barriers=sum(bool(BARRIER.search(x)) for x in lines),
                 global_stores=sum(bool(GLOBAL_STORE.search(x)) for x in lines),

@@ -1,0 +1,85 @@
+"""The one payload copy loop, and the one tile store, that every kernel moves rows with.
+
+A row is copied as a tile of ``[R, BW]`` elements per iteration: the next block's load is issued before
+this block's stores (one block in flight), and each block is stored to up to ``NDST`` destinations in a
+static loop (one register tile, one pointer vector per destination; never a ``[R, NDST, BW]`` pointer
+tile). Destinations are int64 *byte addresses* ``dst[r, d]`` of row starts, so one form serves every
+caller: a per-row output row (NDST = 1), a token's rows on its top-k ranks or experts (NDST = K), the
+same row on every rank of a list.
+
+16-byte accesses: a row address whose alignment comes from a value loaded from memory (a peer's base)
+or a run-time offset cannot be proven aligned by the compiler, which then moves 4 bytes (or 1) at a
+time. With ``ALIGNED`` the row addresses are declared 16-byte aligned (``tl.multiple_of``) and the
+column mask is constant over whole blocks, so every access is a 16-byte vector. The caller passes
+ALIGNED only when it holds (``aligned()`` on the host: every row length in bytes and every base a
+multiple of 16); otherwise the same code runs with narrower accesses. The interpreter ignores hints.
+"""
+
+import triton
+import triton.language as tl
+
+VEC_BYTES = tl.constexpr(16)   # the widest global access of sm_90: ld/st.global.v4.b32
+
+
+@triton.jit
+def row_pointers(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """int64 byte addresses ``addr`` (any shape) as pointers to DTYPE, declared 16-byte aligned when
+    ALIGNED."""
+    ptrs = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptrs = tl.multiple_of(ptrs, VEC_BYTES)
+    return ptrs
+
+
+@triton.jit
+def address(ptr):
+    """A pointer (scalar or tensor) as its int64 byte address, for ``dst`` tiles."""
+    return ptr.to(tl.int64)
+
+
+@triton.jit
+def pick(tile, d, NDST_P2: tl.constexpr):
+    """Column ``d`` of ``tile`` [R, NDST_P2] (a register select: the column index is static)."""
+    dd = tl.arange(0, NDST_P2)
+    return tl.sum(tl.where(dd[None, :] == d, tile, tl.zeros_like(tile)), axis=1)
+
+
+@triton.jit
+def store_tile(v, col, ncols, dst, write, C: tl.constexpr, NDST: tl.constexpr, NDST_P2: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """Store ``v`` [R, C] at element columns ``col + [0, C)`` (those below ``ncols``) of row r of every
+    destination d < NDST where ``write[r, d]``: row start address ``dst[r, d]`` (int64 bytes, [R, NDST_P2]),
+    elements of v's dtype. When ``ncols`` is a multiple of C the column mask is constant (whole blocks)."""
+    c = tl.arange(0, C)
+    c_live = ((col + c < ncols) | (ncols % C == 0))[None, :]
+    for d in tl.static_range(NDST):
+        if NDST == 1:
+            rows, use = tl.reshape(dst, (dst.shape[0],)), tl.reshape(write, (write.shape[0],))
+        else:
+            rows, use = pick(dst, d, NDST_P2), pick(write.to(tl.int32), d, NDST_P2) != 0
+        ptrs = row_pointers(rows, v.dtype, ALIGNED)
+        tl.store(ptrs[:, None] + col + c[None, :], v, mask=use[:, None] & c_live)
+
+
+@triton.jit
+def load_tile(src, read, col, ncols, BW: tl.constexpr, ALIGNED: tl.constexpr):
+    """Elements ``col + [0, BW)`` (those below ``ncols``) of the rows starting at pointers ``src`` [R],
+    where ``read`` [R]; 0 elsewhere. Returns [R, BW] of src's element type."""
+    if ALIGNED:
+        src = tl.multiple_of(src, VEC_BYTES)
+    c = tl.arange(0, BW)
+    m = read[:, None] & ((col + c < ncols) | (ncols % BW == 0))[None, :]
+    return tl.load(src[:, None] + col + c[None, :], mask=m, other=0)
+
+
+@triton.jit
+def copy_rows(src, read, dst, write, ROW: tl.constexpr, BW: tl.constexpr, NDST: tl.constexpr,
+              NDST_P2: tl.constexpr, ALIGNED: tl.constexpr):
+    """Copy ROW elements of each row: from pointer ``src[r]`` ([R] pointers; read where ``read[r]``, zeros
+    elsewhere) to address ``dst[r, d]`` ([R, NDST_P2] int64 bytes) of every destination d < NDST where
+    ``write[r, d]``. A row with ``write`` but not ``read`` is stored as zeros."""
+    v_next = load_tile(src, read, 0, ROW, BW, ALIGNED)
+    for c0 in range(0, ROW, BW):  # the next block's load is issued before this block's stores
+        v = v_next
+        v_next = load_tile(src, tl.where(c0 + BW < ROW, read, False), c0 + BW, ROW, BW, ALIGNED)
+        store_tile(v, c0, ROW, dst, write, BW, NDST, NDST_P2, ALIGNED)
