@@ -339,7 +339,8 @@ class EPBuffer:
             OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
             X_WORDS=p.x_words, S_WORDS=p.scale_words, BT=p.block_tokens, BW=p.send_block_words,
             ROUTE_T=p.route_tokens, BINS=histogram_bins(p.num_experts), FP8=p.fp8,
-            FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs)
+            FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs,
+            ALIGNED=vector_aligned(xin, out_x, self._scales), num_warps=p.send_warps)
 
     def _launch_recv(self, s) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
@@ -351,7 +352,7 @@ class EPBuffer:
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.block_slots, BW=p.recv_block_words,
-            NBLK=p.recv_programs, **self._common())
+            NBLK=p.recv_programs, ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common())
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -381,7 +382,8 @@ class EPBuffer:
                     expert_out.view(torch.int32), s.row_of, s.src_tokens, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
                     seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
                     ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
-                    BW=p.out_block_words, NBLK=p.recv_programs, **self._common())
+                    BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=vector_aligned(expert_out),
+                    **self._common())
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None
@@ -400,5 +402,6 @@ class EPBuffer:
             out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
             s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done,
             **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
-            HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **self._common())
+            HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs,
+            ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common())
         return op.finish(out)

@@ -178,8 +178,8 @@ class EPPlan:
     fp8_block_groups: int     # 128-column groups per quantization iteration (divides H / 128)
     route_tokens: int         # tokens per pass of the routing scans (histograms of expert ids)
     send_programs: int        # token blocks of the dispatch send's grid (send_grid)
-    send_warps: int           # warps per dispatch send program: fp8 tiles of 1024 bytes need 2 warps for
-    #                           16 bytes per thread (a 16-byte store per thread, not two 8-byte ones)
+    send_warps: int           # warps per dispatch send (and world-1 dispatch) program: fp8 tiles of 1024
+    #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte)
     recv_programs: int        # grid of the dispatch receive and of the combine send
     reduce_programs: int      # token blocks of the combine reduction's grid
 
@@ -275,7 +275,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         # program has threads (a shape some Triton versions' histogram lowering miscounted).
         route_tokens = max(1, GPU_ROUTE_SLOTS // slots)
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
-        send_warps = 2 if fp8 and world > 1 else 4
+        send_warps = 2 if fp8 else 4
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
     else:

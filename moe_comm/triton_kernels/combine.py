@@ -29,6 +29,7 @@ that row (one ``putmem_nbi`` per row: one rank's slots are interleaved with othe
 import triton
 import triton.language as tl
 
+from .copy import address, copy_rows, load_tile, store_tile
 from .quant import cast_rne
 from .transport import dest, drain, put_peers, put_rows, signal_only, store_only
 from .sync import (S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
@@ -50,7 +51,7 @@ def combine_send_kernel(
     rank,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
-    PUT: tl.constexpr,
+    ALIGNED: tl.constexpr, PUT: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -60,7 +61,6 @@ def combine_send_kernel(
     live = live_ranks(grp, WORLD, WORLD_P2)
     # (tl.where, not `&`: Triton's interpreter turns `bool vector & bool scalar` into int32, no mask)
     tokens = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + w, mask=tl.where(failed, False, live), other=0), 0), M)
-    ww = tl.arange(0, BW)
     # Slots i = (row q, k), q = (token rank s, token t) = s * M + t, as the dispatch's row_of is laid out.
     # An excluded or failed token rank has no tokens here (tokens = 0), so nothing goes to it.
     for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
@@ -82,13 +82,7 @@ def combine_send_kernel(
         landing = dest(put, stage_ptr + s.to(tl.int64) * M * TOPK * X_WORDS,
                        as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone_off, PUT)
         dst = landing + (t * TOPK + k).to(tl.int64) * X_WORDS
-        v_next = tl.load(src[:, None] + ww[None, :], mask=has_row[:, None] & (ww < X_WORDS)[None, :], other=0)
-        for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's store
-            w_live = (w0 + ww < X_WORDS)[None, :]
-            v = v_next
-            v_next = tl.load(src[:, None] + w0 + BW + ww[None, :],
-                             mask=has_row[:, None] & (w0 + BW + ww < X_WORDS)[None, :], other=0)
-            tl.store(dst[:, None] + w0 + ww[None, :], v, mask=send[:, None] & w_live)
+        copy_rows(src, has_row, address(dst)[:, None], send[:, None], X_WORDS, BW, 1, 1, ALIGNED)
         if PUT:  # one put per staged row: slots of one rank are scattered among other ranks' slots
             put_send = tl.where(put, send, False)
             if tl.max(put_send.to(tl.int32)) > 0:
@@ -134,7 +128,7 @@ def combine_recv_kernel(
     grp, status_ptr, rank, num_tokens,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-    NBLK: tl.constexpr,
+    NBLK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
@@ -156,8 +150,6 @@ def combine_recv_kernel(
     else:
         zone = tl.program_id(0) * 0
     landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN
-    c = tl.arange(0, BH)
-    c_live = (c0 + c < HIDDEN)[None, :]
     kk = tl.arange(0, TOPK_P2)
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
         t = t0 + tl.arange(0, BT)
@@ -181,14 +173,13 @@ def combine_recv_kernel(
             # reads nothing and adds w * 0, as the zeros a peer sends for one.
             row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
                            landing + (t * TOPK + k).to(tl.int64) * HIDDEN)
-            v = tl.load(row[:, None] + c0 + c[None, :],
-                        mask=tl.where(arrived, use & (has_row | ~here), False)[:, None] & c_live,
-                        other=0).to(tl.float32)
+            v = load_tile(row, tl.where(arrived, use & (has_row | ~here), False), c0, HIDDEN, BH,
+                          ALIGNED).to(tl.float32)
             acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
         # A failed wait leaves no partial sum: the program's rows are NaN (and the error is raised).
         acc = tl.where(arrived, acc, float("nan"))
-        tl.store(out_ptr + t[:, None].to(tl.int64) * HIDDEN + c0 + c[None, :], cast_rne(acc, out_ptr.dtype.element_ty),
-                 mask=live[:, None] & c_live)
+        store_tile(cast_rne(acc, out_ptr.dtype.element_ty), c0, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
+                   live[:, None], BH, 1, 1, ALIGNED)
     if WORLD > 1:
         last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
         if last:

@@ -101,7 +101,7 @@ def _ep_configs() -> list[KernelConfig]:
             seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots, BW=p.recv_block_words,
-            NBLK=p.recv_programs)))
+            NBLK=p.recv_programs, ALIGNED=True)))
         p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
         out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
             x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
@@ -110,7 +110,8 @@ def _ep_configs() -> list[KernelConfig]:
             num_tokens="i32", num_experts="i32"), dict(
             OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
             BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
-            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs)))
+            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs, ALIGNED=True),
+            num_warps=p1.send_warps))
     p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
     rows = p.experts_per_rank * p.capacity
     for world in (8, 1):
@@ -119,12 +120,12 @@ def _ep_configs() -> list[KernelConfig]:
             out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
             data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
             OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
-            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs)))
+            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True)))
     out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
         expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
         ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
         WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
-        BW=p.out_block_words, NBLK=p.recv_programs, PUT=False)))
+        BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False)))
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
         num_tokens="i32", num_experts="i32"), dict(
@@ -182,7 +183,8 @@ def _copy_configs() -> list[KernelConfig]:
     for label, words in (("DSV3 EP8 x bf16", 3584), ("DSV3 EP8 src", 1)):
         br, bw = tile(1024, words, cuda)
         out.append(KernelConfig("copy_rows", "copy_valid_rows_kernel", label, dict(
-            src_ptr="*i32", dst_ptr="*i32", counts_ptr="*i32"), dict(ROWS=1024, ROW_WORDS=words, BR=br, BW=bw)))
+            src_ptr="*i32", dst_ptr="*i32", counts_ptr="*i32"), dict(ROWS=1024, ROW_WORDS=words, BR=br, BW=bw,
+                                                                   ALIGNED=words % 4 == 0)))
     return out
 
 

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from ..interpreter import kernel_for
+from ..planner import vector_aligned
+from .copy import address, copy_rows
 
 GPU_TILE_WORDS = 4096   # words per program iteration on GPU (rows x columns of the tile)
 CPU_TILE_WORDS = 1 << 16
@@ -24,6 +26,7 @@ def copy_valid_rows_kernel(
     dst_ptr,          # int32 words [E, ROWS, ROW_WORDS]
     counts_ptr,       # int32 [E]: rows [0, counts[e]) of expert e are copied (clamped to [0, ROWS])
     ROWS: tl.constexpr, ROW_WORDS: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr,
+    ALIGNED: tl.constexpr,  # rows of whole 16-byte vectors and both bases 16-byte aligned (copy.py)
 ):
     """Grid (E, cdiv(ROWS, BR)): program (e, b) copies the valid rows among rows [b*BR, (b+1)*BR) of e."""
     e = tl.program_id(0)
@@ -32,13 +35,9 @@ def copy_valid_rows_kernel(
     if r0 < n:
         rows = r0 + tl.arange(0, BR)
         base = (e * ROWS + rows).to(tl.int64) * ROW_WORDS
-        for w0 in range(0, ROW_WORDS, BW):
-            w = w0 + tl.arange(0, BW)
-            # Whole blocks (BW divides the row): the mask is constant along a row, so 4 words move as one
-            # 16-byte vector; otherwise the column mask ends the row.
-            m = (rows < n)[:, None] & ((w < ROW_WORDS) | (ROW_WORDS % BW == 0))[None, :]
-            v = tl.load(src_ptr + base[:, None] + w[None, :], mask=m)
-            tl.store(dst_ptr + base[:, None] + w[None, :], v, mask=m)
+        live = rows < n
+        copy_rows(src_ptr + base, live, address(dst_ptr + base)[:, None], live[:, None], ROW_WORDS, BW, 1, 1,
+                  ALIGNED)
 
 
 def tile(rows: int, row_words: int, device: torch.device) -> tuple[int, int]:
@@ -67,4 +66,5 @@ def copy_valid_rows(src: torch.Tensor, dst: torch.Tensor, counts: torch.Tensor) 
     row_words = row_bytes // 4
     br, bw = tile(rows, row_words, src.device)
     kernel_for(copy_valid_rows_kernel, src.device)[(E, triton.cdiv(rows, br))](
-        src.view(torch.int32), dst.view(torch.int32), counts, ROWS=rows, ROW_WORDS=row_words, BR=br, BW=bw)
+        src.view(torch.int32), dst.view(torch.int32), counts, ROWS=rows, ROW_WORDS=row_words, BR=br, BW=bw,
+        ALIGNED=row_words % 4 == 0 and vector_aligned(src, dst))

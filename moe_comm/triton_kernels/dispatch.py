@@ -30,7 +30,7 @@ instead; the last program puts rows [0, T) in one ``putmem_nbi``, then the contr
 import triton
 import triton.language as tl
 
-from .copy import address, copy_rows, store_tile
+from .copy import address, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .transport import dest, flush, put_peers, store_only
@@ -140,8 +140,7 @@ def dispatch_send_kernel(
         read = tl.max(write.to(tl.int32), axis=1) > 0
         if FP8:  # column block `col` of the row: quantized in registers, stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
-            xs = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + col * COLS + tl.arange(0, COLS)[None, :],
-                         mask=read[:, None], other=0.0)
+            xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
             q, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS)
             store_tile(q, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
             store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
@@ -187,7 +186,7 @@ def dispatch_recv_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
-    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
+    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -235,7 +234,6 @@ def dispatch_recv_kernel(
     count_flat = tl.reshape(counts, (SE,))
     se = tl.arange(0, SE)
     landing = data_ptr + zone.to(tl.int64) * WORLD * M * ROW_WORDS
-    ww = tl.arange(0, BW)
     for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
         i = i0 + tl.arange(0, BS)
         q = i // TOPK_P2
@@ -257,18 +255,11 @@ def dispatch_recv_kernel(
         tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = s * M + t
         # A row routed to several local experts is read once per slot; the reads of one tile hit the
         # same lines, so the copy costs one read of the row.
-        v_next = tl.load(src_row[:, None] + ww[None, :], mask=ok[:, None] & (ww < X_WORDS)[None, :])
-        for w0 in range(0, X_WORDS, BW):  # the next block's load is issued before this one's store
-            m = ok[:, None] & (w0 + ww < X_WORDS)[None, :]
-            v = v_next
-            v_next = tl.load(src_row[:, None] + w0 + BW + ww[None, :],
-                             mask=ok[:, None] & (w0 + BW + ww < X_WORDS)[None, :])
-            tl.store(out_x_ptr + dst[:, None] * X_WORDS + w0 + ww[None, :], v, mask=m)
+        to = address(out_x_ptr + dst * X_WORDS)[:, None]
+        copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
         if S_WORDS > 0:
-            sw = tl.arange(0, S_WORDS_P2)
-            m = ok[:, None] & (sw < S_WORDS)[None, :]
-            v = tl.load(src_row[:, None] + X_WORDS + sw[None, :], mask=m)
-            tl.store(out_scales_ptr + dst[:, None] * S_WORDS + sw[None, :], v, mask=m)
+            copy_rows(src_row + X_WORDS, ok, address(out_scales_ptr + dst * S_WORDS)[:, None], ok[:, None],
+                      S_WORDS, S_WORDS_P2, 1, 1, ALIGNED & (S_WORDS % 4 == 0))
 
     # The last program advances the receive count; if the group failed, no result is partial.
     last, _ = arrive(done_ptr + WORLD + 1, NBLK, 0)

@@ -18,6 +18,7 @@ any capacity overflow. Programs (NBLK, col > 0) and those without tokens (T < NB
 import triton
 import triton.language as tl
 
+from .copy import address, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .sync import ERR_CAPACITY, record_error
@@ -41,7 +42,7 @@ def dispatch_local_kernel(
     OP: tl.constexpr, CAP: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
     ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr,
-    NBLK: tl.constexpr,
+    NBLK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     blk = tl.program_id(0)
     col = tl.program_id(1)
@@ -70,7 +71,6 @@ def dispatch_local_kernel(
         # 2. This program's tokens: positions, metadata, then column block `col` of each token's row
         # into its experts' rows.
         before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
-        kk = tl.arange(0, TOPK_P2)
         for t0 in range(t_begin, t_end, BT):
             ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
             pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
@@ -86,21 +86,14 @@ def dispatch_local_kernel(
             read = tl.max(ok2.to(tl.int32), axis=1) > 0
             if FP8:
                 COLS: tl.constexpr = FP8_GROUPS * 128  # divides HIDDEN: every column block is full
-                c = col * COLS + tl.arange(0, COLS)
-                g = col * FP8_GROUPS + tl.arange(0, FP8_GROUPS)
-                v = tl.load(x_ptr + t[:, None].to(tl.int64) * HIDDEN + c[None, :], mask=read[:, None], other=0.0)
+                v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
                 q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS)
-                # One store per k: a [BT, K, COLS] pointer tile would not fit in registers.
-                for k in tl.static_range(TOPK):
-                    row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
-                    use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
-                    tl.store(out_x_ptr + row[:, None] * HIDDEN + c[None, :], q, mask=use[:, None])
-                    tl.store(out_scales_ptr + row[:, None] * S_WORDS + g[None, :], scale, mask=use[:, None])
+                # One tile stored to each of the token's k rows in turn (copy.py).
+                store_tile(q, col * COLS, HIDDEN, address(out_x_ptr) + dst2 * HIDDEN, ok2, COLS, TOPK, TOPK_P2,
+                           ALIGNED)
+                store_tile(scale, col * FP8_GROUPS, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
+                           FP8_GROUPS, TOPK, TOPK_P2, ALIGNED)
             else:
-                w = col * BW + tl.arange(0, BW)
-                w_live = (w < X_WORDS)[None, :]
-                v = tl.load(x_ptr + t[:, None].to(tl.int64) * X_WORDS + w[None, :], mask=read[:, None] & w_live)
-                for k in tl.static_range(TOPK):
-                    row = tl.sum(tl.where(kk[None, :] == k, dst2, 0), axis=1)
-                    use = tl.sum(tl.where(kk[None, :] == k, ok2.to(tl.int32), 0), axis=1) > 0
-                    tl.store(out_x_ptr + row[:, None] * X_WORDS + w[None, :], v, mask=use[:, None] & w_live)
+                v = load_tile(x_ptr + t.to(tl.int64) * X_WORDS, read, col * BW, X_WORDS, BW, ALIGNED)
+                store_tile(v, col * BW, X_WORDS, address(out_x_ptr) + dst2 * (X_WORDS * 4), ok2, BW, TOPK, TOPK_P2,
+                           ALIGNED)
