@@ -53,9 +53,9 @@ class CopyPlan:
 
 def vector_aligned(*tensors) -> bool:
     """True when every tensor's first byte is 16-byte aligned (torch's allocations are; a view that
-    starts mid-row may not be). With row lengths multiples of 16 bytes this lets the copy loops declare
+    starts mid-row may not be); None entries (absent optional buffers) are skipped. With row lengths multiples of 16 bytes this lets the copy loops declare
     16-byte accesses (their ``ALIGNED`` constexpr); otherwise they move narrower words, still exact."""
-    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
+    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors if t is not None)
 
 
 def plan_copy(row_bytes: int, max_rows: int, world: int, device: torch.device) -> CopyPlan:

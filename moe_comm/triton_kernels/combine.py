@@ -33,7 +33,7 @@ from .copy import address, copy_rows, load_tile, store_tile
 from .quant import cast_rne
 from .transport import dest, drain, put_peers, put_rows, signal_only, store_only
 from .sync import (S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
-                   wait_flag)
+                   wait_flags)
 
 
 @triton.jit
@@ -141,12 +141,11 @@ def combine_recv_kernel(
         call = tl.load(seq_ptr) + 1
         zone = call % 2
         if (blk * BT < num_tokens) | ((blk == 0) & (tl.program_id(1) == 0)):
-            target = flag_value(tl.load(grp + S_EPOCH), call)
-            for p in range(WORLD):
-                if is_live(grp, p):
-                    ok = wait_flag(ctrl_ptr + (zone * WORLD + p) * 2 + 1, target, grp, status_ptr, OP, rank, p,
-                                   WORLD, WORLD_P2)
-                    arrived = arrived & ok
+            w = tl.arange(0, WORLD_P2)
+            live = live_ranks(grp, WORLD, WORLD_P2)
+            ok = wait_flags(ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call), live,
+                            w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+            arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0
     landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN

@@ -35,7 +35,7 @@ from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .transport import dest, flush, put_peers, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks,
-                   publish_many, record_error, wait_flag)
+                   publish_many, record_error, wait_flags)
 
 
 @triton.jit
@@ -199,15 +199,8 @@ def dispatch_recv_kernel(
     # sending nothing (a failed wait fails the group: the last program then zeroes the counts).
     w = tl.arange(0, WORLD_P2)
     live = live_ranks(grp, WORLD, WORLD_P2)
-    # Carried through the loop as int32: some Triton interpreters (3.9) turn a loop-carried bool into
-    # int32, which they then refuse as a load mask.
-    arrived_any = tl.zeros([WORLD_P2], dtype=tl.int32)
-    for p in range(WORLD):
-        if is_live(grp, p):
-            ok = wait_flag(ctrl + p * CTRL_WORDS + CTRL_WORDS - 1, target, grp, status_ptr, OP, rank, p,
-                           WORLD, WORLD_P2)
-            arrived_any = arrived_any | ((w == p) & ok).to(tl.int32)
-    arrived = (arrived_any != 0) & live
+    arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, live, w, grp, status_ptr, OP, rank,
+                         WORLD, WORLD_P2)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],

@@ -175,41 +175,59 @@ def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
 
 
 @triton.jit
-def wait_flag(flag_ptr, target, grp, status_ptr, op, rank, peer, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
-    """Wait until the flag at ``flag_ptr`` (this rank's memory) equals ``target`` (acquire, system scope).
+def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD: tl.constexpr,
+               WORLD_P2: tl.constexpr):
+    """Wait until every flag at ``flag_ptrs`` (a vector, this rank's memory; lanes where ``mask``; lane i
+    is rank ``peers[i]``'s flag) equals ``target``: every pending flag is polled at once, one vector of
+    acquire loads (system scope) per poll, so N flags cost one round trip, not N.
 
-    Returns True when it arrived; the CTA barrier after the wait lets the whole program read the payload
-    the flag covers. Otherwise returns False, having recorded why as a group-wide error: the peer
-    published ABORT for this call, or a flag of a later call of this epoch (out of step), or the group
-    failed meanwhile (another rank's error, adopted here), or the timeout passed (naming ``peer``).
+    Returns int1 like ``mask``: True on the lanes that arrived. The CTA barrier after the wait lets the
+    whole program read the payload those flags cover. A wait that cannot complete returns with the
+    missing lanes False, having recorded why as a group-wide error: a peer published ABORT for this call,
+    or a flag of a later call of this epoch (out of step), or the group failed meanwhile (another rank's
+    error, adopted here), or the timeout passed (naming the lowest missing peer).
     """
-    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    ok = v == target
-    if not ok:
+    v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    pending = tl.where(mask, v != target, False)
+    if tl.max(pending.to(tl.int32)) > 0:
         timeout_ns = tl.load(grp + S_TIMEOUT_NS)
         t0 = now_ns()
         state = 0  # 0 waiting, 1 arrived, 2 failed
         while state == 0:
-            if v == target:
+            pending = tl.where(mask, v != target, False)
+            aborted = tl.where(pending, v == (target | ABORT_BIT), False)
+            ahead = tl.where(pending, ((v >> EPOCH_SHIFT) == (target >> EPOCH_SHIFT))
+                             & ((v & CALL_MASK) > (target & CALL_MASK)), False)
+            bad = tl.where(aborted | ahead, 1, 0)
+            # The lowest peer among the lanes that decide the outcome, and its flag's call.
+            first = tl.min(tl.where(bad != 0, peers, WORLD_P2 + tl.where(pending, peers, WORLD_P2)))
+            first_peer = first % WORLD_P2
+            seen = tl.max(tl.where(peers == first_peer, v & CALL_MASK, 0))
+            if tl.max(pending.to(tl.int32)) == 0:
                 state = 1
-            elif v == (target | ABORT_BIT):
-                record_group_error(grp, ERR_ABORTED, op, rank, peer, 0, 0, WORLD, WORLD_P2)
+            elif tl.max(aborted.to(tl.int32)) > 0:
+                record_group_error(grp, ERR_ABORTED, op, rank, first_peer, 0, 0, WORLD, WORLD_P2)
                 state = 2
-            elif ((v >> EPOCH_SHIFT) == (target >> EPOCH_SHIFT)) & ((v & CALL_MASK) > (target & CALL_MASK)):
-                record_group_error(grp, ERR_DESYNC, op, rank, peer, v & CALL_MASK, target & CALL_MASK,
-                                   WORLD, WORLD_P2)
+            elif tl.max(ahead.to(tl.int32)) > 0:
+                record_group_error(grp, ERR_DESYNC, op, rank, first_peer, seen, target & CALL_MASK, WORLD, WORLD_P2)
                 state = 2
             elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 state = 2
             elif now_ns() - t0 > timeout_ns:
-                record_group_error(grp, ERR_TIMEOUT, op, rank, peer, v & CALL_MASK, target & CALL_MASK,
-                                   WORLD, WORLD_P2)
+                record_group_error(grp, ERR_TIMEOUT, op, rank, first_peer, seen, target & CALL_MASK, WORLD, WORLD_P2)
                 state = 2
             else:
-                v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        ok = state == 1
-    tl.debug_barrier()  # the whole program sees the payload the flag covers
-    return ok
+                v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
+    tl.debug_barrier()  # the whole program sees the payload the flags cover
+    return tl.where(mask, v == target, False)
+
+
+@triton.jit
+def wait_flag(flag_ptr, target, grp, status_ptr, op, rank, peer, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """``wait_flags`` for one flag (rank ``peer``'s, at ``flag_ptr``): True when it arrived."""
+    one = tl.arange(0, 1)
+    ok = wait_flags(flag_ptr + one, target, one == 0, peer + one, grp, status_ptr, op, rank, WORLD, WORLD_P2)
+    return tl.max(ok.to(tl.int32)) > 0
 
 
 @triton.jit
