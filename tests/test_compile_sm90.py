@@ -55,17 +55,48 @@ def test_every_kernel_compiles_for_sm90_without_real_spills(report):
     assert declared and declared <= compiled, f"not compiled: {sorted(declared - compiled)}"
     for r in report:
         assert r["registers"] is not None and r["registers"] <= 255, r
-        # A few bytes of spill are harmless; a kernel that spills more has lost its shape.
-        assert r["spill_store_bytes"] <= 16 and r["spill_load_bytes"] <= 16, r
+        # A few bytes of spill are harmless; a kernel that spills more has lost its shape. (The put
+        # variants, which call NVSHMEM, have their own bound: see the bitcode test.)
+        bound = PUT_SPILL_BYTES if r["nvshmem"] else 16
+        assert r["spill_store_bytes"] <= bound and r["spill_load_bytes"] <= bound, r
+
+
+PAYLOAD_KERNELS = {"a2a_send_kernel", "a2a_recv_kernel", "a2a_local_kernel", "dispatch_send_kernel",
+                   "dispatch_recv_kernel", "dispatch_local_kernel", "combine_send_kernel", "combine_recv_kernel"}
+FP8_SCALE_STORES = 8   # an fp8 send stores one 4-byte scale per destination (top-8) per column block
+
+
+def _narrow_payload_stores(r) -> int:
+    return r["payload_stores"] - r["payload_v4_stores"]
 
 
 @pytest.mark.timeout(900)
-def test_the_ops_path_row_copy_moves_16_byte_vectors(report):
-    """Every global store of the counts-driven row copy (bf16 rows) is a 16-byte vector (the report
-    compiles with pointer arguments 16-byte aligned, as Triton specializes torch's allocations)."""
-    (r,) = [r for r in report if r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"]]
-    assert r["v4_stores"] >= 1 and r["v4_stores"] == r["global_stores"], r
-    assert r["v4_loads"] >= 1, r
+def test_every_payload_copy_moves_16_byte_vectors(report):
+    """Every global load and store of row payload in the dispatch, combine and AllToAllvDynamic kernels
+    (and the ops path's row copy) is a 16-byte vector at the DeepSeek-V3 shapes. Payload accesses are
+    those issued by ``copy.py`` (the one copy loop and tile store), found through the PTX line info.
+    The one exception is counted exactly: the fp8 scales (one float32 per 128 columns), which a
+    column block of 8 groups stores as one 4-byte word per destination."""
+    rows = [r for r in report if r["kernel"] in PAYLOAD_KERNELS or
+            (r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"])]
+    assert {r["kernel"] for r in rows} >= PAYLOAD_KERNELS
+    for r in rows:
+        assert r["payload_stores"] >= 1 and r["payload_loads"] >= 1, r
+        assert r["payload_v4_loads"] == r["payload_loads"], r
+        fp8_send = "fp8" in r["label"] and r["kernel"] in ("dispatch_send_kernel", "dispatch_local_kernel")
+        assert _narrow_payload_stores(r) == (FP8_SCALE_STORES if fp8_send else 0), r
+
+
+@pytest.mark.timeout(300)
+def test_the_vector_rule_finds_narrow_copies():
+    """Control: the same kernel without the alignment declaration (ALIGNED=False: a peer's base loaded
+    from memory, which the compiler cannot prove aligned) moves narrower words, and the count shows it."""
+    from moe_comm.triton_kernels import compile_report
+    (cfg,) = [c for c in compile_report.all_configs(put=False) if c.kernel == "combine_send_kernel"]
+    unaligned = compile_report.KernelConfig(cfg.module, cfg.kernel, cfg.label, cfg.types,
+                                            dict(cfg.constexprs, ALIGNED=False), num_warps=cfg.num_warps)
+    r = compile_report.compile_one(unaligned, 90)
+    assert r["payload_stores"] >= 1 and _narrow_payload_stores(r) == r["payload_stores"], r
 
 
 @pytest.mark.timeout(900)
@@ -133,6 +164,7 @@ def test_the_rules_find_the_reviewed_bug_in_compiled_ptx():
     assert any("acq_rel" in p and "no CTA barrier" in p for p in found), found
 
 
+PUT_SPILL_BYTES = 64
 PUT_KERNELS = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel"}
 
 
@@ -149,7 +181,9 @@ def test_every_kernel_with_nvshmem_calls_links_the_bitcode_for_sm90a(report):
     assert {r["kernel"] for r in put} == PUT_KERNELS
     for r in put:
         assert r["nvshmem_linked"], r
-        assert r["spill_store_bytes"] <= 16 and r["spill_load_bytes"] <= 16, r
+        # NVSHMEM's device functions are real calls: ptxas saves what a 16 KB copy tile keeps live
+        # across them (24-48 bytes at these shapes); more than a few words would mean a lost shape.
+        assert r["spill_store_bytes"] <= PUT_SPILL_BYTES and r["spill_load_bytes"] <= PUT_SPILL_BYTES, r
     # Without PUT, no kernel carries NVSHMEM (nothing to link, nothing to initialize).
     assert not any(r["nvshmem_linked"] for r in report if not r["nvshmem"])
 
