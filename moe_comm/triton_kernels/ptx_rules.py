@@ -79,14 +79,17 @@ def check(ptx: str, kernel: str, arg_names: list[str]) -> list[str]:
 
 V4_STORE = re.compile(r"\bst\.global(\.\w+)*\.v4\.b32\b")   # a 16-byte global store
 V4_LOAD = re.compile(r"\bld\.global(\.\w+)*\.v4\.b32\b")    # a 16-byte global load
+F64_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction on float64 (not a .reg line)
 
 
 def counts(ptx: str) -> dict:
-    """How many publishes, acquires, CTA barriers and 16-byte global loads/stores the PTX holds."""
+    """How many publishes, acquires, CTA barriers, 16-byte global loads/stores and float64 instructions the
+    PTX holds."""
     lines = ptx.splitlines()
     return dict(publishes=sum(bool(PUBLISH.search(x)) for x in lines),
                 acquires=sum(bool(ACQUIRE.search(x)) and not bool(PUBLISH.search(x)) for x in lines),
                 barriers=sum(bool(BARRIER.search(x)) for x in lines),
                 global_stores=sum(bool(GLOBAL_STORE.search(x)) for x in lines),
                 v4_stores=sum(bool(V4_STORE.search(x)) for x in lines),
-                v4_loads=sum(bool(V4_LOAD.search(x)) for x in lines))
+                v4_loads=sum(bool(V4_LOAD.search(x)) for x in lines),
+                f64_ops=sum(bool(F64_OP.search(x)) for x in lines))
