@@ -73,6 +73,13 @@ def adversarial_groups(seed: int = 0) -> torch.Tensor:
     # amax = 448 * 2**k gives inv = 2**-k exactly: the ties above land exactly, at several scales.
     for k in (-20, -3, 0, 5, 40):
         parts.append(_groups_with_max(torch.cat([exact, -exact]) * 2.0 ** k, 448.0 * 2.0 ** k))
+    # Other maxima: the x whose product x * inv falls nearest each tie (x = tie / inv and its float32
+    # neighbours, kept under the group's max), where a second rounding of the product would show.
+    for amax in (3.7, 0.0031415, 12345.6, 1.5e-4):
+        inv = _f32(448.0) / _f32(amax)
+        x0 = (mids / inv).float()
+        x = torch.cat([x0, torch.nextafter(x0, x0 + 1), torch.nextafter(x0, x0 - 1)]).clamp(max=amax)
+        parts.append(_groups_with_max(torch.cat([x, -x]), amax))
     # Random normals over 60 decades, in bf16 (the dispatch's input) and in float32.
     for p in range(-30, 31, 3):
         x = torch.randn(4, GROUP, generator=g) * 10.0 ** p
@@ -143,6 +150,20 @@ def test_all_zero_and_tiny_groups_use_the_floor():
     assert torch.equal(s, floor_scale.expand(1, 4)), s
     assert codes(q)[0, GROUP:2 * GROUP].eq(0x80).all() and codes(q)[0, 2 * GROUP + 3] == 0
     assert reference.dequantize_fp8(q, s)[0, 3 * GROUP + 9] == pytest.approx(-1e-5, rel=2 ** -4)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_non_finite_value_stays_in_its_group():
+    """inf and NaN are outside the bitwise guarantee (module docstring of triton_kernels/quant.py), but
+    every other group of the row is quantized exactly as without them."""
+    x = tiles(torch.randn(ROWS * GROUPS, GROUP, generator=torch.Generator().manual_seed(3)))
+    x[0, 5], x[1, GROUP + 7] = float("inf"), float("nan")
+    q, s = quantize_interpreted(x)
+    want_q, want_s = reference.quantize_fp8(x)
+    finite = torch.ones(x.shape[0], GROUPS, dtype=torch.bool)
+    finite[0, 0] = finite[1, 1] = False
+    cols = finite.repeat_interleave(GROUP, dim=1)
+    assert torch.equal(codes(q)[cols], codes(want_q)[cols]) and torch.equal(s[finite], want_s[finite])
 
 
 @pytest.mark.parametrize("variant", ["x / scale", "torch 448 / amax"])
