@@ -21,7 +21,8 @@ groups are unaffected).
 
 Compiled kernels, Triton's interpreter and torch agree bitwise on finite inputs because every step
 is a single IEEE float32 operation (no float64 anywhere): the division is ``tl.math.div_rn``
-(``div.rn.f32``; Triton's ``/`` compiles to the approximate ``div.full.f32``), and the rounding to the
+(``div.rn.f32``; Triton's ``/`` compiles to the approximate ``div.full.f32``; ptxas keeps a slow-path
+call for rare operands but no stack frame and no spills in the dispatch kernels), and the rounding to the
 e4m3 grid is done in float32 integer arithmetic (``round_to_e4m3``) so that only exactly
 representable values are converted: the conversion instruction's own rounding is never exercised,
 and Triton's interpreter (whose float8 conversion mis-rounds at binade boundaries) agrees. (The one
