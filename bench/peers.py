@@ -15,6 +15,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from moe_comm.reference import quantize_fp8
+
 
 # ---- pure torch --------------------------------------------------------------------------------
 
@@ -22,15 +24,6 @@ def random_topk(tokens: int, num_experts: int, topk: int, gen: torch.Generator) 
     """[tokens, topk] int64 distinct expert ids per token (uniform routing)."""
     scores = torch.rand(tokens, num_experts, generator=gen)
     return scores.topk(topk, dim=1).indices
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (float8_e4m3fn [T, H], float32 scales [T, H/128]): one scale per 128 columns."""
-    g = x.float().view(x.shape[0], x.shape[1] // 128, 128)
-    amax = g.abs().amax(dim=2)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    q = (g / scale[:, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.view(x.shape), scale
 
 
 def torch_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, fp8: bool = False):

@@ -92,8 +92,8 @@ class EPBuffer:
         topk_idx  [T, topk] int32/int64: expert ids; -1 = slot not routed. Ids outside [-1, num_experts)
                   are not routed either and raise InvalidIndexError (a ValueError) at the next check.
         Each token is read once and crosses to a rank at most once, however many of its experts live
-        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale =
-        amax / 448 per 128 columns). See DispatchResult for the outputs.
+        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per
+        128 columns: DeepEP's format, see reference.quantize_fp8). See DispatchResult for the outputs.
 
     combine(expert_out, topk_weights, handle, *, out=None, phase="both") -> [T, hidden] dtype
         expert_out    [E_local, R, hidden] dtype: row i of expert e is the output for d.x[e, i] (only

@@ -66,18 +66,26 @@ def alltoallv_combine(rows: list[torch.Tensor], send_counts: list[torch.Tensor],
 # ---- EPBuffer dispatch / combine ---------------------------------------------------------------
 
 FP8_E4M3_MAX = 448.0
+FP8_AMAX_MIN = 1e-4  # DeepEP's kFP8Margin: a group's amax is at least this (as float32)
 
 
 def quantize_fp8(x: torch.Tensor, group: int = 128):
-    """float8_e4m3fn quantization with one float32 scale per ``group`` columns (as the fp8 dispatch does).
+    """float8_e4m3fn quantization with one float32 scale per ``group`` columns, as the fp8 dispatch does
+    (DeepEP's low-latency format, bit for bit; the kernels' twin is triton_kernels/quant.py).
 
-    x [..., H] floating, H % group == 0. Per group: scale = amax / 448 (1.0 for an all-zero group),
-    q = round_nearest_even(x / scale). Returns (q [..., H] float8_e4m3fn, scales [..., H // group] float32).
+    x [..., H] floating, finite, H % group == 0. Per group, in float32, every operation rounded to
+    nearest even (no float64): amax = max(max |x|, 1e-4); inv = 448 / amax (correctly rounded
+    division); q = e4m3(x * inv) (ties to even; |x * inv| <= 448 + 2**-15, which rounds to 448, so
+    nothing saturates); scale = amax * float32(1/448).
+    So dequantize_fp8(q, scale) = q * scale ~= x. An all-zero group gets q = 0 and scale =
+    float32(1e-4) * float32(1/448). Returns (q [..., H] float8_e4m3fn, scales [..., H // group] float32).
     """
     xf = x.float().unflatten(-1, (-1, group))
-    amax = xf.abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    q = (xf / scales.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    amax = xf.abs().amax(dim=-1).clamp(min=FP8_AMAX_MIN)
+    # torch.div, not 448 / amax: a scalar divided by a tensor is computed as reciprocal() * 448 (two roundings).
+    inverse = torch.div(torch.full_like(amax, FP8_E4M3_MAX), amax)
+    q = (xf * inverse.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    scales = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     return q.flatten(-2), scales
 
 

@@ -112,6 +112,20 @@ def test_every_publish_follows_a_cta_barrier_and_every_acquire_precedes_its_read
         assert all(r["acquires"] >= 1 for r in by_kernel[k]), by_kernel[k]
 
 
+@pytest.mark.timeout(900)
+def test_the_fp8_quantizer_is_float32_and_correctly_rounded(report):
+    """The fp8 dispatch quantizes in float32 only (triton_kernels/quant.py; float64 runs at a fraction of
+    float32's rate), and its one division is div.rn (Triton's ``/`` is the approximate div.full, which
+    would leave the interpreter's and torch's codes). No kernel uses float64 at all."""
+    fp8 = [r for r in report
+           if r["kernel"] in ("dispatch_send_kernel", "dispatch_local_kernel") and "fp8" in r["label"]]
+    assert len(fp8) == 2, [(r["kernel"], r["label"]) for r in report]
+    for r in fp8:
+        assert r["approx_divs"] == 0, (r["kernel"], r["label"], r["approx_divs"])
+    for r in report:
+        assert r["f64_ops"] == 0, (r["kernel"], r["label"], r["f64_ops"])
+
+
 # ---- the rules' own controls: the bugs they exist for are found ------------------------------------
 
 SYNTHETIC = """
@@ -162,6 +176,24 @@ def test_the_rules_find_the_reviewed_bug_in_compiled_ptx():
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     found = ptx_rules.check(ptx, "_stores_then_arrive", list(types))
     assert any("acq_rel" in p and "no CTA barrier" in p for p in found), found
+
+
+@pytest.mark.parametrize("line, f64", [
+    ("\tcvt.rn.f32.f64 \t%r874, %rd325;", 1), ("\t@%p1 mul.f64 \t%fd1, %fd2, %fd3;", 1),
+    ("\tcvt.f64.bf16 \t%rd323, %rs321;", 1), ("\t.reg .f64 \t%fd<4>;", 0),
+    ("\tmul.f32 \t%r879, %r878, %r860;", 0), ("\tmov.b64 \t%rd1, 0d407C000000000000;", 0)])
+def test_the_float64_count_sees_float64_instructions_only(line, f64):
+    """Control of f64_ops: lines of the float64 quantizer the fp8 dispatch once had count, declarations and
+    float32 arithmetic do not."""
+    assert ptx_rules.counts(line)["f64_ops"] == f64
+
+
+@pytest.mark.parametrize("line, approx", [
+    ("\tdiv.full.f32 \t%r2, %r5, %r1;", 1), ("\tdiv.approx.ftz.f32 \t%r2, %r5, %r1;", 1),
+    ("\trcp.approx.ftz.f32 \t%r2, %r1;", 1), ("\tdiv.rn.f32 \t%r878, %r877, %r876;", 0),
+    ("\tdiv.s32 \t%r2, %r5, %r1;", 0)])
+def test_the_approximate_division_count(line, approx):
+    assert ptx_rules.counts(line)["approx_divs"] == approx
 
 
 PUT_SPILL_BYTES = 64

@@ -58,8 +58,9 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
   per call, as in DeepEP. A handle is valid for combine until four more such dispatches.
 - Row order: each expert's rows are sorted by (source rank, token index), a special case of DeepEP's
   layout (within a source rank's run DeepEP's order is arbitrary).
-- fp8: one float32 scale = amax / 448 per 128 columns (an all-zero group gets 1.0; DeepEP clamps amax at
-  1e-4) and data = x / scale rounded to e4m3 (DeepEP multiplies by 448 / amax: the last bit may differ).
+- fp8: DeepEP's formula (``round_scale=False``) operation for operation, so the same codes and scales:
+  per 128 columns amax = max(max |x|, 1e-4), data = e4m3(x * (448 / amax)), scale = amax * (1 / 448),
+  each step one float32 rounding (``reference.quantize_fp8``, ``triton_kernels/quant.py``).
   Any H with H % 128 == 0 (DeepEP needs H % 512 for fp8); bf16 any even H.
 - combine: the slots combined are those routed at dispatch; ``topk_idx`` is only checked for shape
   (DeepEP re-reads it). The rank's own share of ``x`` is read in place by the receive phase: keep ``x``
@@ -287,7 +288,7 @@ class Buffer:
             raise _unsupported("dispatch_wait_recv_cost_stats", "pass None")
         if round_scale or use_ue8m0:
             raise _unsupported("round_scale=True / use_ue8m0=True (power-of-two and UE8M0 scales)",
-                               "scales are float32 amax / 448")
+                               "scales are float32 amax * (1 / 448)")
         self._check_call(async_finish, return_recv_hook)
         M = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         E = _check_int("num_experts", num_experts, 1)

@@ -79,6 +79,8 @@ def check(ptx: str, kernel: str, arg_names: list[str]) -> list[str]:
 
 V4_STORE = re.compile(r"\bst\.global(\.\w+)*\.v4\.b32\b")   # a 16-byte global store
 V4_LOAD = re.compile(r"\bld\.global(\.\w+)*\.v4\.b32\b")    # a 16-byte global load
+F64_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction on float64 (not a .reg line)
+APPROX_DIV = re.compile(r"\b(?:div\.(?:full|approx)|rcp\.approx)\.[\w.]*f32\b")  # not correctly rounded
 
 
 LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+\d+")
@@ -118,12 +120,15 @@ def payload_accesses(ptx: str) -> dict:
 
 
 def counts(ptx: str) -> dict:
-    """How many publishes, acquires, CTA barriers and 16-byte global loads/stores the PTX holds, and the
-    payload copy's accesses (``payload_accesses``)."""
+    """How many publishes, acquires, CTA barriers, 16-byte global loads/stores, float64 instructions and
+    approximate float32 divisions (Triton's ``/``) the PTX holds, and the payload copy's accesses
+    (``payload_accesses``)."""
     lines = ptx.splitlines()
     return dict(**payload_accesses(ptx), publishes=sum(bool(PUBLISH.search(x)) for x in lines),
                 acquires=sum(bool(ACQUIRE.search(x)) and not bool(PUBLISH.search(x)) for x in lines),
                 barriers=sum(bool(BARRIER.search(x)) for x in lines),
                 global_stores=sum(bool(GLOBAL_STORE.search(x)) for x in lines),
                 v4_stores=sum(bool(V4_STORE.search(x)) for x in lines),
-                v4_loads=sum(bool(V4_LOAD.search(x)) for x in lines))
+                v4_loads=sum(bool(V4_LOAD.search(x)) for x in lines),
+                f64_ops=sum(bool(F64_OP.search(x)) for x in lines),
+                approx_divs=sum(bool(APPROX_DIV.search(x)) for x in lines))

@@ -1,30 +1,49 @@
 """Low-precision rounding shared by the kernels: FP8 (e4m3) quantization with one float32 scale per
 128 columns, and float32 -> bfloat16 rounding.
 
-Format (the one DeepEP and DeepGEMM use): for each row and each group of 128 columns,
-``scale = amax / 448`` (1.0 when the group is all zeros) and ``q = fp8_e4m3(x / scale)`` rounded to
-nearest, ties to even, so ``x ~= q * scale``. ``moe_comm.reference.quantize_fp8`` is the torch twin.
+FP8 format: DeepEP's low-latency dispatch format, bit for bit. For each row and each group of 128
+columns, all in float32 with every operation rounded to nearest even:
 
-The rounding to the e4m3 grid is done here in float32 arithmetic, and only exactly representable values
-are converted: the conversion instruction's own rounding is then never exercised, which keeps compiled
-kernels, Triton's interpreter (whose float8 conversion mis-rounds at binade boundaries) and torch bitwise
-equal. For the same reason x / scale is computed in float64 (as x times the float64 reciprocal of the
-scale, one division per group) and rounded once to float32: a quotient of two float32 values is never
-within 2**-49 (relative) of a float32 rounding midpoint, far more than the float64 error, so this is the
-correctly rounded float32 quotient that torch computes (compiled float32 ``/`` is approximate, and
-``div_rn`` compiles to a subroutine with a stack frame).
+    amax  = max(max |x|, 1e-4)               1e-4 as float32 (DeepEP's kFP8Margin)
+    inv   = 448 / amax                       one correctly rounded division per group
+    q     = e4m3(x * inv)                    the float32 product rounded to e4m3, ties to even
+                                             (|x * inv| <= 448 + 2**-15: nothing to saturate)
+    scale = amax * (1 / 448)                 1/448 rounded to float32 first (DeepEP's kFP8AmaxInv)
+
+so that x ~= q * scale (the dequantization), within half an e4m3 step plus a few float32 ulps.
+``moe_comm.reference.quantize_fp8`` is the torch twin. The 1e-4 floor is DeepEP's: a group whose
+largest magnitude is below 1e-4 is quantized as if it were 1e-4 (its smaller values lose precision,
+below about 2.2e-10 they become 0), and an all-zero group gets q = 0, scale = 1e-4 * (1/448) in
+float32 (~2.23e-7) rather than a special case. The floor also keeps 448 / amax finite (without it an
+amax under ~1.3e-36 would give an infinite inverse and 0 * inf = NaN codes). Inputs must be finite:
+a group holding an inf or a NaN gets unspecified codes and scale (backends differ there; the other
+groups are unaffected).
+
+Compiled kernels, Triton's interpreter and torch agree bitwise on finite inputs because every step
+is a single IEEE float32 operation (no float64 anywhere): the division is ``tl.math.div_rn``
+(``div.rn.f32``; Triton's ``/`` compiles to the approximate ``div.full.f32``; ptxas keeps a slow-path
+call for rare operands but no stack frame and no spills in the dispatch kernels), and the rounding to the
+e4m3 grid is done in float32 integer arithmetic (``round_to_e4m3``) so that only exactly
+representable values are converted: the conversion instruction's own rounding is never exercised,
+and Triton's interpreter (whose float8 conversion mis-rounds at binade boundaries) agrees. (The one
+multiply-add the compiler fuses there, v * 512 + c, is exact either way: v * 512 is.)
 """
 
 import triton
 import triton.language as tl
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
+FP8_E4M3_MAX_INV = tl.constexpr(1.0 / 448.0)  # rounded to float32 where used, as DeepEP's kFP8AmaxInv
+FP8_AMAX_MIN = tl.constexpr(1e-4)  # rounded to float32 where used, as DeepEP's kFP8Margin
 FP8_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6; below it the grid is uniform with step 2**-9
 
 
 @triton.jit
 def round_to_e4m3(v):
-    """Round float32 ``v`` (|v| <= 448) to the nearest float8 e4m3 value, ties to even, in float32."""
+    """Round float32 ``v``, |v| < 464, to the nearest float8 e4m3 value, ties to even, in float32.
+
+    (464 is the tie between 448, the largest e4m3 value, and 480, which e4m3fn lacks: values from it up
+    come out as 480, not saturated. quantize_e4m3_groups never passes one, see there.)"""
     bits = v.to(tl.int32, bitcast=True)
     # Normal range: keep 3 mantissa bits of float32's 23, rounding to nearest even on the dropped 20.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
@@ -33,23 +52,22 @@ def round_to_e4m3(v):
     scaled = v * 512.0
     rounded = ((scaled + 12582912.0) - 12582912.0) * 0.001953125
     sub = (tl.abs(rounded).to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-    r = tl.where(tl.abs(v) >= FP8_E4M3_MIN_NORMAL, normal, sub)
-    return tl.minimum(tl.maximum(r, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return tl.where(tl.abs(v) >= FP8_E4M3_MIN_NORMAL, normal, sub)
 
 
 @triton.jit
 def quantize_e4m3_groups(x, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr):
-    """Quantize float32 ``x`` [BLOCK_T, GROUPS * 128] per 128-column group.
+    """Quantize float32 ``x`` [BLOCK_T, GROUPS * 128] per row and 128-column group (module docstring).
 
-    Returns (q [BLOCK_T, GROUPS * 128] float8e4nv, scale [BLOCK_T, GROUPS] float32).
+    Returns (q [BLOCK_T, GROUPS * 128] float8e4nv, scale [BLOCK_T, GROUPS] float32), x ~= q * scale.
+    Finite x needs no saturation: |x| <= amax and inv <= (448 / amax) * (1 + 2**-24) give
+    |x * inv| <= 448 + 2**-15 (one float32 ulp over 448), which rounds to 448.
     """
     x3 = tl.reshape(x, (BLOCK_T, GROUPS, 128))
-    amax = tl.max(tl.abs(x3), axis=2)
-    scale = tl.where(amax > 0, (amax.to(tl.float64) / FP8_E4M3_MAX).to(tl.float32), 1.0)
-    inverse = 1.0 / scale.to(tl.float64)  # one division per group; x * inverse rounds like x / scale
-    v = (x3.to(tl.float64) * inverse[:, :, None]).to(tl.float32)
-    q = round_to_e4m3(v).to(tl.float8e4nv)
-    return tl.reshape(q, (BLOCK_T, GROUPS * 128)), scale
+    amax = tl.maximum(tl.max(tl.abs(x3), axis=2), FP8_AMAX_MIN)
+    inverse = tl.math.div_rn(tl.full((BLOCK_T, GROUPS), FP8_E4M3_MAX, tl.float32), amax)  # once per group
+    q = round_to_e4m3(x3 * inverse[:, :, None]).to(tl.float8e4nv)
+    return tl.reshape(q, (BLOCK_T, GROUPS * 128)), amax * FP8_E4M3_MAX_INV
 
 
 @triton.jit
