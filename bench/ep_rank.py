@@ -25,8 +25,9 @@ Layout: every size comes from the plan (``p.row_words``, ``p.x_words``, ``p.scal
 ``moe_comm/triton_kernels/dispatch.py`` (payload, scales, then TOPK routing words ``local_expert +
 L * position``; control ``[tokens, L counts, flag]``).
 
-Memory: N copies of the symmetric buffers (the peers' landing zones are full size, as the loopback heap
-makes them): ``EPBuffer.required_bytes``-style N x symmetric + one rank's local bytes (``rank_bytes``).
+Memory: every rank's symmetric buffers are full copies (the loopback heap makes them), so the emulation
+holds N x symmetric bytes + rank r's local bytes (``rank_bytes``), quadratic in N through the dispatch
+landing zones (rank r writes only slice [zone, r] of each peer's).
 """
 
 from __future__ import annotations
@@ -130,9 +131,11 @@ class EmulatedRank:
         self.world, self.rank, self.num_experts, self.fp8 = world, rank, num_experts, fp8
         self.xs, self.idxs, self.device = xs, idxs, device
         self.tokens = xs[rank].shape[0]
+        if self.tokens < 1 or any(x.shape[0] != self.tokens for x in xs):
+            raise ValueError(f"every rank needs the same T >= 1 tokens, got {[x.shape[0] for x in xs]}")
         self.groups = moe_comm.init(backend="loopback", world_size=world, device=device, timeout_s=30.0)
         self.group = self.groups[rank]
-        self.ep = EPBuffer(self.group, num_experts, hidden, max(1, self.tokens), topk, dtype=torch.bfloat16,
+        self.ep = EPBuffer(self.group, num_experts, hidden, self.tokens, topk, dtype=torch.bfloat16,
                            fp8_dispatch=fp8)
         p = self.p = self.ep.plan
         self.dispatch_ch, self.combine_ch = channels(self.ep)
@@ -275,29 +278,31 @@ class EmulatedRank:
         """Bytes rank r's kernels must move through this device's memory per call (see NOTES, 'one rank
         of EP-N'): payload bytes q = 4 * (x_words + scale_words), expert-output rows o = 4 * out_words.
 
-        dispatch: reads of x (2H per token with a routed slot) + stores to every destination (q per
-        (token, destination rank) pair, the rank itself included, + 4*K routing words per token and
-        live rank) + landing reads (q per landing row routed here + 4*K routing words per row of every
-        source) + d.x writes (q per slot received).
+        dispatch: reads of x (o per token with a routed slot) + stores to every destination (q per
+        (token, destination rank) pair, the rank itself included, + 4*K bytes of routing words per
+        token and rank) + landing reads (q per landing row routed here + 4*K routing-word bytes per row
+        of every source) + d.x writes (q per slot received).
         combine: send reads and stores o per slot of another rank routed here; the receive reads o per
-        routed slot of rank r and writes y (2H per token).
+        routed slot of rank r and writes y (o per token).
         """
         p, r, W = self.p, self.rank, self.world
-        q, o, K, H = 4 * (p.x_words + p.scale_words), 4 * p.out_words, p.topk, p.hidden
+        q, o, K = 4 * (p.x_words + p.scale_words), 4 * p.out_words, p.topk
         owners = [self._owner_and_position(idx)[0] for idx in self.idxs]
         T = self.tokens
         if op == "dispatch":
             mine = owners[r]
             pairs = sum(int((mine == j).any(dim=1).sum()) for j in range(W))
-            send = int((mine >= 0).any(dim=1).sum()) * 2 * H + pairs * q + T * W * K * 4
+            send = int((mine >= 0).any(dim=1).sum()) * o + pairs * q + T * W * K * 4
             rows_in = sum(int((own == r).any(dim=1).sum()) for own in owners)
             slots_in = sum(int((own == r).sum()) for own in owners)
             recv = rows_in * q + sum(own.shape[0] for own in owners) * K * 4 + slots_in * q
             return send + recv
         from_peers = sum(int((own == r).sum()) for j, own in enumerate(owners) if j != r)
-        return 2 * from_peers * o + int((owners[r] >= 0).sum()) * o + T * 2 * H
+        return 2 * from_peers * o + int((owners[r] >= 0).sum()) * o + T * o
 
     def close(self) -> None:
+        """Close the buffer and the world. The loopback heap frees a buffer once every rank has, which
+        only rank r does here: the memory goes with the last reference (drop this object)."""
         self.ep.close()
         for g in self.groups:
             g.close()

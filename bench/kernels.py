@@ -26,6 +26,7 @@ A --dry run only proves the script's logic; its numbers are labelled and mean no
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -357,7 +358,8 @@ def bench_ep_rank(o, out, floor):
                         bench_rank_point(o, out, floor, em, sizes, combine=not fp8)
                     finally:
                         em.close()
-                        del em
+                        del em  # the world's memory goes with it (see EmulatedRank.close)
+                        gc.collect()
                         if o.device.type == "cuda":
                             torch.cuda.empty_cache()
 
