@@ -254,9 +254,11 @@ class EmulatedRank:
               for s, x in enumerate(self.xs)]
         return reference.combine(outs, ws, self.idxs, self.num_experts, self.tokens)[self.rank]
 
-    def check(self, d, y) -> None:
-        """Exact comparison of a dispatch result and a combine output with what the staged world implies
-        (AssertionError naming what differs)."""
+    def check(self, d, y, exact: bool = True) -> None:
+        """Compare a dispatch result and a combine output with what the staged world implies
+        (AssertionError naming what differs). ``exact`` (the interpreter): bit for bit. Compiled (GPU),
+        as tests/gpu allow: rank r's own fp8 codes may break a rounding tie the other way (at most 1e-3
+        of them, by one code), and the combine's float32 sums may differ by FMA contraction."""
         self.group.check()
         exp = self.expected_dispatch()
         counts = d.counts.cpu()
@@ -265,13 +267,17 @@ class EmulatedRank:
             assert torch.equal(d.src[e, :n].cpu(), exp["src"][e, :n]), f"src of local expert {e} differs"
             got = d.x[e, :n].cpu()
             if self.fp8:
-                assert torch.equal(got.view(torch.uint8), exp["x"][e, :n].view(torch.uint8)), \
+                assert reference.fp8_codes_match(got, exp["x"][e, :n], exact=exact, max_fraction=1e-3), \
                     f"fp8 rows of local expert {e} differ"
                 assert torch.equal(d.scales[e, :n].cpu(), exp["scales"][e, :n]), f"scales of local expert {e} differ"
             else:
                 assert torch.equal(got, exp["x"][e, :n]), f"rows of local expert {e} differ"
         want = self.expected_combine()
-        assert torch.equal(y.cpu(), want), "combine output differs from the reference"
+        if exact:
+            assert torch.equal(y.cpu(), want), "combine output differs from the reference"
+        else:
+            torch.testing.assert_close(y.cpu().float(), want.float(), rtol=1e-2, atol=1e-2,
+                                       msg="combine output differs from the reference")
 
     # ---- the byte model (floor) --------------------------------------------------------------------
     def floor_bytes(self, op: str) -> int:

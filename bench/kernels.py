@@ -365,14 +365,15 @@ def bench_ep_rank(o, out, floor):
 
 
 def bench_rank_point(o, out, floor, em, sizes, combine: bool):
-    """Check one emulated rank exactly (all of it where the reference is cheap: world*T*K <= 4096;
-    counts only above), then time dispatch (and the combine) with and without the rank's kernels."""
+    """Check one emulated rank (all of it where the reference is cheap, world*T*K <= 4096, bit for bit
+    on a CPU; counts only above), then time dispatch (and the combine) with and without the rank's
+    kernels."""
     d = em.dispatch()
     y = em.combine()
     em.group.check()
     world, t, k = sizes["world"], sizes["tokens"], sizes["topk"]
     if world * t * k <= 4096:
-        em.check(d, y)
+        em.check(d, y, exact=o.device.type != "cuda")
     else:
         assert torch.equal(d.counts.cpu(), em.expected_counts()), "dispatch counts differ from the routing"
     ops = [("dispatch", em.dispatch)] + ([("combine", em.combine)] if combine else [])

@@ -28,7 +28,9 @@ def test_rank_equals_reference_on_both_zones(fp8):
     try:
         for _ in range(2):  # calls alternate zones: both staged copies are read
             d = em.dispatch()
-            em.check(d, em.combine())
+            y = em.combine()
+            em.check(d, y)
+            em.check(d, y, exact=False)  # the GPU's tolerances accept what is exact
         assert int(d.counts.sum()) == int(em.expected_counts().sum()) > 0
     finally:
         em.close()
