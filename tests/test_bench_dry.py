@@ -26,7 +26,8 @@ def _run(*args, timeout=300):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")
 def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
     proc = _run("bench/kernels.py", "--dry", "--out-dir", str(tmp_path), "--a2a-rows", "1,3", "--tokens", "0,3",
-                "--rank-worlds", "4", "--rank-tokens", "3")
+                "--sections", "floor,a2a,ep,ep_emulated,ep_rank,permute,nccl,vdev", "--rank-worlds", "4",
+                "--rank-tokens", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(LABEL) == 2  # first and last line of the console output
     (jsonl,) = tmp_path.glob("kernels-dry-*.jsonl")
