@@ -11,7 +11,13 @@
 4. ep_emulated: the multi-rank path (send kernel + receive kernel per rank) on one GPU: a loopback world
    of --emulated-world ranks (GPU 8), every rank's phases run one after another on this GPU (replayed
    from a CUDA graph). It times the kernels of the EP>1 path at DeepSeek-V3 shapes, not a network: the
-   floor is every rank's payload bytes at copy bandwidth plus two launches per rank.
+   floor is every rank's payload bytes at copy bandwidth plus two launches per rank. A concurrent
+   variant (impl ``..._concurrent``) runs each rank's phases on its own CUDA stream (in turn on a CPU).
+5. ep_rank (only when named in --sections): one real rank of EP-N (--rank-worlds, GPU 8,16,32,64) at
+   full size; the other N-1 ranks' contributions are staged once and signalled per call by a small
+   peer-emulator kernel (bench/ep_rank.py). Per-rank µs (the emulator's own time subtracted, and
+   reported on its own line), this rank's HBM bytes, x (bytes / copy bandwidth + one launch), uniform
+   and skewed routing.
 
 Every line (JSON) carries op, impl, sizes, p20/p50/p80 µs, GB/s (floor bytes / p50), the floor in µs
 and p50 / floor, plus device, versions and commit. A PNG and a table are written next to the lines.
@@ -21,6 +27,7 @@ A --dry run only proves the script's logic; its numbers are labelled and mean no
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -40,6 +47,10 @@ from bench import peers
 from bench.common import DRY_LABEL, JsonLines, environment, read_jsonl, time_us
 
 GPU_SIZES = [1, 8, 64, 128, 512, 2048]
+SECTIONS = ("floor", "a2a", "ep", "ep_emulated", "ep_rank", "permute", "nccl", "vdev")
+# ep_rank runs when named: its GPU sweep compiles ~120 kernel variants (scripts/gpu_check.sh runs it as a
+# step of its own, so that its length cannot cut the other sections short).
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "ep_rank")
 DRY_SIZES = [1, 5]
 
 
@@ -47,12 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry", action="store_true", help="CPU: tiny shapes, interpreter, a few iterations")
     p.add_argument("--out-dir", help="where the .jsonl and .png go (default bench/results; --dry: a temp dir)")
-    p.add_argument("--sections", default="floor,a2a,ep,ep_emulated,permute,nccl,vdev",
-                   help="comma separated subset of floor,a2a,ep,ep_emulated,permute,nccl,vdev")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma separated subset of {','.join(SECTIONS)} (default: all but ep_rank)")
     p.add_argument("--emulated-world", type=int, help="ranks of the ep_emulated section (GPU 8; dry 2)")
     p.add_argument("--emulated-tokens", type=lambda s: [int(x) for x in s.split(",")],
                    help="tokens per rank in the ep_emulated section (GPU 1,128; dry 3)")
     sizes = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--rank-worlds", type=sizes, help="EP sizes of the ep_rank section (GPU 8,16,32,64; dry 2,4)")
+    p.add_argument("--rank-tokens", type=sizes, help="T per rank in the ep_rank section (GPU 1,8,32,128,512; dry 1,3)")
+    p.add_argument("--rank-routings", default="uniform,skewed", help="routings of the ep_rank section")
     p.add_argument("--a2a-rows", type=sizes, help=f"rows per call (GPU {GPU_SIZES})")
     p.add_argument("--tokens", type=sizes, help=f"T for dispatch/combine (GPU {GPU_SIZES})")
     p.add_argument("--hidden", type=int, help="row width (GPU 7168; dry 256)")
@@ -72,9 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not cuda and not o.dry:
         p.error("no GPU here: use --dry (CPU interpreter, tiny shapes, labelled dry run)")
     gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20,
-               emulated_world=8, emulated_tokens=[1, 128])
+               emulated_world=8, emulated_tokens=[1, 128], rank_worlds=[8, 16, 32, 64],
+               rank_tokens=[1, 8, 32, 128, 512])
     dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1,
-               emulated_world=2, emulated_tokens=[3])
+               emulated_world=2, emulated_tokens=[3], rank_worlds=[2, 4], rank_tokens=[1, 3])
     for k, v in (gpu if cuda else dry).items():
         if getattr(o, k) is None:
             setattr(o, k, v)
@@ -82,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if o.dry:
         torch.set_num_threads(1)  # tiny CPU ops: a 2-thread pool only adds wake-up latency (index_add_: 0.1 s)
     o.sections = o.sections.split(",")
+    o.rank_routings = o.rank_routings.split(",")
     if o.hidden % 128:
         p.error("--hidden must be a multiple of 128 (fp8 dispatch scales 128 columns each)")
     return o
@@ -218,52 +234,165 @@ def graphed(fn, device: torch.device):
     return lambda i: graph.replay()
 
 
+def rank_streams(device: torch.device, world: int):
+    """One CUDA stream per rank of a loopback world (``concurrent``); None on a CPU, where the ranks'
+    phases run in turn (the interpreter runs one program at a time: a receive would wait forever)."""
+    return [torch.cuda.Stream(device) for _ in range(world)] if device.type == "cuda" else None
+
+
+def run_phases(streams, sends, recvs) -> list:
+    """Every rank's send phase ``sends[i]()``, then every rank's receive phase ``recvs[i]()``; returns the
+    receives' results in rank order.
+
+    streams None: in turn, on the current stream. Else rank i's phases run on ``streams[i]``: the sends
+    of all ranks concurrently, then the receives concurrently, each receive after an event of every
+    rank's send. The flags alone would order a receive after its peers' sends, but a receive spinning
+    on them may hold the SMs a peer's send needs (nothing guarantees the sends are scheduled first), so
+    the events keep every wait short. Forks from and joins into the current stream (graph capture).
+    """
+    if streams is None:
+        for send in sends:
+            send()
+        return [recv() for recv in recvs]
+    main = torch.cuda.current_stream()
+    fork = torch.cuda.Event()
+    fork.record(main)
+    sent = []
+    for stream, send in zip(streams, sends):
+        stream.wait_event(fork)
+        with torch.cuda.stream(stream):
+            send()
+            sent.append(torch.cuda.Event())
+            sent[-1].record(stream)
+    results = []
+    for stream, recv in zip(streams, recvs):
+        with torch.cuda.stream(stream):
+            for event in sent:
+                stream.wait_event(event)
+            results.append(recv())
+            joined = torch.cuda.Event()
+            joined.record(stream)
+        main.wait_event(joined)
+    return results
+
+
 def bench_ep_emulated(o, out, floor):
-    """Every rank's send phase, then every rank's receive phase, on one device (loopback world)."""
+    """Every rank's send phase, then every rank's receive phase, on one device (loopback world): in turn,
+    and concurrently (each rank on its own stream, ``run_phases``)."""
     EPBuffer = ep_class()
-    world, h, e, k = o.emulated_world, o.hidden, o.experts, o.topk
+    world = o.emulated_world
     groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
     gen = torch.Generator().manual_seed(2)
-    impl = f"moe_comm_emulated_w{world}"
-    for fp8 in (False, True):
-        for t in o.emulated_tokens:
-            eps = [EPBuffer(g, e, h, t, k, dtype=torch.bfloat16, fp8_dispatch=fp8) for g in groups]
-            xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device) for _ in groups]
-            idxs = [peers.random_topk(t, e, k, gen).to(o.device) for _ in groups]
-            ws = [torch.rand(t, k, generator=gen).to(o.device) for _ in groups]
+    for concurrent in (False, True):
+        impl = f"moe_comm_emulated_w{world}" + ("_concurrent" if concurrent else "")
+        streams = rank_streams(o.device, world) if concurrent else None
+        how = "one per rank" if streams else "one (no CUDA: ranks in turn)" if concurrent else "one"
+        for fp8 in (False, True):
+            for t in o.emulated_tokens:
+                bench_emulated_point(o, out, floor, EPBuffer, groups, gen, impl, streams, how, fp8, t)
 
-            def dispatch_all(i):
-                for ep, x, idx in zip(eps, xs, idxs):
-                    ep.dispatch(x, idx, phase="send")
-                return [ep.dispatch(phase="recv") for ep in eps]
 
-            ds = dispatch_all(0)
-            got = torch.stack([d.counts.cpu() for d in ds]).reshape(-1)
-            want = torch.bincount(torch.cat(idxs).reshape(-1).cpu(), minlength=e).to(torch.int32)
-            assert torch.equal(got, want), "emulated dispatch counts differ from the routing"
-            sizes = dict(tokens=t, world=world, hidden=h, experts=e, topk=k, max_tokens=t,
-                         dtype="fp8" if fp8 else "bf16", heap="loopback (emulated on one device)")
-            td = time_us(graphed(dispatch_all, o.device), o.device, o.iters, o.warmup)
-            result(out, floor, "dispatch", impl, world * ep_bytes("dispatch", t, h, k, fp8), td,
-                   launches=2 * world, **sizes)
-            ds = dispatch_all(0)
-            outs = [d.x.to(torch.bfloat16) for d in ds]  # rows past the counts are never read
+def bench_emulated_point(o, out, floor, EPBuffer, groups, gen, impl, streams, how, fp8, t):
+    """One (dtype, T) point of ep_emulated: check the counts, time dispatch and combine of every rank."""
+    world, h, e, k = len(groups), o.hidden, o.experts, o.topk
+    eps = [EPBuffer(g, e, h, t, k, dtype=torch.bfloat16, fp8_dispatch=fp8) for g in groups]
+    xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device) for _ in groups]
+    idxs = [peers.random_topk(t, e, k, gen).to(o.device) for _ in groups]
+    ws = [torch.rand(t, k, generator=gen).to(o.device) for _ in groups]
 
-            def combine_all(i):
-                for ep, eo, w, d in zip(eps, outs, ws, ds):
-                    ep.combine(eo, w, d.handle, phase="send")
-                return [ep.combine(phase="recv") for ep in eps]
+    def dispatch_all(i):
+        return run_phases(streams, [lambda ep=ep, x=x, idx=idx: ep.dispatch(x, idx, phase="send")
+                                    for ep, x, idx in zip(eps, xs, idxs)],
+                          [lambda ep=ep: ep.dispatch(phase="recv") for ep in eps])
 
-            tc = time_us(graphed(combine_all, o.device), o.device, o.iters, o.warmup)
-            for g in groups:
-                g.check()
-            result(out, floor, "combine", impl, world * ep_bytes("combine", t, h, k, fp8), tc,
-                   launches=2 * world, **sizes)
-            for ep in reversed(eps):
-                ep.close()
-            del ds, outs, eps
-            if o.device.type == "cuda":
-                torch.cuda.empty_cache()
+    ds = dispatch_all(0)
+    got = torch.stack([d.counts.cpu() for d in ds]).reshape(-1)
+    want = torch.bincount(torch.cat(idxs).reshape(-1).cpu(), minlength=e).to(torch.int32)
+    assert torch.equal(got, want), "emulated dispatch counts differ from the routing"
+    sizes = dict(tokens=t, world=world, hidden=h, experts=e, topk=k, max_tokens=t,
+                 dtype="fp8" if fp8 else "bf16", heap="loopback (emulated on one device)",
+                 streams=how)
+    td = time_us(graphed(dispatch_all, o.device), o.device, o.iters, o.warmup)
+    result(out, floor, "dispatch", impl, world * ep_bytes("dispatch", t, h, k, fp8), td,
+           launches=2 * world, **sizes)
+    ds = dispatch_all(0)
+    outs = [d.x.to(torch.bfloat16) for d in ds]  # rows past the counts are never read
+
+    def combine_all(i):
+        return run_phases(streams, [lambda ep=ep, eo=eo, w=w, d=d: ep.combine(eo, w, d.handle, phase="send")
+                                    for ep, eo, w, d in zip(eps, outs, ws, ds)],
+                          [lambda ep=ep: ep.combine(phase="recv") for ep in eps])
+
+    tc = time_us(graphed(combine_all, o.device), o.device, o.iters, o.warmup)
+    for g in groups:
+        g.check()
+    result(out, floor, "combine", impl, world * ep_bytes("combine", t, h, k, fp8), tc,
+           launches=2 * world, **sizes)
+    for ep in reversed(eps):
+        ep.close()
+    del ds, outs, eps
+    if o.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_ep_rank(o, out, floor):
+    """One real rank of EP-N for every N in --rank-worlds (bench/ep_rank.py): per point a line for the
+    peer emulator alone and one for the rank (total minus the emulator's p50)."""
+    from bench import ep_rank  # noqa: PLC0415
+    h, e, k = o.hidden, o.experts, o.topk
+    gen = torch.Generator().manual_seed(3)
+    for world in o.rank_worlds:
+        rank = world // 2
+        for kind in o.rank_routings:
+            for t in o.rank_tokens:
+                xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16) for _ in range(world)]
+                idxs = ep_rank.routing(kind, world, rank, t, e, k, gen)
+                for fp8 in (False, True):
+                    sizes = dict(tokens=t, world=world, rank=rank, routing=kind, hidden=h, experts=e, topk=k,
+                                 max_tokens=t, dtype="fp8" if fp8 else "bf16",
+                                 heap=f"loopback: rank {rank} real, {world - 1} ranks emulated")
+                    need = ep_rank.rank_bytes(world, e, h, t, k, fp8)
+                    if o.device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(o.device)[0]:
+                        why = f"needs {need / 2**30:.1f} GiB (every rank's symmetric buffers on this device)"
+                        out.write(kind="skip", op="dispatch/combine", impl=f"moe_comm_rank_w{world}_{kind}",
+                                  reason=why, **sizes)
+                        print(f"skip ep_rank EP{world} T={t} {sizes['dtype']}: {why}")
+                        continue
+                    em = ep_rank.EmulatedRank(world, rank, e, h, k, fp8, xs, idxs, o.device, gen)
+                    try:
+                        bench_rank_point(o, out, floor, em, sizes, combine=not fp8)
+                    finally:
+                        em.close()
+                        del em  # the world's memory goes with it (see EmulatedRank.close)
+                        gc.collect()
+                        if o.device.type == "cuda":
+                            torch.cuda.empty_cache()
+
+
+def bench_rank_point(o, out, floor, em, sizes, combine: bool):
+    """Check one emulated rank (all of it where the reference is cheap, world*T*K <= 4096, bit for bit
+    on a CPU; counts only above), then time dispatch (and the combine) with and without the rank's
+    kernels."""
+    d = em.dispatch()
+    y = em.combine()
+    em.group.check()
+    world, t, k = sizes["world"], sizes["tokens"], sizes["topk"]
+    if world * t * k <= 4096:
+        em.check(d, y, exact=o.device.type != "cuda")
+    else:
+        assert torch.equal(d.counts.cpu(), em.expected_counts()), "dispatch counts differ from the routing"
+    ops = [("dispatch", em.dispatch)] + ([("combine", em.combine)] if combine else [])
+    for op, call in ops:
+        emu = time_us(graphed(lambda i, op=op: em.signal(op), o.device), o.device, o.iters, o.warmup)
+        total = time_us(graphed(call, o.device), o.device, o.iters, o.warmup)
+        em.group.check()
+        ctrl = 8 * (world - 1) * (em.p.dispatch_ctrl_words if op == "dispatch" else em.combine_ch.ctrl_words)
+        result(out, floor, op, f"peer_emulator_w{world}_{sizes['routing']}", ctrl, emu, **sizes)
+        rank_t = dict(total, **{q: total[q] - emu["p50_us"] for q in ("p20_us", "p50_us", "p80_us")})
+        line = result(out, floor, op, f"moe_comm_rank_w{world}_{sizes['routing']}", em.floor_bytes(op), rank_t,
+                      total_p50_us=total["p50_us"], emulator_p50_us=emu["p50_us"], **sizes)
+        print(f"ep_rank EP{world} {sizes['routing']} T={t} {op} {sizes['dtype']}: {line['p50_us']:.1f} µs "
+              f"(+ emulator {emu['p50_us']:.1f}), {line['x_floor']:.2f}x floor")
 
 
 # ---- peers ---------------------------------------------------------------------------------------
@@ -377,16 +506,16 @@ def compile_report(out: JsonLines) -> None:
 # ---- report --------------------------------------------------------------------------------------
 
 def table(lines: list[dict]) -> str:
-    rows = [f"{'op':<10} {'impl':<20} {'dtype':<5} {'size':>6} {'p50 µs':>10} {'GB/s':>8} "
+    rows = [f"{'op':<10} {'impl':<26} {'dtype':<5} {'size':>6} {'p50 µs':>10} {'GB/s':>8} "
             f"{'floor µs':>9} {'x floor':>8}"]
     for r in lines:
         if r["kind"] == "result":
             size = r.get("rows", r.get("tokens"))
-            rows.append(f"{r['op']:<10} {r['impl']:<20} {r['dtype']:<5} {size:>6} {r['p50_us']:>10.1f} "
+            rows.append(f"{r['op']:<10} {r['impl']:<26} {r['dtype']:<5} {size:>6} {r['p50_us']:>10.1f} "
                         f"{r['GBps']:>8.1f} {r['floor_us']:>9.1f} {r['x_floor']:>8.2f}")
         elif r["kind"] in ("skip", "error"):
             what = "skipped" if r["kind"] == "skip" else "FAILED"
-            rows.append(f"{r['op']:<10} {r['impl']:<20} {what}: {r['reason'][:200]}")
+            rows.append(f"{r['op']:<10} {r['impl']:<26} {what}: {r['reason'][:200]}")
     return "\n".join(rows)
 
 
@@ -487,7 +616,7 @@ def main(argv=None) -> int:
             print(f"section {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
         bar.update()
 
-    steps = [n for n in ("floor", "a2a", "ep", "ep_emulated", "permute", "nccl", "vdev") if n in o.sections]
+    steps = [n for n in SECTIONS if n in o.sections]
     bar = _progress(len(steps))
     floor = measure_floor(o, out) if "floor" in o.sections else (1.0, 0.0)
     if "floor" in o.sections:
@@ -502,6 +631,7 @@ def main(argv=None) -> int:
         finally:
             group.close()
     section("ep_emulated", bench_ep_emulated, o, out, floor)
+    section("ep_rank", bench_ep_rank, o, out, floor)
     section("permute", bench_permute, o, out, floor)
     section("nccl", bench_nccl, o, out, floor)
     section("vdev", run_vdev, o, out, floor, argv)

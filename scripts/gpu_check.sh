@@ -8,7 +8,8 @@
 # Without a GPU it still runs, as a dry run (CPU interpreter, tiny shapes, numbers labelled as not GPU
 # measurements): the GPU tests skip, bench/kernels.py gets --dry, the decode benchmark a small CPU setting.
 #
-# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels profile decode emulate": the
+# Env: PYTHON (default python3); GPU_CHECK_STEPS (default "pytest kernels ep_rank profile decode emulate":
+# ep_rank = bench/kernels.py's one-rank-of-EP-N section, a step of its own; the
 # profile first, so the decode report can split each difference into communication and graphs + host;
 # "emulate" = one rank of EP8 per config, GPU_CHECK_EMULATE_CONFIGS, default Scout, Maverick, DeepSeek-V3);
 # GPU_CHECK_MARK (pytest -m expression, default "gpu"; "gpu and not slow" leaves out the soak);
@@ -65,7 +66,7 @@ if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     DECODE_CONFIGS=${GPU_CHECK_DECODE_CONFIGS:-llama4-scout}
 fi
 
-STEPS=" ${GPU_CHECK_STEPS:-pytest kernels profile decode emulate} "
+STEPS=" ${GPU_CHECK_STEPS:-pytest kernels ep_rank profile decode emulate} "
 # shellcheck disable=SC2086  (the extra-args variables are word lists on purpose)
 [[ $STEPS == *" pytest "* ]] && step pytest-gpu $PY -m pytest -m "${GPU_CHECK_MARK:-gpu}" tests/gpu -q -ra \
     -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml" ${GPU_CHECK_PYTEST_ARGS:-}
@@ -78,6 +79,9 @@ if [[ $STEPS == *" sanitize "* ]]; then
 fi
 # shellcheck disable=SC2086
 [[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
+# shellcheck disable=SC2086
+[[ $STEPS == *" ep_rank "* ]] && step ep-rank $PY bench/kernels.py $KERNEL_DRY --sections floor,ep_rank \
+    --out-dir "$OUT"
 ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-triton}
 if [[ $STEPS == *" profile "* ]]; then
     PROFILE_ARGS="--batches 1,64,256 --steps 20 --warmup 3"

@@ -25,7 +25,9 @@ def _run(*args, timeout=300):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")
 def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
-    proc = _run("bench/kernels.py", "--dry", "--out-dir", str(tmp_path), "--a2a-rows", "1,3", "--tokens", "0,3")
+    proc = _run("bench/kernels.py", "--dry", "--out-dir", str(tmp_path), "--a2a-rows", "1,3", "--tokens", "0,3",
+                "--sections", "floor,a2a,ep,ep_emulated,ep_rank,permute,nccl,vdev", "--rank-worlds", "4",
+                "--rank-tokens", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(LABEL) == 2  # first and last line of the console output
     (jsonl,) = tmp_path.glob("kernels-dry-*.jsonl")
@@ -37,7 +39,18 @@ def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
     got = {(r["op"], r["impl"], r["dtype"]) for r in results}
     assert {("alltoallv", "moe_comm", "bf16"), ("alltoallv", "gloo_host_splits", "bf16"),
             ("dispatch", "torch_permute", "fp8"), ("combine", "torch_unpermute", "bf16"),
-            ("dispatch", "moe_comm_emulated_w2", "fp8"), ("combine", "moe_comm_emulated_w2", "bf16")} <= got
+            ("dispatch", "moe_comm_emulated_w2", "fp8"), ("combine", "moe_comm_emulated_w2", "bf16"),
+            ("dispatch", "moe_comm_emulated_w2_concurrent", "fp8"),
+            ("combine", "moe_comm_emulated_w2_concurrent", "bf16")} <= got
+    # ep_rank: one real rank of EP4, both routings, the peer emulator on lines of its own
+    for kind in ("uniform", "skewed"):
+        assert {("dispatch", f"moe_comm_rank_w4_{kind}", "bf16"), ("dispatch", f"moe_comm_rank_w4_{kind}", "fp8"),
+                ("combine", f"moe_comm_rank_w4_{kind}", "bf16"), ("dispatch", f"peer_emulator_w4_{kind}", "fp8"),
+                ("combine", f"peer_emulator_w4_{kind}", "bf16")} <= got
+    for r in results:
+        if r["impl"].startswith("moe_comm_rank_"):
+            assert r["p50_us"] == pytest.approx(r["total_p50_us"] - r["emulator_p50_us"])
+            assert r["world"] == 4 and r["rank"] == 2 and r["bytes"] > 0
     for r in results:
         assert r["p20_us"] <= r["p50_us"] <= r["p80_us"] and r["floor_us"] > 0 and r["bytes"] >= 0
     assert any(r["kind"] == "skip" and r["impl"] == "torch_symm_mem_vdev" for r in lines)
