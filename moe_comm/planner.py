@@ -53,8 +53,9 @@ class CopyPlan:
 
 def vector_aligned(*tensors) -> bool:
     """True when every tensor's first byte is 16-byte aligned (torch's allocations are; a view that
-    starts mid-row may not be); None entries (absent optional buffers) are skipped. With row lengths multiples of 16 bytes this lets the copy loops declare
-    16-byte accesses (their ``ALIGNED`` constexpr); otherwise they move narrower words, still exact."""
+    starts mid-row may not be); None entries (absent optional buffers) are skipped. With row lengths
+    multiples of 16 bytes this lets the copy loops declare 16-byte accesses (their ``ALIGNED``
+    constexpr); otherwise they move narrower words, still exact."""
     return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors if t is not None)
 
 
@@ -135,7 +136,8 @@ class EPPlan:
     Memory (bytes, per rank; W world, M max_tokens_per_rank, K topk, L experts per rank, H hidden,
     b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8):
 
-      symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token)
+      symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token),
+                                                            rounded up to 16 bytes
                  combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
                  (both 8 bytes at world 1, where the ops are one kernel each and use no landing zone)
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
@@ -169,13 +171,14 @@ class EPPlan:
     block_tokens: int         # BT: tokens per iteration of the dispatch send and the combine reduction
     #                           (the combine's grid is reduce_programs x hidden / block_hidden)
     block_slots: int          # BS: (landing row, k) slots per iteration of dispatch recv / combine send
-    # Copy tiles are [rows, BW] words (the dispatch send's [tokens, world, BW]); on a GPU BW shrinks with
-    # the rows of a tile so that its pointers stay in registers.
+    # Copy tiles are [rows, BW] words (``triton_kernels/copy.py``), stored to each destination in turn; on a
+    # GPU BW shrinks with the rows of a tile so that a tile stays at 4096 words (16 KB) in registers.
     send_block_words: int     # BW of the dispatch send
     recv_block_words: int     # BW of the dispatch receive
     out_block_words: int      # BW of the combine send
     block_hidden: int         # BH: elements per iteration of the combine reduction
-    fp8_block_groups: int     # 128-column groups per quantization iteration (divides H / 128)
+    fp8_block_groups: int     # 128-column groups of one fp8 column block (divides H / 128): one program's
+    #                           share of a row in the dispatch send and the world-1 dispatch
     route_tokens: int         # tokens per pass of the routing scans (histograms of expert ids)
     send_programs: int        # token blocks of the dispatch send's grid (send_grid)
     send_warps: int           # warps per dispatch send (and world-1 dispatch) program: fp8 tiles of 1024

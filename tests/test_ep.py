@@ -449,3 +449,40 @@ def test_buffer_bytes_counts_what_is_allocated(fp8, world):
     for ch in (ep._dispatch_ch, ep._combine_ch):
         held += [ch.data.local, ch.ctrl.local, ch.send_seq, ch.recv_seq, ch.done]
     assert sum(map(nb, held)) == planned
+
+
+# ---- alignment ------------------------------------------------------------------------------------
+
+def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that starts 4 bytes past a 16-byte boundary (a view into a larger
+    buffer, as a caller slicing a packed tensor would pass)."""
+    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % 16 + 4
+    view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("world,fp8", [(1, False), (2, False), (2, True)])
+def test_inputs_that_do_not_start_16_byte_aligned(world, fp8):
+    """x, expert_out and out that start 4 bytes off a 16-byte boundary: the kernels are launched without
+    the 16-byte declaration (``planner.vector_aligned`` is False for them) and the results are exact."""
+    from moe_comm.planner import vector_aligned
+    cfg = Config(4, 128, 5, 2, fp8=fp8)
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    eps = [EPBuffer(g, 4 * world, 128, 5, 2, fp8_dispatch=fp8) for g in groups]
+    xs, idxs, ws = make_inputs(cfg, world, "random", 6)   # rank 0: T = max_tokens
+    xs = [_misaligned_like(x) for x in xs]
+    assert all(not vector_aligned(x) for x in xs if x.numel()) and any(x.numel() for x in xs)
+    outs = [_misaligned_like(torch.zeros(x.shape, dtype=x.dtype)) for x in xs]
+    for ep, x, i in zip(eps, xs, idxs):
+        assert ep.dispatch(x, i, phase="send") is None
+    ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
+    eos = [_misaligned_like(expert_outputs(d, r, cfg)) for r, d in enumerate(ds)]
+    for ep, eo, w, d in zip(eps, eos, ws, ds):
+        assert ep.combine(eo, w, d.handle, phase="send") is None
+    ys = [ep.combine(out=o, phase="recv") for ep, o in zip(eps, outs)]
+    exp_d, exp_y = _expected(cfg, world, xs, idxs, ws)
+    for r in range(world):
+        assert check_dispatch(r, ds[r], exp_d[r], xs, cfg, f"rank{r}") == []
+        assert torch.equal(ys[r], exp_y[r]) and ys[r].data_ptr() == outs[r].data_ptr()

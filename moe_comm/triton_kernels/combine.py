@@ -12,7 +12,8 @@ from ``expert_out``, so at world 1 nothing is copied twice. The last program to 
 live rank's flag (unless the group failed) and advances the send count.
 
 Receive (grid = NBLK token blocks x HIDDEN / BH column blocks): a program with tokens waits (bounded) for
-every live rank's flag (at world 1 there is none: every slot is read in place, and no send kernel runs);
+every live rank's flag, all polled at once (``sync.wait_flags``; at world 1 there is none: every slot is
+read in place, and no send kernel runs);
 if a wait failed its rows are NaN (the error is raised); else
 ``y[t] = sum over k = 0..TOPK-1 with slot (t, k) routed of w[t, k] * row(t, k)`` in float32, k in
 ascending order, cast to the output dtype; row(t, k) is ``expert_out[row_of[rank, t, k]]`` when this

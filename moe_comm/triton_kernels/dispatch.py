@@ -2,24 +2,30 @@
 
 Landing zone on every rank (symmetric int32 words): ``data[zone, source, t, :]`` = one row per
 (source rank, token): the token's payload (dtype bytes, or fp8 bytes then float32 scales), then TOPK
-routing words ``local_expert + L * position`` for each k routed to this rank (else -1). A source writes
-its token t at row t, so the send side needs no compaction, and a token crosses to a rank at most once
-however many of its top-k experts live there. Control words ``ctrl[zone, source, :]`` (int64) =
-(tokens T of the source, L per-local-expert slot counts from it, flag). Zone = call % 2.
+routing words ``local_expert + L * position`` for each k routed to this rank (else -1), padded to whole
+16-byte vectors (``EPPlan.row_words``). A source writes its token t at row t, so the send side needs no
+compaction, and a token crosses to a rank at most once however many of its top-k experts live there.
+Control words ``ctrl[zone, source, :]`` (int64) = (tokens T of the source, L per-local-expert slot counts
+from it, flag). Zone = call % 2.
 
-Send (grid = NBLK programs): each program takes a contiguous range of tokens, computes the positions of
-their slots from a histogram of the earlier tokens' ids (``routing.py``; no program waits for another),
-and stores each token's routing words and payload into every rank's row t (routing words -1 where the
-rank holds none of the token's experts; payload only where it holds one). One program (the last, idle
-when T < NBLK) also histograms the expert ids into every rank's counts, writes the combine's mask and
-records bad ids. The last program to finish publishes every rank's flag (release) and advances the call
-counter.
+Send (grid = NBLK token blocks x column blocks, ``EPPlan.send_grid``): each program takes a contiguous
+range of tokens, computes the positions of their slots from a histogram of the earlier tokens' ids
+(``routing.py``; no program waits for another), and stores (column block 0) each token's routing words
+into every live rank's row t (-1 where the rank holds none of the token's experts) and its payload into
+row t of each rank holding one: one destination per slot k, the slot's rank unless an earlier slot of
+the token has it. The payload moves by ``copy.py``: one register tile stored to each destination in
+turn, 16-byte vectors. With FP8 each program quantizes one column block of FP8_GROUPS * 128 columns
+(a row is spread over several programs; none walks it). One program also histograms the expert ids into
+every rank's counts, writes the combine's mask and records bad ids. The last program to finish
+publishes every rank's flag (release) and advances the call counter.
 
-Receive (grid = NBLK programs over the landing rows (s, t)): wait (bounded) for every source's flag;
-expert e's rows from source s start at ``base[s, e] = sum over s' < s of count[s', e]``; slot (s, t, k)
-with routing word (e, pos) is copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted
-by (source, token, k) without atomics. Counts read from peers are clamped so that no value can steer
-a store out of bounds; a row past the capacity is dropped and recorded (CapacityError).
+Receive (grid = NBLK programs over the landing rows (s, t)): wait (bounded) for every source's flag, all
+polled at once (``sync.wait_flags``: one vector of acquire loads per poll); expert e's rows from source s
+start at ``base[s, e] = sum over s' < s of count[s', e]``; slot (s, t, k) with routing word (e, pos) is
+copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted by (source, token, k) without
+atomics; because of that prefix over sources a program needs every source's counts before it places a
+row. Counts read from peers are clamped so that no value can steer a store out of bounds; a row past the
+capacity is dropped and recorded (CapacityError).
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): the rows and control words for such a peer are stored into this rank's staging copy of its region

@@ -172,6 +172,38 @@ def test_loopback_compiled(world, hidden, fp8):
         ep.close()
 
 
+def _misaligned(t):
+    """``t`` copied to a view that starts 4 bytes past a 16-byte boundary (compiled kernels must not
+    declare 16-byte accesses for it: a misaligned vector access faults)."""
+    n = t.numel() * t.element_size()
+    flat = torch.empty(n + 32, dtype=torch.uint8, device=t.device)
+    start = (-flat.data_ptr()) % 16 + 4
+    v = flat[start:start + n].view(t.dtype).view(t.shape)
+    v.copy_(t)
+    return v
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_inputs_not_16_byte_aligned_compiled(world, fp8):
+    """x, expert_out and out starting 4 bytes off a 16-byte boundary, compiled: no fault, exact."""
+    E, K, M, H = 8 * world, 4, 9, 7168
+    groups = moe_comm.init(backend="loopback", world_size=world, device=DEV, timeout_s=10)
+    eps = [EPBuffer(g, E, H, M, K, dtype=torch.bfloat16, fp8_dispatch=fp8) for g in groups]
+    xs, idxs, ws = make_inputs([M] * world, E, K, H, 5)
+    xs = [_misaligned(x) for x in xs]
+    ds = dispatch_all(eps, xs, idxs)
+    sync_check(eps)
+    check_dispatch(ds, xs, idxs, E, M, fp8)
+    eos = [_misaligned(toy_experts(ep, d)) for ep, d in zip(eps, ds)]
+    outs = [_misaligned(torch.zeros((M, H), dtype=torch.bfloat16, device=DEV)) for _ in eps]
+    ys = combine_all(eps, eos, ws, ds, outs)
+    sync_check(eps)
+    check_combine(ys, eos, ws, idxs, E, M)
+    for ep in eps:
+        ep.close()
+
+
 # ---- CUDA graphs -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
