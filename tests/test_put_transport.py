@@ -124,6 +124,24 @@ def test_a_put_outside_symmetric_memory_is_refused():
 
 # ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------
 
+def _unquieted_reuse(events):
+    """Puts to a rank that a call published to (put_signal or signal) with no quiet since: the next
+    call's staging for that rank would be rewritten while the last call's puts may still read it.
+    The last event of the log must also leave no put in flight (reported as index len(events))."""
+    published, in_flight, bad = set(), False, []
+    for i, (event, pe) in enumerate(events):
+        if event in ("put", "put_signal") and pe in published:
+            bad.append(i)
+        if event in ("put_signal", "signal"):
+            published.add(pe)
+        if event == "quiet":
+            published.clear()
+            in_flight = False
+        elif event in ("put", "put_signal", "signal"):
+            in_flight = True
+    return bad + ([len(events)] if in_flight else [])
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cases", [a2a_cases, ep_cases], ids=["alltoallv", "ep"])
 def test_loopback_world3_over_puts(put_forced, monkeypatch, cases):
@@ -227,8 +245,17 @@ def test_put_path_fences_rows_before_every_signal(put_forced, monkeypatch, cases
     assert cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=3)) == []
     assert any(e == "put" for e, _ in events) and any(e == "signal" for e, _ in events)
     assert _unordered_signals(events) == [], events[:40]
+    assert _unquieted_reuse(events) == [], events[:40]
 
 
 def test_the_ordering_check_finds_a_missing_fence():
     assert _unordered_signals([("put", 1), ("fence", -1), ("put_signal", 1), ("signal", 1)]) == []
     assert _unordered_signals([("put", 1), ("put_signal", 1), ("signal", 1)]) == [2]
+
+
+def test_the_reuse_check_finds_a_missing_quiet():
+    one_call = [("put", 1), ("fence", -1), ("put_signal", 1), ("signal", 1),
+                ("put", 2), ("fence", -1), ("put_signal", 2), ("signal", 2)]
+    assert _unquieted_reuse(one_call + [("quiet", -1)] + one_call + [("quiet", -1)]) == []
+    assert _unquieted_reuse(one_call + one_call + [("quiet", -1)]) == [8, 10, 12, 14]
+    assert _unquieted_reuse(one_call) == [8]

@@ -109,9 +109,10 @@ def combine_send_kernel(
             publish_many(ctrl + 1, flag, store_only(put_all, live, PUT))
             if PUT:
                 own_flag = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + (zone * WORLD + rank) * 2 + 1
-                for p in range(WORLD):
+                for p in range(WORLD):   # every program drained its puts before it counted itself in
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
                         signal_only(own_flag, flag, p)
+                drain()
         tl.store(seq_ptr, call)
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
-from .transport import dest, flush, put_peers, store_only
+from .transport import dest, drain, flush, put_peers, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks,
                    publish_many, record_error, wait_flags)
 
@@ -172,6 +172,7 @@ def dispatch_send_kernel(
                         flush(own_rows, stage_ptr + p * M * ROW_WORDS, num_tokens.to(tl.int64) * ROW_WORDS * 4,
                               own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
                               own_ctrl + CTRL_WORDS - 1, flag, p)
+                drain()   # one wait for the puts to every peer, all in flight together
         tl.store(seq_ptr, call)
 
 

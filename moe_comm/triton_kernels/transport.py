@@ -59,9 +59,10 @@ def store_only(put, mask, PUT: tl.constexpr):
 def flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, pe):
     """Put path's publish to rank ``pe`` (scalar arguments, called by every thread of the program):
     ``nbytes`` staged bytes at ``src`` to ``dst_sym``, then ``ctrl_bytes`` staged control bytes to
-    ``ctrl_sym`` with ``flag`` set at ``flag_sym`` as the put's signal, then ``quiet`` (the staging
-    may be reused after). The staged bytes of every program of the launch must be visible: call after
-    ``sync.arrive`` made this the last program."""
+    ``ctrl_sym`` with ``flag`` set at ``flag_sym`` as the put's signal. The staged bytes of every program
+    of the launch must be visible: call after ``sync.arrive`` made this the last program. Nothing waits
+    here: flush every peer, then ``drain`` once (the staging may be reused after it), so the puts to
+    all peers are in flight together."""
     tl.debug_barrier()   # this program's own staging stores, before the put reads them
     if nbytes > 0:
         putmem_nbi_block(dst_sym, src, nbytes, pe)
@@ -70,7 +71,6 @@ def flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, 
         putmem_signal_nbi_block(ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, SIGNAL_SET, pe)
     else:
         signal_op(flag_sym, flag, SIGNAL_SET, pe)
-    quiet()
 
 
 @triton.jit
@@ -82,6 +82,7 @@ def deliver(flag_ptr, flag, put, dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_
     if PUT:
         if put:
             flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, pe)
+            drain()
         else:
             publish(flag_ptr, flag)
     else:
@@ -104,7 +105,6 @@ def drain():
 
 @triton.jit
 def signal_only(flag_sym, flag, pe):
-    """Deliver ``flag`` to rank ``pe``'s ``flag_sym`` after this program's earlier puts to it."""
-    fence()
+    """Deliver ``flag`` to rank ``pe``'s ``flag_sym``. Call after a ``drain`` that completed the puts
+    it must follow (then no fence is needed), for every peer, then ``drain`` once."""
     signal_op(flag_sym, flag, SIGNAL_SET, pe)
-    quiet()
