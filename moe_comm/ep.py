@@ -345,14 +345,14 @@ class EPBuffer:
     def _launch_recv(self, s) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
         scales_words = self._scales.view(torch.int32) if p.fp8 else self._dummy
-        kernel_for(dispatch_recv_kernel, g.device)[(p.recv_programs,)](
+        kernel_for(dispatch_recv_kernel, g.device)[p.recv_grid](
             self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, self._stats,
             ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done, **self._signal_args(),
             OP=op_id("dispatch"), CAP=p.capacity,
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
-            ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.block_slots, BW=p.recv_block_words,
-            NBLK=p.recv_programs, ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common())
+            ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots, BW=p.recv_block_words,
+            ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common())
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,

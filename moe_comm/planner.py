@@ -183,7 +183,7 @@ class EPPlan:
     send_programs: int        # token blocks of the dispatch send's grid (send_grid)
     send_warps: int           # warps per dispatch send (and world-1 dispatch) program: fp8 tiles of 1024
     #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte)
-    recv_programs: int        # grid of the dispatch receive and of the combine send
+    recv_programs: int        # grid of the combine send; the dispatch receive's, split over sources (recv_grid)
     reduce_programs: int      # token blocks of the combine reduction's grid
 
     @property
@@ -191,6 +191,17 @@ class EPPlan:
         """Combine reduction grid: token blocks x column blocks (one column block per program, so that a
         single token's row is read by several SMs at once)."""
         return (self.reduce_programs, -(-self.hidden // self.block_hidden))
+
+    @property
+    def recv_grid(self) -> tuple:
+        """Dispatch receive grid: programs per source x sources. A program unpacks one source's rows and
+        waits only for the sources up to its own (their counts place its rows)."""
+        return (max(1, self.recv_programs // self.world), self.world)
+
+    @property
+    def recv_block_slots(self) -> int:
+        """BS of the dispatch receive: (token, k) slots of one source per iteration (at most a source's)."""
+        return min(self.block_slots, next_pow2(self.max_tokens) * next_pow2(self.topk))
 
     @property
     def send_grid(self) -> tuple:

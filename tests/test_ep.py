@@ -231,6 +231,7 @@ def test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs):
                                       out_block_words=64, block_hidden=128, send_programs=send_programs,
                                       fp8_block_groups=1)  # 2 quantization blocks per 256-column row
     assert eps[0].plan.recv_programs > 1 and eps[0].plan.block_tokens == 1 and eps[0].plan.reduce_grid[1] == 2
+    assert eps[0].plan.recv_grid == (max(1, eps[0].plan.recv_programs // world), world)
     for seed, routing in ((1, "random"), (2, "one_rank"), (3, "dup"), (4, "skewed")):
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
         for ep in eps:

@@ -100,8 +100,8 @@ def _ep_configs() -> list[KernelConfig]:
             row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
             seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
-            S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.block_slots, BW=p.recv_block_words,
-            NBLK=p.recv_programs, ALIGNED=True)))
+            S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
+            ALIGNED=True)))
         p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
         out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
             x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",

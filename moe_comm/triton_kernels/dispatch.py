@@ -19,12 +19,13 @@ turn, 16-byte vectors. With FP8 each program quantizes one column block of FP8_G
 every rank's counts, writes the combine's mask and records bad ids. The last program to finish
 publishes every rank's flag (release) and advances the call counter.
 
-Receive (grid = NBLK programs over the landing rows (s, t)): wait (bounded) for every source's flag, all
-polled at once (``sync.wait_flags``: one vector of acquire loads per poll); expert e's rows from source s
-start at ``base[s, e] = sum over s' < s of count[s', e]``; slot (s, t, k) with routing word (e, pos) is
-copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted by (source, token, k) without
-atomics; because of that prefix over sources a program needs every source's counts before it places a
-row. Counts read from peers are clamped so that no value can steer a store out of bounds; a row past the
+Receive (grid = NBLK programs per source x WORLD sources, ``EPPlan.recv_grid``): expert e's rows from
+source s start at ``base[s, e] = sum over s' < s of count[s', e]``; slot (s, t, k) with routing word
+(e, pos) is copied to ``x[e, base[s, e] + pos]``. Rows are thereby packed and sorted by (source, token,
+k) without atomics. A program unpacks one source s, so it waits (bounded) only for the flags of sources
+0..s, all polled at once (``sync.wait_flags``: one vector of acquire loads per poll): source 0's rows are
+copied while later sources are still in flight, and the programs of the last source wait for all.
+Counts read from peers are clamped so that no value can steer a store out of bounds; a row past the
 capacity is dropped and recorded (CapacityError).
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
@@ -193,20 +194,22 @@ def dispatch_recv_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
-    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr,
+    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     blk = tl.program_id(0)
+    src = tl.program_id(1)   # the source this program unpacks
     call = tl.load(seq_ptr) + 1
     zone = call % 2
     ctrl = ctrl_ptr + zone * WORLD * CTRL_WORDS
     META: tl.constexpr = X_WORDS + S_WORDS
     target = flag_value(tl.load(grp + S_EPOCH), call)
 
-    # Every live source's counts are needed for the bases; an excluded or failed source counts as
-    # sending nothing (a failed wait fails the group: the last program then zeroes the counts).
+    # Source src's rows go after those of sources 0..src-1: their counts and src's rows are all this
+    # program needs. An excluded or failed source counts as sending nothing (a failed wait fails the
+    # group: the last program then zeroes the counts).
     w = tl.arange(0, WORLD_P2)
-    live = live_ranks(grp, WORLD, WORLD_P2)
-    arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, live, w, grp, status_ptr, OP, rank,
+    need = tl.where(w <= src, live_ranks(grp, WORLD, WORLD_P2), False)
+    arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
                          WORLD, WORLD_P2)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
@@ -215,9 +218,8 @@ def dispatch_recv_kernel(
     counts = tl.minimum(tl.maximum(counts, 0), M * TOPK).to(tl.int32)   # [WORLD_P2, EXPERTS_P2]
     tokens = tl.load(ctrl + w * CTRL_WORDS, mask=arrived, other=0, volatile=True)
     tokens = tl.minimum(tl.maximum(tokens, 0), M).to(tl.int32)          # [WORLD_P2]
-    base = tl.cumsum(counts, 0) - counts   # rows of expert e from sources before s: the (s, e) base
 
-    if blk == 0:
+    if (blk == 0) & (src == WORLD - 1):   # the program that waited for every source
         total = tl.sum(counts, axis=0)
         kept = tl.minimum(total, CAP)
         tl.store(out_counts_ptr + e, kept, mask=e_live)
@@ -226,33 +228,31 @@ def dispatch_recv_kernel(
         if tl.max(total) > CAP:
             record_error(grp, ERR_CAPACITY, OP, rank, tl.argmax(total, axis=0), tl.max(total), CAP)
 
-    # Slots i = (landing row q, k), q = (source s, token t) = s * M + t, k padded to TOPK_P2: one flat
-    # axis, so that every tile below is 2-D. Each slot picks the base and count of its (s, expert) pair
-    # out of the flattened [WORLD_P2 * EXPERTS_P2] tables.
-    SE: tl.constexpr = WORLD_P2 * EXPERTS_P2
-    base_flat = tl.reshape(base, (SE,))
-    count_flat = tl.reshape(counts, (SE,))
-    se = tl.arange(0, SE)
-    landing = data_ptr + zone.to(tl.int64) * WORLD * M * ROW_WORDS
-    for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
-        i = i0 + tl.arange(0, BS)
-        q = i // TOPK_P2
-        k = i % TOPK_P2
-        slot_live = (q < WORLD * M) & (k < TOPK)
-        s = q // M
-        n_tokens = tl.sum(tl.where(s[:, None] == w[None, :], tokens[None, :], 0), axis=1)
-        src_row = landing + q.to(tl.int64) * ROW_WORDS
-        word = tl.load(src_row + META + k, mask=slot_live & (q % M < n_tokens), other=-1)
+    # This source's base and count per local expert: rows of expert e from sources before src.
+    base = tl.sum(tl.where((w < src)[:, None], counts, 0), axis=0)      # [EXPERTS_P2]
+    count = tl.sum(tl.where((w == src)[:, None], counts, 0), axis=0)
+    n_tokens = tl.sum(tl.where(w == src, tokens, 0))
+    # Slots j = (token t, k) of this source, k padded to TOPK_P2: one flat axis, so that every tile below
+    # is 2-D. Every slot's row_of is written (-1 past the source's tokens), the payload only where routed.
+    landing = data_ptr + (zone * WORLD + src).to(tl.int64) * M * ROW_WORDS
+    for j0 in range(blk * BS, M * TOPK_P2, tl.num_programs(0) * BS):
+        j = j0 + tl.arange(0, BS)
+        t = j // TOPK_P2
+        k = j % TOPK_P2
+        slot_live = (t < M) & (k < TOPK)
+        q = src * M + t
+        src_row = landing + t.to(tl.int64) * ROW_WORDS
+        word = tl.load(src_row + META + k, mask=slot_live & (t < n_tokens), other=-1)
         here = word >= 0
         expert = tl.where(here, word % EXPERTS_PER_RANK, 0)
         pos = tl.where(here, word // EXPERTS_PER_RANK, 0)
-        pick = (s * EXPERTS_P2 + expert)[:, None] == se[None, :]                   # [BS, SE]
-        row = tl.sum(tl.where(pick, base_flat[None, :], 0), axis=1) + pos
-        ok = here & (pos < tl.sum(tl.where(pick, count_flat[None, :], 0), axis=1)) & (row < CAP)
+        pick = expert[:, None] == e[None, :]                                        # [BS, EXPERTS_P2]
+        row = tl.sum(tl.where(pick, base[None, :], 0), axis=1) + pos
+        ok = here & (pos < tl.sum(tl.where(pick, count[None, :], 0), axis=1)) & (row < CAP)
         dst = expert.to(tl.int64) * CAP + row                                      # row of d.x as [L*CAP]
         code = tl.where(ok, dst, tl.where(here, -2, -1)).to(tl.int32)
         tl.store(row_of_ptr + q * TOPK + k, code, mask=slot_live)
-        tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = s * M + t
+        tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = src * M + t
         # A row routed to several local experts is read once per slot; the reads of one tile hit the
         # same lines, so the copy costs one read of the row.
         to = address(out_x_ptr + dst * X_WORDS)[:, None]
@@ -262,7 +262,7 @@ def dispatch_recv_kernel(
                       S_WORDS, S_WORDS_P2, 1, 1, ALIGNED & (S_WORDS % 4 == 0))
 
     # The last program advances the receive count; if the group failed, no result is partial.
-    last, _ = arrive(done_ptr + WORLD + 1, NBLK, 0)
+    last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
     if last:
         tl.store(seq_ptr, call)
         if group_failed(grp, status_ptr, WORLD, WORLD_P2):
