@@ -38,7 +38,8 @@ class EPHandle:
     row_of: torch.Tensor      # int32 [world, M, topk]: for slot (s, t, k) routed here, the flat row
     #                           e * world*M + i of d.x that holds it; -1 = not routed here, -2 = dropped
     src_tokens: torch.Tensor  # int32 [world]: tokens each source rank dispatched
-    routed: torch.Tensor      # int32 [M, topk]: 1 where this rank's slot (t, k) is routed (valid id, live rank)
+    routed: torch.Tensor      # int32 [M, topk]: 1 + the expert's rank where this rank's slot (t, k) is routed
+    #                           (valid id, live rank), else 0
     owner: int                # id() of the EPBuffer that made it
     epoch: int = 0            # group epoch when it was made (a handle does not survive group.reset())
 

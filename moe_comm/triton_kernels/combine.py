@@ -11,10 +11,11 @@ received into row ``row_of[s, t, k]`` of the dispatch output (kept by the dispat
 from ``expert_out``, so at world 1 nothing is copied twice. The last program to finish publishes every
 live rank's flag (unless the group failed) and advances the send count.
 
-Receive (grid = NBLK token blocks x HIDDEN / BH column blocks): a program with tokens waits (bounded) for
-every live rank's flag, all polled at once (``sync.wait_flags``; at world 1 there is none: every slot is
-read in place, and no send kernel runs);
-if a wait failed its rows are NaN (the error is raised); else
+Receive (grid = NBLK token blocks x HIDDEN / BH column blocks): a program waits (bounded) only for the
+ranks whose rows it reads, the owners of its tokens' remote slots (``routed`` holds 1 + the owner), all
+polled at once (``sync.wait_flags``); program (0, 0) waits for every live rank. At world 1 there is no
+flag: every slot is read in place, and no send kernel runs. If the call failed, the last program to
+finish makes every row NaN (the error is raised); else
 ``y[t] = sum over k = 0..TOPK-1 with slot (t, k) routed of w[t, k] * row(t, k)`` in float32, k in
 ascending order, cast to the output dtype; row(t, k) is ``expert_out[row_of[rank, t, k]]`` when this
 rank holds the expert (zeros if dropped), else ``landing[t, k]``. The sum sees each slot's row bit for
@@ -24,7 +25,8 @@ world sizes.
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): the send stores a slot's row into this rank's staging copy of the peer's zone instead, then puts
 that row (one ``putmem_nbi`` per row: one rank's slots are interleaved with other ranks' slots) and
-``quiet``s before counting itself in; the last program delivers the flag as an NVSHMEM signal.
+``quiet``s before counting itself in; the last program delivers the flags as NVSHMEM signals, then
+``quiet``s once.
 """
 
 import triton
@@ -120,7 +122,7 @@ def combine_send_kernel(
 def combine_recv_kernel(
     out_ptr,          # out [T, HIDDEN] dtype
     weights_ptr,      # [T, TOPK] floating topk_weights
-    routed_ptr,       # int32 [M, TOPK]: 1 where slot (t, k) was routed by the dispatch (and its rank live)
+    routed_ptr,       # int32 [M, TOPK]: 1 + the owner rank of slot (t, k) where the dispatch routed it, else 0
     expert_out_ptr,   # [ROWS, HIDDEN] dtype: this rank's expert outputs (rows as in d.x)
     row_of_ptr,       # int32 [WORLD * M, TOPK]: the dispatch's row of slot (s, t, k) on this rank
     data_ptr,         # int32 words [2, M, TOPK, HIDDEN * elem / 4]: this rank's landing zone
@@ -134,24 +136,36 @@ def combine_recv_kernel(
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
-    # A program with tokens waits for every live peer, and so does program (0, 0) even when T = 0: a rank
-    # must not finish a combine before every peer's send of that call, or it could run two calls ahead
-    # and overwrite a landing zone a peer is still reading. At world 1 every slot is read in place and
-    # there is no flag and no call count.
+    # A program waits only for the ranks whose rows it reads: the owners of its tokens' slots routed to
+    # another rank (``routed`` holds 1 + the owner). Program (0, 0) waits for every live peer, even when
+    # T = 0: a rank must not finish a combine before every peer's send of that call, or it could run two
+    # calls ahead and overwrite a landing zone a peer is still reading. At world 1 every slot is read in
+    # place and there is no flag and no call count.
     arrived = blk >= 0  # True
+    kk = tl.arange(0, TOPK_P2)
     if WORLD > 1:
         call = tl.load(seq_ptr) + 1
         zone = call % 2
-        if (blk * BT < num_tokens) | ((blk == 0) & (tl.program_id(1) == 0)):
-            w = tl.arange(0, WORLD_P2)
-            live = live_ranks(grp, WORLD, WORLD_P2)
+        w = tl.arange(0, WORLD_P2)
+        first = (blk == 0) & (tl.program_id(1) == 0)
+        need = w < 0   # [WORLD_P2] False
+        for t0 in range(blk * BT, num_tokens, NBLK * BT):
+            t = t0 + tl.arange(0, BT)
+            slot = t[:, None] * TOPK + kk[None, :]
+            slot_live = (t < num_tokens)[:, None] & (kk < TOPK)[None, :]
+            owner = tl.load(routed_ptr + slot, mask=slot_live, other=0) - 1      # -1: not routed
+            remote = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=owner >= 0, other=0) == -1
+            hit = tl.where(remote, owner, -1)
+            need = need | tl.max(tl.max((hit[:, :, None] == w[None, None, :]).to(tl.int32), axis=1), axis=0) != 0
+        need = tl.where(first, True, need)
+        if tl.max(need.to(tl.int32)) > 0:
+            live = tl.where(need, live_ranks(grp, WORLD, WORLD_P2), False)
             ok = wait_flags(ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call), live,
                             w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0
     landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN
-    kk = tl.arange(0, TOPK_P2)
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
         t = t0 + tl.arange(0, BT)
         live = t < num_tokens
@@ -177,11 +191,18 @@ def combine_recv_kernel(
             v = load_tile(row, tl.where(arrived, use & (has_row | ~here), False), c0, HIDDEN, BH,
                           ALIGNED).to(tl.float32)
             acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
-        # A failed wait leaves no partial sum: the program's rows are NaN (and the error is raised).
-        acc = tl.where(arrived, acc, float("nan"))
         store_tile(cast_rne(acc, out_ptr.dtype.element_ty), c0, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
                    live[:, None], BH, 1, 1, ALIGNED)
     if WORLD > 1:
         last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
         if last:
             tl.store(seq_ptr, call)
+            # A failed call leaves no partial sum: every row is NaN, written by the last program because a
+            # program that reads no peer's rows does not wait, and cannot know (the error is raised).
+            if group_failed(grp, status_ptr, WORLD, WORLD_P2):
+                nan = cast_rne(tl.full([BT, BH], float("nan"), tl.float32), out_ptr.dtype.element_ty)
+                for t0 in range(0, num_tokens, BT):
+                    t = t0 + tl.arange(0, BT)
+                    for c in range(0, HIDDEN, BH):
+                        store_tile(nan, c, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
+                                   (t < num_tokens)[:, None], BH, 1, 1, ALIGNED)

@@ -76,7 +76,7 @@ def count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl
 def dispatch_send_kernel(
     x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
-    routed_ptr,       # out int32 [M, TOPK]: 1 where slot (t, k) is routed (the combine's mask), else 0
+    routed_ptr,       # out int32 [M, TOPK]: 1 + the owner rank where slot (t, k) is routed (the combine's mask), else 0
     excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (accumulated)
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]

@@ -34,7 +34,7 @@ def dispatch_local_kernel(
     out_counts_ptr,   # out int32 [EXPERTS]: valid rows per expert
     row_of_ptr,       # out int32 [M, TOPK]: e * CAP + row of slot (t, k); -1 not routed, -2 dropped
     src_tokens_ptr,   # out int32 [1]: T
-    routed_ptr,       # out int32 [M, TOPK]: 1 where slot (t, k) is routed (the combine's mask), else 0
+    routed_ptr,       # out int32 [M, TOPK]: 1 + the owner rank (0 at world 1) where slot (t, k) is routed, else 0
     stats_ptr,        # int64 [EXPERTS]: rows received per expert, accumulated over calls
     excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (none at world 1; kept for the shared scan)
     grp,              # group state (moe_comm/protocol.py): where errors are recorded
