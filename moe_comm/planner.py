@@ -12,16 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .protocol import VEC_BYTES
+
 # GPU launch shape: enough programs per peer to keep many SMs busy on large payloads.
 GPU_TARGET_PROGRAMS = 132
 # 16 KB per copy iteration (32 words per thread at 4 warps): a 14 KB DeepSeek-V3 row in one step
 # instead of four dependent 4 KB ones (the same reasoning as GPU_EP_COPY_WORDS below).
 GPU_BLOCK_BYTES = 16384
 GPU_TILE_ELEMS = 1024  # elements of one register tile (8 per thread at 4 warps)
-# The widest global access (ld/st.global.v4.b32): the copy loops move 16-byte vectors when every row
-# length and base address is a multiple of it (``triton_kernels/copy.py``). Heaps align every buffer.
-VEC_BYTES = 16
-
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

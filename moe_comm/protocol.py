@@ -53,6 +53,9 @@ def state_words(world: int) -> int:
     return STATE_WORDS + 3 * world
 
 
+VEC_BYTES = 16           # the widest global access (sm_90 ld/st.global.v4.b32): rows and bases aligned to
+#                          it move as whole vectors (``triton_kernels/copy.py``, ``planner.vector_aligned``)
+
 TRANSPORT_STORE = 0      # peer memory mapped here: plain stores, flag published with a release
 TRANSPORT_PUT = 1        # NVSHMEM putmem(_signal)_nbi into the same landing layout, flag = the signal
 TRANSPORTS = {"store": TRANSPORT_STORE, "put": TRANSPORT_PUT}

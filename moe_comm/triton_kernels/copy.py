@@ -11,14 +11,16 @@ same row on every rank of a list.
 or a run-time offset cannot be proven aligned by the compiler, which then moves 4 bytes (or 1) at a
 time. With ``ALIGNED`` the row addresses are declared 16-byte aligned (``tl.multiple_of``) and the
 column mask is constant over whole blocks, so every access is a 16-byte vector. The caller passes
-ALIGNED only when it holds (``aligned()`` on the host: every row length in bytes and every base a
+ALIGNED only when it holds (``planner.vector_aligned`` on the host: every row length in bytes and every base a
 multiple of 16); otherwise the same code runs with narrower accesses. The interpreter ignores hints.
 """
 
 import triton
 import triton.language as tl
 
-VEC_BYTES = tl.constexpr(16)   # the widest global access of sm_90: ld/st.global.v4.b32
+from .. import protocol
+
+VEC_BYTES = tl.constexpr(protocol.VEC_BYTES)
 
 
 @triton.jit
