@@ -38,9 +38,11 @@ import triton.language as tl
 
 import moe_comm
 from moe_comm import reference
+from bench import peers
 from moe_comm.ep import EPBuffer
 from moe_comm.interpreter import kernel_for
 from moe_comm.planner import next_pow2, plan_ep
+from moe_comm.serving.backends import positions_by_key
 from moe_comm.triton_kernels.sync import S_EPOCH, flag_value, publish_many
 
 ROUTINGS = ("uniform", "skewed")
@@ -59,7 +61,7 @@ def routing(kind: str, world: int, rank: int, tokens: int, num_experts: int, top
     order: the measured rank is the busiest receiver.
     """
     if kind == "uniform":
-        return [torch.rand(tokens, num_experts, generator=gen).topk(topk, dim=1).indices for _ in range(world)]
+        return [peers.random_topk(tokens, num_experts, topk, gen) for _ in range(world)]
     if kind != "skewed":
         raise ValueError(f"routing must be one of {ROUTINGS}, got {kind!r}")
     local = num_experts // world
@@ -154,11 +156,9 @@ class EmulatedRank:
         that source's slots to the same expert, in (t, k) order (what the source's routing computes)."""
         flat = idx.reshape(-1)
         valid = (flat >= 0) & (flat < self.num_experts)
-        ids = torch.where(valid, flat, 0)
-        onehot = torch.nn.functional.one_hot(ids, self.num_experts) * valid[:, None]
-        pos = (onehot.cumsum(0) - onehot).gather(1, ids[:, None])[:, 0]
-        owner = torch.where(valid, ids // self.p.experts_per_rank, -1)
-        return owner.view(idx.shape), pos.view(idx.shape)
+        pos, _ = positions_by_key(torch.where(valid, flat, self.num_experts), self.num_experts)
+        owner = torch.where(valid, flat // self.p.experts_per_rank, -1)
+        return owner.view(idx.shape), torch.where(valid, pos, 0).view(idx.shape)
 
     def _stage_dispatch(self) -> torch.Tensor:
         """Landing rows [zone, j, t] of every emulated source j in rank r's dispatch landing zone (both

@@ -506,16 +506,16 @@ def compile_report(out: JsonLines) -> None:
 # ---- report --------------------------------------------------------------------------------------
 
 def table(lines: list[dict]) -> str:
-    rows = [f"{'op':<10} {'impl':<26} {'dtype':<5} {'size':>6} {'p50 µs':>10} {'GB/s':>8} "
+    rows = [f"{'op':<10} {'impl':<32} {'dtype':<5} {'size':>6} {'p50 µs':>10} {'GB/s':>8} "
             f"{'floor µs':>9} {'x floor':>8}"]
     for r in lines:
         if r["kind"] == "result":
             size = r.get("rows", r.get("tokens"))
-            rows.append(f"{r['op']:<10} {r['impl']:<26} {r['dtype']:<5} {size:>6} {r['p50_us']:>10.1f} "
+            rows.append(f"{r['op']:<10} {r['impl']:<32} {r['dtype']:<5} {size:>6} {r['p50_us']:>10.1f} "
                         f"{r['GBps']:>8.1f} {r['floor_us']:>9.1f} {r['x_floor']:>8.2f}")
         elif r["kind"] in ("skip", "error"):
             what = "skipped" if r["kind"] == "skip" else "FAILED"
-            rows.append(f"{r['op']:<10} {r['impl']:<26} {what}: {r['reason'][:200]}")
+            rows.append(f"{r['op']:<10} {r['impl']:<32} {what}: {r['reason'][:200]}")
     return "\n".join(rows)
 
 

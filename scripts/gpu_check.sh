@@ -79,9 +79,16 @@ if [[ $STEPS == *" sanitize "* ]]; then
 fi
 # shellcheck disable=SC2086
 [[ $STEPS == *" kernels "* ]] && step kernels $PY bench/kernels.py $KERNEL_DRY --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
-# shellcheck disable=SC2086
-[[ $STEPS == *" ep_rank "* ]] && step ep-rank $PY bench/kernels.py $KERNEL_DRY --sections floor,ep_rank \
-    --out-dir "$OUT"
+# One step per world (each compiles its own kernel variants; all four in one step would pass the limit).
+if [[ $STEPS == *" ep_rank "* ]]; then
+    RANK_WORLDS="8 16 32 64"
+    [ -n "$KERNEL_DRY" ] && RANK_WORLDS="2 4"
+    for w in $RANK_WORLDS; do
+        # shellcheck disable=SC2086
+        step "ep-rank-w$w" $PY bench/kernels.py $KERNEL_DRY --sections floor,ep_rank --rank-worlds "$w" \
+            --out-dir "$OUT" ${GPU_CHECK_KERNEL_ARGS:-}
+    done
+fi
 ATTENTION=${GPU_CHECK_DECODE_ATTENTION:-triton}
 if [[ $STEPS == *" profile "* ]]; then
     PROFILE_ARGS="--batches 1,64,256 --steps 20 --warmup 3"

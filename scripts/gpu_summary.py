@@ -105,7 +105,7 @@ def kernel_table(kern: list[dict]) -> list[str]:
             keys.append(k)
     cell = {((r["op"], r["impl"], r["dtype"]), r.get("rows", r.get("tokens"))): r for r in res}
     out = ["  p50 µs (x floor for moe_comm) by rows (alltoallv) / tokens T per rank (dispatch, combine)",
-           "  " + f"{'op':<9} {'impl':<26} {'dtype':<5}" + "".join(f"{s:>16}" for s in sizes)]
+           "  " + f"{'op':<9} {'impl':<32} {'dtype':<5}" + "".join(f"{s:>16}" for s in sizes)]
     for k in keys:
         cells = []
         for s in sizes:
@@ -116,7 +116,7 @@ def kernel_table(kern: list[dict]) -> list[str]:
                 cells.append(f" {r['p50_us']:.1f} ({r['x_floor']:.1f}x)".rjust(16))
             else:
                 cells.append(f"{r['p50_us']:>16.1f}")
-        out.append("  " + f"{k[0]:<9} {k[1]:<26} {k[2]:<5}" + "".join(cells))
+        out.append("  " + f"{k[0]:<9} {k[1]:<32} {k[2]:<5}" + "".join(cells))
     for r in kern:
         if r.get("kind") in ("skip", "error"):
             what = "skipped" if r["kind"] == "skip" else "FAILED"
