@@ -231,7 +231,7 @@ def test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs):
                                       out_block_words=64, block_hidden=128, send_programs=send_programs,
                                       fp8_block_groups=1)  # 2 quantization blocks per 256-column row
     assert eps[0].plan.recv_programs > 1 and eps[0].plan.block_tokens == 1 and eps[0].plan.reduce_grid[1] == 2
-    assert eps[0].plan.recv_grid == (max(1, eps[0].plan.recv_programs // world), world)
+    assert eps[0].plan.recv_grid[0] > 1 and eps[0].plan.recv_grid[1] == world   # several programs per source
     for seed, routing in ((1, "random"), (2, "one_rank"), (3, "dup"), (4, "skewed")):
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
         for ep in eps:
@@ -464,17 +464,45 @@ def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+@pytest.mark.parametrize("hidden,topk,fp8,device", [(128, 2, False, "cpu"), (128, 2, True, "cuda"),
+                                                    (7168, 8, True, "cuda"), (256, 5, False, "cuda")])
+def test_dispatch_landing_rows_are_whole_16_byte_vectors(hidden, topk, fp8, device):
+    """The receive declares 16-byte accesses from its base pointers: every landing row must start on a
+    vector, so the row (payload, scales, K routing words) is padded to a multiple of 4 words."""
+    p = plan_ep(2, 8, hidden, 4, topk, torch.bfloat16, fp8, device)
+    assert p.row_words % 4 == 0 and 0 <= p.row_words - (p.x_words + p.scale_words + topk) < 4
+
+
 @pytest.mark.parametrize("world,fp8", [(1, False), (2, False), (2, True)])
-def test_inputs_that_do_not_start_16_byte_aligned(world, fp8):
-    """x, expert_out and out that start 4 bytes off a 16-byte boundary: the kernels are launched without
-    the 16-byte declaration (``planner.vector_aligned`` is False for them) and the results are exact."""
+def test_inputs_that_do_not_start_16_byte_aligned(world, fp8, monkeypatch):
+    """x, expert_out and out that start 4 bytes off a 16-byte boundary: every kernel that reads or writes
+    one of them is launched without the 16-byte declaration (ALIGNED False, recorded at launch; the
+    dispatch receive, which touches only the buffer's own aligned tensors, keeps it), and the results are
+    exact. (The interpreter ignores alignment hints: that the compiled kernels are then right is
+    tests/gpu/test_gpu_ep.py::test_inputs_not_16_byte_aligned_compiled.)"""
+    from moe_comm import ep as ep_module
     from moe_comm.planner import vector_aligned
+    launched = []
+
+    def recording(fn, device):
+        kernel = ep_module_kernel_for(fn, device)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launched.append((fn.fn.__name__, kwargs.get("ALIGNED")))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        return Grid()
+
+    ep_module_kernel_for = ep_module.kernel_for
+    monkeypatch.setattr(ep_module, "kernel_for", recording)
     cfg = Config(4, 128, 5, 2, fp8=fp8)
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     eps = [EPBuffer(g, 4 * world, 128, 5, 2, fp8_dispatch=fp8) for g in groups]
-    xs, idxs, ws = make_inputs(cfg, world, "random", 6)   # rank 0: T = max_tokens
+    xs, idxs, ws = make_inputs(cfg, world, "random", 3)   # T = 5 (and 3 on rank 1)
     xs = [_misaligned_like(x) for x in xs]
-    assert all(not vector_aligned(x) for x in xs if x.numel()) and any(x.numel() for x in xs)
+    assert all(not vector_aligned(x) for x in xs) and all(x.numel() for x in xs)
     outs = [_misaligned_like(torch.zeros(x.shape, dtype=x.dtype)) for x in xs]
     for ep, x, i in zip(eps, xs, idxs):
         assert ep.dispatch(x, i, phase="send") is None
@@ -487,3 +515,9 @@ def test_inputs_that_do_not_start_16_byte_aligned(world, fp8):
     for r in range(world):
         assert check_dispatch(r, ds[r], exp_d[r], xs, cfg, f"rank{r}") == []
         assert torch.equal(ys[r], exp_y[r]) and ys[r].data_ptr() == outs[r].data_ptr()
+    # Kernels given x, expert_out or out. At world 1 the split dispatch reads the send's copy of x (the
+    # send phase consumes its inputs), which is aligned, so the world-1 dispatch is a control: True.
+    touching = {"combine_recv_kernel"} | ({"dispatch_send_kernel", "combine_send_kernel"} if world > 1 else set())
+    aligned_ones = {"dispatch_recv_kernel"} if world > 1 else {"dispatch_local_kernel"}
+    assert {name for name, _ in launched} == touching | aligned_ones, launched
+    assert all(aligned is (name in aligned_ones) for name, aligned in launched), launched
