@@ -7,7 +7,7 @@ import torch
 from .interpreter import kernel_for
 from .planner import next_pow2
 from .triton_kernels import nvshmem_bitcode
-from .triton_kernels.sync import abort_kernel
+from .triton_kernels.sync import abort_kernel, drain_kernel
 
 PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel")
 
@@ -67,6 +67,7 @@ class Channel:
             self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local, PUT=True,
                                   **extra)
         self._recv_event = None  # (CUDA event after the last receive phase, recorded while capturing?)
+        self._drain_op = None    # op id of an aborted call whose receive side is still owed (``drain``)
         group.register(self)
 
     @property
@@ -81,12 +82,13 @@ class Channel:
 
     # ---- ordering between the phases of consecutive calls (CUDA streams) -------------------------
     def before_send(self) -> None:
-        """Order this send after the previous receive of this channel on this rank (CUDA only)."""
-        if self._recv_event is None:
-            return
-        event, captured = self._recv_event
-        if captured == torch.cuda.is_current_stream_capturing():  # never wait across a capture boundary
-            torch.cuda.current_stream(self.group.device).wait_event(event)
+        """Order this send after the previous receive of this channel on this rank (CUDA only), and
+        after the receive side of an aborted call (``drain``)."""
+        if self._recv_event is not None:
+            event, captured = self._recv_event
+            if captured == torch.cuda.is_current_stream_capturing():  # never wait across a capture boundary
+                torch.cuda.current_stream(self.group.device).wait_event(event)
+        self.drain()
 
     def after_recv(self) -> None:
         if self.group.device.type != "cuda":
@@ -96,18 +98,34 @@ class Channel:
         self._recv_event = (event, torch.cuda.is_current_stream_capturing())
 
     # ---- faults ------------------------------------------------------------------------------------
-    def abort(self) -> None:
-        """Take part in this call without sending or waiting: ABORT to every live peer, both counters
-        advanced (see ``abort_kernel``)."""
+    def abort(self, op: int) -> None:
+        """Take part in this call of op ``op`` (``errors.OPS`` id) without sending or waiting: ABORT to
+        every live peer, the send count advanced (``abort_kernel``). Its receive side (``drain``) is owed
+        to the next launch of this channel: waiting here would wait for peers that have not come to
+        the call yet (on loopback, always)."""
         g = self.group
         self.before_send()
         put = self.put_args()
         del put["stage_ptr"], put["stage_ctrl_ptr"]
         kernel_for(abort_kernel, g.device)[(1,)](
-            self.ctrl.peer_ptrs, self.send_seq, self.recv_seq, g.state, g.rank,
+            self.ctrl.peer_ptrs, self.send_seq, g.state, g.rank,
             CTRL_WORDS=self.ctrl_words, FLAG_WORD=self.flag_word, WORLD=g.world_size,
             WORLD_P2=next_pow2(g.world_size), **put)
+        self._drain_op = op
         self.after_recv()
+
+    def drain(self) -> None:
+        """If the last call was aborted here: wait (bounded) for every live peer's flag of it, data or
+        ABORT, and advance the receive count (``drain_kernel``). Every peer publishes that flag only
+        after its receive of the call before, so the next send cannot overwrite a zone a peer still
+        reads: the protection a made call gets from its own receive phase."""
+        if self._drain_op is None:
+            return
+        g, op, self._drain_op = self.group, self._drain_op, None
+        kernel_for(drain_kernel, g.device)[(1,)](
+            self.ctrl.local, self.recv_seq, g.state, g.status.local, op, g.rank,
+            CTRL_WORDS=self.ctrl_words, FLAG_WORD=self.flag_word, WORLD=g.world_size,
+            WORLD_P2=next_pow2(g.world_size))
 
     def reset(self) -> None:
         """Local part of ``group.reset()`` (the device is idle): counters and this rank's flags to zero."""
@@ -116,6 +134,7 @@ class Channel:
         self.done.zero_()
         self.ctrl.local.zero_()
         self._recv_event = None
+        self._drain_op = None
 
     def free(self) -> None:
         self.group.unregister(self)

@@ -22,6 +22,8 @@ Rules (the fault model, README "Faults and recovery"):
 
 from __future__ import annotations
 
+from .errors import op_id
+
 PHASES = ("send", "recv", "both")
 
 
@@ -62,7 +64,7 @@ class PhasedOp:
             return check()
         except (TypeError, ValueError):
             if self.channel is not None and self.group.world_size > 1:
-                self.channel.abort()
+                self.channel.abort(op_id(self.name))
             raise
 
     def before_send(self) -> None:

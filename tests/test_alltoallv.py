@@ -213,8 +213,10 @@ def test_malformed_inputs_raise_before_launch(bad, exc, match):
     args.update(bad)
     with pytest.raises(exc, match=match):
         op(args["send"], args["send_counts"], phase="send")
-    # Nothing pending; the rank took part in the call by aborting (tests/test_faults.py: what peers see).
-    assert op._fwd_op.pending is None and int(op._fwd.send_seq) == int(op._fwd.recv_seq) == 1
+    # Nothing pending; the rank took part in the call by aborting (tests/test_faults.py: what peers see):
+    # the send side is done, the receive side is owed to the channel's next launch (tests/test_abort_order.py).
+    assert op._fwd_op.pending is None and int(op._fwd.send_seq) == 1 and int(op._fwd.recv_seq) == 0
+    assert op._fwd._drain_op is not None
 
 
 def test_combine_rejects_bad_rows_and_stale_handles():

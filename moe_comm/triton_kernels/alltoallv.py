@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .copy import address, copy_rows
-from .sync import ERR_CAPACITY, S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, record_error, wait_flag
+from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, record_error,
+                   wait_flag)
 from .transport import deliver, dest, put_peers
 
 
@@ -169,7 +170,8 @@ def a2a_recv_kernel(
     if last:
         tl.store(seq_ptr, call)
         if FORWARD:
-            if group_failed(grp, status_ptr, WORLD, WORLD_P2):  # no partial result: every count is 0
+            # No partial result: every count is 0, and the error is adopted into this rank's word (raised).
+            if check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 w = tl.arange(0, WORLD_P2)
                 tl.store(recv_counts_ptr + w, 0, mask=w < WORLD)
 

@@ -35,8 +35,8 @@ import triton.language as tl
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import cast_rne
 from .transport import dest, drain, put_peers, put_rows, signal_only, store_only
-from .sync import (S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
-                   wait_flags)
+from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
+                   publish_many, wait_flags)
 
 
 @triton.jit
@@ -199,7 +199,7 @@ def combine_recv_kernel(
             tl.store(seq_ptr, call)
             # A failed call leaves no partial sum: every row is NaN, written by the last program because a
             # program that reads no peer's rows does not wait, and cannot know (the error is raised).
-            if group_failed(grp, status_ptr, WORLD, WORLD_P2):
+            if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # adopted into this rank's word: raised
                 nan = cast_rne(tl.full([BT, BH], float("nan"), tl.float32), out_ptr.dtype.element_ty)
                 for t0 in range(0, num_tokens, BT):
                     t = t0 + tl.arange(0, BT)

@@ -131,7 +131,10 @@ def _ep_configs() -> list[KernelConfig]:
         num_tokens="i32", num_experts="i32"), dict(
         WORLD=8, RANKS_P2=8, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=32, BINS=256, CHUNK_T=4)))
     out.append(KernelConfig("sync", "abort_kernel", "EP8 dispatch channel", dict(
-        ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), dict(
+        ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", grp="*i64", rank="i32"), dict(
+        CTRL_WORDS=p.dispatch_ctrl_words, FLAG_WORD=p.dispatch_ctrl_words - 1, WORLD=8, WORLD_P2=8)))
+    out.append(KernelConfig("sync", "drain_kernel", "EP8 dispatch channel", dict(
+        ctrl_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", status_ptr="*i64", op="i64", rank="i32"), dict(
         CTRL_WORDS=p.dispatch_ctrl_words, FLAG_WORD=p.dispatch_ctrl_words - 1, WORLD=8, WORLD_P2=8)))
     out.append(KernelConfig("sync", "fail_group_kernel", "EP8 barrier timeout", dict(
         grp="*i64", code="i64", op="i64", rank="i32", peer="i32", bound="i64"), dict(WORLD=8, WORLD_P2=8)))

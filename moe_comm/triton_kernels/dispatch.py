@@ -41,8 +41,8 @@ from .copy import address, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .transport import dest, drain, flush, put_peers, store_only
-from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks,
-                   publish_many, record_error, wait_flags)
+from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
+                   live_ranks, publish_many, record_error, wait_flags)
 
 
 @triton.jit
@@ -265,5 +265,5 @@ def dispatch_recv_kernel(
     last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
     if last:
         tl.store(seq_ptr, call)
-        if group_failed(grp, status_ptr, WORLD, WORLD_P2):
+        if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # the error is in this rank's word: raised
             tl.store(out_counts_ptr + e, 0, mask=e_live)

@@ -176,7 +176,7 @@ def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
 
 @triton.jit
 def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD: tl.constexpr,
-               WORLD_P2: tl.constexpr):
+               WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False):
     """Wait until every flag at ``flag_ptrs`` (a vector, this rank's memory; lanes where ``mask``; lane i
     is rank ``peers[i]``'s flag) equals ``target``: every pending flag is polled at once, one vector of
     acquire loads (system scope) per poll, so N flags cost one round trip, not N.
@@ -185,7 +185,9 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     whole program read the payload those flags cover. A wait that cannot complete returns with the
     missing lanes False, having recorded why as a group-wide error: a peer published ABORT for this call,
     or a flag of a later call of this epoch (out of step), or the group failed meanwhile (another rank's
-    error, adopted here), or the timeout passed (naming the lowest missing peer).
+    error, adopted here), or the timeout passed (naming the lowest missing peer). With ``ABORT_ARRIVES``
+    a peer's ABORT for the call counts as arrived (``drain_kernel``: any sign that the peer is done
+    with the call before it).
     """
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
@@ -194,7 +196,10 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
         t0 = now_ns()
         state = 0  # 0 waiting, 1 arrived, 2 failed
         while state == 0:
-            pending = tl.where(mask, v != target, False)
+            done = v == target
+            if ABORT_ARRIVES:
+                done = done | (v == (target | ABORT_BIT))
+            pending = tl.where(mask, done == 0, False)
             aborted = tl.where(pending, v == (target | ABORT_BIT), False)
             ahead = tl.where(pending, ((v >> EPOCH_SHIFT) == (target >> EPOCH_SHIFT))
                              & ((v & CALL_MASK) > (target & CALL_MASK)), False)
@@ -268,15 +273,15 @@ def arrive(counter_ptr, num_programs, skipped):
 def abort_kernel(
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words of the channel, [2 zones, WORLD, CTRL_WORDS]
     send_seq_ptr,     # int64 [1]: the channel's send count (advanced here)
-    recv_seq_ptr,     # int64 [1]: the channel's receive count (advanced here)
     grp, rank,
     CTRL_WORDS: tl.constexpr, FLAG_WORD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     PUT: tl.constexpr,
 ):
     """A rank's part of a call it cannot make (an input error it raised, which its peers may not have
-    seen): publish ABORT for the call to every live peer and advance both call counters, without
-    sending or waiting. If every rank aborted the call, nobody waits for it and the group stays usable;
-    a peer that did make the call records CommAbortedError when it waits for this rank. Grid (1,)."""
+    seen): publish ABORT for the call to every live peer and advance the send count, without sending or
+    waiting. Its receive side is ``drain_kernel``, run before the channel's next launch. If every rank
+    aborted the call, nobody fails and the group stays usable; a peer that did make the call records
+    CommAbortedError when it waits for this rank. Grid (1,)."""
     call = tl.load(send_seq_ptr) + 1
     w = tl.arange(0, WORLD_P2)
     peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
@@ -294,7 +299,28 @@ def abort_kernel(
     else:
         publish_many(ctrl + slot, flag, peers)
     tl.store(send_seq_ptr, call)
-    tl.store(recv_seq_ptr, tl.load(recv_seq_ptr) + 1)
+
+
+@triton.jit
+def drain_kernel(
+    ctrl_ptr,         # int64 [2 zones, WORLD, CTRL_WORDS]: this rank's control words of the channel
+    recv_seq_ptr,     # int64 [1]: the channel's receive count (advanced here)
+    grp, status_ptr, op, rank,
+    CTRL_WORDS: tl.constexpr, FLAG_WORD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+):
+    """The receive side of an aborted call, run before the channel's next launch on this rank: wait
+    (bounded) until every live peer published its flag of the call, data or ABORT, then advance the
+    receive count. A peer publishes it only after its own receive of the call before, so this rank's
+    next send cannot overwrite a zone that a slow peer still reads (what the receive phase guarantees
+    for a call that was made). A wait that fails records its group-wide error (``wait_flags``), so
+    every rank's next call raises it. Grid (1,)."""
+    call = tl.load(recv_seq_ptr) + 1
+    w = tl.arange(0, WORLD_P2)
+    peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
+    flags = ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + FLAG_WORD
+    wait_flags(flags, flag_value(tl.load(grp + S_EPOCH), call), peers, w, grp, status_ptr, op, rank, WORLD,
+               WORLD_P2, True)
+    tl.store(recv_seq_ptr, call)
 
 
 @triton.jit
