@@ -59,8 +59,8 @@ class AllToAllvDynamic:
     dropped and counted in ``dropped_rows``; ``recv_counts`` of an excluded rank is 0.
     Outputs alternate between two sets: the result of call i stays valid during call i+1.
     Phases: ``phase="send"`` then ``phase="recv"`` (no tensors) split a call for overlap, on the same or
-    different streams (the receive orders itself by the flags, the next send after this receive);
-    loopback groups must be driven that way. At world 1 each call is one kernel, run by the send phase
+    different streams (on CUDA every launch of a direction waits for its previous one on this rank:
+    ``moe_comm.channel.Channel``); loopback groups must be driven that way. At world 1 each call is one kernel, run by the send phase
     (rows go straight from the input to the output; the receive phase launches nothing). Graph capture:
     every launch has a fixed shape and reads counts only on the device; the call counters live on the
     device, so replays keep signalling right. Faults: see ``moe_comm.phased`` and README.

@@ -36,9 +36,14 @@ class Channel:
               [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
               (``moe_comm/triton_kernels/transport.py``); None otherwise
 
-    Ordering on CUDA: the send phase of call i+1 waits (``torch.cuda.Stream.wait_event``) for the
-    receive phase of call i on this rank, whatever streams they were launched on. Together with the
-    flags this is the back-pressure that keeps a sender from overwriting a zone a peer still reads.
+    Ordering on CUDA: every launch of the channel (send, receive, abort) waits
+    (``torch.cuda.Stream.wait_event``) for the previous one on this rank, whatever streams they were
+    launched on: recv(i) after send(i), send(i+1) after recv(i), so send(i+1) after send(i) and recv(i+1)
+    after recv(i) too. A receive never reads the call number of another receive still running, a send
+    never reuses one, and a receive never holds the SMs its own send needs. With the flags this is the
+    back-pressure that keeps a sender from overwriting a zone a peer still reads. Never across a graph
+    capture boundary: a launch captured in a graph does not wait for an eager one, nor the reverse
+    (order those by the stream the graph is replayed on).
     """
 
     def __init__(self, group, name: str, data_shape, data_dtype: torch.dtype, ctrl_words: int = 2,
@@ -66,7 +71,8 @@ class Channel:
                 extra = nvshmem_bitcode.launch_options()
             self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local, PUT=True,
                                   **extra)
-        self._recv_event = None  # (CUDA event after the last receive phase, recorded while capturing?)
+        self._ordered = dev.type == "cuda"  # launches ordered by CUDA events (``after_previous``)
+        self._last_event = None  # (CUDA event after this channel's last launch, its stream, captured?)
         self._drain_op = None    # op id of an aborted call whose receive side is still owed (``drain``)
         group.register(self)
 
@@ -80,22 +86,34 @@ class Channel:
         never-read placeholders when no peer uses puts), ``PUT``, and on CUDA the NVSHMEM bitcode."""
         return dict(self._put_args)
 
-    # ---- ordering between the phases of consecutive calls (CUDA streams) -------------------------
+    # ---- ordering between the launches of consecutive phases (CUDA streams) -------------------------
+    def after_previous(self) -> None:
+        """Make the current stream wait for this channel's previous launch on this rank (CUDA only)."""
+        if self._last_event is None:
+            return
+        event, stream, captured = self._last_event
+        current = torch.cuda.current_stream(self.group.device)
+        # Same stream: already in order. Never wait across a capture boundary.
+        if current != stream and captured == torch.cuda.is_current_stream_capturing():
+            current.wait_event(event)
+
+    def launched(self) -> None:
+        """Mark the end of a launch of this channel on the current stream (CUDA only)."""
+        if not self._ordered:
+            return
+        event, stream = torch.cuda.Event(), torch.cuda.current_stream(self.group.device)
+        event.record(stream)
+        self._last_event = (event, stream, torch.cuda.is_current_stream_capturing())
+
     def before_send(self) -> None:
-        """Order this send after the previous receive of this channel on this rank (CUDA only), and
-        after the receive side of an aborted call (``drain``)."""
-        if self._recv_event is not None:
-            event, captured = self._recv_event
-            if captured == torch.cuda.is_current_stream_capturing():  # never wait across a capture boundary
-                torch.cuda.current_stream(self.group.device).wait_event(event)
+        """Order this send after the channel's previous launch, then finish the receive side of an
+        aborted call (``drain``)."""
+        self.after_previous()
         self.drain()
 
-    def after_recv(self) -> None:
-        if self.group.device.type != "cuda":
-            return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.group.device))
-        self._recv_event = (event, torch.cuda.is_current_stream_capturing())
+    def before_recv(self) -> None:
+        """Order this receive after this rank's send of the call (the channel's previous launch)."""
+        self.after_previous()
 
     # ---- faults ------------------------------------------------------------------------------------
     def abort(self, op: int) -> None:
@@ -112,7 +130,7 @@ class Channel:
             CTRL_WORDS=self.ctrl_words, FLAG_WORD=self.flag_word, WORLD=g.world_size,
             WORLD_P2=next_pow2(g.world_size), **put)
         self._drain_op = op
-        self.after_recv()
+        self.launched()
 
     def drain(self) -> None:
         """If the last call was aborted here: wait (bounded) for every live peer's flag of it, data or
@@ -133,7 +151,7 @@ class Channel:
         self.recv_seq.zero_()
         self.done.zero_()
         self.ctrl.local.zero_()
-        self._recv_event = None
+        self._last_event = None
         self._drain_op = None
 
     def free(self) -> None:

@@ -109,8 +109,9 @@ class EPBuffer:
     Phases: ``phase="send"`` then ``phase="recv"`` split a call for overlap (the receive phase takes no
     tensors; the ones given to the send phase are used, except that ``topk_weights``/``out`` may be
     given at either; the combine's receive reads this rank's own share of ``expert_out`` in place, so
-    keep it unchanged until then). Loopback worlds must be driven that way (all ranks' sends, then all
-    receives). At world 1 nothing crosses ranks, so each call is one kernel, run by the receive phase:
+    keep it unchanged until then), on the same or different streams (on CUDA every launch of an op waits
+    for its previous one on this rank: ``moe_comm.channel.Channel``). Loopback worlds must be driven
+    that way (all ranks' sends, then all receives). At world 1 nothing crosses ranks, so each call is one kernel, run by the receive phase:
     the dispatch writes d.x straight from ``x`` and the combine reads every row of ``expert_out`` in
     place. A split world-1 dispatch copies ``x`` and ``topk_idx`` in its send phase, so that, as at any
     world size, they may change once the send phase returns.

@@ -16,6 +16,8 @@ Rules (the fault model, README "Faults and recovery"):
 - Errors recorded by the kernels are raised at the end of an op (``finish``: after the receive phase is
   launched), never before a launch: no rank skips a call because of an error its peers do not see. A
   data error carries the call's result; a group-wide error is sticky until ``group.reset()``.
+- Launches: on CUDA every launch of an op (send, receive, abort) waits for its previous launch on this
+  rank, whatever streams they are on (``Channel.after_previous``; never across a graph capture boundary).
 - Input errors of a receive phase (``topk_weights``/``out`` given there) raise before its launch and keep
   the pending call: fix the input and call the receive phase again.
 """
@@ -73,17 +75,22 @@ class PhasedOp:
 
     def sent(self, pending) -> None:
         """The send phase is launched; ``pending`` is what its receive phase needs."""
+        if self.channel is not None:
+            self.channel.launched()
         self.pending = pending
 
     def take(self):
-        """The receive phase takes the pending call (the op is idle again once it returns)."""
+        """The receive phase takes the pending call (the op is idle again once it returns); it is
+        launched next, ordered after the send."""
+        if self.channel is not None:
+            self.channel.before_recv()
         pending, self.pending = self.pending, None
         return pending
 
     def finish(self, result):
-        """The receive phase is launched: order the next send after it, then raise recorded errors."""
+        """The receive phase is launched: order the next launch after it, then raise recorded errors."""
         if self.channel is not None:
-            self.channel.after_recv()
+            self.channel.launched()
         return self.group.finish_op(result)
 
     # ---- group events --------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Issue 28, item 2: the launches of one channel on different CUDA streams are ordered. Every launch
+(send, receive, abort) waits for the channel's previous launch on this rank: recv(i) after send(i),
+send(i+1) after recv(i), hence send(i+1) after send(i) and recv(i+1) after recv(i). Checked on the CPU
+with recording stand-ins for ``torch.cuda.Event``, ``current_stream`` and ``is_current_stream_capturing``
+(rank 0's channel only), while the kernels really run on loopback."""
+
+import pytest
+import torch
+
+from moe_comm.channel import Channel
+
+from test_faults import _exact_round, _inputs, _loopback_eps
+
+
+class _Cuda:
+    """The current stream, the capture state and a log of event records and stream waits."""
+
+    def __init__(self, monkeypatch):
+        self.log, self.events, self.stream, self.capturing = [], 0, "S", False
+        cuda = self
+
+        class Stream:
+            def __init__(self, name):
+                self.name = name
+
+            def __eq__(self, other):
+                return isinstance(other, Stream) and other.name == self.name
+
+            def wait_event(self, event):
+                cuda.log.append(("wait", self.name, event.id))
+
+        class Event:
+            def __init__(self):
+                cuda.events += 1
+                self.id = cuda.events
+
+            def record(self, stream):
+                cuda.log.append(("record", stream.name, self.id))
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(cuda.stream))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: cuda.capturing)
+        drain = Channel.drain
+
+        def logged_drain(ch):
+            if ch._drain_op is not None:
+                cuda.log.append(("drain",))
+            drain(ch)
+
+        monkeypatch.setattr(Channel, "drain", logged_drain)
+
+    def run(self, stream, fn, capturing=False):
+        """Run ``fn`` with ``stream`` current; returns the log entries it made."""
+        self.stream, self.capturing, start = stream, capturing, len(self.log)
+        fn()
+        return self.log[start:]
+
+
+def _happens_before(launches):
+    """launches: [(stream, waited event ids, recorded event id)] in issue order. Returns before(a, b):
+    launch a is ordered before launch b (same stream earlier, or a waited chain of events)."""
+    preds = [{j for j in range(k) if launches[j][0] == s or launches[j][2] in waits}
+             for k, (s, waits, _) in enumerate(launches)]
+
+    def before(a, b):
+        todo, seen = [b], set()
+        while todo:
+            for p in preds[todo.pop()] - seen:
+                if p == a:
+                    return True
+                seen.add(p)
+                todo.append(p)
+        return False
+    return before
+
+
+def test_every_launch_waits_for_the_previous_launch_of_its_channel(monkeypatch):
+    groups, eps = _loopback_eps()
+    cuda = _Cuda(monkeypatch)
+    for ep in eps:
+        ep._ensure_allocated()
+    eps[0]._dispatch_ch._ordered = True
+    launches = []
+
+    def phase(stream, what, call, expect_waits, capturing=False, drained=False):
+        """Rank 0's phase ``what`` of ``call`` on ``stream`` (rank 1's right after it, not logged)."""
+        xs, idxs, _ = _inputs(2, call)
+        if what == "send":
+            fns = [lambda r=r: eps[r].dispatch(xs[r], idxs[r], phase="send") for r in range(2)]
+        elif what == "abort":
+            def fn(r):
+                with pytest.raises(TypeError, match="dtype"):
+                    eps[r].dispatch(xs[r].float(), idxs[r], phase="send")
+            fns = [lambda r=r: fn(r) for r in range(2)]
+        else:
+            fns = [lambda r=r: eps[r].dispatch(phase="recv") for r in range(2)]
+        got = cuda.run(stream, fns[0], capturing)
+        fns[1]()
+        record = ("record", stream, cuda.events)
+        expect = [("wait", stream, e) for e in expect_waits] + [("drain",)] * drained + [record]
+        assert got == expect, (what, call, got, expect)
+        launches.append((stream, set(expect_waits), cuda.events))
+
+    phase("S", "send", 1, [])          # the first launch waits for nothing
+    phase("R", "recv", 1, [1])         # recv(1) after send(1)
+    phase("S", "send", 2, [2])         # send(2) after recv(1)
+    phase("R", "recv", 2, [3])
+    phase("S", "abort", 3, [4])        # an abort is a launch like the others
+    phase("R", "send", 4, [5], drained=True)   # ... and its receive side runs first at the next launch
+    phase("S", "recv", 4, [6])
+    phase("S", "send", 5, [])          # same stream as the previous launch: already in order
+    phase("S", "recv", 5, [])
+    before = _happens_before(launches)
+    kinds = ["send", "recv", "send", "recv", "abort", "send", "recv", "send", "recv"]
+    sends = [k for k, w in enumerate(kinds) if w in ("send", "abort")]
+    recvs = [k for k, w in enumerate(kinds) if w == "recv"]
+    recvs.insert(2, sends[2])          # the abort stands for call 3's receive too (its drain runs later)
+    for i in range(len(sends)):
+        assert before(sends[i], recvs[i]) or sends[i] == recvs[i]
+        if i + 1 < len(sends):
+            assert before(recvs[i], sends[i + 1]) and before(sends[i], sends[i + 1])
+            assert before(recvs[i], recvs[i + 1])
+
+    # Graph capture boundary: a captured launch never waits for an eager one, nor the reverse.
+    phase("C", "send", 6, [], capturing=True)
+    phase("R", "recv", 6, [])
+    phase("C", "send", 7, [], capturing=True)
+    phase("C", "recv", 7, [], capturing=True)
+    phase("R", "send", 8, [])
+    phase("S", "recv", 8, [cuda.events])
+    _exact_round(eps, 9)
