@@ -11,17 +11,21 @@ Two families (the fault model, README "Faults and recovery"):
   ``group.exclude()``).
 - Data errors (CapacityError, InvalidIndexError): a device value was out of range; the op completed on
   every rank without the offending slots/rows, and the error is raised once, on the rank that found it,
-  carrying the result of the call it is raised from (``err.result``).
+  carrying the result of the call that recorded it (``err.result``).
 """
 
 from __future__ import annotations
 
 
 class MoECommError(RuntimeError):
-    """Base class of every moe-comm error. ``result``: for a data error raised at the end of an op
-    call, that call's result (the op completed; keep using it, e.g. its dispatch handle); else None."""
+    """Base class of every moe-comm error. For a data error raised at the end of an op call:
+    ``result``, the result of the call that recorded it (that op completed; keep using it, e.g. its
+    dispatch handle), None if that call cannot be told (the message says so); ``call_result``, the
+    result of the call it is raised from (on CUDA usually the next op call: it completed too). Else
+    both None."""
 
     result = None
+    call_result = None
 
 
 class GroupError(MoECommError):

@@ -50,6 +50,8 @@ class CommGroup:
         self.epoch = 0
         self._members: list[weakref.ref] = []   # channels and ops: reset / closed with the group
         self._last_event = None                 # CUDA: completion of the last op (eager error checks)
+        self._in_flight: list[OpCall] = []      # op calls whose kernels may still record a data error
+        self._reads_lag = self.device.type == "cuda"  # the end of a call reads the word before its kernels end
         self._owns_dist, self._closed, self._excluded_self = owns_dist, False, False
         self.status = heap.alloc("group.status", (protocol.status_words(self.world_size),), torch.int64)
         self.state = torch.zeros(protocol.state_words(self.world_size), dtype=torch.int64, device=self.device)
@@ -138,11 +140,20 @@ class CommGroup:
         self.error_word.zero_()
         self.state[protocol.S_CLAIM].zero_()
 
-    def finish_op(self, result):
+    def begin_call(self, op: str) -> OpCall:
+        """An op call's send phase is launched: its kernels may record a data error from now on."""
+        call = OpCall(op)
+        self._in_flight.append(call)
+        return call
+
+    def finish_op(self, result, call: OpCall | None = None):
         """End of an op call (its kernels are launched): raise what the kernels recorded. On CPU they have
         finished. On CUDA (eager) wait for the previous op's kernels first, so an error is raised at the
         latest at the end of the next call; under graph capture nothing is read (the engine checks once
-        per step). A data error carries ``result`` (this call's result: the op completed)."""
+        per step). A data error carries the result of the call that recorded it (``attribute_data_error``).
+        """
+        if call is not None:
+            call.result, call.finished = result, True
         if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
                 return result
@@ -151,13 +162,44 @@ class CommGroup:
             self._last_event.record(torch.cuda.current_stream(self.device))
             if prev is not None:
                 prev.synchronize()
+        if call is not None and call.error is not None:   # recorded by this call, read at an earlier one
+            err, err.result, err.call_result = call.error, result, result
+            self._in_flight.remove(call)
+            raise err
         try:
             self.check()
         except MoECommError as e:
-            if not isinstance(e, GroupError):
-                e.result = result
-            raise
+            if isinstance(e, GroupError) or not self.attribute_data_error(e, result):
+                raise
+            return result
+        # Nothing recorded: every finished call's kernels have run (on CUDA, every one before this call).
+        self._in_flight = [c for c in self._in_flight if not c.finished or (c is call and self._reads_lag)]
         return result
+
+    def attribute_data_error(self, err: MoECommError, result) -> bool:
+        """Give a data error ``err``, read at the end of an op call whose result is ``result``, the result of
+        the call that recorded it: the one call of its op in flight (``err.result``; ``err.call_result`` is
+        this call's). Returns False to raise it now; True if that call's receive phase has not run yet:
+        the error is kept for the end of that call, raised there with its result. If several calls of
+        the op are in flight, the error is raised now without a result, and says so."""
+        err.call_result = result
+        name = getattr(err, "op", None)
+        calls = [c for c in self._in_flight if c.op == name]
+        if len(calls) != 1:
+            err.result = None
+            err.args = (err.args[0] + f" (recorded by one of {len(calls)} {name} calls in flight: no result "
+                        f"attached; err.call_result is the result of the call it is raised from)",)
+            return False
+        (rec,) = calls
+        if not rec.finished:
+            rec.error = err
+            return True
+        self._in_flight.remove(rec)
+        err.result = rec.result
+        if rec.result is not result:
+            err.args = (err.args[0] + f" (recorded by an earlier {name} call, raised at the end of a later op "
+                        f"call: err.result is the recording call's result, err.call_result this call's)",)
+        return False
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -235,6 +277,7 @@ class CommGroup:
         self.error_word.zero_()
         self.epoch += 1
         self._last_event = None
+        self._in_flight = []
         self._write_state()
         self.heap.realign_barriers(self.epoch << 32)
         self.synchronize()
@@ -305,6 +348,17 @@ class CommGroup:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class OpCall:
+    """One op call between its send phase and the host's first clean read of the error word after its
+    kernels ran: ``op`` (an ``errors.OPS`` name), ``result`` once its receive phase is launched
+    (``finished``), and a data error it recorded that was read before that (``error``)."""
+
+    __slots__ = ("op", "result", "finished", "error")
+
+    def __init__(self, op: str):
+        self.op, self.result, self.finished, self.error = op, None, False, None
 
 
 _RESET, _EXCLUDE, _EXCHANGE = 1, 2, 3   # kinds of recovery meeting (heap.agree payload word 0)

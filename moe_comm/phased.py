@@ -15,7 +15,8 @@ Rules (the fault model, README "Faults and recovery"):
   waits and the group stays usable; a peer that made the call raises CommAbortedError (group-wide).
 - Errors recorded by the kernels are raised at the end of an op (``finish``: after the receive phase is
   launched), never before a launch: no rank skips a call because of an error its peers do not see. A
-  data error carries the call's result; a group-wide error is sticky until ``group.reset()``.
+  data error carries the result of the call that recorded it (``CommGroup.attribute_data_error``); a
+  group-wide error is sticky until ``group.reset()``.
 - Launches: on CUDA every launch of an op (send, receive, abort) waits for its previous launch on this
   rank, whatever streams they are on (``Channel.after_previous``; never across a graph capture boundary).
 - Input errors of a receive phase (``topk_weights``/``out`` given there) raise before its launch and keep
@@ -35,6 +36,7 @@ class PhasedOp:
     def __init__(self, group, name: str, channel=None):
         self.group, self.name, self.channel = group, name, channel
         self.pending = None       # what the send phase left for the receive phase; None when idle
+        self._call = None         # the group's record of the call in progress (data error attribution)
         self._closed = False
         group.register(self)
 
@@ -78,6 +80,7 @@ class PhasedOp:
         if self.channel is not None:
             self.channel.launched()
         self.pending = pending
+        self._call = self.group.begin_call(self.name)
 
     def take(self):
         """The receive phase takes the pending call (the op is idle again once it returns); it is
@@ -91,12 +94,13 @@ class PhasedOp:
         """The receive phase is launched: order the next launch after it, then raise recorded errors."""
         if self.channel is not None:
             self.channel.launched()
-        return self.group.finish_op(result)
+        call, self._call = self._call, None
+        return self.group.finish_op(result, call)
 
     # ---- group events --------------------------------------------------------------------------------
     def reset(self) -> None:
         """``group.reset()``: a pending call is dropped (its receive phase will never run)."""
-        self.pending = None
+        self.pending = self._call = None
 
     def mark_closed(self) -> None:
         self._closed = True

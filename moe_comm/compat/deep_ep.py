@@ -455,14 +455,17 @@ def _receive_tensor(ep: EPBuffer) -> torch.Tensor:
 
 def _completed(call, finish, outputs=None) -> None:
     """Run an EPBuffer receive ``call`` and ``finish(DispatchResult)``. A data error raised at the end of
-    the op carries the result: it is finished too, and the error then carries the DeepEP-style outputs
-    (``outputs()``) instead."""
+    the op carries this call's result (``err.call_result``): it is finished too, and the error then
+    carries the DeepEP-style outputs (``outputs()``) instead, as ``err.result`` too if this call
+    recorded it (else ``err.result`` is None: an earlier call's, already returned)."""
     try:
         d = call()
     except MoECommError as e:
-        if e.result is None:
+        if e.call_result is None:
             raise
-        finish(e.result)
-        e.result = outputs() if outputs is not None else None
+        finish(e.call_result)
+        mine = e.result is e.call_result
+        e.call_result = outputs() if outputs is not None else None
+        e.result = e.call_result if mine else None
         raise
     finish(d)
