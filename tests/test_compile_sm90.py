@@ -22,7 +22,7 @@ from moe_comm.triton_kernels import ptx_rules
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
               "moe_comm.serving.experts")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel"}
-WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel"}
+WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel", "drain_kernel"}
 
 
 def _bitcode_problem():
@@ -110,6 +110,33 @@ def test_every_publish_follows_a_cta_barrier_and_every_acquire_precedes_its_read
         assert all(r["publishes"] >= 1 and r["barriers"] >= 1 for r in by_kernel[k]), by_kernel[k]
     for k in WAITING:
         assert all(r["acquires"] >= 1 for r in by_kernel[k]), by_kernel[k]
+
+
+@pytest.mark.timeout(900)
+def test_every_publish_is_a_release_store(report):
+    """Flags, status tags and the error word's code are published with ``st.release.sys`` (a store: no
+    atomic support needed where the target is pinned host memory or a PCIe peer), never an atomic
+    exchange; the barrier rule above holds for them. NVSHMEM's own signal code (put variants) aside."""
+    by_kernel = {}
+    for r in report:
+        by_kernel.setdefault(r["kernel"], []).append(r)
+        if not r["nvshmem"]:
+            assert r["release_exchanges"] == 0, r
+    for k in SIGNALLING | {"routing_kernel", "fail_group_kernel"}:  # flags; error records (word + status)
+        assert all(r["release_stores"] >= 1 for r in by_kernel[k]), by_kernel[k]
+
+
+@pytest.mark.parametrize("line, store, exch", [
+    ("\t{ .reg .pred p; setp.ne.s32 p, %r4, 0; @p st.release.sys.global.b64 [%rd3], %rd4; mov.u32 %r3, 0; }", 1, 0),
+    ("\t@%p1 atom.global.sys.release.exch.b64 %rd3, [ %rd2 + 0 ], %rd4;", 0, 1),
+    ("\tatom.global.acq_rel.sys.exch.b64 %rd3, [%rd2], %rd4;", 0, 1),
+    ("\t@%p1 atom.global.gpu.relaxed.exch.b64 %rd3, [ %rd2 + 0 ], 0;", 0, 0),
+    ("\tst.global.b64 [%rd1], %rd2;", 0, 0)])
+def test_the_release_store_count(line, store, exch):
+    """Control of the two counts: the old publish (an atomic exchange with release) counts as an exchange,
+    the new one as a release store, a relaxed exchange (``arrive``'s reset) and a plain store as neither."""
+    c = ptx_rules.counts(line)
+    assert (c["release_stores"], c["release_exchanges"]) == (store, exch)
 
 
 @pytest.mark.timeout(900)

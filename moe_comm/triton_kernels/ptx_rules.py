@@ -77,6 +77,8 @@ def check(ptx: str, kernel: str, arg_names: list[str]) -> list[str]:
     return problems
 
 
+RELEASE_STORE = re.compile(r"\bst\.[\w.]*release\b")                            # a publish by a plain store
+RELEASE_EXCH = re.compile(r"\batom\.(?=[\w.]*\b(?:release|acq_rel)\b)[\w.]*\bexch\b")  # ... by an atomic
 V4_STORE = re.compile(r"\bst\.global(\.\w+)*\.v4\.b32\b")   # a 16-byte global store
 V4_LOAD = re.compile(r"\bld\.global(\.\w+)*\.v4\.b32\b")    # a 16-byte global load
 F64_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction on float64 (not a .reg line)
@@ -120,11 +122,13 @@ def payload_accesses(ptx: str) -> dict:
 
 
 def counts(ptx: str) -> dict:
-    """How many publishes, acquires, CTA barriers, 16-byte global loads/stores, float64 instructions and
+    """How many publishes (release stores and release atomic exchanges among them), acquires, CTA barriers, 16-byte global loads/stores, float64 instructions and
     approximate float32 divisions (Triton's ``/``) the PTX holds, and the payload copy's accesses
     (``payload_accesses``)."""
     lines = ptx.splitlines()
     return dict(**payload_accesses(ptx), publishes=sum(bool(PUBLISH.search(x)) for x in lines),
+                release_stores=sum(bool(RELEASE_STORE.search(x)) for x in lines),
+                release_exchanges=sum(bool(RELEASE_EXCH.search(x)) for x in lines),
                 acquires=sum(bool(ACQUIRE.search(x)) and not bool(PUBLISH.search(x)) for x in lines),
                 barriers=sum(bool(BARRIER.search(x)) for x in lines),
                 global_stores=sum(bool(GLOBAL_STORE.search(x)) for x in lines),

@@ -64,6 +64,26 @@ else:
                                          is_pure=False, pack=1)
 
 
+if INTERPRET:
+    @triton.jit
+    def release_store(ptrs, value, mask):
+        """Store int64 ``value`` at ``ptrs`` (lanes where ``mask``; all three the same shape) with a
+        release at system scope, ordered after this thread's earlier stores (``publish``: after a CTA
+        barrier, every thread's)."""
+        # The interpreter has no inline PTX; its atomics are as ordered as any store on the CPU.
+        tl.atomic_xchg(ptrs, value, mask=mask, sem="release", scope="sys")
+else:
+    @triton.jit
+    def release_store(ptrs, value, mask):
+        # st.release.sys: a plain store with release semantics, which every target supports. An atomic
+        # (atom.exch) needs atomics the target may lack: pinned host memory (the error word) when the
+        # host has no native atomics with the device (hostNativeAtomicSupported = 0 on many x86 hosts),
+        # and peers reached over PCIe. Every thread holding a lane stores it (the same value).
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l,r", [ptrs, value, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def as_ptr(addr, DTYPE: tl.constexpr):
     """Turn an int64 address (a ``peer_ptrs`` or group-state entry) into a pointer to DTYPE."""
@@ -128,7 +148,8 @@ def record_error(grp, code, op, rank, peer, value, bound):
         tl.store(err + 4, value)
         tl.store(err + 5, bound)
         tl.debug_barrier()
-        tl.atomic_xchg(err, code, sem="release", scope="sys")
+        one = tl.arange(0, 1)
+        release_store(err + one, code + tl.zeros([1], tl.int64), one == 0)
     else:
         tl.store(err + ERR_DROPPED, 1)
 
@@ -147,7 +168,7 @@ def record_group_error(grp, code, op, rank, peer, value, bound, WORLD: tl.conste
             f == 3, peer, tl.where(f == 4, value, tl.where(f == 5, bound, 0)))))).to(tl.int64)
         tl.store(status[:, None] + WORLD + rank * REC_WORDS + f[None, :], rec[None, :], mask=live[:, None])
         tl.debug_barrier()
-        tl.atomic_xchg(status + rank, tl.load(grp + S_EPOCH) + 1, mask=live, sem="release", scope="sys")
+        release_store(status + rank, tl.load(grp + S_EPOCH) + 1 + tl.zeros([WORLD_P2], tl.int64), live)
 
 
 @triton.jit
@@ -240,14 +261,15 @@ def publish(flag_ptr, value):
     """Publish ``value`` at ``flag_ptr`` (int64, usually in a peer's memory) after every prior store of
     this program: a CTA barrier orders the other warps' stores before the one-thread release."""
     tl.debug_barrier()
-    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+    one = tl.arange(0, 1)
+    release_store(flag_ptr + one, value + tl.zeros([1], tl.int64), one == 0)
 
 
 @triton.jit
 def publish_many(flag_ptrs, value, mask):
     """``publish`` to a vector of flags (one per peer, lanes where ``mask``)."""
     tl.debug_barrier()
-    tl.atomic_xchg(flag_ptrs, value, mask=mask, sem="release", scope="sys")
+    release_store(flag_ptrs, value + tl.zeros(mask.shape, tl.int64), mask)
 
 
 @triton.jit
