@@ -122,7 +122,7 @@ def test_every_publish_is_a_release_store(report):
         by_kernel.setdefault(r["kernel"], []).append(r)
         if not r["nvshmem"]:
             assert r["release_exchanges"] == 0, r
-    for k in SIGNALLING | {"routing_kernel", "fail_group_kernel"}:  # flags; error records (word + status)
+    for k in SIGNALLING | WAITING | {"fail_group_kernel"}:  # flags; error records (word and status tags)
         assert all(r["release_stores"] >= 1 for r in by_kernel[k]), by_kernel[k]
 
 
