@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 import traceback
-import uuid
 import weakref
 
 import torch
@@ -434,12 +433,12 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     dev = _as_device(device) if device is not None else _default_device(backend, local_rank)
     barrier = dist.barrier if world > 1 else (lambda: None)
     if backend == "shm":
-        from .heap.shm import ShmHeap  # noqa: PLC0415
+        from .heap.shm import ShmHeap, new_session  # noqa: PLC0415
         if dev.type != "cpu":
             raise ValueError("backend='shm' holds CPU tensors; use 'nvshmem' or 'loopback' on a GPU")
         session = os.environ.get("MOE_COMM_SESSION")
         if session is None:  # not under launch(): agree on a session name through torch.distributed
-            box = [uuid.uuid4().hex[:12]]
+            box = [new_session()]
             if world > 1:
                 dist.broadcast_object_list(box, src=0)
             session = box[0]
@@ -511,7 +510,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     timeout_s = _check_timeout(timeout_s)
     grace_s = 2 * timeout_s + 15 if grace_s is None else grace_s
     ctx = mp.get_context(start_method)
-    port, session = _free_port(), uuid.uuid4().hex[:12]
+    from .heap.shm import new_session  # noqa: PLC0415
+    port, session = _free_port(), new_session()
     procs, conns = [], []
     for r in range(world_size):
         recv_end, send_end = ctx.Pipe(duplex=False)

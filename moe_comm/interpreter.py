@@ -25,6 +25,9 @@ kernel runs (inside the interpreter's own patch scope, undone when the launch en
 - A call of one ``@jit`` helper from another re-patches the language modules in Triton's interpreter
   (a third of the interpreted time of our kernels); inside a launch they are patched already, so nested
   calls go straight to the rewritten function.
+
+``MOE_COMM_INTERPRET_ORDER`` (``moe_comm/interpret_order.py``) runs the programs of our interpreted
+launches in reverse or random order instead of grid order (a test of order independence).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import threading
 import types
 
 import torch
+
+from . import interpret_order
 
 ENV = "MOE_COMM_INTERPRET"
 TWIN_ROOT = "moe_comm._interpreted"   # package under which kernel modules are imported interpreted
@@ -59,8 +64,10 @@ def kernel_for(fn, device):
     if not use_interpreter(device) or _is_interpreted(fn):
         return fn
     if fn.fn.__module__.startswith(_ROOT + "."):
-        return getattr(twin_module(fn.fn.__module__), fn.fn.__name__)
-    return _foreign(fn)
+        interpreted = getattr(twin_module(fn.fn.__module__), fn.fn.__name__)
+    else:
+        interpreted = _foreign(fn)
+    return interpret_order.ordered(interpreted, fn.fn.__name__)  # MOE_COMM_INTERPRET_ORDER (testing)
 
 
 _FOREIGN: dict = {}

@@ -3,6 +3,10 @@
 Nothing here reads a device value: every size follows from the capacities the caller declared
 (``max_rows_per_peer``, ``max_tokens_per_rank``, ...), so plans are fixed for the life of a buffer and
 every launch is capturable in a CUDA graph.
+
+The launch shapes follow the device: wide grids on CUDA, few wide programs for the CPU interpreter.
+``MOE_COMM_LAUNCH_SHAPES=gpu`` plans CPU launches with the CUDA shapes too (a test setting: the interpreter
+then runs the multi-program grids a GPU would, slowly; see docs/testing.md).
 """
 
 from __future__ import annotations
@@ -10,9 +14,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 from .protocol import VEC_BYTES
+
+SHAPES_ENV = "MOE_COMM_LAUNCH_SHAPES"
+SHAPES = ("auto", "gpu")   # auto: by the device; gpu: CUDA launch shapes on every device
 
 # GPU launch shape: enough programs per peer to keep many SMs busy on large payloads.
 GPU_TARGET_PROGRAMS = 132
@@ -20,6 +29,15 @@ GPU_TARGET_PROGRAMS = 132
 # instead of four dependent 4 KB ones (the same reasoning as GPU_EP_COPY_WORDS below).
 GPU_BLOCK_BYTES = 16384
 GPU_TILE_ELEMS = 1024  # elements of one register tile (8 per thread at 4 warps)
+
+def gpu_shapes(device) -> bool:
+    """Plan ``device``'s launches with the CUDA shapes: on CUDA, or everywhere when SHAPES_ENV is 'gpu'."""
+    mode = os.environ.get(SHAPES_ENV, "auto").strip().lower() or "auto"
+    if mode not in SHAPES:
+        raise ValueError(f"{SHAPES_ENV}={os.environ[SHAPES_ENV]!r} is not valid: set it to one of "
+                         f"{', '.join(SHAPES)} (or unset it)")
+    return mode == "gpu" or torch.device(device).type == "cuda"
+
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
@@ -60,7 +78,7 @@ def vector_aligned(*tensors) -> bool:
 def plan_copy(row_bytes: int, max_rows: int, world: int, device: torch.device) -> CopyPlan:
     word = torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.uint8
     row_words = row_bytes // elem_size(word)
-    if device.type == "cuda":
+    if gpu_shapes(device):
         block_words = min(next_pow2(row_words), GPU_BLOCK_BYTES // elem_size(word))
         block_rows = 1 if row_words >= block_words else max(1, min(16, block_words // next_pow2(row_words)))
         blocks_needed = math.ceil(max_rows / block_rows)
@@ -272,7 +290,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
     groups = hidden // FP8_GROUP
     pow2_groups = groups & -groups if groups else 1  # largest power of two dividing the group count
     slots = next_pow2(topk)
-    if device.type == "cuda":
+    if gpu_shapes(device):
         block_tokens, block_slots = 1, next_pow2(topk)
         tile = GPU_TILE_ELEMS
         # One register tile stored to each destination in turn (copy.py): the tile no longer grows with

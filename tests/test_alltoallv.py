@@ -11,10 +11,7 @@ from moe_comm import AllToAllvDynamic, CapacityError, CommTimeoutError, LaunchEr
 from moe_comm.planner import plan_alltoallv
 
 from a2a_cases import CAP, make_counts, make_sends, poison, run_loopback_cases, run_shm_cases
-
-
-def _shm_files():
-    return [f for f in os.listdir("/dev/shm") if f.startswith("moecomm_")]
+from shm_files import own_shm_files
 
 
 @pytest.mark.timeout(300)
@@ -23,7 +20,7 @@ def test_matrix_shm(world):
     """bf16/float32/int32 x rows (64,)/(3,32) x random/zeros/one-destination/full counts, both directions."""
     errs = moe_comm.launch(run_shm_cases, world, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 @pytest.mark.timeout(300)
@@ -100,7 +97,7 @@ def test_dead_peer_gives_comm_timeout_naming_it():
         assert timeout_s * 0.9 <= waited <= 2 * timeout_s, waited
         assert "peer rank 1" in msg
     assert time.monotonic() - t0 < 60
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 def test_lying_device_counts_write_nothing_out_of_bounds():

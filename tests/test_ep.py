@@ -17,13 +17,10 @@ from moe_comm.triton_kernels.routing import compute_routing
 
 from ep_cases import (Config, check_dispatch, expert_fn, expert_outputs, make_inputs, poison,
                       run_loopback_cases, run_shm_cases, snapshot)
+from shm_files import own_shm_files
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _shm_files():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("moecomm_"))
 
 
 def _round_trip(eps, xs, idxs, ws, outs=None):
@@ -57,10 +54,9 @@ def test_matrix_shm(world):
     """Per world: 5 configs (experts/rank 4-16, hidden 128/256, topk 1/2/4, bf16/fp16/fp32, fp8) x
     routings (random with -1, skewed to one expert, all experts on one rank, a duplicated expert, none),
     T in {0, 1, odd, max}; exact counts, order, src, payloads and combine; send+recv == both."""
-    before = _shm_files()
     errs = moe_comm.launch(run_shm_cases, world, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
-    assert [f for f in _shm_files() if f not in before] == []
+    assert own_shm_files() == []
 
 
 @pytest.mark.timeout(240)

@@ -11,12 +11,10 @@ import torch
 import moe_comm
 from moe_comm import CommTimeoutError, EPBuffer, LaunchError
 
+from shm_files import own_shm_files
+
 
 TIMEOUT_S = 3.0
-
-
-def _shm_files():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("moecomm_"))
 
 
 def _die_before(group, where):
@@ -47,7 +45,6 @@ def _die_before(group, where):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("where", ["dispatch", "combine"])
 def test_killed_peer_is_named(where):
-    before = _shm_files()
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_die_before, 3, where, backend="shm", timeout_s=TIMEOUT_S)
@@ -61,7 +58,7 @@ def test_killed_peer_is_named(where):
         assert (got["op"], got["peer"]) == (where, 1) and got["rank"] in (0, 2), got
         assert got["seconds"] < 2 * TIMEOUT_S + 2, got
     assert time.monotonic() - t0 < 120
-    assert [f for f in _shm_files() if f not in before] == []
+    assert own_shm_files() == []
 
 
 def test_silent_peer_on_loopback_times_out_naming_it():

@@ -22,6 +22,7 @@ from moe_comm import AllToAllvDynamic, EPBuffer, GroupError, LaunchError
 from moe_comm.recovery import recover
 
 from fault_cases import check_rank, expert, step_inputs
+from shm_files import own_shm_files
 
 E_PER_RANK, H, M, K = 2, 64, 2, 2
 CAP_A2A, ROW = 3, (8,)
@@ -73,10 +74,6 @@ def _serve(group, steps, kills):
                 excluded_slots=int(ep.excluded_slots), dropped_rows=int(a2a.dropped_rows))
 
 
-def _shm_files():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("moecomm_")}
-
-
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("world,steps,seed", [(3, 300, 1), (4, 120, 2)])
 def test_killed_ranks_are_excluded_and_the_rest_stays_exact(world, steps, seed):
@@ -84,7 +81,6 @@ def test_killed_ranks_are_excluded_and_the_rest_stays_exact(world, steps, seed):
     first, second = rng.randrange(20, steps // 2), rng.randrange(steps // 2 + 10, steps - 20)
     victims = rng.sample(range(world), 2)
     kills = {first: (victims[0], rng.choice(WHERE)), second: (victims[1], rng.choice(WHERE))}
-    before = _shm_files()
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_serve, world, steps, kills, backend="shm", timeout_s=TIMEOUT_S, grace_s=1200)
@@ -106,4 +102,4 @@ def test_killed_ranks_are_excluded_and_the_rest_stays_exact(world, steps, seed):
         assert any(f"excluded:[{victims[0]}]" in entry or f"excluded:{sorted(victims[:1])}" in entry
                    for entry in log), log
         assert out["excluded_slots"] > 0
-    assert not (_shm_files() - before)
+    assert own_shm_files() == []

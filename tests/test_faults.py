@@ -18,11 +18,9 @@ from moe_comm import (AllToAllvDynamic, CapacityError, ClosedError, CommAbortedE
                       reference)
 from moe_comm.planner import plan_ep
 
+from shm_files import own_shm_files
+
 E, H, M, K = 8, 128, 3, 2   # experts, hidden, max tokens per rank, top-k of the EP cases below
-
-
-def _shm_files():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("moecomm_"))
 
 
 def _inputs(world, seed, tokens=M):
@@ -382,7 +380,7 @@ def test_over_capacity_count_never_shifts_another_ranks_rows():
     assert torch.equal(results[2][2][0], sends[0][8:10])  # rows 8, 9: not 5, 6 (rank 1's excess)
     back0 = results[0][3]
     assert torch.equal(back0[[0, 1, 2, 3, 4, 8, 9]], sends[0][[0, 1, 2, 3, 4, 8, 9]])
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 def _late_to_barrier(group):

@@ -9,10 +9,9 @@ import torch
 
 import moe_comm
 from moe_comm import CommTimeoutError, LaunchError
+from moe_comm.heap.shm import SHM_DIR, pid_prefix, session_prefix
 
-
-def _shm_files():
-    return [f for f in os.listdir("/dev/shm") if f.startswith("moecomm_")]
+from shm_files import own_shm_files
 
 
 def _describe(group, tag):
@@ -31,7 +30,7 @@ def test_launch_returns_rank_ordered_results_and_heap_maps_peers():
     out = moe_comm.launch(_describe, 3, "x", backend="shm", timeout_s=20)
     assert [o[:5] for o in out] == [("x", r, 3, "shm", "cpu") for r in range(3)]
     assert all(o[5] == [10, 11, 12] for o in out)
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 def _raise_on_rank2(group):
@@ -68,7 +67,7 @@ def test_barrier_with_dead_peer_raises_comm_timeout_naming_it():
     assert set(err.failures) == {0} and "exit code 7" in err.failures[0]
     op, peer, waited = err.results[1]
     assert (op, peer) == ("barrier", 0) and waited < 4
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 def test_init_world1_without_torch_distributed():
@@ -78,7 +77,7 @@ def test_init_world1_without_torch_distributed():
         g.barrier()
         g.check()
         assert "CommGroup(rank=0" in repr(g)
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 def test_loopback_groups_share_one_heap():
@@ -127,3 +126,26 @@ def test_error_word_decoding():
     assert isinstance(decode_error([ERR_CAPACITY, 0, 1, 2, 9, 4], 1.0), moe_comm.CapacityError)
     assert isinstance(decode_error([ERR_INDEX, 2, 1, 0, 300, 256], 1.0), moe_comm.InvalidIndexError)
     assert decode_error([0] * 8, 1.0) is None
+
+
+def _session(group):
+    return os.environ["MOE_COMM_SESSION"]
+
+
+def test_leak_check_sees_only_this_processs_sessions():
+    """A launch's files are named after the launching process: another run's file on the host (here a
+    fake one of pid 1's sessions) does not fail the leak check, a file of this process's does."""
+    sessions = moe_comm.launch(_session, 2, backend="shm", timeout_s=20)
+    assert sessions[0] == sessions[1] and sessions[0].startswith(f"{os.getpid()}-")
+    other = os.path.join(SHM_DIR, f"{pid_prefix(1)}0123456789ab_0_0")
+    own = os.path.join(SHM_DIR, f"{session_prefix(sessions[0])}0_0")
+    try:
+        open(other, "wb").close()
+        moe_comm.launch(_describe, 2, "y", backend="shm", timeout_s=20)
+        assert own_shm_files() == []
+        open(own, "wb").close()
+        assert own_shm_files() == [os.path.basename(own)]
+    finally:
+        for path in (other, own):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -3,12 +3,15 @@
 Each rank creates one file per buffer, every rank maps every peer's file, and once all have mapped them
 the files are unlinked: the mappings stay valid and nothing can leak, even if a process is killed later.
 ``moe_comm.launch`` also removes any file of its session left by a rank that died mid-allocation.
+A session is named after the process that starts it (``new_session``), so that a check for leaked files
+can tell its own sessions from those of any other run on the same host (``pid_prefix``).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import uuid
 
 import torch
 
@@ -17,6 +20,16 @@ from .control import ControlledHeap, control_shape
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moecomm_"
+
+
+def new_session() -> str:
+    """A fresh session name: this process's pid, then 12 random hex digits."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def pid_prefix(pid: int) -> str:
+    """The start of every file name of the sessions that process ``pid`` started."""
+    return f"{PREFIX}{pid}-"
 
 
 def session_prefix(session: str) -> str:

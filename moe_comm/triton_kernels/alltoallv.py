@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .copy import address, copy_rows
-from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, record_error,
-                   wait_flag)
+from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
+                   record_error, wait_flags)
 from .transport import deliver, dest, put_peers
 
 
@@ -51,7 +51,8 @@ def forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, dropped_ptr, pe
     taken as 0), so one destination's excess never shifts another's rows. What is sent is clamped to
     the capacity, to the rows that exist (N), and to 0 for an excluded peer. With ``keep`` (one
     program per peer) stores the count and offset for the reverse, adds rows addressed to an excluded
-    peer to ``dropped``, and records a count that had to be clamped (CapacityError)."""
+    peer to ``dropped``, and records a count that had to be clamped (CapacityError; of several, the
+    lowest destination's)."""
     w = tl.arange(0, WORLD_P2)
     raw = tl.load(counts_ptr + w, mask=w < WORLD, other=0).to(tl.int64)
     given = tl.maximum(raw, 0)
@@ -66,10 +67,15 @@ def forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, dropped_ptr, pe
         tl.store(kept_offsets_ptr + peer, my_off)
         if live == 0:
             tl.atomic_add(dropped_ptr, my_cnt, sem="relaxed")
-        if (my_raw < 0) | (my_raw > max_rows):
-            record_error(grp, ERR_CAPACITY, OP, rank, peer, my_raw, max_rows)
-        elif my_off + my_raw > n_rows:
-            record_error(grp, ERR_CAPACITY, OP, rank, peer, my_off + my_raw, n_rows)
+        # Only the lowest destination with a bad count is recorded, by its own program: the error a
+        # call reports does not depend on which program runs first.
+        over = (raw < 0) | (raw > max_rows)
+        past = (offs + raw > n_rows) & (w < WORLD)
+        if peer == tl.min(tl.where(over | past, w, WORLD_P2)):
+            if (my_raw < 0) | (my_raw > max_rows):
+                record_error(grp, ERR_CAPACITY, OP, rank, peer, my_raw, max_rows)
+            else:
+                record_error(grp, ERR_CAPACITY, OP, rank, peer, my_off + my_raw, n_rows)
     return tl.where(live, my_cnt, 0), my_off
 
 
@@ -151,8 +157,12 @@ def a2a_recv_kernel(
     ctrl = ctrl_ptr + (zone * WORLD + src) * 2
     arrived = is_live(grp, src)
     if arrived:  # an excluded source sends nothing and is not waited for
-        arrived = wait_flag(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), grp, status_ptr, OP, rank, src,
-                            WORLD, WORLD_P2)
+        # Every source's flag is a lane (a timeout names the lowest missing source, whichever program
+        # times out first: sync.lowest_missing); this program waits for src's only.
+        w = tl.arange(0, WORLD_P2)
+        ok = wait_flags(ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call), w == src,
+                        w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+        arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.
         cnt = tl.minimum(tl.maximum(tl.load(ctrl, volatile=True), 0), max_rows)

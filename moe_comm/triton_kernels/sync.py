@@ -206,9 +206,10 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     whole program read the payload those flags cover. A wait that cannot complete returns with the
     missing lanes False, having recorded why as a group-wide error: a peer published ABORT for this call,
     or a flag of a later call of this epoch (out of step), or the group failed meanwhile (another rank's
-    error, adopted here), or the timeout passed (naming the lowest missing peer). With ``ABORT_ARRIVES``
-    a peer's ABORT for the call counts as arrived (``drain_kernel``: any sign that the peer is done
-    with the call before it).
+    error, adopted here), or the timeout passed (naming ``lowest_missing``: the same peer whichever
+    program of the launch times out first, so callers pass every live peer's flag as a lane, and
+    ``mask`` only the ones this program waits for). With ``ABORT_ARRIVES`` a peer's ABORT for the call
+    counts as arrived (``drain_kernel``: any sign that the peer is done with the call before it).
     """
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
@@ -240,12 +241,30 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
             elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 state = 2
             elif now_ns() - t0 > timeout_ns:
-                record_group_error(grp, ERR_TIMEOUT, op, rank, first_peer, seen, target & CALL_MASK, WORLD, WORLD_P2)
+                late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD, WORLD_P2)
+                record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD, WORLD_P2)
                 state = 2
             else:
                 v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
     tl.debug_barrier()  # the whole program sees the payload the flags cover
     return tl.where(mask, v == target, False)
+
+
+@triton.jit
+def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """Whom a timed-out wait names, and that peer's flag's call: the lowest live rank among ``peers``
+    (every lane, waited for or not) whose flag is not ``target`` now. Programs of one launch wait for
+    different peers and the first to time out records the group's error: naming the lowest missing
+    peer of all makes it the same whichever program that is (with two peers dead, always the lower).
+    ``first_peer``/``seen``: the waited lanes' answer, kept if every flag arrived meanwhile."""
+    known = (peers < WORLD) & (tl.load(grp + S_LIVE + peers, mask=peers < WORLD, other=0) != 0)
+    v = tl.atomic_add(flag_ptrs, 0, mask=known, sem="acquire", scope="sys")
+    late = tl.min(tl.where(known & (v != target), peers, WORLD_P2))
+    late_seen = tl.max(tl.where(known & (peers == late), v & CALL_MASK, 0))
+    if late >= WORLD_P2:
+        late = first_peer
+        late_seen = seen
+    return late, late_seen
 
 
 @triton.jit
