@@ -378,7 +378,8 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     if backend == "auto":
         backend = "nvshmem" if torch.cuda.is_available() else "shm"
     dev = _as_device(device) if device is not None else _default_device(backend, local_rank)
-    barrier = dist.barrier if world > 1 else (lambda: None)
+    from .heap.control import group_store  # noqa: PLC0415
+    store = group_store(world)   # the control plane (heap/control.py): never a mapping of a peer
     if backend == "shm":
         from .heap.shm import ShmHeap  # noqa: PLC0415
         if dev.type != "cpu":
@@ -389,10 +390,10 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
             if world > 1:
                 dist.broadcast_object_list(box, src=0)
             session = box[0]
-        heap = ShmHeap(rank, world, session, barrier, timeout_s)
+        heap = ShmHeap(rank, world, session, store, timeout_s)
     else:
         from .heap.nvshmem import NvshmemHeap  # noqa: PLC0415
-        heap = NvshmemHeap(rank, world, dev, timeout_s)
+        heap = NvshmemHeap(rank, world, dev, timeout_s, store)
     return CommGroup(heap, backend, timeout_s, owns_dist=owns)
 
 
@@ -429,7 +430,7 @@ def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, co
     _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      MOE_COMM_SESSION=session)
+                      MOE_COMM_SESSION=session, TORCHELASTIC_USE_AGENT_STORE="True")  # store: launch()'s
     try:
         with init(backend, timeout_s=timeout_s) as group:
             result = fn(group, *args)
@@ -458,6 +459,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     grace_s = 2 * timeout_s + 15 if grace_s is None else grace_s
     ctx = mp.get_context(start_method)
     port, session = _free_port(), uuid.uuid4().hex[:12]
+    from .heap.control import launcher_store  # noqa: PLC0415
+    store = launcher_store(port, world_size)  # hosted here, so it outlives any rank (heap/control.py)
     procs, conns = [], []
     for r in range(world_size):
         recv_end, send_end = ctx.Pipe(duplex=False)
@@ -503,6 +506,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                 p.join()
         from .heap.shm import remove_session_files  # noqa: PLC0415
         remove_session_files(session)
+        del store
     if failures:
         raise LaunchError(failures, results)
     return results

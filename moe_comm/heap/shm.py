@@ -13,7 +13,7 @@ import os
 import torch
 
 from .base import SymmetricBuffer, nbytes_of
-from .control import ControlledHeap, control_shape
+from .control import ControlledHeap
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moecomm_"
@@ -49,37 +49,27 @@ def _map_file(path: str, nbytes: int, create: bool) -> mmap.mmap:
 
 
 class ShmHeap(ControlledHeap):
-    """``session`` names this launch's files; ``barrier_fn`` is a bootstrap barrier (torch.distributed),
-    used only until the heap's own control block exists."""
+    """``session`` names this launch's files; ``store`` is the group's torch.distributed store (the
+    control plane, ``control.py``)."""
 
     kind = "shm"
 
-    def __init__(self, rank: int, world_size: int, session: str, barrier_fn, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, session: str, store, timeout_s: float):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
-        self.session, self.timeout_s, self._bootstrap_barrier = session, timeout_s, barrier_fn
+        self.session, self.timeout_s = session, timeout_s
         self._next = 0
         self._live: dict[int, list] = {}  # k -> [mmaps, uint8 views, SymmetricBuffer] of every rank's copy
         self._excluded: set[int] = set()
-        self._control = None
-        barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
-        recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
-        self._start_control(self._peer_views(barrier_buf), self._peer_views(recovery_buf))
+        self._start_control(store)
 
     def _path(self, rank: int, k: int) -> str:
         return os.path.join(SHM_DIR, f"{session_prefix(self.session)}{rank}_{k}")
-
-    def _peer_views(self, buf: SymmetricBuffer) -> list[torch.Tensor]:
-        """Every rank's copy of ``buf`` as a tensor of its shape and dtype (all mapped in this process)."""
-        _, views, _ = self._live[buf.handle]
-        nbytes = buf.local.numel() * buf.local.element_size()
-        return [v[:nbytes].view(buf.local.dtype).view(buf.local.shape) for v in views]
 
     def alloc(self, name, shape, dtype) -> SymmetricBuffer:
         k, nbytes = self._next, max(nbytes_of(shape, dtype), 64)
         self._next += 1
         maps = [None] * self.world_size
-        # Once the heap's own control block exists, use it: it is bounded and names a missing peer.
-        sync = self._sync_live if self._control is not None else self._bootstrap_barrier
+        sync = self._sync_live  # bounded, names a missing peer
         maps[self.rank] = _map_file(self._path(self.rank, k), nbytes, create=True)
         sync()  # every file exists
         for j in range(self.world_size):
