@@ -14,13 +14,14 @@ class SymmetricBuffer:
     name: str
     local: torch.Tensor      # this rank's copy, [*shape] dtype, on the heap's device; zeroed at allocation
     peer_ptrs: torch.Tensor  # int64 [world] on the heap's device: peer_ptrs[j] = address of rank j's copy, usable here
-    handle: object = None    # heap-private bookkeeping
+    handle: object = None    # heap-private bookkeeping (the shm heap: the allocation index)
+    wire: object = None      # CPU emulated nodes: how unmapped peers (peer_ptrs 0) are reached (wire.py)
 
     def __post_init__(self):
         if self.local.device.type == "cpu":  # interpreted puts find peers' copies here (peer_map.py)
             from . import peer_map  # noqa: PLC0415
             peer_map.register(self.local.data_ptr(), self.local.numel() * self.local.element_size(),
-                              self.peer_ptrs)
+                              self.peer_ptrs, self.handle, self.wire)
 
 
 class Heap:
