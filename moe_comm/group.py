@@ -185,12 +185,21 @@ class CommGroup:
             self.state, ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, self.timeout_ns,
             WORLD=w, WORLD_P2=1 << max(w - 1, 0).bit_length())
         self.synchronize()
+        # Ranks that do not map this one's status (another node) read the record from the control plane.
+        record = [ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, 0, self.timeout_ns]
+        self.heap.post_failure(self.epoch, record + [0] * (protocol.REC_WORDS - len(record)))
 
     def _raise_if_failed(self) -> None:
         """Raise the group-wide error broadcast into this rank's status, if any (host read of the status
         tags; on CUDA a copy). The device keeps the record: the same named error as the kernels adopt."""
         self.check()
         w = self.world_size
+        posted = self.heap.posted_failure(self.epoch)
+        if posted is not None and self._live[posted[2]]:   # adopt it as a broadcast record of its rank
+            j = posted[2]
+            self.status.local[w + j * protocol.REC_WORDS: w + (j + 1) * protocol.REC_WORDS] = torch.tensor(
+                posted, dtype=torch.int64)
+            self.status.local[j] = self.epoch + 1
         tags = self.status.local[:w].tolist()
         for j in range(w):
             if self._live[j] and tags[j] == self.epoch + 1:

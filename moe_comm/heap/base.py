@@ -60,6 +60,15 @@ class Heap:
         """For every rank: is its memory mapped here (load/store)? The CPU heaps map every peer."""
         return [True] * self.world_size
 
+    def post_failure(self, epoch: int, record: list[int]) -> None:
+        """Leave a group-wide error the host found (``record``: the status record words) where ranks that
+        do not map this one's memory can read it (``posted_failure``). Heaps that map every peer need not:
+        the kernels' status broadcast reaches them."""
+
+    def posted_failure(self, epoch: int) -> list[int] | None:
+        """The first record ``post_failure`` left in ``epoch``, or None."""
+        return None
+
     def release_peer(self, peer: int) -> None:
         """``peer`` is excluded and will never be addressed again: point every live buffer's
         ``peer_ptrs[peer]`` at this rank's own copy (an address that stays valid) and drop this process's

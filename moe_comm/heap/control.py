@@ -33,6 +33,7 @@ PAYLOAD_WORDS = 8   # all-gather payload: up to 8 int64 words per rank (a kind +
 POLL_S = 0.0005     # between two checks of the store while waiting
 STORE_HOST_RANK = 0  # named when the store itself stops answering (see the module docstring)
 NAMESPACE = "moe_comm"
+FAILED = "failed/{}"  # key: the first group-wide error the host found in epoch {} (post_failure)
 
 
 def group_store(world: int):
@@ -132,6 +133,20 @@ class ControlledHeap(Heap):
 
     def realign_barriers(self, base: int) -> None:
         self._control.realign(base)
+
+    def post_failure(self, epoch: int, record: list[int]) -> None:
+        if not all(self.reachable()):   # first record of the epoch wins (compare-and-set on an absent key)
+            value = ",".join(str(int(v)) for v in record)
+            self._control._store(lambda: self._control.store.compare_set(FAILED.format(epoch), "", value),
+                                 "barrier")
+
+    def posted_failure(self, epoch: int) -> list[int] | None:
+        if all(self.reachable()):
+            return None
+        key, block = FAILED.format(epoch), self._control
+        if not block._store(lambda: block.store.check([key]), "barrier"):
+            return None
+        return [int(v) for v in block._store(lambda: block.store.get(key), "barrier").decode().split(",")]
 
     def release_peer(self, peer: int) -> None:
         self._excluded.add(peer)
