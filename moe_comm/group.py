@@ -226,12 +226,21 @@ class CommGroup:
             self.state, ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, self.timeout_ns,
             WORLD=w, WORLD_P2=1 << max(w - 1, 0).bit_length())
         self.synchronize()
+        # Ranks that do not map this one's status (another node) read the record from the control plane.
+        record = [ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, 0, self.timeout_ns]
+        self.heap.post_failure(self.epoch, record + [0] * (protocol.REC_WORDS - len(record)))
 
     def _raise_if_failed(self) -> None:
         """Raise the group-wide error broadcast into this rank's status, if any (host read of the status
         tags; on CUDA a copy). The device keeps the record: the same named error as the kernels adopt."""
         self.check()
         w = self.world_size
+        posted = self.heap.posted_failure(self.epoch)
+        if posted is not None and self._live[posted[2]]:   # adopt it as a broadcast record of its rank
+            j = posted[2]
+            self.status.local[w + j * protocol.REC_WORDS: w + (j + 1) * protocol.REC_WORDS] = torch.tensor(
+                posted, dtype=torch.int64)
+            self.status.local[j] = self.epoch + 1
         tags = self.status.local[:w].tolist()
         for j in range(w):
             if self._live[j] and tags[j] == self.epoch + 1:
@@ -431,7 +440,8 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     if backend == "auto":
         backend = "nvshmem" if torch.cuda.is_available() else "shm"
     dev = _as_device(device) if device is not None else _default_device(backend, local_rank)
-    barrier = dist.barrier if world > 1 else (lambda: None)
+    from .heap.control import group_store  # noqa: PLC0415
+    store = group_store(world)   # the control plane (heap/control.py): never a mapping of a peer
     if backend == "shm":
         from .heap.shm import ShmHeap, new_session  # noqa: PLC0415
         if dev.type != "cpu":
@@ -442,10 +452,10 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
             if world > 1:
                 dist.broadcast_object_list(box, src=0)
             session = box[0]
-        heap = ShmHeap(rank, world, session, barrier, timeout_s)
+        heap = ShmHeap(rank, world, session, store, timeout_s)
     else:
         from .heap.nvshmem import NvshmemHeap  # noqa: PLC0415
-        heap = NvshmemHeap(rank, world, dev, timeout_s)
+        heap = NvshmemHeap(rank, world, dev, timeout_s, store)
     return CommGroup(heap, backend, timeout_s, owns_dist=owns)
 
 
@@ -482,7 +492,7 @@ def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, co
     _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      MOE_COMM_SESSION=session)
+                      MOE_COMM_SESSION=session, TORCHELASTIC_USE_AGENT_STORE="True")  # store: launch()'s
     try:
         with init(backend, timeout_s=timeout_s) as group:
             result = fn(group, *args)
@@ -512,6 +522,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     ctx = mp.get_context(start_method)
     from .heap.shm import new_session  # noqa: PLC0415
     port, session = _free_port(), new_session()
+    from .heap.control import launcher_store  # noqa: PLC0415
+    store = launcher_store(port, world_size)  # hosted here, so it outlives any rank (heap/control.py)
     procs, conns = [], []
     for r in range(world_size):
         recv_end, send_end = ctx.Pipe(duplex=False)
@@ -557,6 +569,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                 p.join()
         from .heap.shm import remove_session_files  # noqa: PLC0415
         remove_session_files(session)
+        del store
     if failures:
         raise LaunchError(failures, results)
     return results

@@ -2,9 +2,13 @@
 every rank (dispatch -> combine and an AllToAllvDynamic round trip) and the check of one rank's results
 against the references, with invalid ids unrouted and excluded ranks' experts and rows dropped."""
 
+import os
+import threading
+
 import torch
 
-from moe_comm import reference
+from moe_comm import AllToAllvDynamic, EPBuffer, GroupError, reference
+from moe_comm.recovery import recover
 
 
 def step_inputs(seed, world, E, M, K, H, cap, row, fault=None):
@@ -59,3 +63,54 @@ def check_rank(rank, inputs, d, y, res, back, E, M, cap, excluded=()):
         if not torch.equal(back[off:off + n], sends[rank][off:off + n] * 3):
             errs.append(f"a2a reverse rows for {j}")
     return errs
+
+
+E_PER_RANK, H, M, K = 2, 64, 2, 2
+CAP_A2A, ROW = 3, (8,)
+
+
+def _die(where, now):
+    if where == "inside_wait":  # the peers have sent; this rank's receive is spinning when the timer fires
+        threading.Timer(0.05, os._exit, (9,)).start()
+    elif now:
+        os._exit(9)
+
+
+def serve(group, steps, kills):
+    """A serving loop of dispatch -> combine and AllToAllvDynamic round trips on one rank, recovering
+    (``recover``: reset, exclude who does not come) after every group error. kills: {step: (rank, where)}
+    with where in before_send | between_phases | inside_wait | between_ops. Returns per step 'exact' |
+    'error:<name>' | 'error:<name>;excluded:<ranks>', the mismatches and the survivors' statistics."""
+    world, me = group.world_size, group.rank
+    E = E_PER_RANK * world
+    ep = EPBuffer(group, E, H, M, K)
+    a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
+    log, mismatches = [], []
+    for step in range(steps):
+        inputs = step_inputs(5000 + step, world, E, M, K, H, CAP_A2A, ROW)
+        xs, idxs, ws, sends, counts = inputs
+        dead = set(range(world)) - set(group.live_ranks)
+        who, where = kills.get(step, (None, None))
+        mine = who == me
+        try:
+            if mine and where == "before_send":
+                _die(where, True)
+            ep.dispatch(xs[me], idxs[me], phase="send")
+            if mine and where in ("between_phases", "inside_wait"):
+                _die(where, where == "between_phases")
+            d = ep.dispatch(phase="recv")
+            if mine and where == "between_ops":
+                _die(where, True)
+            y = ep.combine(expert(d.x), ws[me], d.handle)
+            res = a2a(sends[me], counts[me])
+            back = a2a.combine(res.recv * 3, res.handle)
+            errs = check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
+            mismatches += [f"step {step}: {e}" for e in errs]
+            log.append("exact")
+        except GroupError as err:
+            log.append(f"error:{type(err).__name__}")
+            excluded = recover([group])   # reset; a rank that does not come to it is gone: exclude it
+            if excluded:
+                log[-1] += f";excluded:{excluded}"
+    return dict(log=log, mismatches=mismatches, live=group.live_ranks,
+                excluded_slots=int(ep.excluded_slots), dropped_rows=int(a2a.dropped_rows))

@@ -9,69 +9,19 @@ surviving ranks with the excluded ranks' experts unrouted and their rows dropped
 left, no /dev/shm file left.
 """
 
-import os
 import random
-import threading
 import time
 
 import pytest
-import torch
 
 import moe_comm
-from moe_comm import AllToAllvDynamic, EPBuffer, GroupError, LaunchError
-from moe_comm.recovery import recover
+from moe_comm import LaunchError
 
-from fault_cases import check_rank, expert, step_inputs
+from fault_cases import serve as _serve
 from shm_files import own_shm_files
 
-E_PER_RANK, H, M, K = 2, 64, 2, 2
-CAP_A2A, ROW = 3, (8,)
 TIMEOUT_S = 1.5
 WHERE = ("before_send", "between_phases", "inside_wait", "between_ops")
-
-
-def _die(where, now):
-    if where == "inside_wait":  # the peers have sent; this rank's receive is spinning when the timer fires
-        threading.Timer(0.05, os._exit, (9,)).start()
-    elif now:
-        os._exit(9)
-
-
-def _serve(group, steps, kills):
-    """kills: {step: (rank, where)}. Returns per step 'exact' | 'error:<name>' | 'excluded:<ranks>'."""
-    world, me = group.world_size, group.rank
-    E = E_PER_RANK * world
-    ep = EPBuffer(group, E, H, M, K)
-    a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
-    log, mismatches = [], []
-    for step in range(steps):
-        inputs = step_inputs(5000 + step, world, E, M, K, H, CAP_A2A, ROW)
-        xs, idxs, ws, sends, counts = inputs
-        dead = set(range(world)) - set(group.live_ranks)
-        who, where = kills.get(step, (None, None))
-        mine = who == me
-        try:
-            if mine and where == "before_send":
-                _die(where, True)
-            ep.dispatch(xs[me], idxs[me], phase="send")
-            if mine and where in ("between_phases", "inside_wait"):
-                _die(where, where == "between_phases")
-            d = ep.dispatch(phase="recv")
-            if mine and where == "between_ops":
-                _die(where, True)
-            y = ep.combine(expert(d.x), ws[me], d.handle)
-            res = a2a(sends[me], counts[me])
-            back = a2a.combine(res.recv * 3, res.handle)
-            errs = check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
-            mismatches += [f"step {step}: {e}" for e in errs]
-            log.append("exact")
-        except GroupError as err:
-            log.append(f"error:{type(err).__name__}")
-            excluded = recover([group])   # reset; a rank that does not come to it is gone: exclude it
-            if excluded:
-                log[-1] += f";excluded:{excluded}"
-    return dict(log=log, mismatches=mismatches, live=group.live_ranks,
-                excluded_slots=int(ep.excluded_slots), dropped_rows=int(a2a.dropped_rows))
 
 
 @pytest.mark.timeout(1500)

@@ -14,13 +14,14 @@ class SymmetricBuffer:
     name: str
     local: torch.Tensor      # this rank's copy, [*shape] dtype, on the heap's device; zeroed at allocation
     peer_ptrs: torch.Tensor  # int64 [world] on the heap's device: peer_ptrs[j] = address of rank j's copy, usable here
-    handle: object = None    # heap-private bookkeeping
+    handle: object = None    # heap-private bookkeeping (the shm heap: the allocation index)
+    wire: object = None      # CPU emulated nodes: how unmapped peers (peer_ptrs 0) are reached (wire.py)
 
     def __post_init__(self):
         if self.local.device.type == "cpu":  # interpreted puts find peers' copies here (peer_map.py)
             from . import peer_map  # noqa: PLC0415
             peer_map.register(self.local.data_ptr(), self.local.numel() * self.local.element_size(),
-                              self.peer_ptrs)
+                              self.peer_ptrs, self.handle, self.wire)
 
 
 class Heap:
@@ -58,6 +59,15 @@ class Heap:
     def reachable(self) -> list[bool]:
         """For every rank: is its memory mapped here (load/store)? The CPU heaps map every peer."""
         return [True] * self.world_size
+
+    def post_failure(self, epoch: int, record: list[int]) -> None:
+        """Leave a group-wide error the host found (``record``: the status record words) where ranks that
+        do not map this one's memory can read it (``posted_failure``). Heaps that map every peer need not:
+        the kernels' status broadcast reaches them."""
+
+    def posted_failure(self, epoch: int) -> list[int] | None:
+        """The first record ``post_failure`` left in ``epoch``, or None."""
+        return None
 
     def release_peer(self, peer: int) -> None:
         """``peer`` is excluded and will never be addressed again: point every live buffer's

@@ -1,70 +1,90 @@
-"""Host-driven control plane of a heap: bounded barrier and all-gather over the live ranks.
+"""Host control plane of a heap: bounded barrier and all-gather over the live ranks, through the
+torch.distributed store (never through a mapping of a peer's memory, so it works across nodes).
 
-One symmetric int64 buffer per rank, ``[2 parities, world rows, 1 + PAYLOAD_WORDS]``: row j of every rank
-is written only by rank j, ``[seq, payload...]``. Every control operation (barrier or all-gather) of a
-rank takes the next ``seq``; the rank writes its payload then its ``seq`` into row ``rank`` of parity
-``seq % 2`` on every live rank, then waits (bounded) until every live rank's row there holds a
-``seq >= `` its own. A rank can be at most one operation ahead of a slower one (it waits for everybody
-at each), so two parities keep a payload from being overwritten before it is read.
+Every control operation of a block (barrier or all-gather) takes the block's next ``seq``; rank j posts
+key ``<block>/<seq>/<j>`` (its payload, int64 words as text) and waits, bounded, until every live rank's
+key of that ``seq`` exists. A rank is at most one operation ahead of a slower one (it waits for everybody
+at each), so when it posts ``seq`` every live rank has read its key of ``seq - 2``: that key is deleted
+then, and the store holds at most two keys per rank and block.
 
-Waits are bounded by the heap's timeout; a rank that does not arrive is named in CommTimeoutError (for
-a barrier) or returned as missing (for an all-gather, which the exclusion agreement uses). A ``poll``
-callback, called while waiting, may raise to end the wait (a barrier on a failed group raises the
-group's error instead of waiting for ranks that will not come). A heap keeps two blocks with their own
-sequences: one for barriers and allocations, one for recovery (``reset``/``exclude``), so that a rank
-in recovery never meets a peer's ordinary barrier; ``realign(base)`` restarts a block's sequence at a
-value every live rank agrees on (after a reset, whatever barriers were cut short before it). Views are
-host-writable tensors (CPU memory for the shm heap; peer-mapped device memory for nvshmem, where each
-access is a synchronous copy: this is the control plane, not the data path).
+Waits are bounded by the block's timeout; a rank that does not arrive is named in CommTimeoutError (for a
+barrier) or returned as missing (for an all-gather, which the exclusion agreement uses). A ``poll``
+callback, called while waiting, may raise to end the wait (a barrier on a failed group raises the group's
+error instead of waiting for ranks that will not come). A heap keeps two blocks with their own sequences:
+one for barriers and allocations, one for recovery (``reset``/``exclude``), so that a rank in recovery
+never meets a peer's ordinary barrier; ``realign(base)`` restarts a block's sequence at a value every
+live rank agrees on (after a reset, whatever barriers were cut short before it).
+
+Where the store lives decides what survives a dead rank: ``moe_comm.launch`` hosts it in the launching
+process and torchrun in its agent, so a killed rank is named by a timeout like any other peer; a store
+hosted by rank 0 (a plain ``init_process_group`` without torchrun) dies with rank 0, and every survivor's
+next control operation raises CommTimeoutError naming rank 0.
 """
 
 from __future__ import annotations
 
 import time
-
-import torch
+from datetime import timedelta
 
 from ..errors import CommTimeoutError
 from .base import Heap, all_ranks
 
 PAYLOAD_WORDS = 8   # all-gather payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
-POLL_S = 0.0002
+POLL_S = 0.0005     # between two checks of the store while waiting
+STORE_HOST_RANK = 0  # named when the store itself stops answering (see the module docstring)
+NAMESPACE = "moe_comm"
+FAILED = "failed/{}"  # key: the first group-wide error the host found in epoch {} (post_failure)
 
 
-def control_shape(world: int) -> tuple:
-    return (2, world, 1 + PAYLOAD_WORDS)
+def group_store(world: int):
+    """The store every rank of this process's torch.distributed world shares, under a prefix of its own
+    for this group (the n-th group made in this process: every rank makes its groups in the same order).
+    A world of one needs no peer: an in-process store."""
+    import torch.distributed as dist  # noqa: PLC0415
+    if world == 1 or not dist.is_initialized():
+        return dist.HashStore()
+    from torch.distributed.distributed_c10d import _get_default_store  # noqa: PLC0415
+    base = _get_default_store()
+    n = base.add(f"{NAMESPACE}/groups/{dist.get_rank()}", 1)
+    return dist.PrefixStore(f"{NAMESPACE}/g{n}", base)
 
 
 class ControlBlock:
-    """``views[j]``: rank j's control buffer (int64 ``control_shape(world)``) as reachable from here."""
+    """One sequence of control operations of ``rank`` over ``world`` ranks, as keys under ``name``."""
 
-    def __init__(self, views: list[torch.Tensor], rank: int, timeout_s: float):
-        self.views, self.rank, self.world, self.timeout_s = views, rank, len(views), timeout_s
+    def __init__(self, store, name: str, rank: int, world: int, timeout_s: float):
+        self.store, self.name, self.rank, self.world, self.timeout_s = store, name, rank, world, timeout_s
         self.seq = 0
 
-    def _post(self, live, payload: list[int]) -> int:
+    def _key(self, seq: int, j: int) -> str:
+        return f"{self.name}/{seq}/{j}"
+
+    def _store(self, what, op: str):
+        """Run a store call; a store that stopped answering is a timeout of the rank that hosts it."""
+        try:
+            return what()
+        except (RuntimeError, TimeoutError) as e:  # c10d's DistStoreError/DistNetworkError are RuntimeErrors
+            raise CommTimeoutError(op, self.rank, STORE_HOST_RANK, self.timeout_s) from e
+
+    def _post(self, payload: list[int], op: str) -> None:
         self.seq += 1
-        p, row = self.seq % 2, torch.zeros(1 + PAYLOAD_WORDS, dtype=torch.int64)
-        row[1:1 + len(payload)] = torch.tensor(payload, dtype=torch.int64)
-        for j in live:
-            dst = self.views[j][p, self.rank]
-            dst[1:].copy_(row[1:])
-        for j in live:  # seq after every payload word (x86 stores and synchronous copies are ordered)
-            self.views[j][p, self.rank, 0] = self.seq
-        return p
+        value = ",".join(str(int(v)) for v in payload).encode()
+        self._store(lambda: self.store.set(self._key(self.seq, self.rank), value), op)
+        old = self._key(self.seq - 2, self.rank)
+        self._store(lambda: self.store.delete_key(old), op)
 
-    def _arrived(self, p: int, j: int) -> bool:
-        return int(self.views[self.rank][p, j, 0]) >= self.seq
-
-    def _wait(self, p: int, ranks, poll=None) -> list[int]:
-        """Wait for ``ranks``; returns those still missing at the deadline."""
-        pending, deadline = [j for j in ranks if not self._arrived(p, j)], time.monotonic() + self.timeout_s
-        while pending and time.monotonic() < deadline:
+    def _wait(self, ranks, op: str, poll=None) -> list[int]:
+        """Wait for ``ranks``' keys of this seq; returns the ranks still missing at the deadline (one
+        store round trip per poll; each rank is looked up alone only to name the missing ones)."""
+        keys = [self._key(self.seq, j) for j in ranks]
+        deadline = time.monotonic() + self.timeout_s
+        while not self._store(lambda: self.store.check(keys), op):
+            if time.monotonic() >= deadline:
+                return [j for j, k in zip(ranks, keys) if not self._store(lambda k=k: self.store.check([k]), op)]
             if poll is not None:
                 poll()
             time.sleep(POLL_S)
-            pending = [j for j in pending if not self._arrived(p, j)]
-        return pending
+        return []
 
     def realign(self, base: int) -> None:
         """Restart this rank's sequence at ``base`` (larger than any sequence posted before)."""
@@ -72,34 +92,38 @@ class ControlBlock:
 
     def barrier(self, live, op: str = "barrier", poll=None) -> None:
         """Every live rank arrives, or CommTimeoutError names the first missing one."""
-        p = self._post(live, [])
-        missing = self._wait(p, live, poll)
+        self._post([], op)
+        missing = self._wait(live, op, poll)
         if missing:
             raise CommTimeoutError(op, self.rank, missing[0], self.timeout_s)
 
-    def allgather(self, live, payload: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+    def allgather(self, live, payload: list[int], op: str = "agree") -> tuple[dict[int, list[int]], list[int]]:
         """Every live rank's payload (``len(payload)`` words), and the live ranks that did not answer."""
         if len(payload) > PAYLOAD_WORDS:
             raise ValueError(f"all-gather payload of {len(payload)} words, at most {PAYLOAD_WORDS}")
-        p = self._post(live, payload)
-        missing = self._wait(p, live)
-        got = {j: [int(v) for v in self.views[self.rank][p, j, 1:1 + len(payload)].tolist()]
-               for j in live if j not in missing}
+        self._post(payload, op)
+        missing = self._wait(live, op)
+        got = {}
+        for j in live:
+            if j not in missing:
+                raw = self._store(lambda: self.store.get(self._key(self.seq, j)), op).decode()
+                got[j] = [int(v) for v in raw.split(",")] if raw else []
         return got, missing
 
 
 class ControlledHeap(Heap):
-    """A heap whose barriers and recovery meetings run over two ControlBlocks (shm and nvshmem): a barrier
-    block (barriers, allocations) and a recovery block (``agree``, bounded by twice the timeout: ranks
-    reach recovery up to one timeout apart, see ``CommGroup._meet``). Subclasses call ``_start_control``
-    once both buffers exist and implement ``_release_mappings``; ``_excluded`` holds released peers."""
+    """A heap whose barriers and recovery meetings run over two ControlBlocks in the store (shm and
+    nvshmem): a barrier block (barriers, allocations) and a recovery block (``agree``, bounded by twice the
+    timeout: ranks reach recovery up to one timeout apart, see ``CommGroup._meet``). Subclasses call
+    ``_start_control(store)`` before their first allocation and implement ``_release_mappings``;
+    ``_excluded`` holds released peers."""
 
     _control: ControlBlock | None = None
     _recovery: ControlBlock | None = None
 
-    def _start_control(self, barrier_views: list[torch.Tensor], recovery_views: list[torch.Tensor]) -> None:
-        self._control = ControlBlock(barrier_views, self.rank, self.timeout_s)
-        self._recovery = ControlBlock(recovery_views, self.rank, 2 * self.timeout_s)
+    def _start_control(self, store) -> None:
+        self._control = ControlBlock(store, "barrier", self.rank, self.world_size, self.timeout_s)
+        self._recovery = ControlBlock(store, "recovery", self.rank, self.world_size, 2 * self.timeout_s)
 
     def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
         self._control.barrier(all_ranks(self, live), op, poll)
@@ -110,12 +134,33 @@ class ControlledHeap(Heap):
     def realign_barriers(self, base: int) -> None:
         self._control.realign(base)
 
+    def post_failure(self, epoch: int, record: list[int]) -> None:
+        if not all(self.reachable()):   # first record of the epoch wins (compare-and-set on an absent key)
+            value = ",".join(str(int(v)) for v in record)
+            self._control._store(lambda: self._control.store.compare_set(FAILED.format(epoch), "", value),
+                                 "barrier")
+
+    def posted_failure(self, epoch: int) -> list[int] | None:
+        if all(self.reachable()):
+            return None
+        key, block = FAILED.format(epoch), self._control
+        if not block._store(lambda: block.store.check([key]), "barrier"):
+            return None
+        return [int(v) for v in block._store(lambda: block.store.get(key), "barrier").decode().split(",")]
+
     def release_peer(self, peer: int) -> None:
         self._excluded.add(peer)
-        for block in (self._control, self._recovery):
-            block.views[peer] = block.views[self.rank]  # never written to again
         self._release_mappings(peer)
 
     def _release_mappings(self, peer: int) -> None:
         """Repoint every buffer's ``peer_ptrs[peer]`` at this rank's copy and drop the peer's mappings."""
         raise NotImplementedError
+
+
+def launcher_store(port: int, world: int):
+    """A store server in the launching process (``moe_comm.launch``): it outlives any rank. The ranks
+    connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, torchrun's convention)."""
+    from torch.distributed import TCPStore  # noqa: PLC0415
+    return TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=60))
+

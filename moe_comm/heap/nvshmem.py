@@ -6,11 +6,11 @@ UID bootstrap (rank 0 makes the id, torch.distributed broadcasts it), ``nvshmem.
 ``free_tensor`` are collective and must be freed explicitly in the same order on every PE, and
 ``get_peer_tensor(t, pe)`` maps a peer's copy here (raises if it is not load/store reachable).
 
-Reachability is found on the first allocation: a peer whose copy cannot be mapped gets ``peer_ptrs``
-entry 0 and the put transport. The host control plane (barriers and the recovery meetings,
-``control.py``) still reads and writes peers' memory through mappings, so a group with an unreachable
-peer (a second node) is refused at init with a NotImplementedError: the device put path is built and
-compiled, the multi-node control plane is not (docs/multinode.md).
+Reachability is found on the first allocation: a peer whose copy cannot be mapped (another node) gets
+``peer_ptrs`` entry 0 and the put transport. The host control plane (barriers, allocation and recovery
+meetings, ``control.py``) goes through the torch.distributed store and never maps a peer. NVSHMEM's own
+collectives (``free_tensor``, ``finalize``) are called only after a bounded store barrier that every PE
+passed: a dead or stuck peer turns them into "leave the heap to the process exit", never a hang.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .base import SymmetricBuffer
-from .control import ControlledHeap, control_shape
+from ..errors import CommTimeoutError
+from .control import ControlledHeap
 
 
 def _import_nvshmem():
@@ -35,7 +36,7 @@ def _import_nvshmem():
 class NvshmemHeap(ControlledHeap):
     kind = "nvshmem"
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float, store):
         if not torch.cuda.is_available():
             raise RuntimeError("backend='nvshmem' needs CUDA; use backend='shm' (CPU) or 'loopback'")
         nvshmem, Device = _import_nvshmem()
@@ -52,29 +53,23 @@ class NvshmemHeap(ControlledHeap):
             dist.broadcast_object_list(box, src=0)
             uid = box[0]
         nvshmem.init(device=dev, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+        self._start_heap(store)
+
+    def _start_heap(self, store) -> None:
+        """State before the first allocation; reachability is found by a probe allocation."""
         self._live: dict[int, list] = {}   # k -> [nvshmem tensor, SymmetricBuffer, peer tensors]
         self._next = 0
         self._excluded: set[int] = set()
-        self._control = None
+        self._peer_lost = False  # a bounded barrier failed: NVSHMEM collectives may hang from now on
         self._reachable = None   # per PE, found by the first allocation
-        barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
-        if not all(self._reachable):
-            gone = [pe for pe, r in enumerate(self._reachable) if not r]
-            raise NotImplementedError(
-                f"rank {rank}: PEs {gone} are not load/store reachable (another node). The kernels can reach "
-                f"them by NVSHMEM puts, but the host control plane (barrier, reset/exclude meetings) maps "
-                f"every peer's memory and has no multi-node implementation yet (see docs/multinode.md)")
-        recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
-        self._start_control(self._live[barrier_buf.handle][2], self._live[recovery_buf.handle][2])
-
-    def _stream(self):
-        from nvshmem.core import NvshmemStream  # noqa: PLC0415
-        return NvshmemStream(torch.cuda.current_stream(self.device))
+        self._start_control(store)
+        self.free(self.alloc("reachability.probe", (1,), torch.int64))
 
     def alloc(self, name, shape, dtype) -> SymmetricBuffer:
         if self._excluded:
             raise RuntimeError("the nvshmem heap cannot allocate after a rank was excluded (NVSHMEM "
                                "allocation is collective over every PE): allocate buffers before serving")
+        self._collective_barrier("alloc")  # nvshmem_malloc is collective: every PE is here first
         t = self.nv.tensor(tuple(int(s) for s in shape), dtype=dtype)
         t.zero_()
         peers = [t if pe == self.rank else self._peer_tensor(t, pe) for pe in range(self.world_size)]
@@ -101,17 +96,25 @@ class NvshmemHeap(ControlledHeap):
 
     def free(self, buf: SymmetricBuffer) -> None:
         entry = self._live.pop(buf.handle, None)
-        if entry is not None and not self._excluded:  # collective over every PE: impossible without one
-            self.barrier()
+        if entry is not None and not (self._excluded or self._peer_lost):  # collective over every PE
+            self._collective_barrier("free")
             self.nv.free_tensor(entry[0])
 
     def barrier(self, live=None, op: str = "barrier", poll=None) -> None:
+        self._sync_device()
+        super().barrier(live, op, poll)
+
+    def _collective_barrier(self, op: str) -> None:
+        """A bounded barrier of every PE before an NVSHMEM collective; a missing PE raises
+        CommTimeoutError here and no NVSHMEM collective is called by this heap again."""
+        try:
+            self.barrier(op=op)
+        except CommTimeoutError:
+            self._peer_lost = True
+            raise
+
+    def _sync_device(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
-        if self._control is None:  # bootstrap: the control blocks themselves are being allocated
-            self.nv.barrier_all(self._stream())
-            torch.cuda.current_stream(self.device).synchronize()
-        else:
-            super().barrier(live, op, poll)
 
     def _release_mappings(self, peer: int) -> None:
         for entry in self._live.values():
@@ -119,9 +122,15 @@ class NvshmemHeap(ControlledHeap):
             entry[2][peer] = None
 
     def close(self) -> None:
-        if self._excluded:
-            # NVSHMEM frees and finalize are collective over every PE, and a PE is gone: leave the
-            # symmetric heap to the process exit rather than hang.
+        """Free every buffer and finalize NVSHMEM, both collective over every PE, only if every PE
+        passes a bounded store barrier first; else (a PE excluded, dead or stuck) leave the symmetric
+        heap to the process exit rather than hang."""
+        if not (self._excluded or self._peer_lost):
+            try:
+                self._collective_barrier("close")
+            except CommTimeoutError:
+                pass
+        if self._excluded or self._peer_lost:
             self._live.clear()
             return
         for k in sorted(self._live):  # same order on every PE: the frees are collective

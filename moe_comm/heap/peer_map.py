@@ -4,7 +4,9 @@ NVSHMEM's put calls take the *local* symmetric address of the destination and a 
 the peer's copy. The interpreted twin of those calls (``moe_comm/triton_kernels/nvshmem_device.py``, CPU
 tests) does the same with this table: every CPU symmetric buffer is registered here when it is made
 (``SymmetricBuffer``), with its ``peer_ptrs``; ``peer_address(addr, pe)`` finds the buffer that holds
-``addr`` and returns the same offset in rank ``pe``'s copy as mapped in this process.
+``addr`` and returns the same offset in rank ``pe``'s copy as mapped in this process. A peer that is not
+mapped here (``peer_ptrs`` entry 0: another emulated node) is reached through the buffer's ``wire``
+(``wire.py``) by allocation index and offset instead: ``remote(addr, pe)``.
 """
 
 from __future__ import annotations
@@ -14,27 +16,49 @@ import threading
 
 _lock = threading.Lock()
 _starts: list[int] = []     # sorted start addresses
-_entries: list[tuple] = []  # (start, end, peer_ptrs tensor), in the order of _starts
+_entries: list[tuple] = []  # (start, end, peer_ptrs tensor, allocation index, wire), in the order of _starts
+wires: set = set()          # every wire a registered buffer uses (``quiet`` completes them all)
 
 
-def register(start: int, nbytes: int, peer_ptrs) -> None:
-    """Register a buffer of ``nbytes`` at ``start`` (a local copy). An older entry that overlaps it
-    belonged to freed memory and is dropped."""
+def register(start: int, nbytes: int, peer_ptrs, index=None, wire=None) -> None:
+    """Register a buffer of ``nbytes`` at ``start`` (a local copy), allocation ``index`` of its heap,
+    whose unmapped peers are reached through ``wire``. An older entry that overlaps it belonged to freed
+    memory and is dropped."""
     end = start + nbytes
     with _lock:
-        keep = [(s, e, p) for (s, e, p) in _entries if e <= start or s >= end]
-        keep.append((start, end, peer_ptrs))
+        keep = [e for e in _entries if e[1] <= start or e[0] >= end]
+        keep.append((start, end, peer_ptrs, index, wire))
         keep.sort(key=lambda x: x[0])
         _entries[:] = keep
-        _starts[:] = [s for s, _, _ in keep]
+        _starts[:] = [e[0] for e in keep]
+        if wire is not None:
+            wires.add(wire)
+
+
+def _entry(addr: int) -> tuple:
+    i = bisect.bisect_right(_starts, addr) - 1
+    if i < 0 or addr >= _entries[i][1]:
+        raise ValueError(f"address {addr:#x} is not in a registered symmetric buffer of this process "
+                         f"(a put's destination must be symmetric memory)")
+    return _entries[i]
 
 
 def peer_address(addr: int, pe: int) -> int:
-    """The address, in this process, of rank ``pe``'s copy of the byte at local symmetric ``addr``."""
+    """The address, in this process, of rank ``pe``'s copy of the byte at local symmetric ``addr``; 0 if
+    rank ``pe``'s copy is not mapped here (another node: NVSHMEM's ``nvshmem_ptr`` answer)."""
     with _lock:
-        i = bisect.bisect_right(_starts, addr) - 1
-        if i < 0 or addr >= _entries[i][1]:
-            raise ValueError(f"address {addr:#x} is not in a registered symmetric buffer of this process "
-                             f"(a put's destination must be symmetric memory)")
-        start, _, peer_ptrs = _entries[i]
-        return int(peer_ptrs[pe]) + (addr - start)
+        start, _, peer_ptrs, _, _ = _entry(addr)
+        base = int(peer_ptrs[pe])
+        return base + (addr - start) if base else 0
+
+
+def remote(addr: int, pe: int):
+    """``(wire, allocation index, offset)`` if rank ``pe``'s copy of local symmetric ``addr`` is not
+    mapped here, else None."""
+    with _lock:
+        start, _, peer_ptrs, index, wire = _entry(addr)
+        if int(peer_ptrs[pe]) != 0:
+            return None
+        if wire is None:
+            raise ValueError(f"rank {pe}'s copy of address {addr:#x} is neither mapped here nor on a wire")
+        return wire, index, addr - start

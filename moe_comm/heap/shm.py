@@ -5,6 +5,11 @@ the files are unlinked: the mappings stay valid and nothing can leak, even if a 
 ``moe_comm.launch`` also removes any file of its session left by a rank that died mid-allocation.
 A session is named after the process that starts it (``new_session``), so that a check for leaked files
 can tell its own sessions from those of any other run on the same host (``pid_prefix``).
+
+Emulated nodes (``MOE_COMM_RANKS_PER_NODE=k``): ranks ``[n*k, (n+1)*k)`` form node n. A rank maps only
+the files of its own node; another node's ranks get ``peer_ptrs`` 0, are not load/store reachable (the
+put transport is chosen for them), and are reached only through the wire (``wire.py``). The control
+plane needs no mapping either way (``control.py``).
 """
 
 from __future__ import annotations
@@ -16,10 +21,26 @@ import uuid
 import torch
 
 from .base import SymmetricBuffer, nbytes_of
-from .control import ControlledHeap, control_shape
+from .control import ControlledHeap
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moecomm_"
+RANKS_PER_NODE_ENV = "MOE_COMM_RANKS_PER_NODE"
+
+
+def ranks_per_node(world_size: int) -> int:
+    """``MOE_COMM_RANKS_PER_NODE`` (default: every rank on one node)."""
+    raw = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+    if not raw:
+        return world_size
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"{RANKS_PER_NODE_ENV} must be a whole number >= 1 (ranks per emulated node), "
+                         f"got {raw!r}")
+    return min(k, world_size)
 
 
 def new_session() -> str:
@@ -62,50 +83,57 @@ def _map_file(path: str, nbytes: int, create: bool) -> mmap.mmap:
 
 
 class ShmHeap(ControlledHeap):
-    """``session`` names this launch's files; ``barrier_fn`` is a bootstrap barrier (torch.distributed),
-    used only until the heap's own control block exists."""
+    """``session`` names this launch's files; ``store`` is the group's torch.distributed store (the
+    control plane, ``control.py``)."""
 
     kind = "shm"
 
-    def __init__(self, rank: int, world_size: int, session: str, barrier_fn, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, session: str, store, timeout_s: float):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
-        self.session, self.timeout_s, self._bootstrap_barrier = session, timeout_s, barrier_fn
+        self.session, self.timeout_s = session, timeout_s
         self._next = 0
         self._live: dict[int, list] = {}  # k -> [mmaps, uint8 views, SymmetricBuffer] of every rank's copy
         self._excluded: set[int] = set()
-        self._control = None
-        barrier_buf = self.alloc("control.barrier", control_shape(world_size), torch.int64)
-        recovery_buf = self.alloc("control.recovery", control_shape(world_size), torch.int64)
-        self._start_control(self._peer_views(barrier_buf), self._peer_views(recovery_buf))
+        self._start_control(store)
+        k = ranks_per_node(world_size)
+        self.node = [j // k for j in range(world_size)]   # emulated node of every rank
+        self.wire = None
+        if not all(self.reachable()):
+            from .wire import Wire  # noqa: PLC0415
+            self.wire = Wire(rank, store, timeout_s, self._base_of)
+            self.barrier(op="init")   # every proxy listens before anyone sends
+
+    def reachable(self) -> list[bool]:
+        return [n == self.node[self.rank] for n in self.node]
+
+    def _base_of(self, k: int):
+        """Address of this rank's copy of allocation ``k`` (the wire's proxy delivers there), or None."""
+        entry = self._live.get(k)
+        return None if entry is None else entry[2].local.data_ptr()
 
     def _path(self, rank: int, k: int) -> str:
         return os.path.join(SHM_DIR, f"{session_prefix(self.session)}{rank}_{k}")
-
-    def _peer_views(self, buf: SymmetricBuffer) -> list[torch.Tensor]:
-        """Every rank's copy of ``buf`` as a tensor of its shape and dtype (all mapped in this process)."""
-        _, views, _ = self._live[buf.handle]
-        nbytes = buf.local.numel() * buf.local.element_size()
-        return [v[:nbytes].view(buf.local.dtype).view(buf.local.shape) for v in views]
 
     def alloc(self, name, shape, dtype) -> SymmetricBuffer:
         k, nbytes = self._next, max(nbytes_of(shape, dtype), 64)
         self._next += 1
         maps = [None] * self.world_size
-        # Once the heap's own control block exists, use it: it is bounded and names a missing peer.
-        sync = self._sync_live if self._control is not None else self._bootstrap_barrier
+        sync = self._sync_live  # bounded, names a missing peer
         maps[self.rank] = _map_file(self._path(self.rank, k), nbytes, create=True)
         sync()  # every file exists
+        near = self.reachable()
         for j in range(self.world_size):
-            if j != self.rank and j not in self._excluded:
+            if j != self.rank and j not in self._excluded and near[j]:
                 maps[j] = _map_file(self._path(j, k), nbytes, create=False)
-        sync()  # every rank mapped every file: the names are no longer needed
+        sync()  # every rank mapped every file of its node: the names are no longer needed
         os.unlink(self._path(self.rank, k))
         # An excluded rank has no copy: its entry points at ours, which is never addressed for it.
-        maps = [maps[self.rank] if m is None else m for m in maps]
-        views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes) for m in maps]
+        # Another node's rank: no mapping, address 0 (reached through the wire).
+        maps = [maps[self.rank] if m is None and near[j] else m for j, m in enumerate(maps)]
+        views = [None if m is None else torch.frombuffer(m, dtype=torch.uint8, count=nbytes) for m in maps]
         local = views[self.rank][: nbytes_of(shape, dtype)].view(dtype).view(tuple(shape))
-        ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
-        buf = SymmetricBuffer(name, local, ptrs, handle=k)
+        ptrs = torch.tensor([0 if v is None else v.data_ptr() for v in views], dtype=torch.int64)
+        buf = SymmetricBuffer(name, local, ptrs, handle=k, wire=self.wire)
         self._live[k] = [maps, views, buf]
         return buf
 
@@ -122,6 +150,8 @@ class ShmHeap(ControlledHeap):
             maps[peer], views[peer] = None, None  # the mapping goes with its last view
 
     def close(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
         self._control = self._recovery = None
         self._live.clear()
         for f in os.listdir(SHM_DIR):  # files of ours that a failed allocation left behind

@@ -170,7 +170,7 @@ def dispatch_send_kernel(
                 own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off
                 for p in range(WORLD):
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
-                        flush(own_rows, stage_ptr + p * M * ROW_WORDS, num_tokens.to(tl.int64) * ROW_WORDS * 4,
+                        flush(own_rows, stage_ptr + tl.cast(p, tl.int64) * M * ROW_WORDS, num_tokens.to(tl.int64) * ROW_WORDS * 4,
                               own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
                               own_ctrl + CTRL_WORDS - 1, flag, p)
                 drain()   # one wait for the puts to every peer, all in flight together

@@ -16,7 +16,9 @@ Interpreted twin (CPU tests, ``moe_comm/interpreter.py``): the same functions ru
 operations in this process: a put is a byte copy into the peer's copy (found through
 ``moe_comm/heap/peer_map.py``, as NVSHMEM would find it), a signal is a release store / atomic add on
 the peer's word, ``fence`` and ``quiet`` do nothing (every interpreted put is complete when it
-returns). So CPU tests run the put transport's protocol (the order of payload, counts and signal)
+returns). A peer on another emulated node (``MOE_COMM_RANKS_PER_NODE``) is not mapped: its puts and
+signals are messages on the wire (``moe_comm/heap/wire.py``), applied asynchronously by a proxy in the
+receiving process, and ``quiet`` waits until they are delivered. So CPU tests run the put transport's protocol (the order of payload, counts and signal)
 through the very calls the compiled kernels make; they cannot show RDMA timing.
 """
 
@@ -117,7 +119,7 @@ def _int(x) -> int:
     h = getattr(x, "handle", None)
     if h is not None:
         return int(h.data.reshape(-1)[0])
-    return int(x)
+    return int(getattr(x, "value", x))   # a constexpr, or a plain int
 
 
 def _order(event: str, pe) -> None:
@@ -130,7 +132,28 @@ def _order(event: str, pe) -> None:
 def _copy_to_peer(dest, src, nbytes, pe):
     n = _int(nbytes)
     if n > 0:
-        ctypes.memmove(peer_map.peer_address(_int(dest), _int(pe)), _int(src), n)
+        far = peer_map.remote(_int(dest), _int(pe))
+        if far is None:
+            ctypes.memmove(peer_map.peer_address(_int(dest), _int(pe)), _int(src), n)
+        else:   # another emulated node: a message on the wire (moe_comm/heap/wire.py)
+            wire, index, offset = far
+            wire.put(_int(pe), index, offset, _int(src), n)
+
+
+def _signal_far(sig, value, add, pe) -> bool:
+    """Deliver a signal (set, or add) to rank ``pe`` on another emulated node; False if ``pe`` is mapped
+    here (the caller stores)."""
+    far = peer_map.remote(_int(sig), _int(pe))
+    if far is None:
+        return False
+    wire, index, offset = far
+    wire.signal(_int(pe), index, offset, _int(value), add)
+    return True
+
+
+def _quiet_wires() -> None:
+    for wire in list(peer_map.wires):
+        wire.quiet()
 
 
 if INTERPRET:
@@ -149,11 +172,12 @@ if INTERPRET:
     def signal_op(sig, value, op, pe):
         """Set (SIGNAL_SET) or add to (SIGNAL_ADD) the uint64 word ``sig`` of rank ``pe`` (release)."""
         _order("signal", _int(pe))
-        word = _peer_word(sig, pe)
-        if op == SIGNAL_SET:
-            tl.atomic_xchg(word, tl.cast(value, tl.int64), sem="release", scope="sys")
-        else:
-            tl.atomic_add(word, tl.cast(value, tl.int64), sem="release", scope="sys")
+        if not _signal_far(sig, value, _int(op) != SIGNAL_SET.value, pe):
+            word = _peer_word(sig, pe)
+            if op == SIGNAL_SET:
+                tl.atomic_xchg(word, tl.cast(value, tl.int64), sem="release", scope="sys")
+            else:
+                tl.atomic_add(word, tl.cast(value, tl.int64), sem="release", scope="sys")
 
     @triton.jit
     def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
@@ -176,8 +200,10 @@ if INTERPRET:
 
     @triton.jit
     def quiet():
-        """Complete every put this thread issued (interpreted puts are complete already)."""
+        """Complete every put this thread issued (interpreted puts to mapped peers are complete already;
+        puts on the wire to another emulated node are delivered by then, or dropped after the timeout)."""
         _order("quiet", -1)
+        _quiet_wires()
 
     @triton.jit
     def fence():
@@ -187,18 +213,20 @@ if INTERPRET:
     @triton.jit
     def ptr(dest, pe):
         """Address, usable by loads and stores here, of rank ``pe``'s copy of symmetric ``dest``; 0 if
-        that rank is not load/store reachable (interpreted: every registered peer is)."""
+        that rank is not load/store reachable (interpreted: another emulated node)."""
         return tl.full([], peer_map.peer_address(_int(dest), _int(pe)), tl.int64)
 
     @triton.jit
     def uint64_atomic_add(dest, value, pe):
         """Atomically add ``value`` to rank ``pe``'s copy of the symmetric uint64 word ``dest``."""
-        tl.atomic_add(_peer_word(dest, pe), tl.cast(value, tl.int64), sem="relaxed", scope="sys")
+        if not _signal_far(dest, value, True, pe):
+            tl.atomic_add(_peer_word(dest, pe), tl.cast(value, tl.int64), sem="relaxed", scope="sys")
 
     @triton.jit
     def int64_p(dest, value, pe):
         """Store one int64 ``value`` into rank ``pe``'s copy of symmetric ``dest`` (ordered by ``fence``)."""
-        tl.store(_peer_word(dest, pe), tl.cast(value, tl.int64))
+        if not _signal_far(dest, value, False, pe):
+            tl.store(_peer_word(dest, pe), tl.cast(value, tl.int64))
 else:
     @triton.jit
     def putmem_nbi_block(dest, src, nbytes, pe):

@@ -161,8 +161,9 @@ def record_group_error(grp, code, op, rank, peer, value, bound, WORLD: tl.conste
     record_error(grp, code, op, rank, peer, value, bound)
     if claim(grp + S_BCAST_CLAIM):
         w = tl.arange(0, WORLD_P2)
-        live = live_ranks(grp, WORLD, WORLD_P2)
-        status = as_ptr(tl.load(grp + STATE_WORDS + WORLD + w, mask=live, other=0), tl.int64)
+        status_addr = tl.load(grp + STATE_WORDS + WORLD + w, mask=live_ranks(grp, WORLD, WORLD_P2), other=0)
+        live = status_addr != 0  # live and mapped here (a peer on another node is reached by its own waits)
+        status = as_ptr(status_addr, tl.int64)
         f = tl.arange(0, REC_WORDS)
         rec = tl.where(f == 0, code, tl.where(f == 1, op, tl.where(f == 2, rank, tl.where(
             f == 3, peer, tl.where(f == 4, value, tl.where(f == 5, bound, 0)))))).to(tl.int64)

@@ -1,0 +1,110 @@
+"""Emulated nodes on the CPU (``MOE_COMM_RANKS_PER_NODE=k``, shm heap): ranks of another node are not
+mapped at all, and the only way across is the put emulation's wire (``moe_comm/heap/wire.py``).
+
+What these tests show: every cross-node peer pointer is 0 and no process maps a heap file of another node
+(``/proc/self/maps``); the put transport is chosen for those peers; dispatch/combine (bf16, fp8) and
+AllToAllvDynamic stay exact against the references when every cross-node byte travels as messages that a
+proxy thread of the receiving process applies asynchronously; a rank killed on the other node is named by
+a CommTimeoutError on every survivor within the timeout + 2 s, and ``exclude()`` / ``reset()`` work across
+the boundary. What they cannot show: a real NIC's ordering, completion or bandwidth, or NVSHMEM itself.
+"""
+
+import os
+import re
+import time
+
+import pytest
+
+import moe_comm
+from moe_comm import CommTimeoutError, EPBuffer, LaunchError, protocol
+from moe_comm.heap.shm import RANKS_PER_NODE_ENV, session_prefix
+
+import a2a_cases
+import ep_cases
+from fault_cases import E_PER_RANK, H, K, M, expert, serve, step_inputs
+
+TIMEOUT_S = 1.5
+
+
+def _maps_of_other_nodes(group) -> list[str]:
+    """Heap files of another node's ranks that this process maps."""
+    heap = group.heap
+    pre = re.escape(session_prefix(heap.session))
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            m = re.search(pre + r"(\d+)_\d+", line)
+            if m and heap.node[int(m.group(1))] != heap.node[group.rank]:
+                found.append(line.strip())
+    return found
+
+
+def _isolation(group) -> list[str]:
+    heap, me = group.heap, group.rank
+    errs = []
+    far = [j for j in range(group.world_size) if heap.node[j] != heap.node[me]]
+    if not far:
+        errs.append(f"rank {me}: no rank on another node")
+    for k, (_, _, buf) in heap._live.items():
+        ptrs = buf.peer_ptrs.tolist()
+        if any(ptrs[j] != 0 for j in far):
+            errs.append(f"rank {me}: {buf.name} has a pointer to another node: {ptrs}")
+    errs += [f"rank {me} maps {m}" for m in _maps_of_other_nodes(group)]
+    if any(group.transports[j] != protocol.TRANSPORT_PUT for j in far):
+        errs.append(f"rank {me}: transports {group.transports}")
+    return errs
+
+
+def _cases(group, which):
+    errs = _isolation(group)
+    before = group.heap.wire.stats["bytes"]
+    errs += ep_cases.run_shm_cases(group) if which == "ep" else a2a_cases.run_shm_cases(group)
+    if group.heap.wire.stats["bytes"] <= before:
+        errs.append(f"rank {group.rank}: nothing crossed the wire")
+    errs += _isolation(group)   # buffers allocated by the cases too
+    return errs
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), (3, 1, "a2a"), (3, 1, "ep")])
+def test_ops_are_exact_across_emulated_nodes(monkeypatch, world, per_node, which):
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    errs = moe_comm.launch(_cases, world, which, backend="shm", timeout_s=60)
+    assert errs == [[]] * world
+
+
+def _killed_on_the_other_node(group):
+    """Rank 3 (node 1) dies after a good step; the survivors time out naming it, exclude it, go on."""
+    world, me = group.world_size, group.rank
+    E = E_PER_RANK * world
+    ep = EPBuffer(group, E, H, M, K)
+    inputs = step_inputs(77, world, E, M, K, H, 3, (8,))
+    xs, idxs = inputs[0], inputs[1]
+    d = ep.dispatch(xs[me], idxs[me])
+    ep.combine(expert(d.x), inputs[2][me], d.handle)
+    if me == 3:
+        os._exit(9)
+    t0 = time.monotonic()
+    try:
+        d = ep.dispatch(xs[me], idxs[me])
+        ep.combine(expert(d.x), inputs[2][me], d.handle)
+        named, took = None, None
+    except CommTimeoutError as e:
+        named, took = e.peer, time.monotonic() - t0
+    ep.close()
+    out = serve(group, 3, {}) if named is not None and group.exclude([named]) == [3] else None
+    return named, took, out
+
+
+def test_killed_rank_on_the_other_node_is_named_and_excluded(monkeypatch):
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_killed_on_the_other_node, 4, backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
+    err = info.value
+    assert sorted(err.failures) == [3], err.failures
+    for r in (0, 1, 2):
+        named, took, out = err.results[r]
+        assert named == 3, err.results
+        assert took < TIMEOUT_S + 2, err.results
+        assert out["log"] == ["exact"] * 3 and out["mismatches"] == [] and out["live"] == [0, 1, 2], out
