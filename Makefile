@@ -24,8 +24,8 @@ test: $(VENV)/.ready
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench
 
-# vLLM / SGLang integration against their real classes on CPU ranks: each in its own venv (.venv-vllm
-# ~4 GB, .venv-sglang ~3.5 GB), not part of `make test`.
+# vLLM / SGLang integration against their real classes on CPU ranks: each in its own venv (.venv-vllm,
+# .venv-sglang: 3-4 GB each), not part of `make test`.
 test-vllm:
 	bash scripts/test_serving.sh vllm
 

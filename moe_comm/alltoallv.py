@@ -63,7 +63,7 @@ class AllToAllvDynamic:
     ``moe_comm.channel.Channel``); loopback groups must be driven that way. At world 1 each call is one kernel, run by the send phase
     (rows go straight from the input to the output; the receive phase launches nothing). Graph capture:
     every launch has a fixed shape and reads counts only on the device; the call counters live on the
-    device, so replays keep signalling right. Faults: see ``moe_comm.phased`` and README.
+    device, so replays keep signalling right. Faults: see ``moe_comm.phased`` and docs/faults.md.
     """
 
     def __init__(self, group, max_rows_per_peer: int, row_shape, dtype: torch.dtype):
@@ -179,7 +179,8 @@ class AllToAllvDynamic:
     def _check_forward(self, send, send_counts) -> None:
         world = self.group.world_size
         check_tensor("send_counts", send_counts, self.group.device, (torch.int32, torch.int64), (world,))
-        check_tensor("send", send, self.group.device, self.dtype)
+        check_tensor("send", send, self.group.device, self.dtype,
+                     dtype_fix="build the op with AllToAllvDynamic(group, max_rows_per_peer, row_shape, dtype={dtype})")
         if send.dim() < 1 or tuple(send.shape[1:]) != self.row_shape:
             raise ValueError(f"send must be [N, *{self.row_shape}], got {tuple(send.shape)}")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def check_tensor(name: str, t, device: torch.device, dtypes, shape=None) -> None:
+def check_tensor(name: str, t, device: torch.device, dtypes, shape=None, dtype_fix: str = "") -> None:
     """Raise TypeError/ValueError unless ``t`` is a tensor on ``device`` with a dtype in ``dtypes`` and,
-    if ``shape`` is given, that shape (None entries match any size)."""
+    if ``shape`` is given, that shape (None entries match any size). ``dtype_fix``: how to use another
+    dtype, ``{dtype}`` standing for the tensor's (e.g. the constructor argument that chooses it)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
@@ -15,7 +16,8 @@ def check_tensor(name: str, t, device: torch.device, dtypes, shape=None) -> None
                          f"or build the group on {t.device} (moe_comm.init(..., device=...))")
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
+        fix = f"; to use {t.dtype}, " + dtype_fix.format(dtype=t.dtype) if dtype_fix else ""
+        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}{fix}")
     if shape is not None and (t.dim() != len(shape) or any(
             want is not None and have != want for have, want in zip(t.shape, shape))):
         want = ", ".join("any" if s is None else str(s) for s in shape)

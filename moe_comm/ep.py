@@ -24,6 +24,7 @@ from .triton_kernels.dispatch_local import dispatch_local_kernel
 from .triton_kernels.routing import histogram_bins
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPE_FIX = "build the EPBuffer with EPBuffer(..., dtype={dtype}) (supported: bfloat16, float16, float32)"
 
 
 @dataclass
@@ -256,7 +257,7 @@ class EPBuffer:
 
     def _check_dispatch_inputs(self, x, topk_idx) -> int:
         p = self.plan
-        check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden))
+        check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden), DTYPE_FIX)
         T = x.shape[0]
         if T > p.max_tokens:
             raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {p.max_tokens}: build the EPBuffer "
@@ -270,7 +271,7 @@ class EPBuffer:
             check_tensor("topk_weights", topk_weights, self.group.device,
                          (torch.float32, torch.bfloat16, torch.float16, torch.float64), (T, p.topk))
         if out is not None:
-            check_tensor("out", out, self.group.device, (p.dtype,), (T, p.hidden))
+            check_tensor("out", out, self.group.device, (p.dtype,), (T, p.hidden), DTYPE_FIX)
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous (it is written in place)")
 
@@ -373,7 +374,7 @@ class EPBuffer:
             def check():
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (p.dtype,),
-                             (p.experts_per_rank, p.capacity, p.hidden))
+                             (p.experts_per_rank, p.capacity, p.hidden), DTYPE_FIX)
                 self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
             op.validate(check)
             op.before_send()

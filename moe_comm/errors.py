@@ -4,7 +4,7 @@ Kernels never raise: they record the first problem they see in a per-rank error 
 reads without a device sync (pinned host memory on CUDA, plain memory on CPU). The host turns it into
 one of these exceptions at the next ``group.check()`` or at the end of the next op call.
 
-Two families (the fault model, README "Faults and recovery"):
+Two families (the fault model, docs/faults.md):
 
 - ``GroupError`` (CommTimeoutError, CommAbortedError, CommDesyncError, ExcludedError): the group is out
   of step or a peer is gone. Sticky: every later op on every rank raises it until ``group.reset()`` (or
@@ -76,12 +76,16 @@ class CapacityError(MoECommError, ValueError):
 
     def __init__(self, op: str, rank: int, peer: int, value: int, capacity: int):
         self.op, self.rank, self.peer, self.value, self.capacity = op, rank, peer, value, capacity
-        super().__init__(
-            f"{op}: rank {rank}: the count for peer/expert {peer} needs {value} rows, only {capacity} "
-            f"are available (capacity, or rows of the input); the excess was neither read nor written. "
-            f"Fix: a count must not exceed the capacity the op was built with (AllToAllvDynamic's "
-            f"max_rows_per_peer; an EPBuffer expert holds world * max_tokens_per_rank rows, exceeded "
-            f"only if tokens list the same expert twice) nor the rows the input has")
+        if op.startswith("alltoallv"):
+            text = (f"AllToAllvDynamic: rank {rank}: send_counts[{peer}] is {value}, but only {capacity} rows "
+                    f"could be sent to rank {peer}; only those were sent. Fix: 0 <= send_counts[j] <= "
+                    f"max_rows_per_peer (AllToAllvDynamic(group, max_rows_per_peer, ...)) and "
+                    f"sum(send_counts) <= send.shape[0]")
+        else:
+            text = (f"{op}: rank {rank}: the count for peer/expert {peer} needs {value} rows, only {capacity} "
+                    f"are available; the excess was neither read nor written. Fix: an EPBuffer expert holds "
+                    f"world * max_tokens_per_rank rows, exceeded only if tokens list the same expert twice")
+        super().__init__(text)
 
 
 class InvalidIndexError(MoECommError, ValueError):
@@ -96,14 +100,16 @@ class InvalidIndexError(MoECommError, ValueError):
 class LaunchError(MoECommError):
     """One or more ranks of ``moe_comm.launch`` raised or died.
 
-    ``failures`` maps rank -> description; ``results`` holds every rank's return value (None where it failed).
+    ``failures`` maps rank -> description, in the order the failures were seen (the first is what ended the
+    launch); ``results`` holds every rank's return value (None where it failed).
     """
 
     def __init__(self, failures: dict[int, str], results: list):
         self.failures, self.results = failures, results
-        lines = [f"rank {r}: {msg}" for r, msg in sorted(failures.items())]
-        super().__init__("launch failed on rank(s) " + ", ".join(map(str, sorted(failures)))
-                         + "\n" + "\n".join(lines))
+        first = next(iter(failures))
+        lines = [f"rank {r}: {msg}" for r, msg in failures.items()]
+        super().__init__(f"launch failed on rank {first} first: {failures[first].splitlines()[0]}; failed rank(s) "
+                         + ", ".join(map(str, sorted(failures))) + "\n" + "\n".join(lines))
 
 
 # ---- error word ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from .heap.base import Heap
 from .transport import choose_transports
 
 BACKENDS = ("auto", "nvshmem", "shm", "loopback")
+RAISED_GRACE_S = 1.0   # launch(): how long the other ranks may run on after one rank raised
 
 
 class CommGroup:
@@ -33,7 +34,7 @@ class CommGroup:
     epoch, error-word address, timeout, live mask, status addresses). ``status``: symmetric buffer where
     ranks broadcast group-wide errors.
 
-    Faults (README "Faults and recovery"): ``check()`` raises what the kernels recorded; a group-wide
+    Faults (docs/faults.md): ``check()`` raises what the kernels recorded; a group-wide
     error (``GroupError``) is sticky until ``reset()`` (collective over the live ranks) or
     ``exclude(ranks)`` (collective over the survivors). ``live_ranks``: ranks not excluded.
     """
@@ -507,10 +508,12 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
            start_method: str = "spawn", grace_s: float | None = None):
     """Run ``fn(group, *args)`` in ``world_size`` new processes, each with a ready CommGroup.
 
-    Returns the per-rank return values in rank order. If any rank raises or dies, the others get
-    ``grace_s`` (default 2*timeout_s + 15 s) to finish on their own (so they can report what they saw,
-    e.g. a CommTimeoutError), are then killed, and LaunchError is raised naming every failed rank.
-    Shared-memory files of the run are removed whatever happens. ``fn`` and ``args`` must pickle.
+    Returns the per-rank return values in rank order. When a rank raises, the other ranks are stopped
+    after ``grace_s`` (default RAISED_GRACE_S: the launch ends within a second or two). When a rank dies
+    without raising (killed, ``os._exit``), the others get ``grace_s`` (default 2*timeout_s + 15 s) to finish
+    on their own, so they can report what they saw (e.g. a CommTimeoutError naming the dead rank). Then
+    LaunchError is raised naming every failed rank, the first failure first. Shared-memory files of the
+    run are removed whatever happens. ``fn`` and ``args`` must pickle.
     """
     if backend == "loopback":
         raise ValueError("launch() starts one process per rank; loopback keeps all ranks in one process: "
@@ -518,7 +521,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout_s = _check_timeout(timeout_s)
-    grace_s = 2 * timeout_s + 15 if grace_s is None else grace_s
+    died_grace_s = 2 * timeout_s + 15 if grace_s is None else grace_s
+    raised_grace_s = RAISED_GRACE_S if grace_s is None else grace_s
     ctx = mp.get_context(start_method)
     from .heap.shm import new_session  # noqa: PLC0415
     port, session = _free_port(), new_session()
@@ -535,15 +539,17 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         procs.append(p)
         conns.append(recv_end)
     results, failures, pending = [None] * world_size, {}, set(range(world_size))
-    deadline = None
+    deadline, raised = None, False   # failures: in the order they were seen
     try:
         while pending:
             wait_for = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait(wait_for, timeout)
             if not ready:
+                first = next(iter(failures))
                 for r in sorted(pending):
-                    failures[r] = f"still running {grace_s:g} s after another rank failed; killed"
+                    procs[r].kill()
+                    failures[r] = f"stopped: still running {time.monotonic() - failed_at:.1f} s after rank {first} failed"
                 break
             for r in sorted(pending):
                 if conns[r] not in ready and procs[r].sentinel not in ready:
@@ -558,9 +564,12 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                 if status == "ok":
                     results[r] = pickle.loads(payload)
                 else:
-                    failures[r] = payload
-            if failures and deadline is None:
-                deadline = time.monotonic() + grace_s
+                    failures[r], raised = payload, True
+            if failures and (deadline is None or raised):
+                if deadline is None:
+                    failed_at = time.monotonic()
+                grace = raised_grace_s if raised else died_grace_s
+                deadline = min(deadline or math.inf, time.monotonic() + grace)
     finally:
         for p in procs:
             p.join(timeout=5)

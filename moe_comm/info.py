@@ -69,7 +69,19 @@ def devices() -> dict:
     force = os.environ.get("MOE_COMM_INTERPRET", "0") == "1"
     return {"cuda": cuda, "gpus": gpus, "cuda_missing_reason": why, "cpu_cores": os.cpu_count(),
             "interpreter": ("every launch (MOE_COMM_INTERPRET=1)" if force else
-                            "launches on CPU tensors (Triton's interpreter, per launch; CUDA tensors compile)")}
+                            "launches on CPU tensors (Triton's interpreter, per launch; CUDA tensors compile)"),
+            "triton_interpret": triton_interpret(cuda)}
+
+
+def triton_interpret(cuda: bool) -> str:
+    """What the user's TRITON_INTERPRET setting means for moe-comm here (as Triton itself reads it)."""
+    import triton  # noqa: PLC0415
+    if not triton.knobs.runtime.interpret:
+        return "off"
+    return (f"on (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}): on CPU tensors moe-comm's ops run "
+            "as without it (their own interpreted copies); " +
+            ("CUDA tensors cannot: unset it to run the compiled kernels" if cuda else
+             "there is no CUDA device here, so nothing changes"))
 
 
 def _nvshmem_python() -> tuple[bool, str]:
@@ -185,7 +197,8 @@ def render(info: dict) -> str:
         lines += [f"  cuda:{g['index']:<10}{g['name']}, {g['arch']}, {g['memory_gib']} GiB" for g in d["gpus"]]
     else:
         lines.append(f"  CUDA           none: {d['cuda_missing_reason']}")
-    lines += [f"  CPU            {d['cpu_cores']} cores", f"  interpreter    {d['interpreter']}", "", "heaps"]
+    lines += [f"  CPU            {d['cpu_cores']} cores", f"  interpreter    {d['interpreter']}",
+              f"  TRITON_INTERPRET {d['triton_interpret']}", "", "heaps"]
     lines += [f"  {k:<10}{_yes(h['usable'])}  {h['what']}" for k, h in info["heaps"].items()]
     lines += ["", "transports"]
     lines += [f"  {k:<10}{_yes(t['usable'])}  {t['what']}" for k, t in info["transports"].items()]

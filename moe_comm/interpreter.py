@@ -7,6 +7,9 @@ other Triton user in it). Instead each launch picks its form from the tensors' d
 - CPU tensors (development and CI machines without a GPU): an *interpreted twin* of the kernel;
 - ``MOE_COMM_INTERPRET=1`` forces the twin for every launch (debugging; only meaningful with CPU tensors,
   since our kernels dereference raw peer addresses).
+- A user's ``TRITON_INTERPRET=1`` makes ``@triton.jit`` return interpreted kernels everywhere, ours too:
+  launches on CPU tensors still go to the twin (which carries the patches below), and launches on CUDA
+  tensors raise, saying to unset it (a kernel defined interpreted cannot be compiled).
 
 The twin of a kernel module is the same source file imported a second time under the package
 ``moe_comm._interpreted`` while Triton's ``interpret`` knob is on (scoped: it is restored when the import
@@ -47,6 +50,9 @@ ENV = "MOE_COMM_INTERPRET"
 TWIN_ROOT = "moe_comm._interpreted"   # package under which kernel modules are imported interpreted
 _ROOT = "moe_comm"
 _lock = threading.Lock()
+GLOBAL_INTERPRET_ON_CUDA = (
+    "kernel {kernel} was defined while TRITON_INTERPRET=1 was set, so it cannot be compiled for {device} "
+    "tensors; unset TRITON_INTERPRET (moe-comm interprets launches on CPU tensors by itself) or use CPU tensors")
 
 
 def use_interpreter(device) -> bool:
@@ -61,10 +67,15 @@ def kernel_for(fn, device):
     compiled, else the same kernel from its interpreted twin module (a kernel defined outside moe_comm,
     e.g. in a benchmark script, is interpreted in its own module: it may call other ``@triton.jit``
     functions, but module-level choices it makes at import stay the compiled ones)."""
-    if not use_interpreter(device) or _is_interpreted(fn):
+    module = fn.fn.__module__
+    if not use_interpreter(device):
+        if _is_interpreted(fn):
+            raise RuntimeError(GLOBAL_INTERPRET_ON_CUDA.format(kernel=fn.fn.__name__, device=device))
         return fn
-    if fn.fn.__module__.startswith(_ROOT + "."):
-        interpreted = getattr(twin_module(fn.fn.__module__), fn.fn.__name__)
+    if module.startswith(TWIN_ROOT + "."):
+        interpreted = fn
+    elif module.startswith(_ROOT + "."):  # also when TRITON_INTERPRET=1 made this module's kernels interpreted
+        interpreted = getattr(twin_module(module), fn.fn.__name__)
     else:
         interpreted = _foreign(fn)
     return interpret_order.ordered(interpreted, fn.fn.__name__)  # MOE_COMM_INTERPRET_ORDER (testing)
@@ -74,6 +85,10 @@ _FOREIGN: dict = {}
 
 
 def _foreign(fn):
+    if _is_interpreted(fn):  # TRITON_INTERPRET=1 when it was defined
+        with _lock:
+            _patch_interpreter()
+        return fn
     interpreted = _FOREIGN.get(fn.fn)
     if interpreted is None:
         import triton.language as tl  # noqa: PLC0415

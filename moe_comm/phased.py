@@ -4,7 +4,7 @@ Every op (AllToAllvDynamic forward and reverse, dispatch, combine) runs the same
 
     idle --send--> pending --recv--> idle            (phase="both" = send then recv in one call)
 
-Rules (the fault model, README "Faults and recovery"):
+Rules (the fault model, docs/faults.md):
 
 - Before anything is launched, ``begin(phase)`` refuses an op on a closed group, an unknown phase, a
   phase out of order, or ``phase="both"`` on a multi-rank loopback world. These raise without touching

@@ -1,4 +1,4 @@
-"""The recovery policy a serving loop applies after a group-wide error (README "Faults and recovery").
+"""The recovery policy a serving loop applies after a group-wide error (docs/faults.md).
 
 ``recover(groups)``: ``reset()`` every given group (the ranks this process drives: one for a real rank,
 several on a loopback world); if the reset names a rank that does not come to it (dead, or stuck past

@@ -1,11 +1,14 @@
 """``python -m moe_comm selftest``: a short correctness run of every op on what this machine has.
 
 Runs AllToAllvDynamic (forward and reverse), EPBuffer dispatch + combine in bf16 and with fp8 dispatch,
-and the DeepEP-compatible Buffer, on a loopback group of 2 ranks on the CPU (Triton's interpreter) and,
-where CUDA is available, on loopback groups of 1 and 2 ranks on the GPU (compiled kernels). Results are
+and the DeepEP-compatible Buffer, on a loopback group of 2 ranks on the CPU (Triton's interpreter); then
+AllToAllvDynamic and EPBuffer in 2 processes over /dev/shm (``moe_comm.launch``, the path of the README's
+first example) and, where CUDA is available, on loopback groups of 1 and 2 ranks on the GPU (compiled
+kernels). Results are
 compared with ``moe_comm.reference``: exactly on the CPU; on a GPU, fp8 codes may differ by one step
 where a rounding tie is decided differently, and combine sums by float32 rounding (fused multiply-adds).
-Exit status 0 when every check passes, 1 otherwise. Takes a few seconds on a CPU.
+Exit status 0 when every check passes, 1 otherwise. Takes a few seconds on a CPU (plus the start of
+the two processes).
 """
 
 from __future__ import annotations
@@ -36,11 +39,16 @@ class Result:
     detail: str = ""
 
 
-def targets() -> list[tuple[str, int]]:
-    """(device, world) pairs this machine can run on a loopback group."""
-    out = [("cpu", 2)]
+LOOPBACK, PROCESSES = "loopback", "shm"   # how the ranks of a target run: one process, or one each
+SHM_WORLD = 2
+SHM_TIMEOUT_S = 60.0
+
+
+def targets() -> list[tuple[str, int, str]]:
+    """(device, world, heap) triples this machine can run."""
+    out = [("cpu", 2, LOOPBACK), ("cpu", SHM_WORLD, PROCESSES)]
     if torch.cuda.is_available():
-        out += [("cuda", 1), ("cuda", 2)]
+        out += [("cuda", 1, LOOPBACK), ("cuda", 2, LOOPBACK)]
     return out
 
 
@@ -64,70 +72,136 @@ def _experts(x: torch.Tensor, scales, first_expert: int) -> torch.Tensor:
     return (xf * f.view(-1, 1, 1)).to(torch.bfloat16)
 
 
+def _dispatch_differs(r: int, d, w: dict, fp8: bool, exact: bool) -> str:
+    """'' when rank r's dispatch result ``d`` matches the reference's ``w``, else what differs."""
+    counts = d.counts.cpu()
+    if not torch.equal(counts, w["counts"]):
+        return f"rank {r}: counts {counts.tolist()} != {w['counts'].tolist()}"
+    for e, n in enumerate(counts.tolist()):
+        if not torch.equal(d.src[e, :n].cpu(), w["src"][e, :n]):
+            return f"rank {r} expert {e}: token order differs"
+        if fp8:
+            if not (reference.fp8_codes_match(d.x[e, :n].cpu(), w["x"][e, :n], exact)
+                    and torch.equal(d.scales[e, :n].cpu(), w["scales"][e, :n])):
+                return f"rank {r} expert {e}: fp8 rows or scales differ"
+        elif not torch.equal(d.x[e, :n].cpu(), w["x"][e, :n]):
+            return f"rank {r} expert {e}: rows differ"
+    return ""
+
+
+def _combine_differs(r: int, y: torch.Tensor, yw: torch.Tensor, exact: bool) -> str:
+    if exact and not torch.equal(y, yw):
+        return f"rank {r}: combine differs from the reference"
+    if not exact and not torch.allclose(y.float(), yw.float(), rtol=GPU_COMBINE_TOL, atol=GPU_COMBINE_TOL):
+        return f"rank {r}: combine differs from the reference by {(y.float() - yw.float()).abs().max():.3g}"
+    return ""
+
+
+def _ep_reference(world: int, seed: int, device, fp8: bool):
+    """Inputs of every rank, the reference dispatch, and the reference combine of the 'experts'."""
+    xs, idxs, ws, dev_in = _inputs(world, seed, device)
+    want = reference.dispatch(xs, idxs, NUM_EXPERTS, MAX_TOKENS, fp8=fp8)
+    L = NUM_EXPERTS // world
+    ref_eos = [_experts(w["x"], w["scales"], r * L) for r, w in enumerate(want)]
+    return dev_in, want, reference.combine(ref_eos, ws, idxs, NUM_EXPERTS, MAX_TOKENS)
+
+
 def check_ep(device: str, world: int, fp8: bool) -> str:
     """EPBuffer dispatch + combine on a loopback group; '' when it matches the reference."""
     from .ep import EPBuffer  # noqa: PLC0415
     exact = device == "cpu"
     groups = init(backend="loopback", world_size=world, device=device)
     eps = [EPBuffer(g, NUM_EXPERTS, HIDDEN, MAX_TOKENS, TOPK, fp8_dispatch=fp8) for g in groups]
-    xs, idxs, ws, dev_in = _inputs(world, 7 + world, device)
+    dev_in, want, want_y = _ep_reference(world, 7 + world, device, fp8)
     for ep, (x, i, _) in zip(eps, dev_in):
         ep.dispatch(x, i, phase="send")
     ds = [ep.dispatch(phase="recv") for ep in eps]
-    want = reference.dispatch(xs, idxs, NUM_EXPERTS, MAX_TOKENS, fp8=fp8)
-    L = NUM_EXPERTS // world
     for r, (d, w) in enumerate(zip(ds, want)):
-        counts = d.counts.cpu()
-        if not torch.equal(counts, w["counts"]):
-            return f"rank {r}: counts {counts.tolist()} != {w['counts'].tolist()}"
-        for e, n in enumerate(counts.tolist()):
-            if not torch.equal(d.src[e, :n].cpu(), w["src"][e, :n]):
-                return f"rank {r} expert {e}: token order differs"
-            if fp8:
-                if not (reference.fp8_codes_match(d.x[e, :n].cpu(), w["x"][e, :n], exact)
-                        and torch.equal(d.scales[e, :n].cpu(), w["scales"][e, :n])):
-                    return f"rank {r} expert {e}: fp8 rows or scales differ"
-            elif not torch.equal(d.x[e, :n].cpu(), w["x"][e, :n]):
-                return f"rank {r} expert {e}: rows differ"
+        if err := _dispatch_differs(r, d, w, fp8, exact):
+            return err
+    L = NUM_EXPERTS // world
     eos = [_experts(d.x, d.scales, r * L) for r, d in enumerate(ds)]
     for ep, eo, (_, _, w), d in zip(eps, eos, dev_in, ds):
         ep.combine(eo, w, d.handle, phase="send")
     ys = [ep.combine(phase="recv").cpu() for ep in eps]
-    ref_eos = [_experts(w["x"], w["scales"], r * L) for r, w in enumerate(want)]
-    for r, (y, yw) in enumerate(zip(ys, reference.combine(ref_eos, ws, idxs, NUM_EXPERTS, MAX_TOKENS))):
-        if exact and not torch.equal(y, yw):
-            return f"rank {r}: combine differs from the reference"
-        if not exact and not torch.allclose(y.float(), yw.float(), rtol=GPU_COMBINE_TOL, atol=GPU_COMBINE_TOL):
-            return f"rank {r}: combine differs from the reference by {(y.float() - yw.float()).abs().max():.3g}"
+    for r, (y, yw) in enumerate(zip(ys, want_y)):
+        if err := _combine_differs(r, y, yw, exact):
+            return err
     return ""
+
+
+def _a2a_case(world: int, device):
+    """Counts and rows of every rank (seeded by the world size) and the reference's answers."""
+    g = torch.Generator().manual_seed(world)
+    counts = [torch.randint(0, A2A_ROWS + 1, (world,), generator=g, dtype=torch.int32) for _ in range(world)]
+    sends = [torch.randn(int(c.sum()) + 1, *A2A_ROW, generator=g).to(torch.bfloat16) for c in counts]
+    want = reference.alltoallv(sends, counts, A2A_ROWS)
+    rows = [(recv.float() * 2).to(torch.bfloat16) for recv, _ in want]   # an elementwise 'expert'
+    back = reference.alltoallv_combine(rows, counts, [len(s) for s in sends], A2A_ROWS)
+    return [c.to(device) for c in counts], [s.to(device) for s in sends], want, back
+
+
+def _a2a_differs(r: int, got, want) -> str:
+    recv, rc = want
+    if not torch.equal(got.recv_counts.cpu(), rc):
+        return f"rank {r}: recv_counts {got.recv_counts.tolist()} != {rc.tolist()}"
+    for j, n in enumerate(rc.tolist()):
+        if not torch.equal(got.recv[j, :n].cpu(), recv[j, :n]):
+            return f"rank {r}: rows from rank {j} differ"
+    return ""
+
+
+def _a2a_reverse_differs(r: int, back: torch.Tensor, want: torch.Tensor, sent: int) -> str:
+    # rows past the sum of the counts were not sent: unspecified
+    return "" if torch.equal(back[:sent], want[:sent]) else f"rank {r}: reverse differs from the reference"
 
 
 def check_alltoallv(device: str, world: int) -> str:
     from .alltoallv import AllToAllvDynamic  # noqa: PLC0415
     groups = init(backend="loopback", world_size=world, device=device)
     ops = [AllToAllvDynamic(g, A2A_ROWS, A2A_ROW, torch.bfloat16) for g in groups]
-    g = torch.Generator().manual_seed(world)
-    counts = [torch.randint(0, A2A_ROWS + 1, (world,), generator=g, dtype=torch.int32) for _ in range(world)]
-    sends = [torch.randn(int(c.sum()) + 1, *A2A_ROW, generator=g).to(torch.bfloat16) for c in counts]
+    counts, sends, want, want_back = _a2a_case(world, device)
     for op, s, c in zip(ops, sends, counts):
-        op(s.to(device), c.to(device), phase="send")
+        op(s, c, phase="send")
     res = [op(phase="recv") for op in ops]
-    for r, (got, (recv, rc)) in enumerate(zip(res, reference.alltoallv(sends, counts, A2A_ROWS))):
-        if not torch.equal(got.recv_counts.cpu(), rc):
-            return f"rank {r}: recv_counts {got.recv_counts.tolist()} != {rc.tolist()}"
-        for j, n in enumerate(rc.tolist()):
-            if not torch.equal(got.recv[j, :n].cpu(), recv[j, :n]):
-                return f"rank {r}: rows from rank {j} differ"
-    rows = [(x.recv.float() * 2).to(torch.bfloat16) for x in res]   # an elementwise 'expert'
-    for op, x, rw in zip(ops, res, rows):
-        op.combine(rw, x.handle, phase="send")
+    for r, (got, w) in enumerate(zip(res, want)):
+        if err := _a2a_differs(r, got, w):
+            return err
+    for op, x in zip(ops, res):
+        op.combine((x.recv.float() * 2).to(torch.bfloat16), x.handle, phase="send")
     backs = [op.combine(phase="recv").cpu() for op in ops]
-    want = reference.alltoallv_combine([x.cpu() for x in rows], counts, [len(s) for s in sends], A2A_ROWS)
-    for r, (b, w) in enumerate(zip(backs, want)):
-        n = int(counts[r].sum())   # rows past the sum were not sent: unspecified
-        if not torch.equal(b[:n], w[:n]):
-            return f"rank {r}: reverse differs from the reference"
+    for r, (b, w) in enumerate(zip(backs, want_back)):
+        if err := _a2a_reverse_differs(r, b, w, int(counts[r].sum())):
+            return err
     return ""
+
+
+def _processes_rank(group) -> str:
+    """One rank of ``check_processes``: both ops on this rank's inputs, its results against the reference.
+    Every rank makes every call whatever it found, so a wrong result on one rank cannot hang the others."""
+    from .alltoallv import AllToAllvDynamic  # noqa: PLC0415
+    from .ep import EPBuffer  # noqa: PLC0415
+    r, world, errors = group.rank, group.world_size, []
+    op = AllToAllvDynamic(group, A2A_ROWS, A2A_ROW, torch.bfloat16)
+    counts, sends, want, want_back = _a2a_case(world, "cpu")
+    got = op(sends[r], counts[r])
+    errors.append(_a2a_differs(r, got, want[r]))
+    back = op.combine((got.recv.float() * 2).to(torch.bfloat16), got.handle)
+    errors.append(_a2a_reverse_differs(r, back, want_back[r], int(counts[r].sum())))
+    ep = EPBuffer(group, NUM_EXPERTS, HIDDEN, MAX_TOKENS, TOPK)
+    dev_in, want_d, want_y = _ep_reference(world, 7 + world, "cpu", False)
+    x, idx, w = dev_in[r]
+    d = ep.dispatch(x, idx)
+    errors.append(_dispatch_differs(r, d, want_d[r], False, True))
+    y = ep.combine(_experts(d.x, d.scales, r * (NUM_EXPERTS // world)), w, d.handle)
+    errors.append(_combine_differs(r, y, want_y[r], True))
+    return "; ".join(e for e in errors if e)
+
+
+def check_processes(device: str, world: int) -> str:
+    """AllToAllvDynamic and EPBuffer (bf16) in ``world`` processes over /dev/shm (moe_comm.launch)."""
+    from .group import launch  # noqa: PLC0415
+    return "; ".join(e for e in launch(_processes_rank, world, backend="shm", timeout_s=SHM_TIMEOUT_S) if e)
 
 
 def check_deep_ep(device: str, world: int) -> str:
@@ -163,16 +237,17 @@ CHECKS = (
     ("EPBuffer dispatch + combine, fp8 dispatch", lambda d, w: check_ep(d, w, True)),
     ("DeepEP-compatible Buffer (moe_comm.compat.deep_ep)", check_deep_ep),
 )
+PROCESS_CHECKS = (("AllToAllvDynamic and EPBuffer, one process per rank", check_processes),)
 
 
 def run(devices=None, report=print) -> list[Result]:
     """Run every check on every target (optionally only those on ``devices``); ``report`` gets a line each."""
     results = []
-    for device, world in targets():
+    for device, world, heap in targets():
         if devices is not None and device not in devices:
             continue
-        target = f"{device}, loopback world {world}"
-        for name, fn in CHECKS:
+        target = f"{device}, {heap} world {world}"
+        for name, fn in (CHECKS if heap == LOOPBACK else PROCESS_CHECKS):
             t0 = time.perf_counter()
             try:
                 detail = fn(device, world)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test-vllm` / `make test-sglang`: moe-comm's adapter against the framework's real classes, in the
-# framework's own venv (.venv-vllm ~3.3 GB, .venv-sglang ~3.1 GB). Usage: scripts/test_serving.sh vllm|sglang
+# framework's own venv (.venv-vllm, .venv-sglang: 3-4 GB each). Usage: scripts/test_serving.sh vllm|sglang
 # [pytest args].
 #
 # Both frameworks pin a CUDA build of torch and GPU kernel packages that neither install nor load on a

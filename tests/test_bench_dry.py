@@ -167,9 +167,8 @@ def test_counters_host_syncs_launches_and_graph_mode():
     assert got["padded"]["host_reads"] == got["fused"]["host_reads"] == 0
     assert got["fused"]["triton_launches"] == 2 * cfg.num_layers  # world 1: one kernel per op
     assert got["sync"]["triton_launches"] == 0 and got["sync"]["aten_launches"] > 0
-    assert {k: v["graph_mode"] for k, v in got.items()} == {
-        "sync": "eager (host reads)", "sync-graphed": "graphs between eager exchanges",
-        "padded": "one CUDA graph", "fused": "one CUDA graph"}
+    assert {k: v["gpu_graphs"] for k, v in got.items()} == {
+        "sync": "eager", "sync-graphed": "piecewise", "padded": "graph", "fused": "graph"}
     assert all(v["wire_bytes"] == 0 for v in got.values())  # world 1: nothing leaves the rank
 
 
@@ -299,3 +298,29 @@ def test_sync_graphed_piecewise_graphs_equal_eager_on_gpu():
                 torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_cpu_runs_are_labelled_and_counted_in_their_file(tmp_path, capsys):
+    """Two CPU runs into one --out-dir: every JSON line carries its run; the second run says the file holds
+    two and that its PNG shows it; how this run ran (eager) and how a GPU would run the step are separate
+    fields and columns, never contradicting each other."""
+    import json  # noqa: PLC0415
+
+    from moe_comm.serving.latency_bench import main  # noqa: PLC0415
+    from moe_comm.serving.step_profile import GRAPH_MODES  # noqa: PLC0415
+    args = ["--config", "mixtral", "--world", "1", "--heap", "loopback", "--batches", "1", "--backends", "sync,fused",
+            "--steps", "1", "--warmup", "0", "--check-steps", "1", "--out-dir", str(tmp_path)]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    [jsonl] = tmp_path.glob("*.jsonl")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(records) == 4 and len({r["run"] for r in records}) == 2
+    assert "of 2 runs" not in first and "(the latest of 2 runs in" in second and "plot of this run" in second
+    assert all(r["graphs"] == "eager" and r["cuda_graphs"] is False for r in records)
+    assert {r["backend"]: r["step_gpu_graphs"] for r in records} == {"sync": "eager", "fused": "graph"}
+    assert "every step eager (no CUDA graphs on a CPU)" in second and "on a GPU the step runs" in second
+    assert GRAPH_MODES["graph"] in second and "one CUDA graph" not in second.split("on a GPU the step runs")[0]
+    assert len(list(tmp_path.glob("*.png"))) == 1

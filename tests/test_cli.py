@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,7 +85,8 @@ def test_selftest_command_passes_here():
     out = subprocess.run([script, "selftest", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"{len(selftest.CHECKS)} passed, 0 failed" in out.stdout, out.stdout
+    assert f"{len(selftest.CHECKS) + len(selftest.PROCESS_CHECKS)} passed, 0 failed" in out.stdout, out.stdout
+    assert re.search(r"PASS  cpu, shm world 2 +AllToAllvDynamic and EPBuffer, one process per rank", out.stdout)
 
 
 def test_selftest_fails_on_a_wrong_result(monkeypatch, capsys):
@@ -102,6 +104,7 @@ def test_selftest_fails_on_a_wrong_result(monkeypatch, capsys):
 
     monkeypatch.setattr(EPBuffer, "combine", wrong)
     monkeypatch.setattr(AllToAllvDynamic, "__call__", broken)
+    monkeypatch.setattr(selftest, "targets", lambda: [("cpu", 2, selftest.LOOPBACK)])  # patches reach this process only
     assert selftest.main(["--device", "cpu"]) == 1
     text = capsys.readouterr().out
     assert text.count("FAIL") == 3 and "injected" in text and "combine differs" in text, text

@@ -1,4 +1,4 @@
-"""`python -m moe_comm.demo` (the AllToAllvDynamic demo the README points to) runs and checks itself."""
+"""`python -m moe_comm.demo` (the AllToAllvDynamic demo) runs and checks itself."""
 
 import pytest
 

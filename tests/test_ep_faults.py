@@ -1,6 +1,6 @@
 """EPBuffer under faults: a peer that dies or never sends makes the others raise CommTimeoutError naming
 it, within about twice the timeout, and nothing hangs or leaks. (A survivor may raise the record of the
-other survivor, which timed out first and broadcast it: README "Faults and recovery".)"""
+other survivor, which timed out first and broadcast it: docs/faults.md.)"""
 
 import os
 import time

@@ -1,4 +1,4 @@
-"""The fault model (README "Faults and recovery"): after any fault, the next call on every rank either
+"""The fault model (docs/faults.md): after any fault, the next call on every rank either
 raises a named error or returns results equal to the reference, never anything else, and the group
 recovers with ``group.reset()``. One test per finding of the multi-rank review, each checking what the
 *next* calls do, on loopback (one process, phases driven by hand) and shm (one process per rank)."""
@@ -229,7 +229,7 @@ def test_an_error_found_while_another_is_pending_is_not_silent():
     a, b = AllToAllvDynamic(g, 2, (4,), torch.float32), AllToAllvDynamic(g, 2, (4,), torch.float32)
     x = torch.randn(5, 4)
     a(x, torch.tensor([5]), phase="send")  # count 5 > capacity 2: recorded, not raised yet
-    with pytest.raises(CapacityError, match="needs 5 rows, only 2 .*further device errors"):
+    with pytest.raises(CapacityError, match=r"send_counts\[0\] is 5, but only 2 rows .*further device errors"):
         b(x, torch.tensor([4]))
     res = a(phase="recv")
     assert res.recv_counts.tolist() == [2]

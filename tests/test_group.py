@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import re
 import time
 
 import pytest
@@ -47,6 +48,25 @@ def test_launch_names_the_rank_that_raised():
     assert "KeyError" in err.failures[2] and "boom on two" in err.failures[2]
     assert err.results[:2] == [0, 1]
     assert "rank 2" in str(err)
+
+
+def _raises_at_once_on_rank1(group):
+    if group.rank == 1:
+        raise KeyError(f"boom at {time.time()}")
+    group.barrier()   # waits for rank 1 (up to timeout_s = 30 s)
+    return group.rank
+
+
+def test_launch_ends_soon_after_a_rank_raises_naming_it_first():
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_raises_at_once_on_rank1, 2, backend="shm", timeout_s=30)
+    ended = time.time()
+    err = info.value
+    raised_at = float(re.search(r"boom at ([\d.]+)", err.failures[1]).group(1))
+    assert ended - raised_at < 5, ended - raised_at
+    assert list(err.failures) == [1, 0] and "stopped" in err.failures[0], err.failures
+    assert str(err).startswith("launch failed on rank 1 first: KeyError"), str(err)
+    assert _shm_files() == []
 
 
 def _dies_before_barrier(group):

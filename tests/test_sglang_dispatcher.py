@@ -72,3 +72,50 @@ def test_a_combine_that_raises_does_not_block_the_next_dispatch():
     out = disp.dispatch(x, _topk(idx, w))
     y = disp.combine(SimpleNamespace(hidden_states=toy_experts(0, E, out.hidden_states), topk_weights=None))
     assert close(y, reference_moe(x, idx, w))
+
+
+class _MaskedDispatcher(EPBufferDispatcher):
+    """The dispatcher with a framework active-rank mask, as SGLang's elastic EP keeps one."""
+
+    def __init__(self, ep, active):
+        super().__init__(ep)
+        self.active = active
+
+    def _active_ranks(self):
+        return self.active
+
+
+def test_live_ranks_are_published_into_the_active_rank_mask():
+    """A dispatch writes the group's live ranks into the framework's mask (here 4 slots, SGLang's
+    --max-ep-size above the world), again only after they change (an exclusion: rank 2 gone)."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    ep = EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16)
+    active = torch.full((4,), 7, dtype=torch.int32)
+    disp = _MaskedDispatcher(ep, active)
+    (x,), (idx,), (w,) = make_inputs(1, [MAXT], E, TOPK, HIDDEN, 4)
+    out = disp.dispatch(x, _topk(idx, w))
+    disp.combine(SimpleNamespace(hidden_states=toy_experts(0, E, out.hidden_states), topk_weights=None))
+    assert active.tolist() == [1, 0, 0, 0]
+    active.fill_(7)   # unchanged live ranks: not written again
+    disp._publish_live_ranks()
+    assert active.tolist() == [7, 7, 7, 7]
+    disp.ep = SimpleNamespace(group=SimpleNamespace(live_ranks=[0, 1, 3]))   # after exclude([2])
+    disp._publish_live_ranks()
+    assert active.tolist() == [1, 1, 0, 1]
+
+
+def test_elastic_active_ranks_reads_sglangs_state(monkeypatch):
+    """Without SGLang, or without its elastic-EP state, there is no mask; with it, its active_ranks."""
+    import sys
+    import types
+
+    from moe_comm.serving.sglang import _ELASTIC_EP, elastic_active_ranks
+    monkeypatch.setitem(sys.modules, _ELASTIC_EP, None)   # import -> ImportError
+    assert elastic_active_ranks() is None
+    state = SimpleNamespace(active_ranks=torch.ones(3, dtype=torch.int32))
+    mod = types.ModuleType(_ELASTIC_EP)
+    mod.ElasticEPStateManager = SimpleNamespace(instance=lambda: None)
+    monkeypatch.setitem(sys.modules, _ELASTIC_EP, mod)
+    assert elastic_active_ranks() is None
+    mod.ElasticEPStateManager = SimpleNamespace(instance=lambda: state)
+    assert elastic_active_ranks() is state.active_ranks

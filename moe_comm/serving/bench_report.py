@@ -92,11 +92,17 @@ def savings(records: list[dict], backends: list[str], batches: list[int]) -> lis
     return out
 
 
+# Baselines in the order a saving is read: graphed like the capturable backends first, the eager model last.
+FAIR_FIRST = ("sync-graphed", "padded", "sync")
+BASELINE_LABELS = {"sync": "vs sync (eager model)"}
+
+
 def format_savings(rows: list[dict], backends: list[str], batches: list[int]) -> str:
-    """One row per (batch, backend): % saved against each baseline (positive = faster)."""
-    bases = [b for b in BASELINES if b in backends]
+    """One row per (batch, backend): % saved against each baseline (positive = faster), the fair baseline
+    first."""
+    bases = [b for b in FAIR_FIRST if b in backends]
     pct = {(r["batch"], r["backend"], r["baseline"]): r["pct"] for r in rows}
-    head = ["batch", "backend"] + [f"vs {b}" for b in bases]
+    head = ["batch", "backend"] + [BASELINE_LABELS.get(b, f"vs {b}") for b in bases]
     body = []
     for n in batches:
         for b in backends:
@@ -148,10 +154,14 @@ def format_attribution(rows: list[dict]) -> str:
     return _grid(head, body)
 
 
-def write_jsonl(path: str, records: list[dict]) -> None:
+def write_jsonl(path: str, records: list[dict]) -> int:
+    """Append ``records`` to ``path``; returns how many runs the file now holds (distinct ``run`` values;
+    lines written before runs were labelled count as one)."""
     with open(path, "a") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    with open(path) as f:
+        return len({json.loads(line).get("run") for line in f if line.strip()})
 
 
 # The decode target the issue tracker quotes: NCCLX's single-node decode saving (43 %).
@@ -198,6 +208,68 @@ def plot(path: str, records: list[dict], backends: list[str], title: str) -> Non
     fig.suptitle("\n".join(textwrap.fill(line, 150) for line in title.split("\n")), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_graphs(record: dict) -> str:
+    """How a timed run ran its steps (a GRAPH_MODES key); lines written before ``graphs`` was recorded
+    carry only ``cuda_graphs``."""
+    return record.get("graphs") or ("graph" if record.get("cuda_graphs") else "eager")
+
+
+COUNTED = (("step_host_reads", "host syncs per step"), ("step_launches", "kernel launches per step"),
+           ("step_wire_bytes", "payload bytes to other ranks per step"))
+
+
+def plot_counters(path: str, records: list[dict], backends: list[str], batches: list[int], title: str,
+                  committed: dict | None) -> None:
+    """What a CPU run measures truly, per backend and batch: host syncs, kernel launches and bytes to other
+    ranks per step (bars; the x labels say how the step runs on a GPU). Last panel: the committed GPU run
+    of the same configuration (p50 step latency per backend), titled with its device and commit; no
+    interpreter timing is drawn."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from .step_profile import GRAPH_MODES  # noqa: PLC0415
+    by = {(r["backend"], r["batch_per_rank"]): r for r in records}
+    fig, axes = plt.subplots(1, len(COUNTED) + 1, figsize=(5 * (len(COUNTED) + 1), 5.6))
+    width = 0.8 / max(1, len(batches))
+    labels = [f"{b}\n{by[(b, batches[0])]['step_gpu_graphs']}" for b in backends]
+    legend = "x labels: backend, and how its step runs on a GPU: " + "; ".join(f"{k} = {v}" for k, v in GRAPH_MODES.items())
+    for ax, (key, name) in zip(axes, COUNTED):
+        for j, n in enumerate(batches):
+            xs = [i + (j - (len(batches) - 1) / 2) * width for i in range(len(backends))]
+            vals = [by[(b, n)][key] for b in backends]
+            bars = ax.bar(xs, vals, width * 0.95, label=f"batch {n}")
+            ax.bar_label(bars, [f"{v:,}" for v in vals], fontsize=6, rotation=90, padding=2)
+        ax.set_xticks(range(len(backends)), labels, fontsize=7, rotation=30)
+        ax.set_title(name, fontsize=9)
+        ax.margins(y=0.2)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    if committed is None:
+        ax.text(0.5, 0.5, "no committed GPU run\nof this configuration", ha="center", va="center")
+        ax.set_axis_off()
+    else:
+        for b in backends:
+            rs = sorted((r for r in committed["records"] if r["backend"] == b), key=lambda r: r["batch_per_rank"])
+            if rs:
+                ax.plot([r["batch_per_rank"] for r in rs], [r["us_p50"] for r in rs], marker="o",
+                        label=f"{b} ({GRAPH_MODES[run_graphs(rs[0])]})")
+        gpu_batches = sorted({r["batch_per_rank"] for r in committed["records"]})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(gpu_batches, [str(n) for n in gpu_batches], fontsize=7)
+        ax.set_xlabel("decode batch per rank")
+        ax.set_ylabel("step latency p50, µs")
+        ax.set_title(textwrap.fill(f"committed GPU run, world 1: {committed['device']}, commit {committed['commit']}"
+                                   " (not this machine)", 60), fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle("\n".join(textwrap.fill(line, 170) for line in (title + "\n" + legend).split("\n")), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -8,7 +8,7 @@ rank whose requests are done (or that has none) runs dummy steps with T = 0 toke
 On CUDA with a capturable backend every bucket's step is captured once in a CUDA graph and replayed; on the
 CPU (and for the ``sync`` backend, which reads counts on the host) steps run eagerly.
 
-Faults (README "Faults and recovery"): after every step the engine checks the moe-comm groups' error
+Faults (docs/faults.md): after every step the engine checks the moe-comm groups' error
 words without a device sync. On CUDA it first waits for the *previous* step to finish (the GPU keeps the
 current one queued), so an error is raised at most one step late; on the CPU the ops raise in the step
 itself. On a group-wide error the engine recovers: ``reset()`` on every live rank, or, when a rank does

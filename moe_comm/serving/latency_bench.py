@@ -34,7 +34,7 @@ import time
 import torch
 
 from .backends import BACKEND_NAMES, BASELINE_NAMES
-from .bench_report import (environment, format_savings, format_table, percentiles, plot, savings,
+from .bench_report import (environment, format_savings, format_table, percentiles, plot, plot_counters, savings,
                            slowest_rank_per_step, write_jsonl)
 from .configs import CONFIG_NAMES, model_config
 
@@ -140,8 +140,8 @@ def progress_bar(total: int, disable: bool, desc: str):
 
 
 def graphs_label(engine) -> str:
-    """How an engine runs a decode step: "graph" (one CUDA graph), "piecewise" (graphs between eager
-    exchanges) or "eager"."""
+    """How an engine runs a decode step in this run (a ``step_profile.GRAPH_MODES`` key): "graph" (one
+    CUDA graph), "piecewise" (graphs between eager exchanges) or "eager"."""
     if getattr(engine, "piecewise_graphs", False):
         return "piecewise"
     return "graph" if engine.use_graphs else "eager"
@@ -327,9 +327,10 @@ def _describe_world(opts, results) -> str:
     if opts.device == "cpu":
         where = (f"world {opts.world} emulated in one process (loopback heap)" if opts.heap == "loopback"
                  else f"{opts.world} processes, {opts.heap} heap")
-        return f"CPU, {where}, Triton kernels interpreted (on CPU tensors), no CUDA graphs"
+        return f"CPU, {where}, Triton kernels interpreted (on CPU tensors), every step eager (no CUDA graphs on a CPU)"
+    from .step_profile import GRAPH_MODES  # noqa: PLC0415
     emulated = opts.heap == "loopback" and opts.world > 1
-    graphs = ", ".join(f"{b}: {g}" for b, g in results[0]["graphs"].items())
+    graphs = ", ".join(f"{b}: {GRAPH_MODES[g]}" for b, g in results[0]["graphs"].items())
     where = (f"world {opts.world} EMULATED on one GPU (loopback heap: every rank's work runs on this GPU, "
              f"one after another)" if emulated else f"world {opts.world}, {opts.heap} heap")
     return f"GPU, {where}; {graphs}"
@@ -339,6 +340,7 @@ def report(opts, results: list[dict]) -> dict:
     cfg = model_config(opts.config, opts.device)
     env = environment(torch.device(opts.device))
     mode = _describe(opts, results)
+    run = time.strftime("%Y-%m-%dT%H:%M:%S")   # every line of this run carries it; the file may hold earlier runs
     records = []
     for b in opts.backends:
         for n in opts.batches:
@@ -352,28 +354,34 @@ def report(opts, results: list[dict]) -> dict:
                        warmup=opts.warmup, check_rel_err=max(res["check"][b] for res in results),
                        **{f"step_{k}": v for k, v in results[0]["counters"][b][n].items() if k != "batch"},
                        **percentiles(slowest_rank_per_step(per_process)), **env,
-                       time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                       run=run, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             records.append(rec)
     os.makedirs(opts.out_dir, exist_ok=True)
     attention = "" if opts.attention == "torch" else f"_attn-{opts.attention}"
     world = f"ep{opts.emulate_ep}emu" if opts.emulate_ep else f"w{opts.world}"
     stem = os.path.join(opts.out_dir,
                         f"decode_latency_{cfg.name}_{opts.device}_{world}_{opts.experts}{attention}")
-    write_jsonl(stem + ".jsonl", records)
+    runs = write_jsonl(stem + ".jsonl", records)
     title = (f"{cfg.name}: hidden {cfg.hidden}, {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.topk}, "
              f"{rec['dtype']}, {opts.experts} expert GEMMs, {opts.attention} attention")
+    measured = f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}"
+    which_run = f"run {run}" + (f" (the latest of {runs} runs in {os.path.basename(stem)}.jsonl)" if runs > 1 else "")
+    committed = committed_gpu_run(cfg.name) if opts.device == "cpu" else None
     drawn = "matplotlib" not in missing_bench_packages()
-    if drawn:
-        plot(stem + ".png", records, opts.backends, f"{title}\n{mode}")
+    if drawn and opts.device == "cpu":
+        plot_counters(stem + ".png", records, opts.backends, opts.batches,
+                      f"{title}\n{mode}\nmeasured on {measured}; {which_run}", committed)
+    elif drawn:
+        plot(stem + ".png", records, opts.backends, f"{title}\n{mode}\nmeasured on {measured}; {which_run}")
     worst = {b: max(res["check"][b] for res in results) for b in opts.backends}
-    print(f"\n{title}\n{mode}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+    print(f"\n{title}\n{mode}\n{measured}")
     print("1. reference check passed: " + ", ".join(f"{b} max rel err {e:.1e}" for b, e in worst.items()))
     print("\n2. per decode step and rank, counted on this machine (the same on any device):")
     print(format_counters(results[0]["counters"], opts.backends, opts.batches))
     timing = (f"decode step latency, µs: p50 [p20-p80] over {opts.steps} steps after {opts.warmup} warm-up "
               f"(slowest rank per step)")
     if opts.device == "cpu":
-        print("\n3. " + committed_gpu_results(cfg.name))
+        print("\n3. " + format_committed(committed, cfg.name))
         print(f"\n4. harness check, NOT a comparison of the designs: {timing}. On the CPU the Triton kernels of "
               "dynamic/fused run in Triton's interpreter and the baselines use gloo.\n")
         print(format_table(records, opts.backends, opts.batches))
@@ -382,34 +390,39 @@ def report(opts, results: list[dict]) -> dict:
     else:
         print(f"\n3. {timing}\n")
         print(format_table(records, opts.backends, opts.batches))
-        print("\n% of each baseline's latency saved (positive = faster):")
+        print("\n% of each baseline's latency saved (positive = faster; " + SAVINGS_NOTE + "):")
         print(format_savings(savings(records, opts.backends, opts.batches), opts.backends, opts.batches))
         print_attribution(opts, cfg, records)
-    print(f"\nJSON lines appended to {stem}.jsonl" + (f"\nplot written to {stem}.png" if drawn else ""))
+    print(f"\nJSON lines of {which_run} appended to {stem}.jsonl" + (f"\nplot of this run written to {stem}.png" if drawn else ""))
     return dict(records=records, jsonl=stem + ".jsonl", png=stem + ".png" if drawn else None)
+
+
+SAVINGS_NOTE = ("sync-graphed is the fair baseline: it is graphed wherever a host-synced exchange allows; "
+                "against sync, an eager model, most of a saving is CUDA graphs")
 
 
 def format_counters(counters: dict, backends: list[str], batches: list[int]) -> str:
     """counters[backend][batch] (``step_profile.count_step``) as one row per (backend, batch)."""
     from .bench_report import _grid  # noqa: PLC0415
-    head = ["backend", "batch", "host syncs", "launches (ATen + Triton)", "bytes to other ranks", "CUDA graphs"]
+    from .step_profile import GRAPH_MODES  # noqa: PLC0415
+    head = ["backend", "batch", "host syncs", "launches (ATen + Triton)", "bytes to other ranks", "on a GPU the step runs"]
     rows = []
     for b in backends:
         for n in batches:
             c = counters[b][n]
             rows.append([b, str(n), str(c["host_reads"]), f"{c['launches']} ({c['aten_launches']} + {c['triton_launches']})",
-                         f"{c['wire_bytes']:,}", c["graph_mode"]])
+                         f"{c['wire_bytes']:,}", GRAPH_MODES[c["gpu_graphs"]]])
     return _grid(head, rows)
 
 
-def committed_gpu_results(config: str, root: str | None = None) -> str:
-    """The latest committed GPU decode results (world 1) of ``config`` under bench/results, labelled with
-    device and commit; a line saying there are none otherwise."""
+def committed_gpu_run(config: str, root: str | None = None) -> dict | None:
+    """The latest committed GPU decode run (world 1) of ``config`` under bench/results: {path, device,
+    commit, records (the latest line per (backend, batch)), profile (the step profile in the same
+    directory, ``bench_report.latest_profile``; {} if none)}; None when there is none."""
     import glob  # noqa: PLC0415
     import json  # noqa: PLC0415
-    from .bench_report import _grid, improvement  # noqa: PLC0415
-    root = root or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "bench", "results")
+    from .bench_report import latest_profile  # noqa: PLC0415
+    root = root or RESULTS_ROOT
     best = None
     for path in glob.glob(os.path.join(root, "**", f"decode_latency_{config}_cuda_w1_*.jsonl"), recursive=True):
         with open(path) as f:
@@ -418,30 +431,64 @@ def committed_gpu_results(config: str, root: str | None = None) -> str:
         if recs and (best is None or max(r["time"] for r in recs) > max(r["time"] for r in best[1])):
             best = (path, recs)
     if best is None:
-        return f"latest committed GPU results for {config}: none under {root}"
+        return None
     path, recs = best
     last = {}
-    for r in recs:  # the latest line per (backend, batch)
+    for r in recs:
         last[(r["backend"], r["batch_per_rank"])] = r
+    profile = {}
+    for prof_path in glob.glob(os.path.join(os.path.dirname(path), f"decode_profile_{config}_cuda_*.jsonl")):
+        with open(prof_path) as f:
+            profile.update(latest_profile([json.loads(x) for x in f if x.strip()]))
+    r0 = next(iter(last.values()))
+    return dict(path=path, root=root, device=r0.get("device"), commit=str(r0.get("commit"))[:7],
+                records=list(last.values()), profile=profile)
+
+
+RESULTS_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "bench", "results")
+
+
+def format_committed(run: dict | None, config: str) -> str:
+    """A committed GPU run as a table, every saving with its basis: against a baseline graphed like fused
+    (sync-graphed, padded) as measured; against sync (an eager model) only split into communication and
+    graphs + host by the run's step profile."""
+    from .bench_report import _grid, attribution, improvement, run_graphs  # noqa: PLC0415
+    from .step_profile import GRAPH_MODES  # noqa: PLC0415
+    if run is None:
+        return f"latest committed GPU results for {config}: none under {RESULTS_ROOT}"
+    last = {(r["backend"], r["batch_per_rank"]): r for r in run["records"]}
     backends = [b for b in BACKEND_NAMES if any(k[0] == b for k in last)]
     batches = sorted({k[1] for k in last})
-    r0 = next(iter(last.values()))
-    head = ["batch"] + [f"{b} µs" for b in backends] + [f"fused vs {b}" for b in backends if b != "fused"]
+    graphed = [b for b in ("sync-graphed", "padded") if b in backends]
+    split = {r["batch"]: r for r in attribution(run["records"], run["profile"], "sync") if r["backend"] == "fused"}
+    head = (["batch"] + [f"{b} µs" for b in backends] + [f"fused vs {b}" for b in graphed]
+            + ["fused vs sync: saved µs = communication + graphs/host"])
     rows = []
     for n in batches:
         row = [str(n)] + [f"{last[(b, n)]['us_p50']:.0f}" if (b, n) in last else "-" for b in backends]
-        for b in backends:
-            if b != "fused":
-                ok = (b, n) in last and ("fused", n) in last
-                row.append(f"{improvement(last[(b, n)]['us_p50'], last[('fused', n)]['us_p50']):+.1f}%" if ok else "-")
+        for b in graphed:
+            ok = (b, n) in last and ("fused", n) in last
+            row.append(f"{improvement(last[(b, n)]['us_p50'], last[('fused', n)]['us_p50']):+.1f}%" if ok else "-")
+        sp = split.get(n)
+        row.append("- (no step profile at this batch)" if sp is None else
+                   f"{sp['saved_us']:.0f} = {sp['communication_us']:.0f} + {sp['graphs_us']:.0f} "
+                   f"({100 * sp['graphs_us'] / sp['saved_us']:.0f}% graphs/host)")
         rows.append(row)
-    note = ("" if "sync-graphed" in backends else
-            "\n   (these runs predate the sync-graphed baseline and per-bucket padded capacity: sync there is a fully "
-            "eager model, and padded used the largest bucket's capacity at every batch)")
+    ran = {b: GRAPH_MODES[run_graphs(next(r for k, r in last.items() if k[0] == b))] for b in backends}
+    note = "\n   how each backend ran its steps: " + "; ".join(f"{b}: {m}" for b, m in ran.items())
+    if "sync-graphed" not in backends:
+        note += ("\n   These runs predate the sync-graphed baseline and per-bucket padded capacity (padded used the "
+                 "largest bucket's capacity at every batch).")
     return (f"latest committed GPU results for the same configuration ({config} at its real widths, world 1): "
-            f"{r0.get('device')}, commit {str(r0.get('commit'))[:7]}, "
-            f"{os.path.relpath(path, os.path.dirname(os.path.dirname(root)))}{note}\n"
+            f"{run['device']}, commit {run['commit']}, "
+            f"{os.path.relpath(run['path'], os.path.dirname(os.path.dirname(run['root'])))}{note}\n"
             + _grid(head, rows))
+
+
+def committed_gpu_results(config: str, root: str | None = None) -> str:
+    """``format_committed`` of ``committed_gpu_run``."""
+    return format_committed(committed_gpu_run(config, root), config)
 
 
 def print_attribution(opts, cfg, records: list[dict]) -> None:

@@ -24,6 +24,12 @@ SGLang's DeepEP low-latency dispatcher does.
 buffer's send and receive phases. Every dispatch first raises, by name, an error the group recorded in
 an earlier step (``moe_comm.serving.ep_group.check_group``).
 
+Faults: after ``moe_comm.serving.ep_group.recover()`` has excluded a dead rank, the next dispatch writes
+the group's live ranks into SGLang's elastic-EP active-rank mask (``ElasticEPStateManager.instance()
+.active_ranks``, 1 = active), where SGLang has one (a server started with ``--elastic-ep-backend``), so
+SGLang's EPLB sees the change as it does from its Mooncake and NIXL dispatchers; without that state
+nothing is written. SGLang does not call ``recover()`` itself: its engine stops on the named error.
+
 Limits: one layout, DeepEP's low-latency one, for every batch (there is no "normal" high-throughput
 mode): a batch of more than max_tokens_per_rank tokens on a rank raises ValueError, so cap SGLang's
 per-rank batch (e.g. --chunked-prefill-size, --cuda-graph-max-bs) at MOE_COMM_SGLANG_MAX_TOKENS.
@@ -46,12 +52,13 @@ import torch
 from ..compat.deep_ep_layout import column_major_scales
 from .ep_group import check_group, process_group, shared_buffer
 
-__all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "dispatcher_class", "make_dispatcher",
-           "options_from_env"]
+__all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "dispatcher_class", "elastic_active_ranks",
+           "make_dispatcher", "options_from_env"]
 
 _DISPATCHER = "sglang.srt.layers.moe.token_dispatcher"
 _EPLB = "sglang.srt.eplb.expert_distribution"
 _MOE_UTILS = "sglang.srt.layers.moe.utils"
+_ELASTIC_EP = "sglang.srt.elastic_ep.elastic_ep"
 _ENV_PREFIX = "MOE_COMM_SGLANG"
 DEFAULT_MAX_TOKENS_PER_RANK = 128  # SGLang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK
 
@@ -82,6 +89,7 @@ class EPBufferDispatcher:
         self._handle = None    # the dispatch the next combine answers
         self._weights = None
         self._out = None       # the combine's [T, hidden] output between combine_a and combine_b
+        self._published = None  # the live ranks last written into the framework's active-rank mask
 
     def _output(self, *fields):
         return LowLatencyDispatchOutput(*fields)
@@ -89,10 +97,27 @@ class EPBufferDispatcher:
     def _record_counts(self, counts: torch.Tensor) -> None:
         """Hook for the framework's expert-load statistics (int32 [E_local] device counts)."""
 
+    def _active_ranks(self) -> torch.Tensor | None:
+        """Hook: the framework's active-rank mask (int [ranks], 1 = active), or None where it has none."""
+        return None
+
+    def _publish_live_ranks(self) -> None:
+        """Make the framework's active-rank mask equal to the group's live ranks (written only when they
+        changed since the last write: a host-to-device copy, no sync)."""
+        active = self._active_ranks()
+        live = tuple(self.ep.group.live_ranks)
+        if active is None or live == self._published:
+            return
+        mask = torch.zeros(active.shape, dtype=active.dtype)
+        mask[list(live)] = 1
+        active.copy_(mask)
+        self._published = live
+
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch_a(self, hidden_states: torch.Tensor, topk_output) -> None:
         """Send phase (the whole dispatch at world 1)."""
         check_group(self.ep.group)
+        self._publish_live_ranks()
         if self._pending is not None or self._handle is not None:
             raise RuntimeError("dispatch while an earlier dispatch is still waiting for its "
                                "dispatch_b/combine (two-batch overlap is not supported)")
@@ -166,6 +191,9 @@ def dispatcher_class() -> type:
         def _record_counts(self, counts):  # SGLang's expert-distribution recorder (EPLB), as DeepEP's does
             recorder().on_deepep_dispatch_low_latency(counts)
 
+        def _active_ranks(self):
+            return elastic_active_ranks()
+
         def combine_a(self, combine_input) -> None:
             if combine_input.format != sgl.CombineInputFormat.DEEPEP_LL:
                 raise ValueError(f"moe-comm combines DeepEP low-latency layout ([E_local, R, hidden]); got a "
@@ -182,6 +210,18 @@ def dispatcher_class() -> type:
             return EPBufferDispatcher.combine(self, combine_input)
 
     return MoECommDispatcher
+
+
+def elastic_active_ranks() -> torch.Tensor | None:
+    """SGLang's elastic-EP active-rank mask (``ElasticEPStateManager.instance().active_ranks``, int32
+    [max EP size], 1 = active), or None: an SGLang without elastic EP, or a server started without
+    ``--elastic-ep-backend`` (no state)."""
+    try:
+        manager = importlib.import_module(_ELASTIC_EP).ElasticEPStateManager
+    except (ImportError, AttributeError):
+        return None
+    state = manager.instance()
+    return None if state is None else getattr(state, "active_ranks", None)
 
 
 # ---- configuration and the factory ---------------------------------------------------------------

@@ -253,21 +253,27 @@ def comm_wire_bytes(comm, topk_idx: torch.Tensor) -> int:
     raise ValueError(f"no message format for backend {name!r}")
 
 
+# How a decode step runs: the one vocabulary of the benchmark's tables, JSON lines and plots.
+GRAPH_MODES = {"graph": "one CUDA graph", "piecewise": "CUDA graphs between eager exchanges",
+               "eager": "eager, no CUDA graphs"}
+
+
 def graph_mode(comm) -> str:
-    """How a step with this backend can run on a GPU."""
+    """How a step with this backend can run on a GPU (a GRAPH_MODES key)."""
     if comm.capturable:
-        return "one CUDA graph"
+        return "graph"
     if getattr(comm, "piecewise", False):
-        return "graphs between eager exchanges"
-    return "eager (host reads)"
+        return "piecewise"
+    return "eager"
 
 
 def count_step(engine, batch: int, warm: bool = True) -> dict:
     """One decode step of ``batch`` tokens on every local rank of ``engine``, counted: host reads of
     device values, kernel launches (ATen kernels + Triton launches), payload bytes to other ranks (per
-    rank, all layers), and the graph mode. Collective: every process of the world calls it together.
-    Runs eagerly (on a GPU too): launches are counted as the step issues them. warm: one uncounted step
-    first (a backend's first call allocates its buffers); False for an engine that has already run."""
+    rank, all layers), and how the step can run on a GPU (``gpu_graphs``, a GRAPH_MODES key).
+    Collective: every process of the world calls it together. Runs eagerly (on a GPU too): launches are
+    counted as the step issues them. warm: one uncounted step first (a backend's first call allocates its
+    buffers); False for an engine that has already run."""
     import triton.runtime.interpreter as interp  # noqa: PLC0415
     import triton.runtime.jit as jit  # noqa: PLC0415
 
@@ -328,4 +334,4 @@ def count_step(engine, batch: int, warm: bool = True) -> dict:
     n = len(models)
     return dict(host_reads=counters.host_reads // n, launches=(launches.aten + triton_launches[0]) // n,
                 aten_launches=launches.aten // n, triton_launches=triton_launches[0] // n,
-                wire_bytes=wire, graph_mode=graph_mode(comm0), batch=batch)
+                wire_bytes=wire, gpu_graphs=graph_mode(comm0), batch=batch)

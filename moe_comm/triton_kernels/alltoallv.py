@@ -75,7 +75,7 @@ def forward_split(counts_ptr, kept_counts_ptr, kept_offsets_ptr, dropped_ptr, pe
             if (my_raw < 0) | (my_raw > max_rows):
                 record_error(grp, ERR_CAPACITY, OP, rank, peer, my_raw, max_rows)
             else:
-                record_error(grp, ERR_CAPACITY, OP, rank, peer, my_off + my_raw, n_rows)
+                record_error(grp, ERR_CAPACITY, OP, rank, peer, my_raw, tl.maximum(n_rows - my_off, 0))
     return tl.where(live, my_cnt, 0), my_off
 
 

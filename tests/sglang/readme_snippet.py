@@ -1,5 +1,5 @@
-# The README's SGLang snippet (run by test_readme_snippet): what the plugin does inside an SGLang server,
-# on one CPU rank. In a server, SGLang itself calls load_plugins() and create_moe_dispatcher().
+# The SGLang snippet of docs/integrations.md (run by test_readme_snippet): what the plugin does inside an
+# SGLang server, on one CPU rank. In a server, SGLang itself calls load_plugins() and create_moe_dispatcher().
 import os
 
 import torch

@@ -1,5 +1,5 @@
-# The README's vLLM snippet (run by test_readme_snippet): the prepare/finalize that the plugin gives
-# vLLM's modular MoE kernel, on one CPU rank. In a server, vLLM builds it from its MoE config.
+# The vLLM snippet of docs/integrations.md (run by test_readme_snippet): the prepare/finalize that the plugin
+# gives vLLM's modular MoE kernel, on one CPU rank. In a server, vLLM builds it from its MoE config.
 import torch
 
 import moe_comm
