@@ -7,6 +7,7 @@ import torch
 from .interpreter import kernel_for
 from .planner import next_pow2
 from .triton_kernels import nvshmem_bitcode
+from .trace.recorder import new_ring
 from .triton_kernels.sync import abort_kernel
 
 PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel")
@@ -35,6 +36,11 @@ class Channel:
               put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
               [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
               (``moe_comm/triton_kernels/transport.py``); None otherwise
+    trace     int64 [group.trace_calls, record words]: the flight recorder of this channel's calls
+              (``moe_comm/trace/layout.py``; one unused row when tracing is off); ``row_bytes``: bytes
+              of one row its records count (set by the op)
+    wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source
+              j's flag, [1, j] how many waits (accumulated while tracing is on; ``reset()`` keeps both)
 
     Ordering on CUDA: the send phase of call i+1 waits (``torch.cuda.Stream.wait_event``) for the
     receive phase of call i on this rank, whatever streams they were launched on. Together with the
@@ -52,6 +58,9 @@ class Channel:
         self.send_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.recv_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.done = torch.zeros(world + 2, dtype=torch.int32, device=dev)
+        self.trace = new_ring(world, group.trace_calls, dev)
+        self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
+        self.row_bytes = 0
         self.put = group.uses_put
         self.stage = self.stage_ctrl = None
         if self.put:  # collective: MOE_COMM_TRANSPORT and the heap's reachability agree on every rank
@@ -78,6 +87,13 @@ class Channel:
         """Send-kernel arguments of the put transport: the staging buffers (this channel's own buffers as
         never-read placeholders when no peer uses puts), ``PUT``, and on CUDA the NVSHMEM bitcode."""
         return dict(self._put_args)
+
+    def trace_args(self, recv: bool) -> dict:
+        """Flight-recorder arguments of a send (``recv`` False) or receive kernel of this channel."""
+        args = dict(trace_ptr=self.trace, TRACE=self.group.trace_calls > 0, TRACE_N=self.trace.shape[0])
+        if recv:
+            args["wait_ptr"] = self.wait_stats
+        return args
 
     # ---- ordering between the phases of consecutive calls (CUDA streams) -------------------------
     def before_send(self) -> None:
