@@ -41,6 +41,16 @@ SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank ke
 STAGE = dict(stage_ptr="*i32", stage_ctrl_ptr="*i64")      # every send kernel's put-transport staging
 
 
+TRACE_TYPES = dict(trace_ptr="*i64", wait_ptr="*i64")   # the flight recorder's ring and wait statistics
+TRACE_CALLS = 64                                         # ring size of the traced builds (moe_comm/trace)
+
+
+def with_trace(cfg: KernelConfig) -> KernelConfig:
+    """The same kernel and shapes with the flight recorder compiled in (``triton_kernels/trace.py``)."""
+    return KernelConfig(cfg.module, cfg.kernel, cfg.label + " trace", cfg.types,
+                        dict(cfg.constexprs, TRACE=True, TRACE_N=TRACE_CALLS), num_warps=cfg.num_warps)
+
+
 def with_put(cfg: KernelConfig) -> KernelConfig:
     """The same kernel and shapes with the put transport compiled in (NVSHMEM calls, bitcode linked)."""
     return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, dict(cfg.constexprs, PUT=True),
@@ -147,6 +157,14 @@ def put_configs(base: list[KernelConfig]) -> list[KernelConfig]:
     return [with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS]
 
 
+TRACE_CONFIGS = {  # (kernel, label) of the configs compiled again with the flight recorder on
+    ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("a2a_recv_kernel", "fwd 7168 bf16 EP8")}
+
+
+def trace_configs(base: list[KernelConfig]) -> list[KernelConfig]:
+    return [with_trace(c) for c in base if (c.kernel, c.label) in TRACE_CONFIGS]
+
+
 def _extra_configs() -> list[KernelConfig]:
     """Kernel configs that the serving modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
     out = []
@@ -169,7 +187,7 @@ def all_configs(put: bool = True) -> list[KernelConfig]:
     """Every kernel configuration; with ``put``, also the put-transport variants (NVSHMEM calls), which
     need NVSHMEM's device bitcode (``nvshmem_bitcode.py``)."""
     base = _a2a_configs() + _ep_configs() + _copy_configs() + _extra_configs()
-    return base + (put_configs(base) if put else [])
+    return base + trace_configs(base) + (put_configs(base) if put else [])
 
 
 def _copy_configs() -> list[KernelConfig]:
@@ -203,7 +221,11 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     constexprs = dict(cfg.constexprs)
     if "PUT" in fn.arg_names:
         constexprs.setdefault("PUT", False)   # the store-only build unless the config says otherwise
-    types = dict(cfg.types)
+    if "TRACE" in fn.arg_names:               # the untraced build unless the config says otherwise
+        constexprs.setdefault("TRACE", False)
+        constexprs.setdefault("TRACE_N", TRACE_CALLS)
+    types = {a: t for a, t in TRACE_TYPES.items() if a in fn.arg_names}
+    types.update(cfg.types)
     types.update({k: "constexpr" for k in constexprs})
     missing = [a for a in fn.arg_names if a not in types]
     if missing:
@@ -230,6 +252,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     ptx = compiled.asm["ptx"]
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
+                trace=bool(constexprs.get("TRACE", False)),
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,

@@ -193,7 +193,7 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
     if seen_ptr is not None:
-        seen = tl.where(pending, 0, now_ns())
+        seen_at = tl.where(pending, 0, now_ns())
     if tl.max(pending.to(tl.int32)) > 0:
         timeout_ns = tl.load(grp + S_TIMEOUT_NS)
         t0 = now_ns()
@@ -224,9 +224,9 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
             else:
                 v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
                 if seen_ptr is not None:
-                    seen = tl.where(pending & (v == target), now_ns(), seen)
+                    seen_at = tl.where(pending & (v == target), now_ns(), seen_at)
     if seen_ptr is not None:
-        tl.store(seen_ptr + peers, tl.where(mask & (v == target), seen, 0), mask=seen_mask)
+        tl.store(seen_ptr + peers, tl.where(mask & (v == target), seen_at, 0), mask=seen_mask)
     tl.debug_barrier()  # the whole program sees the payload the flags cover
     return tl.where(mask, v == target, False)
 
