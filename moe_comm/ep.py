@@ -212,6 +212,9 @@ class EPBuffer:
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
                                    stage_shape=(g.world_size, *p.combine_data_shape[1:]))
+        self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
+        self._combine_ch.row_bytes = p.out_words * 4                    # a row of expert_out
+        self._combine_ch.rows_recorded = False                          # combine records times only
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
@@ -328,7 +331,7 @@ class EPBuffer:
             BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
             BINS=histogram_bins(p.num_experts),
             FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=vector_aligned(xin),
-            num_warps=p.send_warps, **self._signal_args(), **self._common())
+            num_warps=p.send_warps, **self._signal_args(), **self._common(), **ch.trace_args(recv=False))
 
     def _launch_local(self, xin, idx, s, T) -> None:
         """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""
@@ -353,7 +356,7 @@ class EPBuffer:
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots, BW=p.recv_block_words,
-            ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common())
+            ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common(), **ch.trace_args(recv=True))
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -384,7 +387,7 @@ class EPBuffer:
                     seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
                     ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                     BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=vector_aligned(expert_out),
-                    **self._common())
+                    OP=op_id("combine"), **self._common(), **ch.trace_args(recv=False))
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None
@@ -404,5 +407,5 @@ class EPBuffer:
             s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done,
             **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
             HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs,
-            ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common())
+            ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common(), **ch.trace_args(recv=True))
         return op.finish(out)

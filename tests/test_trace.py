@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import AllToAllvDynamic, CommDesyncError, CommTimeoutError, LaunchError
+from moe_comm import AllToAllvDynamic, CommDesyncError, CommTimeoutError, EPBuffer, LaunchError
 from moe_comm.trace import analyze, layout
 from moe_comm.trace.recorder import channel_records, trace_calls
 
@@ -65,6 +65,36 @@ def test_recorder_holds_the_last_calls_with_their_rows_bytes_and_times():
     _round(ops, [torch.tensor([1, 1]), torch.tensor([1, 1])], back=False)
     assert not ops[0]._fwd.trace.any() and not ops[0]._fwd.wait_stats.any()
     assert channel_records(ops[0]._fwd) == []
+
+
+def test_dispatch_and_combine_record_their_calls(tmp_path):
+    """Dispatch records the slots (rows of d.x) this rank routed to each rank and received from each
+    source, as the ids say; combine records its times and flags (rows: not recorded). Both "ok", and
+    ``dump_trace`` writes them all."""
+    E, H, M, K = 8, 128, 3, 2
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=2.0, trace=4)
+    eps = [EPBuffer(g, E, H, M, K) for g in groups]
+    idxs = [torch.tensor([[0, 5], [1, -1], [6, 7]]), torch.tensor([[4, 5], [0, 1], [2, 6]])]
+    for ep, i in zip(eps, idxs):
+        ep.dispatch(torch.randn(M, H).to(torch.bfloat16), i, phase="send")
+    ds = [ep.dispatch(phase="recv") for ep in eps]
+    for ep, d in zip(eps, ds):
+        ep.combine(d.x, torch.rand(M, K), d.handle, phase="send")
+    for ep in eps:
+        ep.combine(phase="recv")
+    slots = [[int(((i >= 0) & (i // (E // 2) == j)).sum()) for j in range(2)] for i in idxs]   # [src][dst]
+    for r, ep in enumerate(eps):
+        (d,), (c,) = channel_records(ep._dispatch_ch), channel_records(ep._combine_ch)
+        assert (d.op, d.call, d.outcome, c.op, c.call, c.outcome) == ("dispatch", 1, "ok", "combine", 1, "ok")
+        assert d.sent_rows == slots[r] and d.recv_rows == [slots[0][r], slots[1][r]]
+        assert d.sent_bytes == [n * H * 2 for n in slots[r]]
+        assert c.sent_rows is None and c.recv_rows is None
+        for rec in (d, c):
+            assert rec.send_start <= rec.send_end and all(rec.recv_start <= t <= rec.recv_end for t in rec.seen)
+        assert ep._dispatch_ch.wait_stats[1].tolist() == [1, 1] == ep._combine_ch.wait_stats[1].tolist()
+        dump = json.load(open(groups[r].dump_trace(tmp_path)))
+        assert [ch["name"] for ch in dump["channels"]] == ["ep.dispatch", "ep.combine"]
+        assert dump["channels"][0]["records"][0]["recv_rows"] == d.recv_rows
 
 
 def test_trace_option_parses_and_says_the_fix(monkeypatch):

@@ -134,7 +134,7 @@ def _ep_configs() -> list[KernelConfig]:
     out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
         expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
         ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
-        WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
+        OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
         BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False)))
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
@@ -158,7 +158,9 @@ def put_configs(base: list[KernelConfig]) -> list[KernelConfig]:
 
 
 TRACE_CONFIGS = {  # (kernel, label) of the configs compiled again with the flight recorder on
-    ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("a2a_recv_kernel", "fwd 7168 bf16 EP8")}
+    ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("a2a_recv_kernel", "fwd 7168 bf16 EP8"),
+    ("dispatch_send_kernel", "DSV3 EP8 bf16"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
+    ("combine_send_kernel", "DSV3 EP8 bf16"), ("combine_recv_kernel", "DSV3 EP8 bf16")}
 
 
 def trace_configs(base: list[KernelConfig]) -> list[KernelConfig]:

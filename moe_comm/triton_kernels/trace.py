@@ -119,3 +119,16 @@ def add_waits(wait_ptr, seen_at, peers, mask, t_wait, WORLD: tl.constexpr, TRACE
         waited = tl.where(seen > 0, tl.maximum(seen - t_wait, 0), 0)
         tl.atomic_add(wait_ptr + peers, waited, mask=mask, sem="relaxed")
         tl.atomic_add(wait_ptr + WORLD + peers, tl.where(seen >= 0, 1, 0).to(tl.int64), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def store_slots_per_rank(rows_ptr, counts, live, EXPERTS_PER_RANK: tl.constexpr, WORLD: tl.constexpr,
+                         WORLD_P2: tl.constexpr, BINS: tl.constexpr, TRACE: tl.constexpr):
+    """Dispatch send: ``rows_ptr[j]`` = the slots routed to rank j's experts (its rows of d.x from this
+    rank), from ``counts`` (int [BINS]: slots per expert); 0 where not ``live`` (int1 [WORLD_P2])."""
+    if TRACE:
+        peer = tl.arange(0, WORLD_P2)
+        expert = tl.arange(0, BINS)
+        mine = (expert[None, :] // EXPERTS_PER_RANK == peer[:, None]) & (expert < WORLD * EXPERTS_PER_RANK)[None, :]
+        per_rank = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+        tl.store(rows_ptr + peer, tl.where(live, per_rank, 0).to(tl.int64), mask=peer < WORLD)
