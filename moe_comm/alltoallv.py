@@ -97,6 +97,17 @@ class AllToAllvDynamic:
         return self.plan.symmetric_bytes + self.plan.output_bytes
 
     @property
+    def wait_stats(self) -> torch.Tensor:
+        """int64 [2, world] on the device, with the flight recorder on (``moe_comm/trace``; zeros when
+        off): [0, j] nanoseconds this rank's forward receives waited for rank j's flag, [1, j] how many
+        waits, summed over calls. ``combine_wait_stats``: the same for the reverse."""
+        return self._fwd.wait_stats
+
+    @property
+    def combine_wait_stats(self) -> torch.Tensor:
+        return self._rev.wait_stats
+
+    @property
     def dropped_rows(self) -> torch.Tensor:
         """int64 [1] on the device: forward rows addressed to excluded ranks and dropped, summed over calls."""
         return self._dropped

@@ -194,6 +194,22 @@ class EPBuffer:
         return self._stats
 
     @property
+    def dispatch_wait_stats(self) -> torch.Tensor:
+        """int64 [2, W] on the device, with the flight recorder on (``moe_comm/trace``; zeros when off):
+        [0, j] nanoseconds this rank's dispatch receives waited for rank j's flag, [1, j] how many waits,
+        summed over calls (the live counter: ``.clone()`` it for a snapshot; before the first call, when
+        the buffers do not exist yet, a tensor of zeros)."""
+        return self._dispatch_ch.wait_stats if self._allocated else self._no_waits()
+
+    @property
+    def combine_wait_stats(self) -> torch.Tensor:
+        """``dispatch_wait_stats`` of the combine's receives."""
+        return self._combine_ch.wait_stats if self._allocated else self._no_waits()
+
+    def _no_waits(self) -> torch.Tensor:
+        return torch.zeros((2, self.group.world_size), dtype=torch.int64, device=self.group.device)
+
+    @property
     def excluded_slots(self) -> torch.Tensor:
         """int64 [1] on the device: this rank's (token, k) slots whose expert lives on an excluded rank
         (``group.exclude``), summed over dispatch calls. They were not routed: the combine treats them as
