@@ -41,7 +41,8 @@ class Channel:
               of one row its records count, ``rows_recorded``: False where the kernels record times only
               (both set by the op)
     wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source
-              j's flag, [1, j] how many waits (accumulated while tracing is on; ``reset()`` keeps both)
+              j's flag, [1, j] how many waits got it (accumulated while tracing is on; ``reset()`` keeps
+              both)
 
     Ordering on CUDA: the send phase of call i+1 waits (``torch.cuda.Stream.wait_event``) for the
     receive phase of call i on this rank, whatever streams they were launched on. Together with the

@@ -219,7 +219,9 @@ class CommGroup:
         for j in range(w):
             if self._live[j] and tags[j] == self.epoch + 1:
                 rec = self.status.local[w + j * protocol.REC_WORDS: w + (j + 1) * protocol.REC_WORDS].tolist()
-                raise decode_error(rec + [0, 0], self.timeout_s)
+                err = decode_error(rec + [0, 0], self.timeout_s)
+                self._dump_on_error(err)
+                raise err
 
     def _meet(self, kind: int, op: str, values=()) -> dict[int, list[int]]:
         """Recovery meeting of the live ranks (``heap.agree``): every one comes, for the same ``kind``;

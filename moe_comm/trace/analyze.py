@@ -7,8 +7,9 @@ receives recorded what they saw of it):
 - **never published**: a receive that did not end "ok" and never saw source j's flag of call c: rank j
   never published call c (first such call per channel, source and epoch; the waiting ranks named);
 - **desync**: a receive that saw a flag of a later call: both call numbers;
-- **waits**: for every receive, how long after it began each source's flag was seen; summed per
-  (waiter, source) pair over the recorded window;
+- **waits**: for every receive, how long it waited for each source's flag (WAITED: measured by the
+  program that waited, until the flag came or it gave up); summed per (waiter, source) pair over the
+  recorded window;
 - **slowest rank**: the source whose flags kept the others waiting longest in total.
 
 Times come from each rank's own clock; waits are differences on one rank, so they are exact whatever the
@@ -92,10 +93,9 @@ def analyze(dumps: dict[int, dict]) -> Diagnosis:
                     m["waiters"].add(rank)
                     m["outcomes"].add(rec["outcome"] or "still waiting")
                     m["calls"].add(rec["call"])
-        for src, t in enumerate(rec["seen"]):
-            if t is None or src == rank:
+        for src, waited in enumerate(rec["waited"]):
+            if src == rank or (not waited and rec["seen"][src] is None):   # not waited for
                 continue
-            waited = max(0, t - rec["recv_start"])
             w = diag.waits.setdefault((rank, src), dict(total_ns=0, count=0, max_ns=0, max_call=None, op=None))
             w["total_ns"] += waited
             w["count"] += 1
@@ -133,7 +133,7 @@ def _words(diag: Diagnosis) -> list[str]:
                    f"{x['channel']}) began and never ended (hung, or dumped while it ran)")
     pairs = sorted(diag.waits.items(), key=lambda kv: -kv[1]["total_ns"])[:TOP_PAIRS]
     if pairs:
-        out.append("waits (receiver waited for a source's flag after its receive began):")
+        out.append("waits (a receive waiting for a source's flag):")
     for (rank, src), w in pairs:
         out.append(f"  rank {rank} waited {w['total_ns'] / NS_PER_MS:.1f} ms for rank {src} over {w['count']} "
                    f"receives (longest {w['max_ns'] / NS_PER_MS:.1f} ms, {w['op']} call {w['max_call']})")

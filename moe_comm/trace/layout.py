@@ -31,7 +31,7 @@ T_OUTCOME = 7          # error code in this rank's error word when the receive e
 T_ERR_PEER = 8         # that error's peer word (the rank waited for, the expert, ...)
 T_ERR_VALUE = 9        # that error's value word (desync: the call the peer's flag showed)
 T_ERR_BOUND = 10       # that error's bound word (desync / timeout: the call this rank expected)
-HEADER_WORDS = 12      # (word 11 unused) then, [world] each:
+HEADER_WORDS = 12      # (word 11 unused) then four words per peer, [world] each:
 
 
 def sent_rows_word(world: int) -> int:
@@ -49,8 +49,15 @@ def seen_word(world: int) -> int:
     return HEADER_WORDS + 2 * world
 
 
-def record_words(world: int) -> int:
+def waited_word(world: int) -> int:
+    """First of WAITED[world]: ns the receive program that recorded source j waited for its flag (from
+    that program's own start of waiting: exact even where programs run one after another, as under
+    Triton's interpreter), or until it gave up; 0 for a source not waited for."""
     return HEADER_WORDS + 3 * world
+
+
+def record_words(world: int) -> int:
+    return HEADER_WORDS + 4 * world
 
 
 OUTCOMES = {0: "ok", 1: "timeout", 2: "data error (capacity)", 3: "data error (index)", 4: "abort",
@@ -80,6 +87,7 @@ class TraceRecord:
     sent_rows: list[int] | None = field(default_factory=list)  # per peer (None: not recorded, combine)
     recv_rows: list[int] | None = field(default_factory=list)  # per source (None: not recorded)
     seen: list[int | None] = field(default_factory=list)  # per source: ns its flag was seen, None never
+    waited: list[int] = field(default_factory=list)       # per source: ns waited for its flag (WAITED)
 
     @property
     def sent_bytes(self) -> list[int] | None:
@@ -113,7 +121,8 @@ def _decode(words: list[int], world: int, tag: int, row_bytes: int) -> TraceReco
             rec.outcome = OUTCOMES.get(words[T_OUTCOME], f"error code {words[T_OUTCOME]}")
             if words[T_OUTCOME]:
                 rec.error = words[T_ERR_PEER:T_ERR_BOUND + 1]
-        r, v = recv_rows_word(world), seen_word(world)
+        r, v, w = recv_rows_word(world), seen_word(world), waited_word(world)
         rec.recv_rows = words[r:r + world]
         rec.seen = [t or None for t in words[v:v + world]]
+        rec.waited = words[w:w + world]
     return rec

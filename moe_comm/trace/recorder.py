@@ -43,6 +43,21 @@ def trace_calls(option=None) -> int:
     return n
 
 
+def status() -> dict:
+    """What the environment asks of the flight recorder (``python -m moe_comm info``): on, records per
+    channel, the dump directory, and in words (an invalid value says the fix instead of raising)."""
+    where = os.environ.get(ENV_TRACE_DIR) or None
+    try:
+        n = trace_calls()
+    except ValueError as e:
+        return dict(on=False, calls=0, dump_dir=where, detail=str(e))
+    detail = (f"on: the last {n} calls per channel ({ENV_TRACE}={os.environ[ENV_TRACE]})" if n else
+              f"off (set {ENV_TRACE}=1, or init(trace=True), to record every channel's last calls)")
+    if where:
+        detail += f"; GroupError dumps to {where}"
+    return dict(on=n > 0, calls=n, dump_dir=where, detail=detail)
+
+
 def new_ring(world: int, calls: int, device: torch.device) -> torch.Tensor:
     """int64 [max(calls, 1), record_words(world)], zeros: pinned host memory on CUDA (the host reads it
     without a device sync), a plain tensor on the CPU. One unused row when tracing is off."""

@@ -166,7 +166,7 @@ def a2a_recv_kernel(
             arrived = wait_flag(ctrl + 1, target, grp, status_ptr, OP, rank, src, WORLD, WORLD_P2, seen, blk == 0)
         else:
             arrived = wait_flag(ctrl + 1, target, grp, status_ptr, OP, rank, src, WORLD, WORLD_P2)
-    trace.add_waits(wait_ptr, seen, src, (blk == 0) & live, t_wait, WORLD, TRACE)
+    trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)
     trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.

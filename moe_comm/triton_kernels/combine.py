@@ -175,7 +175,7 @@ def combine_recv_kernel(
                                 first & (w < WORLD))
             else:
                 ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
-            trace.add_waits(wait_ptr, seen, w, first & live, t_wait, WORLD, TRACE)
+            trace.add_waits(wait_ptr, seen, w, first & (w < WORLD), live, t_wait, WORLD, TRACE)
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0

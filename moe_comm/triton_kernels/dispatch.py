@@ -229,7 +229,7 @@ def dispatch_recv_kernel(
     else:
         arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
                              WORLD, WORLD_P2)
-    trace.add_waits(wait_ptr, seen, w, (w == src) & (blk == 0) & need, t_wait, WORLD, TRACE)
+    trace.add_waits(wait_ptr, seen, w, (w == src) & (blk == 0), need, t_wait, WORLD, TRACE)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],

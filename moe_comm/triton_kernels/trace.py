@@ -4,8 +4,8 @@ Layout and meaning of every word: ``moe_comm/trace/layout.py``. Every function h
 the kernel was compiled with ``TRACE`` (off: no extra store, no clock read). Each is called by one
 program of a launch (``first``/``last`` below), except the per-peer row counts, stored by the program
 that owns that peer. Wait statistics (``wait_ptr``, int64 [2, WORLD]: [0, j] cumulative ns this rank's
-receive waited for source j's flag, [1, j] how many waits) are accumulated by the program that recorded
-the source's SEEN word, so each call counts once per source.
+receive waited for source j's flag, [1, j] how many waits that got it) are accumulated by the program
+that recorded the source's SEEN word, so each call counts once per source.
 """
 
 import triton
@@ -29,8 +29,8 @@ ERR_PEER_WORD = tl.constexpr(3)   # errors.py error word: [3] peer, [4] value, [
 
 @triton.jit
 def record_of(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
-    """The ring row of ``call``: int64 [HEADER_WORDS + 3 * WORLD]."""
-    return trace_ptr + (call % TRACE_N).to(tl.int64) * (HEADER_WORDS + 3 * WORLD)
+    """The ring row of ``call``: int64 [HEADER_WORDS + 4 * WORLD]."""
+    return trace_ptr + (call % TRACE_N).to(tl.int64) * (HEADER_WORDS + 4 * WORLD)
 
 
 @triton.jit
@@ -110,15 +110,18 @@ def wait_begin(TRACE: tl.constexpr):
 
 
 @triton.jit
-def add_waits(wait_ptr, seen_at, peers, mask, t_wait, WORLD: tl.constexpr, TRACE: tl.constexpr):
-    """Wait statistics of the sources this program recorded (``mask``): their SEEN words at ``seen_at``
-    (``seen_ptr``), written by ``sync.wait_flags`` in this program. A source never seen adds its count
-    only (the wait failed; the error says so)."""
+def add_waits(wait_ptr, seen_at, peers, mask, waited_for, t_wait, WORLD: tl.constexpr, TRACE: tl.constexpr):
+    """After this program's wait (begun at ``t_wait``), for the sources it records (``mask``), of which
+    it waited for ``waited_for``: the WAITED words (until the flag was seen, or until now when it never
+    was; 0 where not waited for), and the wait statistics of the sources whose flag was seen. SEEN
+    (at ``seen_at``, ``seen_ptr``) was written by ``sync.wait_flags`` in this program."""
     if TRACE:
         seen = tl.load(seen_at + peers, mask=mask, other=0)
-        waited = tl.where(seen > 0, tl.maximum(seen - t_wait, 0), 0)
-        tl.atomic_add(wait_ptr + peers, waited, mask=mask, sem="relaxed")
-        tl.atomic_add(wait_ptr + WORLD + peers, tl.where(seen >= 0, 1, 0).to(tl.int64), mask=mask, sem="relaxed")
+        waited = tl.where(seen > 0, tl.maximum(seen - t_wait, 0), now_ns() - t_wait)
+        tl.store(seen_at + WORLD + peers, tl.where(waited_for, waited, 0), mask=mask)
+        counted = tl.where(mask, tl.where(waited_for, seen > 0, False), False)
+        tl.atomic_add(wait_ptr + peers, waited, mask=counted, sem="relaxed")
+        tl.atomic_add(wait_ptr + WORLD + peers, tl.zeros_like(waited) + 1, mask=counted, sem="relaxed")
 
 
 @triton.jit
