@@ -127,6 +127,13 @@ def test_a_skipped_call_is_named_a_desync_with_both_call_numbers(tmp_path, monke
             "the two are 2 calls out of step (one of them skipped a call)") in diag.lines, diag.lines
     assert not any(x["rank"] == 1 and x["call"] == 2 for x in diag.never_published)
     assert json.load(open(tmp_path / "trace-rank0.json"))["error"].startswith("alltoallv: rank 0 expected call 2")
+    chrome = tmp_path / "timeline.json"
+    assert analyze.main([str(tmp_path), "--chrome", str(chrome)]) == 0
+    slices = [e for e in json.load(open(chrome))["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["name"]) for e in slices} >= {(0, "alltoallv send #2"), (0, "alltoallv recv #2"),
+                                                      (1, "alltoallv send #4")}
+    assert [e["args"]["outcome"] for e in slices if e["pid"] == 0 and e["name"] == "alltoallv recv #2"] == ["desync"]
+    assert analyze.main([str(tmp_path / "empty")]) == 1
 
 
 SLOW, DEAD, SLEEP_S, CALLS = 2, 3, 1.0, 3
