@@ -113,6 +113,7 @@ def test_engine_excludes_a_killed_rank_and_the_survivors_finish_exactly(tmp_path
         where, step, _, resume = recoveries[-1]
         assert where == "decode" and resume <= step
         _check_against_reference(rank, outs, resume, frozenset(range(2 * local, 3 * local)))
-    diag = analyze.analyze(analyze.load_dumps(str(tmp_path / "fault1")))
+    last_fault = tmp_path / f"fault{len(err.results[0][1])}"   # (a loaded machine may time out earlier too)
+    diag = analyze.analyze(analyze.load_dumps(str(last_fault)))
     assert diag.ranks == [0, 1] and diag.missing == [2]
     assert {(x["rank"], x["op"]) for x in diag.never_published} == {(2, "dispatch")}, diag.lines
