@@ -80,6 +80,7 @@ class AllToAllvDynamic:
         self.plan = p = plan_alltoallv(group.world_size, self.max_rows_per_peer, row_shape, dtype, group.device)
         self._fwd = Channel(group, "a2a.fwd", p.data_shape, p.copy.word_dtype)
         self._rev = Channel(group, "a2a.rev", p.data_shape, p.copy.word_dtype)
+        self._fwd.row_bytes = self._rev.row_bytes = p.copy.row_words * p.copy.word_dtype.itemsize
         self._fwd_op = PhasedOp(group, "alltoallv", self._fwd)
         self._rev_op = PhasedOp(group, "alltoallv.combine", self._rev)
         dev, world = group.device, group.world_size
@@ -94,6 +95,17 @@ class AllToAllvDynamic:
     @property
     def buffer_bytes(self) -> int:
         return self.plan.symmetric_bytes + self.plan.output_bytes
+
+    @property
+    def wait_stats(self) -> torch.Tensor:
+        """int64 [2, world] on the device, with the flight recorder on (``moe_comm/trace``; zeros when
+        off): [0, j] nanoseconds this rank's forward receives waited for rank j's flag, [1, j] how many
+        waits, summed over calls. ``combine_wait_stats``: the same for the reverse."""
+        return self._fwd.wait_stats
+
+    @property
+    def combine_wait_stats(self) -> torch.Tensor:
+        return self._rev.wait_stats
 
     @property
     def dropped_rows(self) -> torch.Tensor:
@@ -136,13 +148,13 @@ class AllToAllvDynamic:
         kernel_for(a2a_send_kernel, dev)[self._grid()](
             src, counts, kept_counts, kept_offsets, self._dropped, n_rows, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
             seq_ptr=ch.send_seq, done_ptr=ch.done, ALIGNED=self._aligned(src), **self._phase_args(forward),
-            **ch.put_args())
+            **ch.put_args(), **ch.trace_args(recv=False))
 
     def _recv_phase(self, forward: bool, dst, handle) -> None:
         ch, dev = (self._fwd if forward else self._rev), self.group.device
         kernel_for(a2a_recv_kernel, dev)[self._grid()](
             dst, handle.recv_counts, handle.send_counts, handle.send_offsets, ch.data.local, ch.ctrl.local,
-            ch.recv_seq, ch.done, ALIGNED=self._aligned(dst), **self._phase_args(forward))
+            ch.recv_seq, ch.done, ALIGNED=self._aligned(dst), **self._phase_args(forward), **ch.trace_args(recv=True))
 
     def _local(self, forward: bool, src, counts, handle, dst, n_rows) -> None:
         """World 1: one kernel, straight from the input to the output."""

@@ -7,6 +7,7 @@ import torch
 from .interpreter import kernel_for
 from .planner import next_pow2
 from .triton_kernels import nvshmem_bitcode
+from .trace.recorder import new_ring
 from .triton_kernels.sync import abort_kernel, drain_kernel
 
 PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel")
@@ -35,6 +36,13 @@ class Channel:
               put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
               [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
               (``moe_comm/triton_kernels/transport.py``); None otherwise
+    trace     int64 [group.trace_calls, record words]: the flight recorder of this channel's calls
+              (``moe_comm/trace/layout.py``; one unused row when tracing is off); ``row_bytes``: bytes
+              of one row its records count, ``rows_recorded``: False where the kernels record times only
+              (both set by the op)
+    wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source
+              j's flag, [1, j] how many waits got it (accumulated while tracing is on; ``reset()`` keeps
+              both)
 
     Ordering on CUDA: every launch of the channel (send, receive, abort) waits
     (``torch.cuda.Stream.wait_event``) for the previous one on this rank, whatever streams they were
@@ -57,6 +65,9 @@ class Channel:
         self.send_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.recv_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.done = torch.zeros(world + 2, dtype=torch.int32, device=dev)
+        self.trace = new_ring(world, group.trace_calls, dev)
+        self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
+        self.row_bytes, self.rows_recorded = 0, True
         self.put = group.uses_put
         self.stage = self.stage_ctrl = None
         if self.put:  # collective: MOE_COMM_TRANSPORT and the heap's reachability agree on every rank
@@ -85,6 +96,13 @@ class Channel:
         """Send-kernel arguments of the put transport: the staging buffers (this channel's own buffers as
         never-read placeholders when no peer uses puts), ``PUT``, and on CUDA the NVSHMEM bitcode."""
         return dict(self._put_args)
+
+    def trace_args(self, recv: bool) -> dict:
+        """Flight-recorder arguments of a send (``recv`` False) or receive kernel of this channel."""
+        args = dict(trace_ptr=self.trace, TRACE=self.group.trace_calls > 0, TRACE_N=self.trace.shape[0])
+        if recv:
+            args["wait_ptr"] = self.wait_stats
+        return args
 
     # ---- ordering between the launches of consecutive phases (CUDA streams) -------------------------
     def after_previous(self) -> None:

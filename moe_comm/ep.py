@@ -196,6 +196,22 @@ class EPBuffer:
         return self._stats
 
     @property
+    def dispatch_wait_stats(self) -> torch.Tensor:
+        """int64 [2, W] on the device, with the flight recorder on (``moe_comm/trace``; zeros when off):
+        [0, j] nanoseconds this rank's dispatch receives waited for rank j's flag, [1, j] how many waits,
+        summed over calls (the live counter: ``.clone()`` it for a snapshot; before the first call, when
+        the buffers do not exist yet, a tensor of zeros)."""
+        return self._dispatch_ch.wait_stats if self._allocated else self._no_waits()
+
+    @property
+    def combine_wait_stats(self) -> torch.Tensor:
+        """``dispatch_wait_stats`` of the combine's receives."""
+        return self._combine_ch.wait_stats if self._allocated else self._no_waits()
+
+    def _no_waits(self) -> torch.Tensor:
+        return torch.zeros((2, self.group.world_size), dtype=torch.int64, device=self.group.device)
+
+    @property
     def excluded_slots(self) -> torch.Tensor:
         """int64 [1] on the device: this rank's (token, k) slots whose expert lives on an excluded rank
         (``group.exclude``), summed over dispatch calls. They were not routed: the combine treats them as
@@ -214,6 +230,9 @@ class EPBuffer:
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
                                    stage_shape=(g.world_size, *p.combine_data_shape[1:]))
+        self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
+        self._combine_ch.row_bytes = p.out_words * 4                    # a row of expert_out
+        self._combine_ch.rows_recorded = False                          # combine records times only
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
@@ -330,7 +349,7 @@ class EPBuffer:
             BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
             BINS=histogram_bins(p.num_experts),
             FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=vector_aligned(xin),
-            num_warps=p.send_warps, **self._signal_args(), **self._common())
+            num_warps=p.send_warps, **self._signal_args(), **self._common(), **ch.trace_args(recv=False))
 
     def _launch_local(self, xin, idx, s, T) -> None:
         """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""
@@ -355,7 +374,7 @@ class EPBuffer:
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots, BW=p.recv_block_words,
-            ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common())
+            ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common(), **ch.trace_args(recv=True))
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -386,7 +405,7 @@ class EPBuffer:
                     seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
                     ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                     BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=vector_aligned(expert_out),
-                    **self._common())
+                    OP=op_id("combine"), **self._common(), **ch.trace_args(recv=False))
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None
@@ -406,5 +425,5 @@ class EPBuffer:
             s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done,
             **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
             HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs,
-            ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common())
+            ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common(), **ch.trace_args(recv=True))
         return op.finish(out)

@@ -20,6 +20,7 @@ from . import protocol
 from .errors import (ERR_DROPPED, ERR_NONE, ERR_TIMEOUT, ERR_WORDS, GROUP_CODES, OPS, ClosedError,
                      CommTimeoutError, ExcludedError, GroupError, LaunchError, MoECommError, decode_error)
 from .heap.base import Heap
+from .trace.recorder import ENV_TRACE_DIR, trace_calls, write_dump
 from .transport import choose_transports
 
 BACKENDS = ("auto", "nvshmem", "shm", "loopback")
@@ -40,8 +41,10 @@ class CommGroup:
     """
 
     def __init__(self, heap: Heap, backend: str, timeout_s: float, owns_dist: bool = False,
-                 error_word: torch.Tensor | None = None):
+                 error_word: torch.Tensor | None = None, trace=None):
         self.heap, self.backend, self.timeout_s = heap, backend, _check_timeout(timeout_s)
+        self.trace_calls = trace_calls(trace)   # flight-recorder records per channel; 0 = off
+        self._dumped_epoch = -1                 # MOE_COMM_TRACE_DIR: the epoch last dumped on a GroupError
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
         pin = self.device.type == "cuda"
         self.error_word = (torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=pin) if error_word is None
@@ -128,11 +131,32 @@ class CommGroup:
                 err.args = (err.args[0] + " (further device errors were found while this one was pending)",)
             if code not in GROUP_CODES:
                 self._release_error_word()
+            else:
+                self._dump_on_error(err)
             raise err
         if int(word[ERR_DROPPED]):
             self._release_error_word()
             raise MoECommError(f"rank {self.rank}: a device error was recorded while an earlier one was "
                                f"being reported; its details were lost (see the op's outputs)")
+
+    # ---- flight recorder --------------------------------------------------------------------------
+    def traced_channels(self) -> list:
+        """The channels of this group's ops that keep a flight recorder (every channel; see ``trace``)."""
+        return [m for m in self._each_member() if hasattr(m, "trace")]
+
+    def dump_trace(self, path, error: BaseException | None = None) -> str:
+        """Write this rank's flight records (every channel's last calls, wait statistics, group facts) as
+        JSON to ``path`` (a ``.json`` file, or a directory: ``path/trace-rank<rank>.json``); returns the
+        file. Reads no device memory but the wait statistics (skipped while the stream is busy), so it
+        works after a hang. Merge the ranks' files with ``python -m moe_comm trace DIR``."""
+        return write_dump(self, path, error)
+
+    def _dump_on_error(self, err: BaseException) -> None:
+        """``MOE_COMM_TRACE_DIR`` set: dump once per epoch when a GroupError is raised."""
+        where = os.environ.get(ENV_TRACE_DIR)
+        if where and self._dumped_epoch != self.epoch:
+            self._dumped_epoch = self.epoch
+            self.dump_trace(where, err)
 
     def _release_error_word(self) -> None:
         """Clear the word, then let kernels claim it again (stream-ordered on CUDA: kernels already queued
@@ -246,7 +270,9 @@ class CommGroup:
         for j in range(w):
             if self._live[j] and tags[j] == self.epoch + 1:
                 rec = self.status.local[w + j * protocol.REC_WORDS: w + (j + 1) * protocol.REC_WORDS].tolist()
-                raise decode_error(rec + [0, 0], self.timeout_s)
+                err = decode_error(rec + [0, 0], self.timeout_s)
+                self._dump_on_error(err)
+                raise err
 
     def _meet(self, kind: int, op: str, values=()) -> dict[int, list[int]]:
         """Recovery meeting of the live ranks (``heap.agree``): every one comes, for the same ``kind``;
@@ -408,13 +434,16 @@ def _default_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | None = None, device=None):
+def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | None = None, device=None,
+         trace=None):
     """Create this process's CommGroup (or, for ``backend="loopback"``, a list of ``world_size`` groups).
 
     Bootstraps from torch.distributed: an existing default group, else the torchrun env vars
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else world 1.
     backend: "auto" (nvshmem on CUDA, shm on CPU) | "nvshmem" | "shm" | "loopback".
     timeout_s bounds every device wait and host barrier; expiry raises CommTimeoutError naming the peer.
+    trace: the flight recorder (``moe_comm/trace``): None = ``MOE_COMM_TRACE``; True/False; or the number
+    of calls to keep per channel.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -425,7 +454,7 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
         if n < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         dev = _as_device(device) if device is not None else _default_device("loopback", 0)
-        return [CommGroup(h, "loopback", timeout_s) for h in LoopbackHeap.create_world(n, dev)]
+        return [CommGroup(h, "loopback", timeout_s, trace=trace) for h in LoopbackHeap.create_world(n, dev)]
 
     import torch.distributed as dist  # noqa: PLC0415
     owns = False
@@ -457,7 +486,7 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     else:
         from .heap.nvshmem import NvshmemHeap  # noqa: PLC0415
         heap = NvshmemHeap(rank, world, dev, timeout_s, store)
-    return CommGroup(heap, backend, timeout_s, owns_dist=owns)
+    return CommGroup(heap, backend, timeout_s, owns_dist=owns, trace=trace)
 
 
 # ---- launch ------------------------------------------------------------------------------------

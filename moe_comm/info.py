@@ -178,7 +178,9 @@ def nvshmem(vers: dict | None = None) -> dict:
 def collect() -> dict:
     vers, dev = versions(), devices()
     h = heaps(dev)
-    return {"versions": vers, "devices": dev, "heaps": h, "transports": transports(h), "nvshmem": nvshmem(vers)}
+    from .trace.recorder import status  # noqa: PLC0415
+    return {"versions": vers, "devices": dev, "heaps": h, "transports": transports(h), "nvshmem": nvshmem(vers),
+            "tracing": status()}
 
 
 def _yes(ok: bool) -> str:
@@ -208,7 +210,8 @@ def render(info: dict) -> str:
               f"  host library     {_yes(n['host_library']['found'])}  {n['host_library']['detail']}",
               f"  device bitcode   {_yes(n['device_bitcode']['found'])}  {n['device_bitcode']['detail']}",
               f"                        needed: {n['device_bitcode']['needed']}",
-              f"  Triton pairing   {n['triton_pairing']}"]
+              f"  Triton pairing   {n['triton_pairing']}",
+              "", "tracing", f"  flight recorder  {info['tracing']['detail']}"]
     return "\n".join(lines)
 
 

@@ -43,8 +43,25 @@ def test_info_json_matches_this_machine():
 
 def test_info_text_names_every_section():
     text = info.render(info.collect())
-    for section in ("\nversions\n", "\ndevices\n", "\nheaps\n", "\ntransports\n", "\nNVSHMEM\n", "Triton pairing"):
+    for section in ("\nversions\n", "\ndevices\n", "\nheaps\n", "\ntransports\n", "\nNVSHMEM\n", "Triton pairing",
+                    "\ntracing\n"):
         assert section in text, section
+
+
+def test_info_says_whether_tracing_is_on(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOE_COMM_TRACE", raising=False)
+    monkeypatch.delenv("MOE_COMM_TRACE_DIR", raising=False)
+    t = info.collect()["tracing"]
+    assert (t["on"], t["calls"], t["dump_dir"]) == (False, 0, None)
+    assert "off (set MOE_COMM_TRACE=1" in info.render(info.collect())
+    monkeypatch.setenv("MOE_COMM_TRACE", "16")
+    monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(tmp_path))
+    t = info.collect()["tracing"]
+    assert (t["on"], t["calls"], t["dump_dir"]) == (True, 16, str(tmp_path))
+    assert f"on: the last 16 calls per channel (MOE_COMM_TRACE=16); GroupError dumps to {tmp_path}" in info.render(
+        info.collect())
+    monkeypatch.setenv("MOE_COMM_TRACE", "lots")
+    assert "number of calls to keep" in info.collect()["tracing"]["detail"]
 
 
 def test_info_finds_bitcode_and_pairs_versions(tmp_path, monkeypatch):

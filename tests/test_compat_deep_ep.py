@@ -249,9 +249,12 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     bufs = make_buffers(groups)
     xs, idxs, ws = make_inputs(world, 5, True)
     b = bufs[0]
-    for kw in (dict(round_scale=True), dict(use_ue8m0=True), dict(dispatch_wait_recv_cost_stats=torch.zeros(2))):
+    for kw in (dict(round_scale=True), dict(use_ue8m0=True)):
         with pytest.raises(NotImplementedError, match="not supported"):
             b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True, **kw)
+    with pytest.raises(ValueError, match="MOE_COMM_TRACE=1"):   # wait costs need the flight recorder
+        b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True,
+                               dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
     for name in ("dispatch", "combine", "get_dispatch_layout", "low_latency_update_mask_buffer", "get_comm_stream"):
         with pytest.raises(NotImplementedError, match="not supported"):
             getattr(b, name)()
@@ -263,9 +266,11 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, use_fp8=False)
     outs = _dispatch_all(bufs, xs, idxs, True, [None] * world)   # nothing above broke the group
     assert [e for r, o in enumerate(outs) for e in check_dispatch(r, o, xs, idxs, True, None, 1, "after")] == []
-    for kw in (dict(use_logfmt=True), dict(combine_wait_recv_cost_stats=torch.zeros(2))):
-        with pytest.raises(NotImplementedError, match="not supported"):
-            b.low_latency_combine(as_bf16(outs[0][0], True), idxs[0], ws[0], outs[0][2], **kw)
+    with pytest.raises(NotImplementedError, match="not supported"):
+        b.low_latency_combine(as_bf16(outs[0][0], True), idxs[0], ws[0], outs[0][2], use_logfmt=True)
+    with pytest.raises(ValueError, match="MOE_COMM_TRACE=1"):
+        b.low_latency_combine(as_bf16(outs[0][0], True), idxs[0], ws[0], outs[0][2], return_recv_hook=True,
+                              combine_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
     ys = _combine_all(bufs, [as_bf16(o[0], True) for o in outs], idxs, ws, outs)
     assert all(torch.equal(y, w) for y, w in zip(ys, expected_combine(xs, idxs, ws, True)))
 
@@ -355,3 +360,31 @@ def test_destroy_and_events():
     buf.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         buf.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, LOCAL_EXPERTS)
+
+
+def test_wait_recv_cost_stats_add_each_calls_waits_per_source():
+    """With the flight recorder on, ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats``
+    (int64 [W]) grow by exactly what the op's wait statistics grew (ns per source rank), call after call."""
+    world = 2
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", trace=4)
+    bufs = make_buffers(groups)
+    E, _ = _sizes(world)
+    costs = [[torch.zeros(world, dtype=torch.int64) for _ in range(2)] for _ in range(world)]
+    for seed in (1, 2, 3):   # the third call reuses the first call's EPBuffer
+        xs, idxs, ws = make_inputs(world, seed, False)
+        outs = [b.low_latency_dispatch(x, i, MAX_TOKENS, E, use_fp8=False, return_recv_hook=True,
+                                       dispatch_wait_recv_cost_stats=c[0])
+                for b, x, i, c in zip(bufs, xs, idxs, costs)]
+        for o in outs:
+            o[4]()
+        res = [b.low_latency_combine(o[0], i, w, o[2], return_recv_hook=True, combine_wait_recv_cost_stats=c[1])
+               for b, o, i, w, c in zip(bufs, outs, idxs, ws, costs)]
+        for r in res:
+            r[2]()
+    for b, (d_cost, c_cost) in zip(bufs, costs):
+        eps = next(iter(b._pairs.values()))[0]   # the two EPBuffers the calls alternate between
+        assert len(eps) == 2
+        assert torch.equal(d_cost, sum(ep.dispatch_wait_stats[0] for ep in eps))
+        assert torch.equal(c_cost, sum(ep.combine_wait_stats[0] for ep in eps))
+        assert sum(ep.dispatch_wait_stats[1] for ep in eps).tolist() == [3, 3]
+        assert (d_cost > 0).all() and (c_cost > 0).all()

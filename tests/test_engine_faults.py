@@ -16,6 +16,7 @@ import torch
 
 import moe_comm
 from moe_comm import LaunchError
+from moe_comm.trace import analyze
 from moe_comm.serving import (DecodeEngine, Generation, MoEDecoder, ReferenceModel, Request, build_weights,
                               check_generation, make_comms, model_config)
 
@@ -51,7 +52,7 @@ def _config():
     return model_config("mixtral", "cpu", num_layers=1, num_experts=6)  # top-2 of 6: 2 experts per rank
 
 
-def _serve(group, fault_rank, at, kind):
+def _serve(group, fault_rank, at, kind, trace_dir=None):
     torch.set_num_threads(1)
     cfg = _config()
     full = build_weights(cfg)
@@ -60,7 +61,7 @@ def _serve(group, fault_rank, at, kind):
         fault = (lambda: time.sleep(TIMEOUT_S * 1.3)) if kind == "late" else (lambda: os._exit(9))
         comm = FaultyComm(comm, at, fault)
     model = MoEDecoder(full.for_rank(group.rank, group.world_size), comm, MAX_BATCH)
-    engine = DecodeEngine([model])
+    engine = DecodeEngine([model], trace_dir=trace_dir)
     (gens,) = engine.generate([_requests(group.rank, cfg.vocab)], record_logits=True)
     return [(g.tokens, g.logits) for g in gens], engine.recoveries, engine.lost_ranks, group.live_ranks
 
@@ -96,9 +97,12 @@ def test_engine_recovers_from_a_late_rank_and_stays_exact():
 
 
 @pytest.mark.timeout(600)
-def test_engine_excludes_a_killed_rank_and_the_survivors_finish_exactly():
+def test_engine_excludes_a_killed_rank_and_the_survivors_finish_exactly(tmp_path, monkeypatch):
+    """... and, asked to (``trace_dir``, recorder on), dumps the survivors' flight recorders at the
+    fault, from which the analyzer names the dead rank as the one that never published a dispatch."""
+    monkeypatch.setenv("MOE_COMM_TRACE", "8")
     with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_serve, 3, 2, 4, "kill", backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
+        moe_comm.launch(_serve, 3, 2, 4, "kill", str(tmp_path), backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
     err = info.value
     assert sorted(err.failures) == [2]
     cfg = _config()
@@ -109,3 +113,7 @@ def test_engine_excludes_a_killed_rank_and_the_survivors_finish_exactly():
         where, step, _, resume = recoveries[-1]
         assert where == "decode" and resume <= step
         _check_against_reference(rank, outs, resume, frozenset(range(2 * local, 3 * local)))
+    last_fault = tmp_path / f"fault{len(err.results[0][1])}"   # (a loaded machine may time out earlier too)
+    diag = analyze.analyze(analyze.load_dumps(str(last_fault)))
+    assert diag.ranks == [0, 1] and diag.missing == [2]
+    assert {(x["rank"], x["op"]) for x in diag.never_published} == {(2, "dispatch")}, diag.lines

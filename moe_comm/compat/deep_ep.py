@@ -40,7 +40,7 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
   ``num_nvl_bytes > 0`` and the normal-mode methods (``dispatch``, ``combine``, ``get_dispatch_layout``,
   ...), the rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
   ``CommGroup.exclude``), ``use_logfmt=True``, ``round_scale=True``, ``use_ue8m0=True``,
-  ``dispatch_wait_recv_cost_stats``/``combine_wait_recv_cost_stats``, ``allow_nvlink_for_low_latency_mode=
+  ``allow_nvlink_for_low_latency_mode=
   False``, ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor``
   raise NotImplementedError.
 - ``group``: a moe_comm ``CommGroup`` (any backend), or torch.distributed's default (world) group, for
@@ -70,6 +70,10 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
 - Streams: kernels run on the caller's current stream (there is no communication stream), so
   ``async_finish`` overlaps nothing; the event is still valid to wait on. On CPU calls complete before
   returning.
+- ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` (int64 [W]): incremented by the
+  time this rank's receive waited for each source rank's data, in **nanoseconds** (DeepEP: clock cycles),
+  from the flight recorder's wait statistics (``EPBuffer.dispatch_wait_stats``); they need the recorder
+  on (``MOE_COMM_TRACE=1`` or ``init(trace=...)``), else ValueError.
 - Arguments after ``cumulative_local_expert_recv_stats`` (dispatch) and after ``handle`` (combine) are
   keyword-only: DeepEP's positional order differs between its versions.
 - Errors follow moe-comm's fault model: an expert id outside [-1, E) is not routed and raises
@@ -266,6 +270,15 @@ class Buffer:
         pair[1] += 1
         return bufs[slot]
 
+    def _check_wait_cost(self, name: str, cost) -> None:
+        """A ``*_wait_recv_cost_stats`` tensor: int64 [W] on the group's device, recorder on."""
+        if cost is None:
+            return
+        check_tensor(name, cost, self.comm_group.device, (torch.int64,), (self.group_size,))
+        if not self.comm_group.trace_calls:
+            raise ValueError(f"{name} comes from the flight recorder's wait statistics: turn it on with "
+                             f"MOE_COMM_TRACE=1 (or moe_comm.init(..., trace=True)) before the group is made")
+
     def _check_call(self, async_finish: bool, return_recv_hook: bool) -> None:
         """Checks every call makes first (the same on every rank: nothing is launched before them)."""
         if self._destroyed:
@@ -284,8 +297,6 @@ class Buffer:
                              use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
         """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook)
         (module docstring)."""
-        if dispatch_wait_recv_cost_stats is not None:
-            raise _unsupported("dispatch_wait_recv_cost_stats", "pass None")
         if round_scale or use_ue8m0:
             raise _unsupported("round_scale=True / use_ue8m0=True (power-of-two and UE8M0 scales)",
                                "scales are float32 amax * (1 / 448)")
@@ -302,8 +313,10 @@ class Buffer:
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", stats, dev, (torch.int32,), (L,))
+        self._check_wait_cost("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         fp8 = bool(use_fp8)
         ep = self._ep_for(M, hidden, E, topk, fp8)
+        add_wait_cost = _wait_cost_adder(dispatch_wait_recv_cost_stats, lambda: ep.dispatch_wait_stats)
 
         recv_count = torch.empty(L, dtype=torch.int32, device=dev)
         src_info = torch.empty((L, R), dtype=torch.int32, device=dev)
@@ -319,6 +332,7 @@ class Buffer:
                 layout.column_major_scales(d.scales, out=scales)
             if stats is not None:
                 stats.add_(d.counts)
+            add_wait_cost()
             handle.ep_handle = d.handle
 
         def outputs(hook):
@@ -343,9 +357,8 @@ class Buffer:
         (module docstring)."""
         if use_logfmt:
             raise _unsupported("use_logfmt=True", "the combine sends bfloat16")
-        if combine_wait_recv_cost_stats is not None:
-            raise _unsupported("combine_wait_recv_cost_stats", "pass None")
         self._check_call(async_finish, return_recv_hook)
+        self._check_wait_cost("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
         if not isinstance(handle, LowLatencyHandle) or handle.owner is not self:
             raise TypeError("handle must come from low_latency_dispatch on this Buffer")
         if handle.ep_handle is None:
@@ -360,12 +373,20 @@ class Buffer:
                 raise RuntimeError("zero_copy=True reads the tensor of get_next_low_latency_combine_buffer(handle): "
                                    "fill it first")
         dev = self.comm_group.device
+        add_wait_cost = _wait_cost_adder(combine_wait_recv_cost_stats, lambda: ep.combine_wait_stats)
+
+        def receive():
+            y = ep.combine(phase="recv")
+            add_wait_cost()
+            return y
+
         if return_recv_hook:
             if out is None:
                 out = torch.empty((T, ep.hidden), dtype=DTYPE, device=dev)
             ep.combine(x, topk_weights, handle.ep_handle, out=out, phase="send")
-            return out, EventOverlap(), _Hook(lambda: ep.combine(phase="recv"))
-        combined = ep.combine(x, topk_weights, handle.ep_handle, out=out)
+            return out, EventOverlap(), _Hook(receive)
+        ep.combine(x, topk_weights, handle.ep_handle, out=out, phase="send")
+        combined = receive()
         event = _event_after(dev, (x, topk_idx, topk_weights, combined)) if async_finish else EventOverlap()
         return combined, event, None
 
@@ -451,6 +472,15 @@ def _check_divisible(num_experts: int, num_ranks: int) -> None:
 def _receive_tensor(ep: EPBuffer) -> torch.Tensor:
     """The EPBuffer's receive tensor d.x ([L, R, H]; fixed for its life, allocated by its first dispatch)."""
     return ep._x
+
+
+def _wait_cost_adder(cost, wait_stats):
+    """What adds this call's waits (ns per source: row 0 of the op's live ``wait_stats()`` after the
+    receive minus now) to the caller's ``cost``; a no-op without ``cost``. Device ops only."""
+    if cost is None:
+        return lambda: None
+    before = wait_stats()[0].clone()
+    return lambda: cost.add_(wait_stats()[0] - before)
 
 
 def _completed(call, finish, outputs=None) -> None:

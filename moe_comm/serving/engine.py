@@ -21,6 +21,7 @@ experts unrouted.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -81,11 +82,15 @@ class DecodeEngine:
     events on a GPU) and ``step_buckets`` (the bucket of every local rank, per step); ``recoveries``: one
     (where, step, error, step resumed from) per recovered fault; ``lost_ranks``: ranks excluded after they failed.
     max_recoveries: faults one ``generate`` recovers from before it gives up and raises the error.
+    trace_dir: on every group-wide error, before recovering, each driven rank's flight recorder is dumped
+    (``group.dump_trace``) into ``trace_dir/fault<n>`` (n counts the faults, from 1; the recorder must be on:
+    ``MOE_COMM_TRACE``); analyze with ``python -m moe_comm trace trace_dir/fault<n>``.
     """
 
     max_recoveries = 8
 
-    def __init__(self, models: list[MoEDecoder], use_graphs: bool | None = None, buckets: list[int] | None = None):
+    def __init__(self, models: list[MoEDecoder], use_graphs: bool | None = None, buckets: list[int] | None = None,
+                 trace_dir=None):
         self.models = list(models)
         m0 = self.models[0]
         self.cfg, self.device, self.max_batch = m0.cfg, m0.device, m0.max_batch
@@ -108,6 +113,7 @@ class DecodeEngine:
         self.groups = [g for m in self.models for g in m.comm.groups]  # moe-comm groups to check and recover
         self.recoveries: list[tuple] = []
         self.lost_ranks: list[int] = []
+        self.trace_dir = trace_dir
         if use_graphs and len(self.models) == 1:
             for b in [0] + self.buckets:
                 self._graph_for((b,))
@@ -240,12 +246,21 @@ class DecodeEngine:
                 i += 1
             except GroupError as err:
                 recovered += 1
+                self._dump_traces(err)
                 if recovered > self.max_recoveries:
                     raise
                 self._recover()
                 resume = min(v[0] for v in self.groups[0].exchange([good]).values())
                 self.recoveries.append((where, i, repr(err), resume))
                 i = good = resume
+
+    def _dump_traces(self, err: GroupError) -> None:
+        """``trace_dir`` given: every driven rank's flight recorder into ``trace_dir/fault<n>``."""
+        if self.trace_dir is None:
+            return
+        where = os.path.join(self.trace_dir, f"fault{len(self.recoveries) + 1}")
+        for g in self.groups:
+            g.dump_trace(where, err)
 
     def _check_groups(self, where: str, i: int, good: int) -> int:
         """After step ``i``: raise what the groups recorded; returns the new count of known-good steps.

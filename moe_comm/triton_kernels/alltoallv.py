@@ -24,6 +24,7 @@ clamped to the capacity and to N, the clamped values kept for the reverse); reve
 import triton
 import triton.language as tl
 
+from . import trace
 from .copy import address, copy_rows
 from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
                    record_error, wait_flags)
@@ -95,13 +96,15 @@ def a2a_send_kernel(
     done_ptr,          # int32 [WORLD + 2]: arrival counters, zero between launches
     grp, status_ptr,   # group state and this rank's status buffer (moe_comm/protocol.py)
     rank, max_rows,
+    trace_ptr,         # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
-    ALIGNED: tl.constexpr, PUT: tl.constexpr,
+    ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
     peer = tl.program_id(0)
     blk = tl.program_id(1)
     call = tl.load(seq_ptr) + 1
+    trace.phase_begin(trace_ptr, grp, call, OP, (peer == 0) & (blk == 0), False, WORLD, TRACE_N, TRACE)
     zone = call % 2
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     if FORWARD:
@@ -111,6 +114,7 @@ def a2a_send_kernel(
         my_cnt = tl.minimum(tl.maximum(tl.load(counts_ptr + peer).to(tl.int64), 0), max_rows)
         my_off = peer.to(tl.int64) * max_rows
     live = is_live(grp, peer)
+    trace.store_peer_words(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), peer, my_cnt, blk == 0, TRACE)
     # Store transport: straight into the peer's landing zone; put transport: into this rank's staging for
     # the peer, the same rows, put by the last program (transport.py).
     put = put_peers(grp, peer, True, WORLD, PUT)
@@ -133,6 +137,7 @@ def a2a_send_kernel(
     last_all, _ = arrive(done_ptr + WORLD, WORLD * NBLK, 0)
     if last_all:
         tl.store(seq_ptr, call)
+    trace.send_end(trace_ptr, call, last_all, WORLD, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -146,23 +151,35 @@ def a2a_recv_kernel(
     seq_ptr,           # int64 [1]: the channel's receive count (advanced here)
     done_ptr,          # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
     grp, status_ptr, rank, max_rows,
+    trace_ptr,         # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
+    wait_ptr,          # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
     src = tl.program_id(0)
     blk = tl.program_id(1)
     call = tl.load(seq_ptr) + 1
     zone = call % 2
     ctrl = ctrl_ptr + (zone * WORLD + src) * 2
-    arrived = is_live(grp, src)
+    trace.phase_begin(trace_ptr, grp, call, OP, (src == 0) & (blk == 0), True, WORLD, TRACE_N, TRACE)
+    seen = trace.seen_ptr(trace_ptr, call, WORLD, TRACE_N)
+    t_wait = trace.wait_begin(TRACE)
+    live = is_live(grp, src)
+    arrived = live
     if arrived:  # an excluded source sends nothing and is not waited for
         # Every source's flag is a lane (a timeout names the lowest missing source, whichever program
         # times out first: sync.lowest_missing); this program waits for src's only.
         w = tl.arange(0, WORLD_P2)
-        ok = wait_flags(ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call), w == src,
-                        w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+        flags, target = ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call)
+        if TRACE:
+            ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
+                            seen_ptr=seen, seen_mask=(w == src) & (blk == 0))
+        else:
+            ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
         arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0
+    trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)
+    trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.
         cnt = tl.minimum(tl.maximum(tl.load(ctrl, volatile=True), 0), max_rows)
@@ -171,6 +188,7 @@ def a2a_recv_kernel(
         cnt = tl.minimum(tl.maximum(tl.load(kept_counts_ptr + src).to(tl.int64), 0), max_rows)
         off = tl.load(kept_offsets_ptr + src)
     cnt = tl.where(arrived, cnt, 0)
+    trace.store_peer_words(trace.recv_rows_ptr(trace_ptr, call, WORLD, TRACE_N), src, cnt, blk == 0, TRACE)
     if FORWARD:
         if blk == 0:
             tl.store(recv_counts_ptr + src, cnt.to(tl.int32))
@@ -184,6 +202,7 @@ def a2a_recv_kernel(
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 w = tl.arange(0, WORLD_P2)
                 tl.store(recv_counts_ptr + w, 0, mask=w < WORLD)
+    trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ import triton.language as tl
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import cast_rne
 from .transport import dest, drain, put_peers, put_rows, signal_only, store_only
+from . import trace
 from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
                    publish_many, wait_flags)
 
@@ -52,12 +53,14 @@ def combine_send_kernel(
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
     rank,
+    trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
-    ALIGNED: tl.constexpr, PUT: tl.constexpr,
+    ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr, OP: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
+    trace.phase_begin(trace_ptr, grp, call, OP, blk == 0, False, WORLD, TRACE_N, TRACE)
     zone = call % 2
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     w = tl.arange(0, WORLD_P2)
@@ -116,6 +119,7 @@ def combine_send_kernel(
                         signal_only(own_flag, flag, p)
                 drain()
         tl.store(seq_ptr, call)
+    trace.send_end(trace_ptr, call, last, WORLD, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -130,9 +134,11 @@ def combine_recv_kernel(
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here; unused at world 1)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
     grp, status_ptr, rank, num_tokens,
+    trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
+    wait_ptr,         # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-    NBLK: tl.constexpr, ALIGNED: tl.constexpr,
+    NBLK: tl.constexpr, ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
@@ -147,7 +153,8 @@ def combine_recv_kernel(
         call = tl.load(seq_ptr) + 1
         zone = call % 2
         w = tl.arange(0, WORLD_P2)
-        first = (blk == 0) & (tl.program_id(1) == 0)
+        first = (blk == 0) & (tl.program_id(1) == 0)   # also the one that records (flight recorder)
+        trace.phase_begin(trace_ptr, grp, call, OP, first, True, WORLD, TRACE_N, TRACE)
         need = w < 0   # [WORLD_P2] False
         for t0 in range(blk * BT, num_tokens, NBLK * BT):
             t = t0 + tl.arange(0, BT)
@@ -160,8 +167,15 @@ def combine_recv_kernel(
         need = tl.where(first, True, need)
         if tl.max(need.to(tl.int32)) > 0:
             live = tl.where(need, live_ranks(grp, WORLD, WORLD_P2), False)
-            ok = wait_flags(ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call), live,
-                            w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+            flags, target = ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call)
+            seen = trace.seen_ptr(trace_ptr, call, WORLD, TRACE_N)
+            t_wait = trace.wait_begin(TRACE)
+            if TRACE:
+                ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
+                                seen_ptr=seen, seen_mask=first & (w < WORLD))
+            else:
+                ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+            trace.add_waits(wait_ptr, seen, w, first & (w < WORLD), live, t_wait, WORLD, TRACE)
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0
@@ -206,3 +220,4 @@ def combine_recv_kernel(
                     for c in range(0, HIDDEN, BH):
                         store_tile(nan, c, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
                                    (t < num_tokens)[:, None], BH, 1, 1, ALIGNED)
+        trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)

@@ -41,6 +41,16 @@ SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank ke
 STAGE = dict(stage_ptr="*i32", stage_ctrl_ptr="*i64")      # every send kernel's put-transport staging
 
 
+TRACE_TYPES = dict(trace_ptr="*i64", wait_ptr="*i64")   # the flight recorder's ring and wait statistics
+TRACE_CALLS = 64                                         # ring size of the traced builds (moe_comm/trace)
+
+
+def with_trace(cfg: KernelConfig) -> KernelConfig:
+    """The same kernel and shapes with the flight recorder compiled in (``triton_kernels/trace.py``)."""
+    return KernelConfig(cfg.module, cfg.kernel, cfg.label + " trace", cfg.types,
+                        dict(cfg.constexprs, TRACE=True, TRACE_N=TRACE_CALLS), num_warps=cfg.num_warps)
+
+
 def with_put(cfg: KernelConfig) -> KernelConfig:
     """The same kernel and shapes with the put transport compiled in (NVSHMEM calls, bitcode linked)."""
     return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, dict(cfg.constexprs, PUT=True),
@@ -124,7 +134,7 @@ def _ep_configs() -> list[KernelConfig]:
     out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
         expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
         ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
-        WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
+        OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
         BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False)))
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
@@ -150,6 +160,16 @@ def put_configs(base: list[KernelConfig]) -> list[KernelConfig]:
     return [with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS]
 
 
+TRACE_CONFIGS = {  # (kernel, label) of the configs compiled again with the flight recorder on
+    ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("a2a_recv_kernel", "fwd 7168 bf16 EP8"),
+    ("dispatch_send_kernel", "DSV3 EP8 bf16"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
+    ("combine_send_kernel", "DSV3 EP8 bf16"), ("combine_recv_kernel", "DSV3 EP8 bf16")}
+
+
+def trace_configs(base: list[KernelConfig]) -> list[KernelConfig]:
+    return [with_trace(c) for c in base if (c.kernel, c.label) in TRACE_CONFIGS]
+
+
 def _extra_configs() -> list[KernelConfig]:
     """Kernel configs that the serving modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
     out = []
@@ -172,7 +192,7 @@ def all_configs(put: bool = True) -> list[KernelConfig]:
     """Every kernel configuration; with ``put``, also the put-transport variants (NVSHMEM calls), which
     need NVSHMEM's device bitcode (``nvshmem_bitcode.py``)."""
     base = _a2a_configs() + _ep_configs() + _copy_configs() + _extra_configs()
-    return base + (put_configs(base) if put else [])
+    return base + trace_configs(base) + (put_configs(base) if put else [])
 
 
 def _copy_configs() -> list[KernelConfig]:
@@ -206,7 +226,11 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     constexprs = dict(cfg.constexprs)
     if "PUT" in fn.arg_names:
         constexprs.setdefault("PUT", False)   # the store-only build unless the config says otherwise
-    types = dict(cfg.types)
+    if "TRACE" in fn.arg_names:               # the untraced build unless the config says otherwise
+        constexprs.setdefault("TRACE", False)
+        constexprs.setdefault("TRACE_N", TRACE_CALLS)
+    types = {a: t for a, t in TRACE_TYPES.items() if a in fn.arg_names}
+    types.update(cfg.types)
     types.update({k: "constexpr" for k in constexprs})
     missing = [a for a in fn.arg_names if a not in types]
     if missing:
@@ -233,6 +257,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     ptx = compiled.asm["ptx"]
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
+                trace=bool(constexprs.get("TRACE", False)),
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,

@@ -37,6 +37,7 @@ instead; the last program puts rows [0, T) in one ``putmem_nbi``, then the contr
 import triton
 import triton.language as tl
 
+from . import trace
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
@@ -70,6 +71,7 @@ def count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl
                           PUT)
     tl.store(ctrl_of_expert + 1 + expert % EXPERTS_PER_RANK, counts.to(tl.int64),
              mask=(expert < WORLD * EXPERTS_PER_RANK) & owner_live)
+    return counts
 
 
 @triton.jit
@@ -86,15 +88,18 @@ def dispatch_send_kernel(
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
     rank, num_tokens, num_experts,
+    trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, BINS: tl.constexpr,
     FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
+    TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
+    trace.phase_begin(trace_ptr, grp, call, OP, (blk == 0) & (col == 0), False, WORLD, TRACE_N, TRACE)
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
@@ -111,9 +116,11 @@ def dispatch_send_kernel(
     # 1. Bookkeeping, by one program: the combine's mask, the excluded-slot count, the first bad id, and
     #    per-expert counts (a histogram of the valid ids; BINS >= E) into each live rank's control words.
     if (blk == NBLK - 1) & (col == 0):
-        count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
-                        (zone * WORLD + rank) * CTRL_WORDS, grp, rank, num_tokens, num_experts, failed == 0, OP,
-                        WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT)
+        counts = count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
+                                 (zone * WORLD + rank) * CTRL_WORDS, grp, rank, num_tokens, num_experts, failed == 0,
+                                 OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT)
+        trace.store_slots_per_rank(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), counts, peer_live,
+                                   EXPERTS_PER_RANK, WORLD, WORLD_P2, BINS, TRACE)
 
     # 2. This program's tokens, a contiguous range: routing words to every live rank (column block 0),
     #    payload (column block `col`) once to row t of every live rank holding one of the token's experts.
@@ -175,6 +182,7 @@ def dispatch_send_kernel(
                               own_ctrl + CTRL_WORDS - 1, flag, p)
                 drain()   # one wait for the puts to every peer, all in flight together
         tl.store(seq_ptr, call)
+    trace.send_end(trace_ptr, call, last, WORLD, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -191,10 +199,13 @@ def dispatch_recv_kernel(
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
     grp, status_ptr, rank,
+    trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
+    wait_ptr,         # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
     CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr,
+    TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
     blk = tl.program_id(0)
     src = tl.program_id(1)   # the source this program unpacks
@@ -203,14 +214,22 @@ def dispatch_recv_kernel(
     ctrl = ctrl_ptr + zone * WORLD * CTRL_WORDS
     META: tl.constexpr = X_WORDS + S_WORDS
     target = flag_value(tl.load(grp + S_EPOCH), call)
+    trace.phase_begin(trace_ptr, grp, call, OP, (blk == 0) & (src == 0), True, WORLD, TRACE_N, TRACE)
 
     # Source src's rows go after those of sources 0..src-1: their counts and src's rows are all this
     # program needs. An excluded or failed source counts as sending nothing (a failed wait fails the
-    # group: the last program then zeroes the counts).
+    # group: the last program then zeroes the counts). Recorder: program (0, src) records source src.
     w = tl.arange(0, WORLD_P2)
     need = tl.where(w <= src, live_ranks(grp, WORLD, WORLD_P2), False)
-    arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
-                         WORLD, WORLD_P2)
+    seen = trace.seen_ptr(trace_ptr, call, WORLD, TRACE_N)
+    t_wait = trace.wait_begin(TRACE)
+    if TRACE:
+        arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
+                             WORLD, WORLD_P2, seen_ptr=seen, seen_mask=(w == src) & (blk == 0))
+    else:
+        arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
+                             WORLD, WORLD_P2)
+    trace.add_waits(wait_ptr, seen, w, (w == src) & (blk == 0), need, t_wait, WORLD, TRACE)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],
@@ -225,6 +244,8 @@ def dispatch_recv_kernel(
         tl.store(out_counts_ptr + e, kept, mask=e_live)
         tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
         tl.store(src_tokens_ptr + w, tokens, mask=w < WORLD)
+        trace.store_peer_words(trace.recv_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w, tl.sum(counts, axis=1),
+                               w < WORLD, TRACE)
         if tl.max(total) > CAP:
             record_error(grp, ERR_CAPACITY, OP, rank, tl.argmax(total, axis=0), tl.max(total), CAP)
 
@@ -267,3 +288,4 @@ def dispatch_recv_kernel(
         tl.store(seq_ptr, call)
         if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # the error is in this rank's word: raised
             tl.store(out_counts_ptr + e, 0, mask=e_live)
+    trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)

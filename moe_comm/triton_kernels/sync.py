@@ -198,7 +198,7 @@ def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
 
 @triton.jit
 def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD: tl.constexpr,
-               WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False):
+               WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False, seen_ptr=None, seen_mask=None):
     """Wait until every flag at ``flag_ptrs`` (a vector, this rank's memory; lanes where ``mask``; lane i
     is rank ``peers[i]``'s flag) equals ``target``: every pending flag is polled at once, one vector of
     acquire loads (system scope) per poll, so N flags cost one round trip, not N.
@@ -211,9 +211,14 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     program of the launch times out first, so callers pass every live peer's flag as a lane, and
     ``mask`` only the ones this program waits for). With ``ABORT_ARRIVES`` a peer's ABORT for the call
     counts as arrived (``drain_kernel``: any sign that the peer is done with the call before it).
+
+    Flight recorder (``seen_ptr`` given, ``triton_kernels/trace.py``): on the lanes where ``seen_mask``,
+    ``seen_ptr[peers[i]]`` gets the time lane i's flag was seen (``now_ns``), 0 if it never was.
     """
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
+    if seen_ptr is not None:
+        seen_at = tl.where(pending, 0, now_ns())
     if tl.max(pending.to(tl.int32)) > 0:
         timeout_ns = tl.load(grp + S_TIMEOUT_NS)
         t0 = now_ns()
@@ -247,6 +252,10 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
                 state = 2
             else:
                 v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
+                if seen_ptr is not None:
+                    seen_at = tl.where(pending & (v == target), now_ns(), seen_at)
+    if seen_ptr is not None:
+        tl.store(seen_ptr + peers, tl.where(mask & (v == target), seen_at, 0), mask=seen_mask)
     tl.debug_barrier()  # the whole program sees the payload the flags cover
     return tl.where(mask, v == target, False)
 
@@ -269,10 +278,12 @@ def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.co
 
 
 @triton.jit
-def wait_flag(flag_ptr, target, grp, status_ptr, op, rank, peer, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+def wait_flag(flag_ptr, target, grp, status_ptr, op, rank, peer, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+              seen_ptr=None, seen_mask=None):
     """``wait_flags`` for one flag (rank ``peer``'s, at ``flag_ptr``): True when it arrived."""
     one = tl.arange(0, 1)
-    ok = wait_flags(flag_ptr + one, target, one == 0, peer + one, grp, status_ptr, op, rank, WORLD, WORLD_P2)
+    ok = wait_flags(flag_ptr + one, target, one == 0, peer + one, grp, status_ptr, op, rank, WORLD, WORLD_P2,
+                    seen_ptr=seen_ptr, seen_mask=seen_mask)
     return tl.max(ok.to(tl.int32)) > 0
 
 

@@ -1,0 +1,120 @@
+"""Host side of the flight recorder: the option that turns it on, the rings, and one rank's dump.
+
+On: ``MOE_COMM_TRACE`` (``1``/``on``: DEFAULT_CALLS records per channel; an integer N > 1: N records)
+or ``init(..., trace=N)``. Off (the default): the kernels are compiled without the recorder's code, so
+they make no extra store. ``MOE_COMM_TRACE_DIR``: every ``GroupError`` a rank raises also dumps its
+rings there (``group.dump_trace``), once per epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import torch
+
+from . import layout
+
+ENV_TRACE = "MOE_COMM_TRACE"
+ENV_TRACE_DIR = "MOE_COMM_TRACE_DIR"
+FORMAT = "moe-comm-trace/1"
+_ON, _OFF = ("1", "on", "true", "yes"), ("", "0", "off", "false", "no")
+
+
+def trace_calls(option=None) -> int:
+    """Records per channel: ``option`` (None: the environment); 0 = off."""
+    raw = os.environ.get(ENV_TRACE, "") if option is None else option
+    if isinstance(raw, bool):
+        return layout.DEFAULT_CALLS if raw else 0
+    text = str(raw).strip().lower()
+    if text in _OFF:
+        return 0
+    if text in _ON:
+        return layout.DEFAULT_CALLS
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{ENV_TRACE} / trace= must be on/off or a number of calls to keep per channel "
+                         f"(e.g. 64), got {raw!r}")
+    return n
+
+
+def status() -> dict:
+    """What the environment asks of the flight recorder (``python -m moe_comm info``): on, records per
+    channel, the dump directory, and in words (an invalid value says the fix instead of raising)."""
+    where = os.environ.get(ENV_TRACE_DIR) or None
+    try:
+        n = trace_calls()
+    except ValueError as e:
+        return dict(on=False, calls=0, dump_dir=where, detail=str(e))
+    detail = (f"on: the last {n} calls per channel ({ENV_TRACE}={os.environ[ENV_TRACE]})" if n else
+              f"off (set {ENV_TRACE}=1, or init(trace=True), to record every channel's last calls)")
+    if where:
+        detail += f"; GroupError dumps to {where}"
+    return dict(on=n > 0, calls=n, dump_dir=where, detail=detail)
+
+
+def new_ring(world: int, calls: int, device: torch.device) -> torch.Tensor:
+    """int64 [max(calls, 1), record_words(world)], zeros: pinned host memory on CUDA (the host reads it
+    without a device sync), a plain tensor on the CPU. One unused row when tracing is off."""
+    pin = device.type == "cuda"
+    return torch.zeros((max(calls, 1), layout.record_words(world)), dtype=torch.int64, pin_memory=pin)
+
+
+def channel_records(ch) -> list[layout.TraceRecord]:
+    """Every call a channel's ring holds, oldest first (rows per peer None where the channel's kernels
+    do not record them)."""
+    world = ch.group.world_size
+    recs = [r for row in ch.trace.tolist() for r in layout.decode_row(row, world, ch.row_bytes)]
+    if not ch.rows_recorded:
+        for r in recs:
+            r.sent_rows = r.recv_rows = None
+    return sorted(recs, key=lambda r: (r.epoch, r.call))
+
+
+def _wait_stats(ch):
+    """(ns, count) per source, or None when reading them would wait for a busy CUDA stream (a hang)."""
+    if ch.wait_stats.device.type == "cuda" and not torch.cuda.current_stream(ch.wait_stats.device).query():
+        return None
+    ns, count = ch.wait_stats.tolist()
+    return ns, count
+
+
+def rank_dump(group, error: BaseException | None = None) -> dict:
+    """One rank's dump (JSON-able): group facts, then every traced channel's records and wait statistics."""
+    channels = []
+    for ch in group.traced_channels():
+        stats = _wait_stats(ch)
+        channels.append(dict(
+            name=ch.name, row_bytes=ch.row_bytes,
+            wait_ns=None if stats is None else stats[0], wait_count=None if stats is None else stats[1],
+            records=[dataclasses.asdict(r) for r in channel_records(ch)]))
+    return dict(format=FORMAT, rank=group.rank, world_size=group.world_size, epoch=group.epoch,
+                backend=group.backend, device=str(group.device), live=group.live_ranks,
+                clock="globaltimer" if group.device.type == "cuda" else "monotonic",
+                host_monotonic_ns=time.monotonic_ns(), error=None if error is None else str(error),
+                channels=channels)
+
+
+def dump_path(path, rank: int) -> str:
+    """``path`` itself if it names a .json file, else ``path/trace-rank<rank>.json`` (directory made)."""
+    path = os.fspath(path)
+    if path.endswith(".json"):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return path
+    os.makedirs(path, exist_ok=True)
+    return os.path.join(path, f"trace-rank{rank}.json")
+
+
+def write_dump(group, path, error: BaseException | None = None) -> str:
+    """Write ``rank_dump`` to ``dump_path(path, rank)`` (atomically: a reader never sees half a file)."""
+    out = dump_path(path, group.rank)
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(rank_dump(group, error), f)
+    os.replace(tmp, out)
+    return out

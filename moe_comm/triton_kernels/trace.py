@@ -1,0 +1,137 @@
+"""Flight recorder, device side: the few stores each phase of a call makes into its channel's ring.
+
+Layout and meaning of every word: ``moe_comm/trace/layout.py``. Every function here does nothing unless
+the kernel was compiled with ``TRACE`` (off: no extra store, no clock read). Each is called by one
+program of a launch (``first``/``last`` below), except the per-peer row counts, stored by the program
+that owns that peer. Wait statistics (``wait_ptr``, int64 [2, WORLD]: [0, j] cumulative ns this rank's
+receive waited for source j's flag, [1, j] how many waits that got it) are accumulated by the program
+that recorded the source's SEEN word, so each call counts once per source.
+"""
+
+import triton
+import triton.language as tl
+
+from ..trace import layout
+from .sync import S_EPOCH, S_ERR_ADDR, as_ptr, flag_value, now_ns
+
+T_OP = tl.constexpr(layout.T_OP)
+T_SEND_TAG = tl.constexpr(layout.T_SEND_TAG)
+T_SEND_START = tl.constexpr(layout.T_SEND_START)
+T_SEND_END = tl.constexpr(layout.T_SEND_END)
+T_RECV_TAG = tl.constexpr(layout.T_RECV_TAG)
+T_RECV_START = tl.constexpr(layout.T_RECV_START)
+T_RECV_END = tl.constexpr(layout.T_RECV_END)
+T_OUTCOME = tl.constexpr(layout.T_OUTCOME)
+T_ERR_PEER = tl.constexpr(layout.T_ERR_PEER)
+HEADER_WORDS = tl.constexpr(layout.HEADER_WORDS)
+ERR_PEER_WORD = tl.constexpr(3)   # errors.py error word: [3] peer, [4] value, [5] bound
+
+
+@triton.jit
+def record_of(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
+    """The ring row of ``call``: int64 [HEADER_WORDS + 4 * WORLD]."""
+    return trace_ptr + (call % TRACE_N).to(tl.int64) * (HEADER_WORDS + 4 * WORLD)
+
+
+@triton.jit
+def sent_rows_ptr(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
+    return record_of(trace_ptr, call, WORLD, TRACE_N) + HEADER_WORDS
+
+
+@triton.jit
+def recv_rows_ptr(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
+    return record_of(trace_ptr, call, WORLD, TRACE_N) + HEADER_WORDS + WORLD
+
+
+@triton.jit
+def seen_ptr(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
+    """Where ``sync.wait_flags`` stores when each source's flag was seen (its ``seen_ptr``)."""
+    return record_of(trace_ptr, call, WORLD, TRACE_N) + HEADER_WORDS + 2 * WORLD
+
+
+@triton.jit
+def phase_begin(trace_ptr, grp, call, op, first, RECV: tl.constexpr, WORLD: tl.constexpr,
+                TRACE_N: tl.constexpr, TRACE: tl.constexpr):
+    """Program ``first`` of a send (RECV False) or receive phase: tag the call's row, start time, end 0."""
+    if TRACE:
+        if first:
+            rec = record_of(trace_ptr, call, WORLD, TRACE_N)
+            tag = flag_value(tl.load(grp + S_EPOCH), call)
+            if RECV:
+                tl.store(rec + T_RECV_END, 0)
+                tl.store(rec + T_RECV_START, now_ns())
+                tl.store(rec + T_RECV_TAG, tag)
+            else:
+                tl.store(rec + T_OP, op)
+                tl.store(rec + T_SEND_END, 0)
+                tl.store(rec + T_SEND_START, now_ns())
+                tl.store(rec + T_SEND_TAG, tag)
+
+
+@triton.jit
+def send_end(trace_ptr, call, last, WORLD: tl.constexpr, TRACE_N: tl.constexpr, TRACE: tl.constexpr):
+    """The last program of a send phase (after publishing): end time."""
+    if TRACE:
+        if last:
+            tl.store(record_of(trace_ptr, call, WORLD, TRACE_N) + T_SEND_END, now_ns())
+
+
+@triton.jit
+def recv_end(trace_ptr, grp, call, last, WORLD: tl.constexpr, TRACE_N: tl.constexpr, TRACE: tl.constexpr):
+    """The last program of a receive phase: the outcome (this rank's error word: code, peer, value,
+    bound), then the end time."""
+    if TRACE:
+        if last:
+            rec = record_of(trace_ptr, call, WORLD, TRACE_N)
+            err = as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64)
+            f = tl.arange(0, 4)
+            fields = tl.load(err + ERR_PEER_WORD + f, mask=f < 3, other=0, volatile=True)
+            tl.store(rec + T_ERR_PEER + f, fields, mask=f < 3)
+            tl.store(rec + T_OUTCOME, tl.load(err, volatile=True))
+            tl.store(rec + T_RECV_END, now_ns())
+
+
+@triton.jit
+def store_peer_words(words_ptr, peers, values, mask, TRACE: tl.constexpr):
+    """``words_ptr[peers] = values`` where ``mask`` (scalars or vectors): per-peer words of the call (row
+    counts; SEEN = 0 of a source that is not waited for)."""
+    if TRACE:
+        tl.store(words_ptr + peers, (tl.zeros([], dtype=tl.int64) + values), mask=mask)
+
+
+@triton.jit
+def wait_begin(TRACE: tl.constexpr):
+    """The time a wait starts (for the wait statistics); 0 untraced."""
+    if TRACE:
+        t = now_ns()
+    else:
+        t = 0
+    return t
+
+
+@triton.jit
+def add_waits(wait_ptr, seen_at, peers, mask, waited_for, t_wait, WORLD: tl.constexpr, TRACE: tl.constexpr):
+    """After this program's wait (begun at ``t_wait``), for the sources it records (``mask``), of which
+    it waited for ``waited_for``: the WAITED words (until the flag was seen, or until now when it never
+    was; 0 where not waited for), and the wait statistics of the sources whose flag was seen. SEEN
+    (at ``seen_at``, ``seen_ptr``) was written by ``sync.wait_flags`` in this program."""
+    if TRACE:
+        seen = tl.load(seen_at + peers, mask=mask, other=0)
+        waited = tl.where(seen > 0, tl.maximum(seen - t_wait, 0), now_ns() - t_wait)
+        tl.store(seen_at + WORLD + peers, tl.where(waited_for, waited, 0), mask=mask)
+        counted = tl.where(mask, tl.where(waited_for, seen > 0, False), False)
+        tl.atomic_add(wait_ptr + peers, waited, mask=counted, sem="relaxed")
+        tl.atomic_add(wait_ptr + WORLD + peers, tl.zeros_like(waited) + 1, mask=counted, sem="relaxed")
+
+
+@triton.jit
+def store_slots_per_rank(rows_ptr, counts, live, EXPERTS_PER_RANK: tl.constexpr, WORLD: tl.constexpr,
+                         WORLD_P2: tl.constexpr, BINS: tl.constexpr, TRACE: tl.constexpr):
+    """Dispatch send: ``rows_ptr[j]`` = the slots routed to rank j's experts (its rows of d.x from this
+    rank), from ``counts`` (int [BINS]: slots per expert); 0 where not ``live`` (int1 [WORLD_P2])."""
+    if TRACE:
+        peer = tl.arange(0, WORLD_P2)
+        expert = tl.arange(0, BINS)
+        mine = (expert[None, :] // EXPERTS_PER_RANK == peer[:, None]) & (expert < WORLD * EXPERTS_PER_RANK)[None, :]
+        per_rank = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+        tl.store(rows_ptr + peer, tl.where(live, per_rank, 0).to(tl.int64), mask=peer < WORLD)

@@ -1,0 +1,189 @@
+"""The flight recorder (moe_comm/trace, triton_kernels/trace.py): what the kernels record matches what
+the calls did, and the analyzer names the slow rank, the rank that never published a call (from its
+peers' dumps alone) and a desync with both call numbers."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import AllToAllvDynamic, CommDesyncError, CommTimeoutError, EPBuffer, LaunchError
+from moe_comm.trace import analyze, layout
+from moe_comm.trace.recorder import channel_records, trace_calls
+
+ROW = (8,)          # float32 rows of the AllToAllvDynamic tests: 32 bytes
+CAP = 4
+
+
+def _loopback_a2a(world, trace, timeout_s=2.0):
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=timeout_s, trace=trace)
+    return groups, [AllToAllvDynamic(g, CAP, ROW, torch.float32) for g in groups]
+
+
+def _round(ops, counts, back=True):
+    """One forward (and reverse) call on every loopback rank; counts[r] = rank r's send counts."""
+    sends = [torch.randn(int(c.sum()), *ROW) for c in counts]
+    for op, s, c in zip(ops, sends, counts):
+        op(s, c, phase="send")
+    res = [op(phase="recv") for op in ops]
+    if back:
+        for op, r in zip(ops, res):
+            op.combine(r.recv, r.handle, phase="send")
+        for op in ops:
+            op.combine(phase="recv")
+    return res
+
+
+def test_recorder_holds_the_last_calls_with_their_rows_bytes_and_times():
+    """Three calls on a ring of two: the last two are kept, with this rank's rows to and from every peer
+    (forward: the counts; reverse: the same rows back), 32-byte rows, an "ok" outcome, every source's flag
+    seen during the receive, and one wait per source and call in the wait statistics. Off: nothing."""
+    groups, ops = _loopback_a2a(3, trace=2)
+    calls = [[torch.tensor([1, 0, 2]), torch.tensor([3, 1, 0]), torch.tensor([0, 2, 4])],
+             [torch.tensor([2, 2, 0]), torch.tensor([0, 0, 1]), torch.tensor([4, 1, 1])],
+             [torch.tensor([0, 1, 1]), torch.tensor([1, 1, 1]), torch.tensor([3, 0, 2])]]
+    for counts in calls:
+        _round(ops, counts)
+    for r, op in enumerate(ops):
+        fwd, rev = channel_records(op._fwd), channel_records(op._rev)
+        assert [x.call for x in fwd] == [2, 3] and [x.call for x in rev] == [2, 3]
+        for rec, back, counts in zip(fwd, rev, calls[1:]):
+            sent = counts[r].tolist()
+            got = [int(counts[j][r]) for j in range(3)]
+            assert (rec.op, rec.epoch, rec.outcome, rec.row_bytes) == ("alltoallv", 0, "ok", 32)
+            assert rec.sent_rows == sent and rec.recv_rows == got
+            assert rec.sent_bytes == [32 * n for n in sent] and rec.recv_bytes == [32 * n for n in got]
+            assert (back.op, back.sent_rows, back.recv_rows) == ("alltoallv.combine", got, sent)
+            assert rec.send_start <= rec.send_end and rec.recv_start <= rec.recv_end
+            assert all(rec.recv_start <= t <= rec.recv_end for t in rec.seen)
+        ns, count = op._fwd.wait_stats.tolist()
+        assert count == [3, 3, 3] and all(n >= 0 for n in ns)
+    groups, ops = _loopback_a2a(2, trace=0)
+    _round(ops, [torch.tensor([1, 1]), torch.tensor([1, 1])], back=False)
+    assert not ops[0]._fwd.trace.any() and not ops[0]._fwd.wait_stats.any()
+    assert channel_records(ops[0]._fwd) == []
+
+
+def test_dispatch_and_combine_record_their_calls(tmp_path):
+    """Dispatch records the slots (rows of d.x) this rank routed to each rank and received from each
+    source, as the ids say; combine records its times and flags (rows: not recorded). Both "ok", and
+    ``dump_trace`` writes them all."""
+    E, H, M, K = 8, 128, 3, 2
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=2.0, trace=4)
+    eps = [EPBuffer(g, E, H, M, K) for g in groups]
+    idxs = [torch.tensor([[0, 5], [1, -1], [6, 7]]), torch.tensor([[4, 5], [0, 1], [2, 6]])]
+    for ep, i in zip(eps, idxs):
+        ep.dispatch(torch.randn(M, H).to(torch.bfloat16), i, phase="send")
+    ds = [ep.dispatch(phase="recv") for ep in eps]
+    for ep, d in zip(eps, ds):
+        ep.combine(d.x, torch.rand(M, K), d.handle, phase="send")
+    for ep in eps:
+        ep.combine(phase="recv")
+    slots = [[int(((i >= 0) & (i // (E // 2) == j)).sum()) for j in range(2)] for i in idxs]   # [src][dst]
+    for r, ep in enumerate(eps):
+        (d,), (c,) = channel_records(ep._dispatch_ch), channel_records(ep._combine_ch)
+        assert (d.op, d.call, d.outcome, c.op, c.call, c.outcome) == ("dispatch", 1, "ok", "combine", 1, "ok")
+        assert d.sent_rows == slots[r] and d.recv_rows == [slots[0][r], slots[1][r]]
+        assert d.sent_bytes == [n * H * 2 for n in slots[r]]
+        assert c.sent_rows is None and c.recv_rows is None
+        for rec in (d, c):
+            assert rec.send_start <= rec.send_end and all(rec.recv_start <= t <= rec.recv_end for t in rec.seen)
+        assert ep._dispatch_ch.wait_stats[1].tolist() == [1, 1] == ep._combine_ch.wait_stats[1].tolist()
+        dump = json.load(open(groups[r].dump_trace(tmp_path)))
+        assert [ch["name"] for ch in dump["channels"]] == ["ep.dispatch", "ep.combine"]
+        assert dump["channels"][0]["records"][0]["recv_rows"] == d.recv_rows
+
+
+def test_trace_option_parses_and_says_the_fix(monkeypatch):
+    monkeypatch.setenv("MOE_COMM_TRACE", "on")
+    assert trace_calls() == layout.DEFAULT_CALLS
+    monkeypatch.setenv("MOE_COMM_TRACE", "0")
+    assert trace_calls() == 0 and trace_calls(16) == 16 and trace_calls(True) == layout.DEFAULT_CALLS
+    with pytest.raises(ValueError, match="number of calls to keep per channel"):
+        trace_calls("lots")
+
+
+def test_a_skipped_call_is_named_a_desync_with_both_call_numbers(tmp_path, monkeypatch):
+    """Rank 1's forward channel skips two call numbers (what a rank that ran ahead publishes): rank 0's
+    receive of call 2 sees call 4, raises CommDesyncError, and with MOE_COMM_TRACE_DIR set every rank's
+    GroupError dumps its recorder; the analyzer says which rank expected which call and saw which."""
+    monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(tmp_path))
+    groups, ops = _loopback_a2a(2, trace=8, timeout_s=1.0)
+    _round(ops, [torch.tensor([1, 2]), torch.tensor([2, 1])], back=False)
+    ops[0](torch.randn(2, *ROW), torch.tensor([1, 1]), phase="send")
+    ops[1]._fwd.send_seq += 2
+    ops[1](torch.randn(2, *ROW), torch.tensor([1, 1]), phase="send")
+    with pytest.raises(CommDesyncError, match="expected call 2 from peer rank 1 but got call 4"):
+        ops[0](phase="recv")
+    with pytest.raises(CommDesyncError):
+        ops[1](phase="recv")
+    assert sorted(os.listdir(tmp_path)) == ["trace-rank0.json", "trace-rank1.json"]
+    diag = analyze.analyze(analyze.load_dumps(str(tmp_path)))
+    assert diag.desyncs[0] == dict(channel="a2a.fwd", op="alltoallv", epoch=0, rank=0, peer=1, expected=2, got=4)
+    assert ("DESYNC: rank 0 expected alltoallv call 2 from rank 1 but saw call 4 (channel a2a.fwd, epoch 0): "
+            "the two are 2 calls out of step (one of them skipped a call)") in diag.lines, diag.lines
+    assert not any(x["rank"] == 1 and x["call"] == 2 for x in diag.never_published)
+    assert json.load(open(tmp_path / "trace-rank0.json"))["error"].startswith("alltoallv: rank 0 expected call 2")
+    chrome = tmp_path / "timeline.json"
+    assert analyze.main([str(tmp_path), "--chrome", str(chrome)]) == 0
+    slices = [e for e in json.load(open(chrome))["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["name"]) for e in slices} >= {(0, "alltoallv send #2"), (0, "alltoallv recv #2"),
+                                                      (1, "alltoallv send #4")}
+    assert [e["args"]["outcome"] for e in slices if e["pid"] == 0 and e["name"] == "alltoallv recv #2"] == ["desync"]
+    assert analyze.main([str(tmp_path / "empty")]) == 1
+
+
+SLOW, DEAD, SLEEP_S, CALLS = 2, 3, 1.0, 3
+
+
+def _slow_then_dead(group, all_dir):
+    """World 4: calls 1..CALLS with rank SLOW sleeping before each send; every rank dumps to
+    ``all_dir``; then rank DEAD dies before call CALLS + 1 and the others wait for it (their
+    CommTimeoutError dumps them to MOE_COMM_TRACE_DIR)."""
+    op = AllToAllvDynamic(group, CAP, ROW, torch.float32)
+    counts = torch.ones(group.world_size, dtype=torch.int32)
+    send = torch.randn(group.world_size, *ROW)
+    for _ in range(CALLS):
+        if group.rank == SLOW:
+            time.sleep(SLEEP_S)
+        op(send, counts, phase="send")
+        op(phase="recv")
+    group.dump_trace(all_dir)
+    group.barrier()
+    if group.rank == DEAD:
+        os._exit(1)
+    try:
+        op(send, counts)
+    except CommTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_slow_rank_and_dead_rank_are_named_from_the_dumps(tmp_path, monkeypatch):
+    """Shm processes, world 4. From all four dumps: rank 2 (a sleep before each send) is the slowest,
+    the others having waited about SLEEP_S per call for it. From the three survivors' dumps alone (rank 3
+    died without one): rank 3 never published call CALLS + 1, and ranks 0, 1, 2 waited for it."""
+    all_dir, fault_dir = tmp_path / "all", tmp_path / "fault"
+    monkeypatch.setenv("MOE_COMM_TRACE", "8")
+    monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(fault_dir))
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_slow_then_dead, 4, str(all_dir), backend="shm", timeout_s=6)
+    assert list(info.value.failures) == [DEAD]
+    assert all("waiting for peer rank 3" in r for r in info.value.results[:DEAD]), info.value.results
+
+    diag = analyze.analyze(analyze.load_dumps(str(all_dir)))
+    assert diag.missing == [] and diag.slowest == SLOW, diag.lines
+    for r in (0, 1, 3):
+        assert diag.waits[(r, SLOW)]["total_ns"] > 0.8 * CALLS * SLEEP_S * 1e9, diag.lines
+    assert any(line.startswith(f"SLOWEST: rank {SLOW}") for line in diag.lines)
+
+    diag = analyze.analyze(analyze.load_dumps(str(fault_dir)))
+    assert diag.ranks == [0, 1, 2] and diag.missing == [DEAD]
+    dead = [x for x in diag.never_published if x["rank"] == DEAD]
+    assert [(x["op"], x["call"], x["waiters"]) for x in dead] == [("alltoallv", CALLS + 1, [0, 1, 2])], diag.lines
+    assert not [x for x in diag.never_published if x["rank"] != DEAD], diag.lines
+    assert (f"NEVER PUBLISHED: rank {DEAD} never published alltoallv call {CALLS + 1} (channel a2a.fwd, "
+            f"epoch 0): ranks 0, 1, 2 waited for it (receive: timeout)") in diag.lines
