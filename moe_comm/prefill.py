@@ -59,6 +59,8 @@ class PrefillDispatchResult:
     handle             PrefillHandle for ``combine``.
     All of them are views of this rank's landing zone (or of small device tensors of the buffer): valid
     until this rank's combine send phase of the same call, which writes the partial rows over recv_x.
+    Once every rank's combine has returned, peers may write the next call's rows into the zone at any
+    time: it is not the caller's between calls.
     """
 
     recv_x: torch.Tensor
