@@ -204,9 +204,11 @@ def test_timeout_is_sticky_poisons_and_recovers_after_reset():
         b.dispatch(x, i, w, phase="send")
     ds = [b.dispatch(phase="recv") for b in bufs]
     bufs[0].combine(ds[0].recv_x, ds[0].handle, phase="send")
+    out = torch.zeros_like(xs[0])
     with pytest.raises(CommTimeoutError, match="rank 0 timed out after 0.5 s waiting for peer rank 1") as info:
-        bufs[0].combine(phase="recv")
+        bufs[0].combine(out=out, phase="recv")
     assert info.value.op == "prefill.combine"
+    assert out.shape[0] > 0 and out.isnan().all()
     bufs[1].combine(ds[1].recv_x, ds[1].handle, phase="send")
     with pytest.raises(CommTimeoutError):
         bufs[1].combine(phase="recv")
@@ -229,6 +231,8 @@ def test_excluded_rank_sends_and_receives_nothing():
     cfg = CONFIGS[0]
     groups, bufs = _loopback(3, cfg, timeout_s=2.0)
     live_groups, live = groups[:2], bufs[:2]
+    for b in bufs:
+        poison(b)   # rank 2's zone too: nothing may write it once it is excluded
     # The survivors agree (an exclude meets the live ranks: one thread each); rank 2 never answers.
     threads = [threading.Thread(target=g.exclude, args=([2],)) for g in live_groups]
     for t in threads:
@@ -251,5 +255,7 @@ def test_excluded_rank_sends_and_receives_nothing():
     ys = [b.combine(phase="recv") for b in live]
     want = reference.prefill_combine([e["x"] for e in exp_d], idxs, E, m, excluded=(2,))
     assert all(torch.equal(ys[r], want[r]) for r in range(2))
+    ids_words = bufs[2]._recv_idx.numel()   # the rest of the zone (weights, rows) holds all-ones words
+    assert (bufs[2]._recv_idx == 12345).all() and (bufs[2]._dispatch_ch.data.local[0, ids_words:] == -1).all()
     to_2 = sum(int(((i >= 8) & (i < 12)).sum()) for i in idxs[:2])
     assert int(live[0].excluded_slots) + int(live[1].excluded_slots) == to_2 > 0
