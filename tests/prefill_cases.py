@@ -140,3 +140,30 @@ def run_loopback_cases(groups) -> list[str]:
         seed = 2000 * world + i
         errs += round_trip(bufs[ci], cfg, *make_inputs(cfg, world, routing, seed), f"loopback cfg{ci} {routing}")
     return errs
+
+
+CHUNK_TOKENS = (11, 4)   # tokens per rank of the chunked case, M = 5: 3 chunks, the last one partial
+
+
+def run_chunked_case(group) -> list[str]:
+    """prefill_moe over 3 chunks (T > capacity on rank 0, one chunk's worth on rank 1) equals the
+    reference for one call with room for every token."""
+    from moe_comm.prefill_chunks import num_chunks, prefill_moe
+    world, rank, cfg = group.world_size, group.rank, CONFIGS[0]
+    g = torch.Generator().manual_seed(77)
+    E, K = cfg.experts_per_rank * world, cfg.topk
+    xs = [torch.randn(T, cfg.hidden, generator=g).to(cfg.dtype) for T in CHUNK_TOKENS[:world]]
+    idxs = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(x.shape[0])]) for x in xs]
+    ws = [torch.rand(x.shape[0], K, generator=g) for x in xs]
+    big = max(CHUNK_TOKENS)
+    exp_d = reference.prefill_dispatch(xs, idxs, ws, E, big)
+    parts = [partial_rows(e["x"], None, r, cfg.dtype) for r, e in enumerate(exp_d)]
+    want = reference.prefill_combine(parts, idxs, E, big)[rank]
+    buf = make_buffer(group, cfg)
+
+    def experts(d):
+        return partial_rows(d.recv_x, None, rank, cfg.dtype)
+
+    y = prefill_moe(buf, xs[rank], idxs[rank], ws[rank], experts, num_chunks(big, buf))
+    buf.close()
+    return [] if torch.equal(y, want) else [f"rank{rank}: chunked prefill differs from the reference"]

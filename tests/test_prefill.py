@@ -13,8 +13,8 @@ from moe_comm import CommAbortedError, CommTimeoutError, EPBuffer, InvalidIndexE
 from moe_comm.planner import plan_prefill
 
 from ep_cases import Config, make_inputs
-from prefill_cases import (CONFIGS, check_dispatch, expected, make_buffer, poison, round_trip, run_loopback_cases,
-                           run_shm_cases)
+from prefill_cases import (CONFIGS, check_dispatch, expected, make_buffer, poison, round_trip, run_chunked_case,
+                           run_loopback_cases, run_shm_cases)
 
 GIB = 2 ** 30
 DEEPEP_V2_EP16_4096_BYTES = 1.13 * GIB   # DeepEP V2 ElasticBuffer, EP16, 4096 tokens per rank (issue 25)
@@ -259,3 +259,20 @@ def test_excluded_rank_sends_and_receives_nothing():
     assert (bufs[2]._recv_idx == 12345).all() and (bufs[2]._dispatch_ch.data.local[0, ids_words:] == -1).all()
     to_2 = sum(int(((i >= 8) & (i < 12)).sum()) for i in idxs[:2])
     assert int(live[0].excluded_slots) + int(live[1].excluded_slots) == to_2 > 0
+
+
+# ---- chunks ----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_chunked_prefill_beyond_capacity(world):
+    errs = moe_comm.launch(run_chunked_case, world, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+
+
+def test_chunked_prefill_needs_enough_chunks():
+    from moe_comm.prefill_chunks import prefill_moe
+    b = make_buffer(moe_comm.init(backend="loopback", device="cpu")[0], CONFIGS[0])
+    x = torch.zeros(11, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="11 tokens need 3 chunks of 5, got chunks=2"):
+        prefill_moe(b, x, torch.zeros(11, 2, dtype=torch.int64), torch.zeros(11, 2), lambda d: d.recv_x, 2)

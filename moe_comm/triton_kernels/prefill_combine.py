@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .combine import fill_nan
-from .copy import address, copy_rows, load_tile, store_tile
+from .copy import address, copy_rows, load_tile, row_pointers, store_tile
 from .quant import cast_rne
 from .sync import S_EPOCH, arrive, as_ptr, flag_value, group_failed, live_ranks, publish_many, wait_flags
 
@@ -123,7 +123,7 @@ def prefill_combine_recv_kernel(
             ok = tl.sum(tl.where(w == d, arrived.to(tl.int32), 0)) > 0
             use = tl.where(ok, tl.max((owner == d).to(tl.int32), axis=1) > 0, False)
             base = tl.load(data_ptrs_ptr + d, mask=ok, other=0) + X_OFFSET * 4
-            rows = (base + (rank * M + t).to(tl.int64) * ROW_BYTES).to(tl.pointer_type(DT))
+            rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, DT, ALIGNED)
             v = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float32)
             acc = tl.where(use[:, None], acc + v, acc)
         store_tile(cast_rne(acc, DT), c0, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
