@@ -71,6 +71,19 @@ class PrefillDispatchResult:
     expert_counts: torch.Tensor
     handle: PrefillHandle
 
+    def exact(self) -> dict:
+        """The valid rows only, for eager callers that want exact sizes (reads the counts on the host: a
+        sync, and not capturable). Returns dict(rows int64 [N]: their row in the rank-major layout, in
+        order, x [N, hidden], scales [N, hidden // 128] or None, topk_idx int32 [N, topk], topk_weights
+        float32 [N, topk]) as copies. The combine still takes [R, hidden]: ``expert_out[rows] = y``."""
+        R = self.recv_x.shape[0]
+        m = R // self.src_tokens.shape[0]
+        t = torch.arange(R, device=self.recv_x.device)
+        mine = (t % m < self.src_tokens.repeat_interleave(m)) & (self.recv_topk_idx >= 0).any(dim=1)
+        rows = mine.nonzero().flatten()
+        return dict(rows=rows, x=self.recv_x[rows], scales=None if self.recv_scales is None else self.recv_scales[rows],
+                    topk_idx=self.recv_topk_idx[rows], topk_weights=self.recv_topk_weights[rows])
+
 
 class _CombineChannel:
     """The combine's channel as ``PhasedOp`` sees it: an abort also releases the zones (this rank reads

@@ -276,3 +276,28 @@ def test_chunked_prefill_needs_enough_chunks():
     x = torch.zeros(11, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="11 tokens need 3 chunks of 5, got chunks=2"):
         prefill_moe(b, x, torch.zeros(11, 2, dtype=torch.int64), torch.zeros(11, 2), lambda d: d.recv_x, 2)
+
+
+def test_exact_size_output():
+    """exact(): the valid rows in layout order, equal to the reference's; scattering partial rows back
+    by ``rows`` gives the combine what it needs."""
+    cfg = CONFIGS[1]   # fp8: scales too
+    groups, bufs = _loopback(2, cfg)
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 12)
+    exp_d, _, _ = expected(cfg, 2, xs, idxs, ws)
+    for b in bufs:
+        poison(b)
+    for b, x, i, w in zip(bufs, xs, idxs, ws):
+        b.dispatch(x, i, w, phase="send")
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    for d, e in zip(ds, exp_d):
+        got = d.exact()
+        rows = e["valid"].nonzero().flatten()
+        assert rows.numel() > 0 and torch.equal(got["rows"], rows)
+        assert torch.equal(got["x"].view(torch.uint8), e["x"][rows].view(torch.uint8))
+        assert torch.equal(got["scales"], e["scales"][rows]) and torch.equal(got["topk_idx"], e["topk_idx"][rows])
+        assert torch.equal(got["topk_weights"], e["topk_weights"][rows])
+    for b, d in zip(bufs, ds):
+        b.combine(d.recv_x.new_zeros(d.recv_x.shape, dtype=cfg.dtype), d.handle, phase="send")
+    for b in bufs:
+        b.combine(phase="recv")
