@@ -220,7 +220,51 @@ class PrefillBuffer:
         self._src_tokens = torch.zeros(g.world_size, dtype=torch.int32, device=dev)
         self._counts = torch.zeros(ep.experts_per_rank, dtype=torch.int32, device=dev)
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
+        self._launches = self._build_launches()
         self._allocated = True
+
+    def _build_launches(self) -> dict:
+        """Every launch's kernel (for this device), grid and the arguments that never change, built once:
+        a call adds only its tensors and sizes (the host cost of an eager call)."""
+        p, ep, g = self.plan, self.plan.ep, self.group
+        dch, cch = self._dispatch_ch, self._combine_ch
+        sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,
+                   WORLD_P2=next_pow2(g.world_size))
+        shape = dict(M=ep.max_tokens, TOPK=ep.topk)
+        slots = dict(shape, TOPK_P2=next_pow2(ep.topk))
+
+        def launch(kernel, grid, **static):
+            return kernel_for(kernel, g.device)[grid], static
+
+        return dict(
+            dispatch_send=launch(
+                prefill_dispatch_send_kernel, ep.send_grid, routed_ptr=self._routed, excluded_ptr=self._excluded,
+                data_ptrs_ptr=dch.data.peer_ptrs, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, released_ptr=cch.ctrl.local,
+                combine_seq_ptr=cch.recv_seq, seq_ptr=dch.send_seq, done_ptr=dch.done, num_experts=self.num_experts,
+                OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
+                X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
+                BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
+                BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
+                NBLK=ep.send_programs, num_warps=ep.send_warps, **slots, **sig),
+            dispatch_recv=launch(
+                prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=self._src_tokens, counts_ptr=self._counts,
+                stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq, OP=op_id("prefill.dispatch"),
+                EXPERTS_PER_RANK=ep.experts_per_rank, EXPERTS_P2=next_pow2(ep.experts_per_rank),
+                CTRL_WORDS=p.dispatch_ctrl_words, **shape, **sig),
+            combine_send=launch(
+                prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=dch.data.local,
+                src_tokens_ptr=self._src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
+                done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
+                NBLK=p.copy_programs, **slots, **sig),
+            combine_recv=launch(
+                prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=self._routed, data_ptrs_ptr=dch.data.peer_ptrs,
+                ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
+                OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset,
+                BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **slots, **sig))
+
+    def _launch(self, name: str, **args) -> None:
+        kernel, static = self._launches[name]
+        kernel(**static, **args)
 
     def close(self) -> None:
         """Free the symmetric buffers (collective). Any later call raises ClosedError."""
@@ -240,11 +284,6 @@ class PrefillBuffer:
         self.group.ensure_open()
         if not self._allocated:
             self._allocate()
-
-    def _signal_args(self) -> dict:
-        g = self.group
-        return dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,
-                    WORLD_P2=next_pow2(g.world_size))
 
     # ---- dispatch --------------------------------------------------------------------------------
     def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
@@ -281,31 +320,15 @@ class PrefillBuffer:
             else:  # never read (T = 0), but the kernel needs valid pointers
                 xin = self._dummy.view(self.dtype) if self.fp8_dispatch else self._dummy
                 idx, w = self._dummy, self._dummy.view(WEIGHT_DTYPE)
-            self._launch_send(xin, idx, w, T)
+            self._launch("dispatch_send", x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T,
+                         ALIGNED=vector_aligned(xin))
             op.sent(handle)
             if not do_recv:
                 return None
         handle = op.take()
-        ch = self._dispatch_ch
-        kernel_for(prefill_dispatch_recv_kernel, g.device)[(1,)](
-            self._src_tokens, self._counts, self._stats, ch.ctrl.local, ch.recv_seq, **self._signal_args(),
-            OP=op_id("prefill.dispatch"), M=self.max_tokens_per_rank, TOPK=self.topk,
-            EXPERTS_PER_RANK=self.num_local_experts, EXPERTS_P2=next_pow2(self.num_local_experts),
-            CTRL_WORDS=self.plan.dispatch_ctrl_words)
+        self._launch("dispatch_recv")
         return op.finish(PrefillDispatchResult(self._recv_x, self._recv_scales, self._recv_idx, self._recv_weights,
                                                self._src_tokens, self._counts, handle))
-
-    def _launch_send(self, xin, idx, w, T) -> None:
-        p, ep, g, ch = self.plan, self.plan.ep, self.group, self._dispatch_ch
-        kernel_for(prefill_dispatch_send_kernel, g.device)[ep.send_grid](
-            xin, idx, w, self._routed, self._excluded, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, self._combine_ch.ctrl.local,
-            self._combine_ch.recv_seq, ch.send_seq, ch.done, num_tokens=T, num_experts=self.num_experts,
-            OP=op_id("prefill.dispatch"), M=ep.max_tokens, TOPK=ep.topk, TOPK_P2=next_pow2(ep.topk),
-            EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden, X_WORDS=ep.x_words, S_WORDS=ep.scale_words,
-            X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words,
-            ROUTE_T=ep.route_tokens, BINS=histogram_bins(self.num_experts), FP8=ep.fp8,
-            FP8_GROUPS=ep.fp8_block_groups, NBLK=ep.send_programs, ALIGNED=vector_aligned(xin),
-            num_warps=ep.send_warps, **self._signal_args())
 
     # ---- combine ---------------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
@@ -347,12 +370,7 @@ class PrefillBuffer:
             op.before_send()
             in_place = expert_out.data_ptr() == self._recv_x.data_ptr() and not self.fp8_dispatch
             src = self._dummy if in_place else expert_out.contiguous().view(torch.int32)
-            ch = self._combine_ch
-            kernel_for(prefill_combine_send_kernel, g.device)[(p.copy_programs,)](
-                src, self._dispatch_ch.data.local, self._src_tokens, ch.ctrl.peer_ptrs, ch.send_seq, ch.done,
-                **self._signal_args(), M=self.max_tokens_per_rank, TOPK=self.topk, TOPK_P2=next_pow2(self.topk),
-                OUT_WORDS=p.ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
-                NBLK=p.copy_programs, IN_PLACE=in_place, ALIGNED=vector_aligned(src))
+            self._launch("combine_send", expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=vector_aligned(src))
             op.sent((handle, out))
             if not do_recv:
                 return None
@@ -362,11 +380,6 @@ class PrefillBuffer:
         T, out = handle.num_tokens, out0 if out is None else out
         if out is None:
             out = torch.empty((T, self.hidden), dtype=self.dtype, device=g.device)
-        ep, ch = p.ep, self._combine_ch
-        kernel_for(prefill_combine_recv_kernel, g.device)[ep.reduce_grid](
-            out if T > 0 else self._dummy.view(self.dtype), self._routed, self._dispatch_ch.data.peer_ptrs,
-            ch.ctrl.local, ch.ctrl.peer_ptrs, ch.recv_seq, ch.done, **self._signal_args(), num_tokens=T,
-            OP=op_id("prefill.combine"), M=ep.max_tokens, TOPK=ep.topk, TOPK_P2=next_pow2(ep.topk),
-            HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset, BT=ep.block_tokens,
-            BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=vector_aligned(out))
+        self._launch("combine_recv", out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T,
+                     ALIGNED=vector_aligned(out))
         return op.finish(out)
