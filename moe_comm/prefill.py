@@ -7,7 +7,7 @@ landing zone *is* the output, rank-major, W * M rows, and the combine reads the 
 experts left them instead of landing them at the source. A mode would carry both sets of buffers, plans
 and checks behind one name. The machinery is shared: ``Channel`` (symmetric buffers, flags, counters),
 ``PhasedOp`` (phases, aborts, where errors surface), ``sync.py``, ``copy.py``, ``quant.py``, the routing
-helpers and ``planner.plan_ep``'s launch shapes.
+functions and ``planner.plan_ep``'s launch shapes.
 """
 
 from __future__ import annotations

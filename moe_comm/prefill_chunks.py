@@ -2,7 +2,7 @@
 
 The chunks run one after another (dispatch, experts, combine): with one landing zone per buffer the
 dispatch of chunk i+1 cannot start before the combine of chunk i has released every zone, so this
-helper does not overlap them (docs/prefill.md, "Not done").
+function does not overlap them (docs/prefill.md, "Not done").
 """
 
 from __future__ import annotations
