@@ -301,3 +301,13 @@ def test_exact_size_output():
         b.combine(d.recv_x.new_zeros(d.recv_x.shape, dtype=cfg.dtype), d.handle, phase="send")
     for b in bufs:
         b.combine(phase="recv")
+
+
+def test_groups_reaching_a_peer_by_puts_are_refused_with_the_alternative(monkeypatch):
+    """The combine loads its peers' partial rows, which needs every peer mapped: a group with put peers
+    (another node) is refused at construction, naming EPBuffer."""
+    monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    assert groups[0].uses_put
+    with pytest.raises(NotImplementedError, match="reaches some by NVSHMEM puts.*use EPBuffer"):
+        PrefillBuffer(groups[0], 8, 128, 2, 2)
