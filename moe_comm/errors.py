@@ -123,7 +123,7 @@ ERR_NONE, ERR_TIMEOUT, ERR_CAPACITY, ERR_INDEX, ERR_ABORTED, ERR_DESYNC = 0, 1, 
 GROUP_CODES = (ERR_TIMEOUT, ERR_ABORTED, ERR_DESYNC)   # group-wide: sticky until reset()
 
 # Op ids the kernels record; index = id.
-OPS = ("alltoallv", "alltoallv.combine", "dispatch", "combine", "barrier")
+OPS = ("alltoallv", "alltoallv.combine", "dispatch", "combine", "barrier", "prefill.dispatch", "prefill.combine")
 
 
 def op_id(name: str) -> int:

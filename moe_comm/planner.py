@@ -348,3 +348,111 @@ def deepep_low_latency_bytes(max_tokens: int, hidden: int, world: int, num_exper
     signal = -(-(num_experts * 8 + num_experts // world * 4) // 128) * 128
     total = 2 * (send + recv + signal)
     return (total + 128) // 128 * 128
+
+
+# ---- PrefillBuffer (high-throughput dispatch / combine) -------------------------------------------
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Buffers and launch shapes of one PrefillBuffer, from its static sizes only (nothing is allocated).
+
+    One landing zone per rank (symmetric int32 words) is the dispatch's output and the combine's source
+    (R = W * M rows, row s*M + t = token t of source rank s, rank-major):
+
+      words [0, R*K)                        recv_topk_idx      int32 [R, K]: local expert ids, -1 elsewhere
+      words [R*K, 2*R*K)                    recv_topk_weights  float32 [R, K]: the slot's weight, 0 elsewhere
+      words [x_offset, + R*x_words)         recv_x             [R, H] dtype, or float8_e4m3fn with fp8
+      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8
+      words [x_offset, + R*out_words)       partial rows of the combine (one per received token), written
+                                            over recv_x by the combine's send phase
+    x_offset = 2*R*K rounded up to a 16-byte vector. There is one zone, not two: the next dispatch's send
+    waits (on the device) until every rank's combine has finished reading every zone.
+
+    Memory (bytes, per rank; b element size of ``dtype``, p = payload bytes per row: H*b, or H + H/32 with
+    fp8): symmetric  4*x_offset + R*max(p, H*b)   (the zone)
+                     + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
+              local  M*K*4 (the combine's mask) + W*4 + L*4 + L*8 + 8 + counters + scratch
+    DeepSeek-V3 prefill (H=7168, K=8, 256 experts, bf16): EP16 with 4096 tokens per rank needs
+    0.88 GiB (DeepEP V2: 1.13 GiB); EP8 with 8192 the same R and so the same 0.88 GiB.
+    """
+
+    ep: EPPlan            # the decode plan of the same sizes: its launch shapes (blocks, programs, warps)
+    rows: int             # R = world * max_tokens
+    x_offset: int         # first word of recv_x / the partial rows in the zone
+    copy_rows: int        # rows per iteration of the combine's send (its copy into the zone)
+    copy_words: int       # words per iteration along a row there
+    copy_programs: int    # grid of the combine's send
+
+    @property
+    def world(self) -> int:
+        return self.ep.world
+
+    @property
+    def scales_offset(self) -> int:
+        return self.x_offset + self.rows * self.ep.x_words
+
+    @property
+    def zone_words(self) -> int:
+        p = self.ep
+        return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.out_words)
+
+    @property
+    def dispatch_ctrl_words(self) -> int:
+        """Per (zone, source) int64 control words: [tokens, L per-local-expert slot counts, flag]."""
+        return self.ep.experts_per_rank + 2
+
+    @property
+    def combine_ctrl_words(self) -> int:
+        """Per (zone, source) int64: [released (the source's combine finished reading every zone), ready
+        (the rank's partial rows are in its zone)]; the flag word, which an abort marks, is ``ready``."""
+        return 2
+
+    @property
+    def scratch_words(self) -> int:
+        return self.ep.scratch_words
+
+    @property
+    def symmetric_bytes(self) -> int:
+        w = self.world
+        return 4 * self.zone_words + 8 * (2 * w * self.dispatch_ctrl_words + 2 * w * self.combine_ctrl_words) + 4
+
+    @property
+    def local_bytes(self) -> int:
+        p, w = self.ep, self.world
+        metadata = p.max_tokens * p.topk * 4 + w * 4 + p.experts_per_rank * (4 + 8) + 8
+        counters = 2 * (8 + 8 + 4 * (w + 2))
+        return metadata + counters + 4 * self.scratch_words
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.symmetric_bytes + self.local_bytes
+
+    def dispatch_link_bytes(self, routed_pairs: int, num_tokens: int, peers: int) -> int:
+        """Bytes one rank's dispatch send stores into other ranks' zones: the payload of each
+        (token, remote destination rank) pair once (``routed_pairs``: the floor, see
+        ``reference.prefill_pairs``), plus the K ids and K weights of each token to each of ``peers``
+        other live ranks, plus the control words."""
+        p = self.ep
+        payload = 4 * (p.x_words + p.scale_words)
+        return routed_pairs * payload + num_tokens * peers * 8 * p.topk + peers * 8 * self.dispatch_ctrl_words
+
+    def combine_link_bytes(self, routed_pairs: int) -> int:
+        """Bytes one rank's combine receive loads from other ranks' zones: one partial row per (token,
+        remote rank holding one of its experts) pair, the floor."""
+        return routed_pairs * 4 * self.ep.out_words
+
+
+def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
+                 fp8: bool, device) -> PrefillPlan:
+    """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+    device = torch.device(device)
+    ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device)
+    rows = world * max_tokens
+    x_offset = -(-2 * rows * topk // 4) * 4
+    if device.type == "cuda":  # one 16 KB row block per iteration, many programs
+        words = min(next_pow2(ep.out_words), GPU_EP_COPY_WORDS)
+        block_rows, programs = 1, max(1, min(rows, GPU_TARGET_PROGRAMS))
+    else:                      # the interpreter: one wide program
+        words = min(next_pow2(ep.out_words), 4096)
+        block_rows, programs = min(next_pow2(rows), max(1, 8192 // words)), 1
+    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs)

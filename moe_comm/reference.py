@@ -193,3 +193,78 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
             y[t] = acc
         out.append(y.to(dt))
     return out
+
+
+# ---- PrefillBuffer dispatch / combine ------------------------------------------------------------
+
+def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                     num_experts: int, max_tokens_per_rank: int, fp8: bool = False, excluded=()):
+    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r], topk_weights[r] [T_r, K].
+
+    Returns per receiving rank a dict (R = world * M): valid bool [R] (row s*M + t holds token t of source s,
+    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8; zero rows where not valid) and
+    scales [R, H/128] float32 or None; topk_idx int32 [R, K] (local ids, -1 elsewhere and past a source's
+    tokens); topk_weights float32 [R, K] (0 where topk_idx is -1); src_tokens int32 [world];
+    expert_counts int32 [L]. Ids outside [0, num_experts) and experts of excluded ranks are not routed; an
+    excluded rank sends and receives nothing."""
+    world, m = len(xs), max_tokens_per_rank
+    local, R = num_experts // world, world * m
+    out = []
+    for r in range(world):
+        H, K, dt = xs[r].shape[1], topk_idxs[r].shape[1], xs[r].dtype
+        x = torch.zeros((R, H), dtype=dt)
+        idx = torch.full((R, K), -1, dtype=torch.int32)
+        w = torch.zeros((R, K), dtype=torch.float32)
+        valid = torch.zeros(R, dtype=torch.bool)
+        src_tokens = torch.zeros(world, dtype=torch.int32)
+        counts = torch.zeros(local, dtype=torch.int32)
+        for s in range(world):
+            if s in excluded or r in excluded:
+                continue
+            src_tokens[s] = xs[s].shape[0]
+            for t, ids in enumerate(topk_idxs[s].tolist()):
+                for k, e in enumerate(ids):
+                    if routed(e, num_experts, world, excluded) and e // local == r:
+                        idx[s * m + t, k] = e % local
+                        w[s * m + t, k] = float(topk_weights[s][t, k])
+                        counts[e % local] += 1
+                        valid[s * m + t] = True
+                if valid[s * m + t]:
+                    x[s * m + t] = xs[s][t].cpu()
+        scales = None
+        if fp8:
+            x, scales = quantize_fp8(x)
+        out.append(dict(valid=valid, x=x, scales=scales, topk_idx=idx, topk_weights=w, src_tokens=src_tokens,
+                        expert_counts=counts))
+    return out
+
+
+def prefill_owners(ids: list[int], num_experts: int, world: int, excluded=()) -> list[int]:
+    """The ranks a token with expert ids ``ids`` is sent to, ascending: each once."""
+    local = num_experts // world
+    return sorted({e // local for e in ids if routed(e, num_experts, world, excluded)})
+
+
+def prefill_combine(partials: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
+                    max_tokens_per_rank: int, excluded=()):
+    """PrefillBuffer.combine of every rank at once. partials[d] [R, H] on rank d (row s*M + t: rank d's
+    partial output for token t of source s). Returns per source rank s y [T_s, H]: the sum over the ranks
+    d holding one of t's experts, ascending d, of partials[d][s*M + t] in float32, cast to their dtype."""
+    world, m = len(partials), max_tokens_per_rank
+    out = []
+    for s in range(world):
+        T, H = topk_idxs[s].shape[0], partials[0].shape[1]
+        y = torch.zeros((T, H), dtype=torch.float32)
+        if s not in excluded:
+            for t, ids in enumerate(topk_idxs[s].tolist()):
+                for d in prefill_owners(ids, num_experts, world, excluded):
+                    y[t] = y[t] + partials[d][s * m + t].float().cpu()
+        out.append(y.to(partials[0].dtype))
+    return out
+
+
+def prefill_pairs(topk_idx: torch.Tensor, num_experts: int, world: int, rank: int, excluded=()) -> int:
+    """(token, destination rank other than ``rank``) pairs of one rank's tokens: the payload rows its
+    dispatch must move across the link at the least (each routed token once per destination rank)."""
+    return sum(len([d for d in prefill_owners(ids, num_experts, world, excluded) if d != rank])
+               for ids in topk_idx.tolist())

@@ -258,6 +258,8 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     for name in ("dispatch", "combine", "get_dispatch_layout", "low_latency_update_mask_buffer", "get_comm_stream"):
         with pytest.raises(NotImplementedError, match="not supported"):
             getattr(b, name)()
+    with pytest.raises(NotImplementedError, match="packed to the received tokens.*PrefillBuffer"):
+        b.dispatch()   # the normal mode names the difference and the op that replaces it
     with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, async_finish=True, return_recv_hook=True)
     with pytest.raises(ValueError, match="not a multiple"):

@@ -20,9 +20,12 @@ import triton.language as tl
 from moe_comm.triton_kernels import ptx_rules
 
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
-              "moe_comm.serving.experts")
-SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel"}
-WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel", "drain_kernel"}
+              "prefill_dispatch", "prefill_combine", "moe_comm.serving.experts")
+SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
+              "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
+              "prefill_release_kernel"}
+WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel", "drain_kernel", "prefill_dispatch_send_kernel",
+           "prefill_dispatch_recv_kernel", "prefill_combine_recv_kernel"}
 
 
 def _bitcode_problem():
@@ -62,7 +65,9 @@ def test_every_kernel_compiles_for_sm90_without_real_spills(report):
 
 
 PAYLOAD_KERNELS = {"a2a_send_kernel", "a2a_recv_kernel", "a2a_local_kernel", "dispatch_send_kernel",
-                   "dispatch_recv_kernel", "dispatch_local_kernel", "combine_send_kernel", "combine_recv_kernel"}
+                   "dispatch_recv_kernel", "dispatch_local_kernel", "combine_send_kernel", "combine_recv_kernel",
+                   "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel"}
+FP8_SENDS = ("dispatch_send_kernel", "dispatch_local_kernel", "prefill_dispatch_send_kernel")
 FP8_SCALE_STORES = 8   # an fp8 send stores one 4-byte scale per destination (top-8) per column block
 
 
@@ -83,7 +88,7 @@ def test_every_payload_copy_moves_16_byte_vectors(report):
     for r in rows:
         assert r["payload_stores"] >= 1 and r["payload_loads"] >= 1, r
         assert r["payload_v4_loads"] == r["payload_loads"], r
-        fp8_send = "fp8" in r["label"] and r["kernel"] in ("dispatch_send_kernel", "dispatch_local_kernel")
+        fp8_send = "fp8" in r["label"] and r["kernel"] in FP8_SENDS
         assert _narrow_payload_stores(r) == (FP8_SCALE_STORES if fp8_send else 0), r
 
 
@@ -145,9 +150,8 @@ def test_the_fp8_quantizer_is_float32_and_correctly_rounded(report):
     """The fp8 dispatch quantizes in float32 only (triton_kernels/quant.py; float64 runs at a fraction of
     float32's rate), and its one division is div.rn (Triton's ``/`` is the approximate div.full, which
     would leave the interpreter's and torch's codes). No kernel uses float64 at all."""
-    fp8 = [r for r in report
-           if r["kernel"] in ("dispatch_send_kernel", "dispatch_local_kernel") and "fp8" in r["label"]]
-    assert len(fp8) == 2, [(r["kernel"], r["label"]) for r in report]
+    fp8 = [r for r in report if r["kernel"] in FP8_SENDS and "fp8" in r["label"]]
+    assert len(fp8) == 3, [(r["kernel"], r["label"]) for r in report]
     for r in fp8:
         assert r["approx_divs"] == 0, (r["kernel"], r["label"], r["approx_divs"])
     for r in report:

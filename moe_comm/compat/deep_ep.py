@@ -438,8 +438,10 @@ class Buffer:
         Buffer.num_sms = new_num_sms
 
     def _normal_mode(self, *args, **kwargs):
-        raise _unsupported("DeepEP's normal (high-throughput) mode", "use low_latency_dispatch/low_latency_combine, "
-                           "or moe_comm.EPBuffer / AllToAllvDynamic")
+        raise _unsupported("DeepEP's normal (high-throughput) mode", "its recv_x is packed to the received "
+                           "tokens, a count read on the host; moe_comm.PrefillBuffer is the high-throughput op, "
+                           "rank-major [world * max_tokens_per_rank, hidden] with the counts on the device (no "
+                           "host read, no layout call): use it directly, or low_latency_dispatch/low_latency_combine")
 
     get_dispatch_layout = dispatch = combine = internode_dispatch = internode_combine = _normal_mode
 

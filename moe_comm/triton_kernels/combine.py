@@ -41,6 +41,17 @@ from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_fail
 
 
 @triton.jit
+def fill_nan(out_ptr, num_tokens, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, ALIGNED: tl.constexpr):
+    """Every row of ``out`` [num_tokens, HIDDEN] NaN: what a failed combine leaves (no partial sum)."""
+    nan = cast_rne(tl.full([BT, BH], float("nan"), tl.float32), out_ptr.dtype.element_ty)
+    for t0 in range(0, num_tokens, BT):
+        t = t0 + tl.arange(0, BT)
+        for c in range(0, HIDDEN, BH):
+            store_tile(nan, c, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
+                       (t < num_tokens)[:, None], BH, 1, 1, ALIGNED)
+
+
+@triton.jit
 def combine_send_kernel(
     expert_out_ptr,   # int32 words [ROWS, X_WORDS]: expert outputs, rows as in d.x ([L, CAP] flattened)
     row_of_ptr,       # int32 [WORLD * M, TOPK]: dispatch's row of slot (s, t, k); -1 not here, -2 dropped
@@ -214,10 +225,5 @@ def combine_recv_kernel(
             # A failed call leaves no partial sum: every row is NaN, written by the last program because a
             # program that reads no peer's rows does not wait, and cannot know (the error is raised).
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # adopted into this rank's word: raised
-                nan = cast_rne(tl.full([BT, BH], float("nan"), tl.float32), out_ptr.dtype.element_ty)
-                for t0 in range(0, num_tokens, BT):
-                    t = t0 + tl.arange(0, BT)
-                    for c in range(0, HIDDEN, BH):
-                        store_tile(nan, c, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
-                                   (t < num_tokens)[:, None], BH, 1, 1, ALIGNED)
+                fill_nan(out_ptr, num_tokens, HIDDEN, BT, BH, ALIGNED)
         trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)

@@ -40,7 +40,7 @@ import triton.language as tl
 from . import trace
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
-from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
+from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids, token_destinations
 from .transport import dest, drain, flush, put_peers, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
                    live_ranks, publish_many, record_error, wait_flags)
@@ -129,7 +129,6 @@ def dispatch_send_kernel(
     t_begin = tl.minimum(blk * per_program, num_tokens)
     t_end = tl.minimum(t_begin + per_program, num_tokens)
     before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
-    kk = tl.arange(0, TOPK_P2)
     for t0 in range(t_begin, t_end, BT):
         ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
         pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
@@ -142,12 +141,7 @@ def dispatch_send_kernel(
         # Destinations of token t: one per slot k, the slot's rank if it is live and no earlier slot of
         # the token has it (so a rank gets the row once); its address is that rank's row t.
         t = t0 + tl.arange(0, BT)
-        slot_owner = tl.reshape(owner, (BT, TOPK_P2))
-        earlier = (slot_owner[:, :, None] == slot_owner[:, None, :]) & (kk[None, None, :] < kk[None, :, None])
-        first = tl.max(earlier.to(tl.int32), axis=2) == 0
-        to = tl.maximum(slot_owner, 0)
-        owner_live = tl.load(grp + S_LIVE + to, mask=slot_owner >= 0, other=0) != 0
-        write = tl.where(failed, False, (slot_owner >= 0) & first & owner_live & (t < t_end)[:, None])
+        to, write = token_destinations(owner, t < t_end, grp, failed, BT, TOPK_P2)
         zone_base = dest(put_peers(grp, to, write, WORLD, PUT), address(stage_ptr) + to.to(tl.int64) * M * ROW_BYTES,
                          tl.load(data_ptrs_ptr + to, mask=write, other=0) + first_row * ROW_BYTES, PUT)
         dst = zone_base + t[:, None].to(tl.int64) * ROW_BYTES                           # [BT, TOPK_P2] bytes

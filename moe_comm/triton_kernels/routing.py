@@ -119,6 +119,21 @@ def chunk_positions(idx, slot, counts_before, BINS: tl.constexpr):
 
 
 @triton.jit
+def token_destinations(owner, t_live, grp, failed, BT: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Where each token of a chunk goes, once per rank: ``owner`` [BT * TOPK_P2] is the rank of each slot
+    (-1 not routed), ``t_live`` [BT] the tokens that exist. Returns (rank [BT, TOPK_P2] >= 0, write
+    [BT, TOPK_P2]): slot k carries token t's row to its rank if that rank is live, no earlier slot of the
+    token names it (so a rank gets the row once), and the group has not ``failed``."""
+    kk = tl.arange(0, TOPK_P2)
+    slot_owner = tl.reshape(owner, (BT, TOPK_P2))
+    earlier = (slot_owner[:, :, None] == slot_owner[:, None, :]) & (kk[None, None, :] < kk[None, :, None])
+    first = tl.max(earlier.to(tl.int32), axis=2) == 0
+    to = tl.maximum(slot_owner, 0)
+    owner_live = tl.load(grp + S_LIVE + to, mask=slot_owner >= 0, other=0) != 0
+    return to, tl.where(failed, False, (slot_owner >= 0) & first & owner_live & t_live[:, None])
+
+
+@triton.jit
 def routing_kernel(
     idx_ptr,            # [T, TOPK] int32/int64 expert ids, -1 = not routed
     expert_counts_ptr,  # out int32 [WORLD * EXPERTS_PER_RANK]: slots routed to each expert

@@ -1,0 +1,385 @@
+"""PrefillBuffer: high-throughput expert-parallel dispatch and combine for thousands of tokens per rank.
+
+Why a class of its own rather than an ``EPBuffer`` mode: the two share no buffer and no output layout.
+EPBuffer (decode) lands token-major rows and copies them into an expert-major output sized for every
+token of every rank on one expert (L * W * M rows: ~30 GB at DeepSeek-V3 EP8 with 8192 tokens); here the
+landing zone *is* the output, rank-major, W * M rows, and the combine reads the partial rows where the
+experts left them instead of landing them at the source. A mode would carry both sets of buffers, plans
+and checks behind one name. The machinery is shared: ``Channel`` (symmetric buffers, flags, counters),
+``PhasedOp`` (phases, aborts, where errors surface), ``sync.py``, ``copy.py``, ``quant.py``, the routing
+functions and ``planner.plan_ep``'s launch shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .channel import Channel
+from .checks import check_tensor
+from .ep import EPBuffer
+from .errors import ClosedError, op_id
+from .interpreter import kernel_for
+from .phased import PhasedOp
+from .planner import PrefillPlan, next_pow2, plan_prefill, vector_aligned
+from .triton_kernels.prefill_combine import (prefill_combine_recv_kernel, prefill_combine_send_kernel,
+                                             prefill_release_kernel)
+from .triton_kernels.prefill_dispatch import prefill_dispatch_recv_kernel, prefill_dispatch_send_kernel
+from .triton_kernels.routing import histogram_bins
+
+WEIGHT_DTYPE = torch.float32
+
+
+@dataclass
+class PrefillHandle:
+    """What ``combine`` needs from one dispatch (valid until the next dispatch)."""
+
+    call_index: int           # dispatch calls on this buffer before this one
+    num_tokens: int           # T: tokens this rank dispatched (the combine returns [T, hidden])
+    routed: torch.Tensor      # int32 [M, topk]: 1 + the expert's rank where slot (t, k) is routed, else 0
+    owner: int                # id() of the PrefillBuffer that made it
+    epoch: int                # group epoch when it was made (a handle does not survive group.reset())
+
+
+@dataclass
+class PrefillDispatchResult:
+    """What one rank receives from ``PrefillBuffer.dispatch`` (R = world * M, L = experts per rank).
+
+    recv_x             [R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Row s*M + t is token t of
+                       source rank s, for t < src_tokens[s] and a recv_topk_idx entry >= 0 in that row;
+                       every other row is unspecified.
+    recv_scales        [R, hidden // 128] float32 with fp8_dispatch (recv_x ~= q * scale per 128 columns,
+                       reference.quantize_fp8), else None. Same valid rows.
+    recv_topk_idx      int32 [R, topk]: the local id (0..L-1) of slot k's expert where it lives on this
+                       rank, -1 elsewhere. Valid for rows s*M + t, t < src_tokens[s].
+    recv_topk_weights  float32 [R, topk]: the slot's weight where recv_topk_idx >= 0, 0 elsewhere.
+    src_tokens         int32 [world] on the device: tokens each source dispatched (0 for an excluded one).
+    expert_counts      int32 [L] on the device: valid (row, k) slots per local expert.
+    handle             PrefillHandle for ``combine``.
+    All of them are views of this rank's landing zone (or of small device tensors of the buffer): valid
+    until this rank's combine send phase of the same call, which writes the partial rows over recv_x.
+    Once every rank's combine has returned, peers may write the next call's rows into the zone at any
+    time: it is not the caller's between calls.
+    """
+
+    recv_x: torch.Tensor
+    recv_scales: torch.Tensor | None
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: torch.Tensor
+    src_tokens: torch.Tensor
+    expert_counts: torch.Tensor
+    handle: PrefillHandle
+
+    def exact(self) -> dict:
+        """The valid rows only, for eager callers that want exact sizes (reads the counts on the host: a
+        sync, and not capturable). Returns dict(rows int64 [N]: their row in the rank-major layout, in
+        order, x [N, hidden], scales [N, hidden // 128] or None, topk_idx int32 [N, topk], topk_weights
+        float32 [N, topk]) as copies. The combine still takes [R, hidden]: ``expert_out[rows] = y``."""
+        R = self.recv_x.shape[0]
+        m = R // self.src_tokens.shape[0]
+        t = torch.arange(R, device=self.recv_x.device)
+        mine = (t % m < self.src_tokens.repeat_interleave(m)) & (self.recv_topk_idx >= 0).any(dim=1)
+        rows = mine.nonzero().flatten()
+        return dict(rows=rows, x=self.recv_x[rows], scales=None if self.recv_scales is None else self.recv_scales[rows],
+                    topk_idx=self.recv_topk_idx[rows], topk_weights=self.recv_topk_weights[rows])
+
+
+class _CombineChannel:
+    """The combine's channel as ``PhasedOp`` sees it: an abort also releases the zones (this rank reads
+    none), so that when every rank aborted the call the next dispatch does not wait for it."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+
+    def before_send(self) -> None:
+        self.channel.before_send()
+
+    def after_recv(self) -> None:
+        self.channel.after_recv()
+
+    def abort(self) -> None:
+        ch, g = self.channel, self.channel.group
+        ch.abort()
+        kernel_for(prefill_release_kernel, g.device)[(1,)](
+            ch.ctrl.peer_ptrs, ch.recv_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
+
+
+class PrefillBuffer:
+    """Expert-parallel dispatch / combine of one rank for prefill (DeepEP normal-mode style, rank-major).
+
+    ``PrefillBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
+    fp8_dispatch=False)``: rank r owns experts [r*L, (r+1)*L), L = num_experts // world. Buffers are
+    collective (every rank builds its PrefillBuffer in the same order; on a loopback world one per group,
+    in rank order) and allocated by the first ``dispatch``.
+
+    dispatch(x, topk_idx, topk_weights, *, phase="both") -> PrefillDispatchResult (None for phase="send")
+        x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank
+        topk_idx      [T, topk] int32/int64 expert ids; -1 = not routed. Ids outside [-1, num_experts) are
+                      not routed and raise InvalidIndexError (a ValueError carrying the result) at the end
+                      of the call; nothing is written for them.
+        topk_weights  [T, topk] float32
+        Each token is read once and crosses to a rank at most once, however many of its experts live
+        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per 128
+        columns: reference.quantize_fp8). See PrefillDispatchResult.
+
+    combine(expert_out, handle, *, out=None, phase="both") -> [T, hidden] dtype
+        expert_out  [R, hidden] dtype: row q is this rank's partial output for received row q (its local
+                    experts' outputs, weighted and summed, as a grouped-GEMM MoE kernel produces them);
+                    only rows that hold a local expert are read. ``expert_out`` may be ``recv_x`` itself
+                    (bf16/fp16/fp32 dispatch, written in place): then nothing is copied.
+        handle      the PrefillDispatchResult.handle of the latest dispatch
+        out         optional [T, hidden] dtype contiguous tensor, written in place and returned
+        y[t] = sum over the ranks d = 0..world-1 holding one of token t's experts (ascending d) of rank d's
+        partial row for t, in float32, rounded to dtype: bitwise reproducible from run to run. A token
+        with no routed slot gets zeros.
+
+    Order: every dispatch is answered by one combine before the next dispatch (one landing zone: the
+    next dispatch's send waits on the device until every rank's combine has read every zone). Phases
+    (``phase="send"`` then ``"recv"``) and loopback worlds as for EPBuffer. Nothing is read on the host:
+    counts stay on the device and every launch has a fixed shape (CUDA-graph capturable at the fixed
+    capacity max_tokens_per_rank).
+
+    Faults (README "Faults and recovery", ``moe_comm.phased``): bad inputs raise before any launch (a
+    multi-rank rank first aborts the call, so its peers do not hang); waits are bounded by
+    group.timeout_s and a missing peer raises CommTimeoutError, sticky until group.reset(); a failed
+    dispatch leaves zero counts and a failed combine NaN rows, never stale data. Excluded ranks
+    (``group.exclude``) send and receive nothing; slots routed to them are counted in ``excluded_slots``
+    and skipped by the combine.
+
+    Memory (``buffer_bytes``, ``planner.PrefillPlan``): one symmetric zone of W*M rows (payload + 8*topk
+    bytes each) plus control words: 0.88 GiB per rank at DeepSeek-V3 EP16 with 4096 tokens per rank in
+    bf16 (DeepEP V2: 1.13 GiB). ``PrefillBuffer.required_bytes(...)`` evaluates it without a group.
+    Not supported yet: groups that reach a peer by puts (``group.uses_put``).
+    """
+
+    def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False):
+        if group.uses_put:
+            raise NotImplementedError("PrefillBuffer's combine loads partial rows from its peers' memory, so every "
+                                      "peer must be mapped here; this group reaches some by NVSHMEM puts (another "
+                                      "node): use EPBuffer there")
+        self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
+                               fp8_dispatch, group.device)
+        self.group = group
+        self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
+        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
+        self.num_local_experts = self.plan.ep.experts_per_rank
+        dev = group.device
+        self._stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=dev)
+        self._excluded = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._allocated = self._closed = False
+        self._calls = 0             # dispatch send phases begun
+        self._open = None           # the handle of the latest dispatch until its combine starts
+
+    # ---- planning --------------------------------------------------------------------------------
+    @staticmethod
+    def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device) -> PrefillPlan:
+        EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
+        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
+
+    @staticmethod
+    def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                       dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False) -> int:
+        """``buffer_bytes`` of a PrefillBuffer with these sizes, without a group and without allocating."""
+        return PrefillBuffer._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
+                                   fp8_dispatch, "cpu").buffer_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Symmetric + local bytes this buffer holds once allocated (``planner.PrefillPlan``)."""
+        return self.plan.buffer_bytes
+
+    @property
+    def expert_token_counts(self) -> torch.Tensor:
+        """int64 [L] on the device: slots received per local expert, summed over dispatch calls."""
+        return self._stats
+
+    @property
+    def excluded_slots(self) -> torch.Tensor:
+        """int64 [1] on the device: this rank's slots whose expert lives on an excluded rank, summed."""
+        return self._excluded
+
+    # ---- buffers ---------------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        p, g, dev = self.plan, self.group, self.group.device
+        ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
+        self._dispatch_ch = Channel(g, "prefill.dispatch", (1, p.zone_words), torch.int32,
+                                    ctrl_words=p.dispatch_ctrl_words)
+        self._combine_ch = Channel(g, "prefill.combine", (1,), torch.int32, ctrl_words=p.combine_ctrl_words)
+        self._dispatch_op = PhasedOp(g, "prefill.dispatch", self._dispatch_ch)
+        self._combine_op = PhasedOp(g, "prefill.combine", _CombineChannel(self._combine_ch))
+        zone = self._dispatch_ch.data.local.view(-1)
+        self._recv_idx = zone[:R * K].view(R, K)
+        self._recv_weights = zone[R * K:2 * R * K].view(WEIGHT_DTYPE).view(R, K)
+        x_words = zone[p.x_offset:p.x_offset + R * ep.x_words]
+        self._recv_x = x_words.view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
+        self._recv_scales = (zone[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
+                             .view(R, ep.scale_words) if ep.fp8 else None)
+        self._routed = torch.zeros((ep.max_tokens, K), dtype=torch.int32, device=dev)
+        self._src_tokens = torch.zeros(g.world_size, dtype=torch.int32, device=dev)
+        self._counts = torch.zeros(ep.experts_per_rank, dtype=torch.int32, device=dev)
+        self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
+        self._launches = self._build_launches()
+        self._allocated = True
+
+    def _build_launches(self) -> dict:
+        """Every launch's kernel (for this device), grid and the arguments that never change, built once:
+        a call adds only its tensors and sizes (the host cost of an eager call)."""
+        p, ep, g = self.plan, self.plan.ep, self.group
+        dch, cch = self._dispatch_ch, self._combine_ch
+        sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,
+                   WORLD_P2=next_pow2(g.world_size))
+        shape = dict(M=ep.max_tokens, TOPK=ep.topk)
+        slots = dict(shape, TOPK_P2=next_pow2(ep.topk))
+
+        def launch(kernel, grid, **static):
+            return kernel_for(kernel, g.device)[grid], static
+
+        return dict(
+            dispatch_send=launch(
+                prefill_dispatch_send_kernel, ep.send_grid, routed_ptr=self._routed, excluded_ptr=self._excluded,
+                data_ptrs_ptr=dch.data.peer_ptrs, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, released_ptr=cch.ctrl.local,
+                combine_seq_ptr=cch.recv_seq, seq_ptr=dch.send_seq, done_ptr=dch.done, num_experts=self.num_experts,
+                OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
+                X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
+                BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
+                BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
+                NBLK=ep.send_programs, num_warps=ep.send_warps, **slots, **sig),
+            dispatch_recv=launch(
+                prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=self._src_tokens, counts_ptr=self._counts,
+                stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq, OP=op_id("prefill.dispatch"),
+                EXPERTS_PER_RANK=ep.experts_per_rank, EXPERTS_P2=next_pow2(ep.experts_per_rank),
+                CTRL_WORDS=p.dispatch_ctrl_words, **shape, **sig),
+            combine_send=launch(
+                prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=dch.data.local,
+                src_tokens_ptr=self._src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
+                done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
+                NBLK=p.copy_programs, **slots, **sig),
+            combine_recv=launch(
+                prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=self._routed, data_ptrs_ptr=dch.data.peer_ptrs,
+                ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
+                OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset,
+                BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **slots, **sig))
+
+    def _launch(self, name: str, **args) -> None:
+        kernel, static = self._launches[name]
+        kernel(**static, **args)
+
+    def close(self) -> None:
+        """Free the symmetric buffers (collective). Any later call raises ClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._allocated:
+            self._dispatch_op.mark_closed()
+            self._combine_op.mark_closed()
+            if not self.group.closed:
+                self._combine_ch.free()
+                self._dispatch_ch.free()
+
+    def _ensure_allocated(self) -> None:
+        if self._closed:
+            raise ClosedError("PrefillBuffer: used after close()")
+        self.group.ensure_open()
+        if not self._allocated:
+            self._allocate()
+
+    # ---- dispatch --------------------------------------------------------------------------------
+    def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
+        ep, dev = self.plan.ep, self.group.device
+        check_tensor("x", x, dev, (ep.dtype,), (None, ep.hidden))
+        T = x.shape[0]
+        if T > ep.max_tokens:
+            raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {ep.max_tokens}: build the PrefillBuffer "
+                             f"with a larger max_tokens_per_rank, or dispatch the batch in chunks of at most "
+                             f"{ep.max_tokens} tokens")
+        check_tensor("topk_idx", topk_idx, dev, (torch.int32, torch.int64), (T, ep.topk))
+        check_tensor("topk_weights", topk_weights, dev, (WEIGHT_DTYPE,), (T, ep.topk))
+        return T
+
+    def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, *, phase: str = "both") -> PrefillDispatchResult | None:
+        """Send this rank's tokens, once per rank holding one of their experts, into those ranks' zones; see
+        the class docstring. phase="recv" takes no tensors."""
+        self._ensure_allocated()
+        g, op = self.group, self._dispatch_op
+        if phase != "recv" and self._open is not None and self._open.epoch == g.epoch:
+            raise RuntimeError("PrefillBuffer: the previous dispatch has not been combined; every dispatch is "
+                               "answered by one combine before the next dispatch (the landing zone is reused)")
+        do_send, do_recv = op.begin(phase)
+        if do_send:
+            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, topk_weights))
+            op.before_send()
+            handle = PrefillHandle(self._calls, T, self._routed, id(self), g.epoch)
+            self._calls += 1
+            self._open = handle
+            if T > 0:
+                xin = x.contiguous() if self.fp8_dispatch else x.contiguous().view(torch.int32)
+                idx, w = topk_idx.contiguous(), topk_weights.contiguous()
+            else:  # never read (T = 0), but the kernel needs valid pointers
+                xin = self._dummy.view(self.dtype) if self.fp8_dispatch else self._dummy
+                idx, w = self._dummy, self._dummy.view(WEIGHT_DTYPE)
+            self._launch("dispatch_send", x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T,
+                         ALIGNED=vector_aligned(xin))
+            op.sent(handle)
+            if not do_recv:
+                return None
+        handle = op.take()
+        self._launch("dispatch_recv")
+        return op.finish(PrefillDispatchResult(self._recv_x, self._recv_scales, self._recv_idx, self._recv_weights,
+                                               self._src_tokens, self._counts, handle))
+
+    # ---- combine ---------------------------------------------------------------------------------
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, PrefillHandle) or handle.owner != id(self):
+            raise TypeError(f"handle must be the PrefillDispatchResult.handle of a dispatch on this PrefillBuffer, "
+                            f"got {type(handle).__name__}")
+        if handle.epoch != self.group.epoch:
+            raise ValueError("stale handle: its dispatch was made before group.reset()/exclude()")
+        if handle.call_index != self._calls - 1 or self._dispatch_op.pending is not None:
+            raise ValueError("stale handle: a handle is valid for one combine, that of the latest dispatch, once "
+                             "its phase='recv' has run")
+
+    def _check_out(self, T, out) -> None:
+        if out is not None:
+            check_tensor("out", out, self.group.device, (self.dtype,), (T, self.hidden))
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous (it is written in place)")
+
+    def combine(self, expert_out: torch.Tensor | None = None, handle: PrefillHandle | None = None, *,
+                out: torch.Tensor | None = None, phase: str = "both") -> torch.Tensor | None:
+        """Sum every rank's partial rows of this rank's tokens (see the class docstring). phase="recv" takes
+        no tensors but ``out`` (which then replaces the send's)."""
+        if self._closed:
+            raise ClosedError("PrefillBuffer: used after close()")
+        if self._calls == 0:
+            raise RuntimeError("combine needs the handle of a dispatch on this PrefillBuffer; none has run yet")
+        p, g, op = self.plan, self.group, self._combine_op
+        do_send, do_recv = op.begin(phase)
+        if do_send:
+            if handle is not None and handle is self._open:
+                self._open = None   # this call answers it, even if its inputs are refused
+            R, H = p.rows, self.hidden
+
+            def check():
+                self._check_handle(handle)
+                check_tensor("expert_out", expert_out, g.device, (self.dtype,), (R, H))
+                self._check_out(handle.num_tokens, out)
+            op.validate(check)
+            op.before_send()
+            in_place = expert_out.data_ptr() == self._recv_x.data_ptr() and not self.fp8_dispatch
+            src = self._dummy if in_place else expert_out.contiguous().view(torch.int32)
+            self._launch("combine_send", expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=vector_aligned(src))
+            op.sent((handle, out))
+            if not do_recv:
+                return None
+        handle, out0 = op.pending
+        self._check_out(handle.num_tokens, out)   # before taking: a refused output keeps the call pending
+        op.take()
+        T, out = handle.num_tokens, out0 if out is None else out
+        if out is None:
+            out = torch.empty((T, self.hidden), dtype=self.dtype, device=g.device)
+        self._launch("combine_recv", out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T,
+                     ALIGNED=vector_aligned(out))
+        return op.finish(out)

@@ -1,0 +1,313 @@
+"""PrefillBuffer against moe_comm.reference: worlds 1-4 on shm ranks (processes) and loopback (one
+process), in place and split phases, bad inputs, invalid ids, a timeout and its recovery, exclusion,
+and the memory statement."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import CommAbortedError, CommTimeoutError, EPBuffer, InvalidIndexError, PrefillBuffer, reference
+from moe_comm.planner import plan_prefill
+
+from ep_cases import Config, make_inputs
+from prefill_cases import (CONFIGS, check_dispatch, expected, make_buffer, poison, round_trip, run_chunked_case,
+                           run_loopback_cases, run_shm_cases)
+
+GIB = 2 ** 30
+DEEPEP_V2_EP16_4096_BYTES = 1.13 * GIB   # DeepEP V2 ElasticBuffer, EP16, 4096 tokens per rank (issue 25)
+
+
+def _shm_files():
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("moecomm_"))
+
+
+def _loopback(world, cfg=CONFIGS[0], timeout_s=20.0):
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=timeout_s)
+    return groups, [make_buffer(g, cfg) for g in groups]
+
+
+# ---- exact against the reference ---------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matrix_shm(world):
+    before = _shm_files()
+    errs = moe_comm.launch(run_shm_cases, world, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+    assert [f for f in _shm_files() if f not in before] == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matrix_loopback(world):
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    assert run_loopback_cases(groups) == []
+
+
+@pytest.mark.timeout(120)
+def test_in_place_combine_and_repeated_calls_are_bitwise_stable():
+    """expert_out = recv_x (the experts wrote in place): nothing copied, same result; three rounds with
+    the same inputs give the same bits (fixed summation order)."""
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg)
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 5)
+    exp_d, _, _ = expected(cfg, 2, xs, idxs, ws)
+    want = reference.prefill_combine([e["x"] for e in exp_d], idxs, 8, cfg.max_tokens)
+    for _ in range(3):
+        for b, x, i, w in zip(bufs, xs, idxs, ws):
+            b.dispatch(x, i, w, phase="send")
+        ds = [b.dispatch(phase="recv") for b in bufs]
+        for b, d in zip(bufs, ds):
+            b.combine(d.recv_x, d.handle, phase="send")
+        outs = [torch.full_like(x, float("nan")) for x in xs]
+        ys = [b.combine(out=o, phase="recv") for b, o in zip(bufs, outs)]
+        assert all(y is o for y, o in zip(ys, outs))
+        assert all(torch.equal(y, e) for y, e in zip(ys, want))
+
+
+def test_each_token_crosses_once_per_rank():
+    """A token whose 4 experts all live on rank 1 is one row there (4 local ids), none on rank 0; the
+    plan's link bytes are the floor's payload plus metadata."""
+    cfg = Config(4, 128, 2, 4)
+    groups, bufs = _loopback(2, cfg)
+    x = torch.randn(2, 128).bfloat16()
+    idx, w = torch.tensor([[4, 5, 6, 7], [0, 4, -1, 1]]), torch.rand(2, 4)
+    empty = (torch.zeros(0, 128).bfloat16(), torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4))
+    bufs[0].dispatch(x, idx, w, phase="send")
+    bufs[1].dispatch(*empty, phase="send")
+    d0, d1 = [b.dispatch(phase="recv") for b in bufs]
+    assert d1.recv_topk_idx[:2].tolist() == [[0, 1, 2, 3], [-1, 0, -1, -1]]
+    assert d0.recv_topk_idx[:2].tolist() == [[-1, -1, -1, -1], [0, -1, -1, 1]]
+    assert d1.expert_counts.tolist() == [2, 1, 1, 1] and d0.expert_counts.tolist() == [1, 1, 0, 0]
+    assert torch.equal(d1.recv_x[:2], x) and torch.equal(d0.recv_x[1], x[1])
+    pairs = reference.prefill_pairs(idx, 8, 2, rank=0)
+    assert pairs == 2
+    p = bufs[0].plan
+    assert p.dispatch_link_bytes(pairs, 2, 1) == 2 * 256 + 2 * 32 + 8 * p.dispatch_ctrl_words
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+def test_memory_at_deepseek_v3():
+    """DeepSeek-V3 (hidden 7168, 256 experts, top-8), bf16: EP16 with 4096 tokens per rank fits DeepEP
+    V2's 1.13 GiB per rank, computed by the function the buffer allocates with; the expert-major
+    decode buffer of the same shape is an order of magnitude larger."""
+    ep16 = PrefillBuffer.required_bytes(16, 256, 7168, 4096, 8)
+    assert ep16 <= DEEPEP_V2_EP16_4096_BYTES
+    assert ep16 == plan_prefill(16, 256, 7168, 4096, 8, torch.bfloat16, False, "cpu").buffer_bytes
+    assert EPBuffer.required_bytes(16, 256, 7168, 4096, 8) > 10 * ep16
+    # The zone is the output: W * M rows of payload plus 8 * topk bytes of ids and weights.
+    assert ep16 >= 16 * 4096 * (7168 * 2 + 64)
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    buf = PrefillBuffer(groups[0], 8, 128, 3, 2)
+    buf.dispatch  # allocation happens at the first call; the plan's symmetric bytes are what it allocates
+    buf._allocate()
+    held = buf._dispatch_ch.symmetric_bytes + buf._combine_ch.symmetric_bytes
+    assert held == buf.plan.symmetric_bytes
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+
+def test_bad_inputs_raise_before_launch_with_the_fix():
+    groups, bufs = _loopback(1)
+    b = bufs[0]
+    x, idx, w = torch.randn(2, 128).bfloat16(), torch.tensor([[0, 1], [2, -1]]), torch.rand(2, 2)
+    with pytest.raises(TypeError, match="topk_weights has dtype torch.float16"):
+        b.dispatch(x, idx, w.half())
+    with pytest.raises(ValueError, match="dispatch the batch in chunks of at most 5"):
+        b.dispatch(torch.randn(6, 128).bfloat16(), torch.zeros(6, 2, dtype=torch.int64), torch.rand(6, 2))
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        PrefillBuffer(moe_comm.init(backend="loopback", world_size=2, device="cpu")[0], 5, 128, 2, 2)
+    d = b.dispatch(x, idx, w)
+    with pytest.raises(RuntimeError, match="has not been combined"):
+        b.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match=r"expert_out has shape \(2, 128\), expected \(5, 128\)"):
+        b.combine(x, d.handle)
+    d = b.dispatch(x, idx, w)     # the refused combine answered the dispatch
+    y = b.combine(d.recv_x, d.handle)
+    assert torch.equal(y, x)      # one rank: every token's partial row is its own row
+
+
+def test_every_rank_refusing_a_combine_leaves_the_group_usable():
+    """Both ranks refuse the combine's inputs: both abort and release their zones, nobody waits, and the
+    next rounds are exact (the next dispatch does not wait for a combine that never read anything)."""
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg, timeout_s=2.0)
+    for b, x, i, w in zip(bufs, *make_inputs(cfg, 2, "random", 1)):
+        b.dispatch(x, i, w, phase="send")
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    for b, d in zip(bufs, ds):
+        with pytest.raises(TypeError, match="expert_out has dtype torch.float32"):
+            b.combine(d.recv_x.float(), d.handle, phase="send")
+    for seed in (2, 3):
+        assert round_trip(bufs, cfg, *make_inputs(cfg, 2, "random", seed), f"seed{seed}") == []
+    for g in groups:
+        g.check()
+
+
+def test_one_rank_refusing_a_dispatch_fails_the_group_loudly_until_reset():
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg, timeout_s=2.0)
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 4)
+    with pytest.raises(TypeError, match="dtype"):
+        bufs[0].dispatch(xs[0].float(), idxs[0], ws[0], phase="send")
+    bufs[1].dispatch(xs[1], idxs[1], ws[1], phase="send")
+    with pytest.raises(CommAbortedError, match="prefill.dispatch: rank 1 got an abort from peer rank 0"):
+        bufs[1].dispatch(phase="recv")
+    for g in groups:
+        g.reset()
+    assert round_trip(bufs, cfg, *make_inputs(cfg, 2, "skewed", 5), "after reset") == []
+
+
+def test_invalid_expert_id_is_a_named_data_error_with_nothing_out_of_bounds():
+    """Ids 8 and -5 (8 experts) are not routed: InvalidIndexError naming the first one carries the result,
+    which matches the reference with those slots unrouted; the rest of the zone keeps its poison."""
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg)
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 6)
+    bad = [i.clone() for i in idxs]
+    bad[0][0, 1], bad[0][-1, 0] = 8, -5
+    clean = [torch.where((i >= 0) & (i < 8), i, -1) for i in bad]
+    exp_d, _, _ = expected(cfg, 2, xs, clean, ws)
+    for b in bufs:
+        poison(b)
+    for b, x, i, w in zip(bufs, xs, bad, ws):
+        b.dispatch(x, i, w, phase="send")
+    with pytest.raises(InvalidIndexError, match="8") as info:
+        bufs[0].dispatch(phase="recv")
+    ds = [info.value.result, bufs[1].dispatch(phase="recv")]
+    for r, d in enumerate(ds):
+        assert check_dispatch(d, exp_d[r], cfg, f"rank{r}") == []
+        # rows of no token (past every source's count) were not written: still poisoned
+        m = cfg.max_tokens
+        for s, n in enumerate(exp_d[r]["src_tokens"].tolist()):
+            assert (d.recv_topk_idx[s * m + n:(s + 1) * m] == 12345).all()
+    for b, d in zip(bufs, ds):
+        b.combine(d.recv_x, d.handle, phase="send")
+    ys = [b.combine(phase="recv") for b in bufs]
+    want = reference.prefill_combine([e["x"] for e in exp_d], clean, 8, cfg.max_tokens)
+    assert all(torch.equal(y, e) for y, e in zip(ys, want))
+
+
+@pytest.mark.timeout(120)
+def test_timeout_is_sticky_poisons_and_recovers_after_reset():
+    """Rank 1 skips its combine: rank 0's combine raises CommTimeoutError naming it and its output is
+    NaN (no partial sum); every later call on both ranks raises the group error with zero counts; after
+    reset() rounds are exact."""
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg, timeout_s=0.5)
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 6)   # rank 0 has M tokens
+    for b, x, i, w in zip(bufs, xs, idxs, ws):
+        b.dispatch(x, i, w, phase="send")
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    bufs[0].combine(ds[0].recv_x, ds[0].handle, phase="send")
+    out = torch.zeros_like(xs[0])
+    with pytest.raises(CommTimeoutError, match="rank 0 timed out after 0.5 s waiting for peer rank 1") as info:
+        bufs[0].combine(out=out, phase="recv")
+    assert info.value.op == "prefill.combine"
+    assert out.shape[0] > 0 and out.isnan().all()
+    bufs[1].combine(ds[1].recv_x, ds[1].handle, phase="send")
+    with pytest.raises(CommTimeoutError):
+        bufs[1].combine(phase="recv")
+    for b, x, i, w in zip(bufs, xs, idxs, ws):   # sticky: the next dispatch raises on every rank
+        b.dispatch(x, i, w, phase="send")
+    for b in bufs:
+        with pytest.raises(CommTimeoutError) as info:
+            b.dispatch(phase="recv")
+        assert b._counts.tolist() == [0] * cfg.experts_per_rank
+    for g in groups:
+        g.reset()
+    for seed in (8, 9):
+        assert round_trip(bufs, cfg, *make_inputs(cfg, 2, "random", seed), f"seed{seed}") == []
+
+
+@pytest.mark.timeout(120)
+def test_excluded_rank_sends_and_receives_nothing():
+    """World 3, rank 2 excluded: ranks 0 and 1 exchange exactly what the reference with rank 2 excluded
+    gives; slots routed to rank 2's experts are counted in excluded_slots and skipped by the combine."""
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(3, cfg, timeout_s=2.0)
+    live_groups, live = groups[:2], bufs[:2]
+    for b in bufs:
+        poison(b)   # rank 2's zone too: nothing may write it once it is excluded
+    # The survivors agree (an exclude meets the live ranks: one thread each); rank 2 never answers.
+    threads = [threading.Thread(target=g.exclude, args=([2],)) for g in live_groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [g.live_ranks for g in live_groups] == [[0, 1], [0, 1]]
+    xs, idxs, ws = make_inputs(cfg, 3, "random", 10)
+    E, m = 12, cfg.max_tokens
+    exp_d = reference.prefill_dispatch(xs, idxs, ws, E, m, excluded=(2,))
+    for b in live:
+        poison(b)
+    for r, b in enumerate(live):
+        b.dispatch(xs[r], idxs[r], ws[r], phase="send")
+    ds = [b.dispatch(phase="recv") for b in live]
+    for r, d in enumerate(ds):
+        assert check_dispatch(d, exp_d[r], cfg, f"rank{r}") == []
+    for b, d in zip(live, ds):
+        b.combine(d.recv_x, d.handle, phase="send")
+    ys = [b.combine(phase="recv") for b in live]
+    want = reference.prefill_combine([e["x"] for e in exp_d], idxs, E, m, excluded=(2,))
+    assert all(torch.equal(ys[r], want[r]) for r in range(2))
+    ids_words = bufs[2]._recv_idx.numel()   # the rest of the zone (weights, rows) holds all-ones words
+    assert (bufs[2]._recv_idx == 12345).all() and (bufs[2]._dispatch_ch.data.local[0, ids_words:] == -1).all()
+    to_2 = sum(int(((i >= 8) & (i < 12)).sum()) for i in idxs[:2])
+    assert int(live[0].excluded_slots) + int(live[1].excluded_slots) == to_2 > 0
+
+
+# ---- chunks ----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_chunked_prefill_beyond_capacity(world):
+    errs = moe_comm.launch(run_chunked_case, world, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+
+
+def test_chunked_prefill_needs_enough_chunks():
+    from moe_comm.prefill_chunks import prefill_moe
+    b = make_buffer(moe_comm.init(backend="loopback", device="cpu")[0], CONFIGS[0])
+    x = torch.zeros(11, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="11 tokens need 3 chunks of 5, got chunks=2"):
+        prefill_moe(b, x, torch.zeros(11, 2, dtype=torch.int64), torch.zeros(11, 2), lambda d: d.recv_x, 2)
+
+
+def test_exact_size_output():
+    """exact(): the valid rows in layout order, equal to the reference's; scattering partial rows back
+    by ``rows`` gives the combine what it needs."""
+    cfg = CONFIGS[1]   # fp8: scales too
+    groups, bufs = _loopback(2, cfg)
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 12)
+    exp_d, _, _ = expected(cfg, 2, xs, idxs, ws)
+    for b in bufs:
+        poison(b)
+    for b, x, i, w in zip(bufs, xs, idxs, ws):
+        b.dispatch(x, i, w, phase="send")
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    for d, e in zip(ds, exp_d):
+        got = d.exact()
+        rows = e["valid"].nonzero().flatten()
+        assert rows.numel() > 0 and torch.equal(got["rows"], rows)
+        assert torch.equal(got["x"].view(torch.uint8), e["x"][rows].view(torch.uint8))
+        assert torch.equal(got["scales"], e["scales"][rows]) and torch.equal(got["topk_idx"], e["topk_idx"][rows])
+        assert torch.equal(got["topk_weights"], e["topk_weights"][rows])
+    for b, d in zip(bufs, ds):
+        b.combine(d.recv_x.new_zeros(d.recv_x.shape, dtype=cfg.dtype), d.handle, phase="send")
+    for b in bufs:
+        b.combine(phase="recv")
+
+
+def test_groups_reaching_a_peer_by_puts_are_refused_with_the_alternative(monkeypatch):
+    """The combine loads its peers' partial rows, which needs every peer mapped: a group with put peers
+    (another node) is refused at construction, naming EPBuffer."""
+    monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    assert groups[0].uses_put
+    with pytest.raises(NotImplementedError, match="reaches some by NVSHMEM puts.*use EPBuffer"):
+        PrefillBuffer(groups[0], 8, 128, 2, 2)
