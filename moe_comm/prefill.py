@@ -86,21 +86,19 @@ class PrefillDispatchResult:
 
 
 class _CombineChannel:
-    """The combine's channel as ``PhasedOp`` sees it: an abort also releases the zones (this rank reads
-    none), so that when every rank aborted the call the next dispatch does not wait for it."""
+    """The combine's channel as ``PhasedOp`` sees it (every other method is the channel's): an abort also
+    releases the zones (this rank reads none), so that when every rank aborted the call the next dispatch
+    does not wait for it."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
 
-    def before_send(self) -> None:
-        self.channel.before_send()
+    def __getattr__(self, name):
+        return getattr(self.channel, name)
 
-    def after_recv(self) -> None:
-        self.channel.after_recv()
-
-    def abort(self) -> None:
+    def abort(self, op: int) -> None:
         ch, g = self.channel, self.channel.group
-        ch.abort()
+        ch.abort(op)
         kernel_for(prefill_release_kernel, g.device)[(1,)](
             ch.ctrl.peer_ptrs, ch.recv_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
 
