@@ -42,7 +42,7 @@ def test_an_error_of_a_pending_call_is_raised_at_its_own_end():
     d = ep.dispatch(x, idx)
     exp = reference.dispatch([x], [idx], E, M)[0]
     assert torch.equal(d.counts, exp["counts"])
-    with pytest.raises(CapacityError, match="needs 5 rows, only 2") as info:
+    with pytest.raises(CapacityError, match=r"send_counts\[0\] is 5, but only 2 rows") as info:
         a2a(phase="recv")
     res = info.value.result
     assert res is info.value.call_result and res.recv_counts.tolist() == [2]
