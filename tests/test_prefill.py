@@ -103,8 +103,7 @@ def test_memory_at_deepseek_v3():
     assert ep16 >= 16 * 4096 * (7168 * 2 + 64)
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
     buf = PrefillBuffer(groups[0], 8, 128, 3, 2)
-    buf.dispatch  # allocation happens at the first call; the plan's symmetric bytes are what it allocates
-    buf._allocate()
+    buf._allocate()   # what the first dispatch does: the plan's symmetric bytes are what it allocates
     held = buf._dispatch_ch.symmetric_bytes + buf._combine_ch.symmetric_bytes
     assert held == buf.plan.symmetric_bytes
 
