@@ -568,7 +568,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         procs.append(p)
         conns.append(recv_end)
     results, failures, pending = [None] * world_size, {}, set(range(world_size))
-    deadline, raised = None, False   # failures: in the order they were seen
+    deadline, raised, failed_at = None, False, None   # failures: in the order they were seen
     try:
         while pending:
             wait_for = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]

@@ -10,7 +10,7 @@ import moe_comm
 from moe_comm import AllToAllvDynamic, CapacityError, CommTimeoutError, LaunchError, reference
 from moe_comm.planner import plan_alltoallv
 
-from a2a_cases import CAP, make_counts, make_sends, poison, run_loopback_cases, run_shm_cases
+from a2a_cases import make_counts, make_sends, poison, run_loopback_cases, run_shm_cases
 from shm_files import own_shm_files
 
 

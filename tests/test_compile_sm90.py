@@ -9,7 +9,6 @@ Compiling runs in a subprocess (``compile_report``) or, for the rule checks' own
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 

@@ -5,7 +5,6 @@ differs from torch.bmm); bfloat16 within 2e-2 (the kernel multiplies the gate an
 and rounds once, torch rounds each product to bf16 first).
 """
 
-import os
 
 import pytest
 import torch

@@ -24,7 +24,7 @@ copied: the rows are already in place. A failed call leaves counts of zero (no s
 import triton
 import triton.language as tl
 
-from .copy import address, copy_rows, load_tile, store_tile
+from .copy import copy_rows, load_tile, store_tile
 from .dispatch import count_and_check
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, token_destinations
