@@ -66,7 +66,7 @@ def test_launch_ends_soon_after_a_rank_raises_naming_it_first():
     assert ended - raised_at < 5, ended - raised_at
     assert list(err.failures) == [1, 0] and "stopped" in err.failures[0], err.failures
     assert str(err).startswith("launch failed on rank 1 first: KeyError"), str(err)
-    assert _shm_files() == []
+    assert own_shm_files() == []
 
 
 def _dies_before_barrier(group):
