@@ -2,7 +2,6 @@
 process), in place and split phases, bad inputs, invalid ids, a timeout and its recovery, exclusion,
 and the memory statement."""
 
-import os
 import threading
 
 import pytest
@@ -13,15 +12,12 @@ from moe_comm import CommAbortedError, CommTimeoutError, EPBuffer, InvalidIndexE
 from moe_comm.planner import plan_prefill
 
 from ep_cases import Config, make_inputs
+from shm_files import own_shm_files
 from prefill_cases import (CONFIGS, check_dispatch, expected, make_buffer, poison, round_trip, run_chunked_case,
                            run_loopback_cases, run_shm_cases)
 
 GIB = 2 ** 30
 DEEPEP_V2_EP16_4096_BYTES = 1.13 * GIB   # DeepEP V2 ElasticBuffer, EP16, 4096 tokens per rank (issue 25)
-
-
-def _shm_files():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("moecomm_"))
 
 
 def _loopback(world, cfg=CONFIGS[0], timeout_s=20.0):
@@ -34,10 +30,9 @@ def _loopback(world, cfg=CONFIGS[0], timeout_s=20.0):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matrix_shm(world):
-    before = _shm_files()
     errs = moe_comm.launch(run_shm_cases, world, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
-    assert [f for f in _shm_files() if f not in before] == []
+    assert own_shm_files() == []
 
 
 @pytest.mark.timeout(300)
