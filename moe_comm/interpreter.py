@@ -93,11 +93,25 @@ def _foreign(fn):
     if interpreted is None:
         import triton.language as tl  # noqa: PLC0415
         from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+        body = _with_twin_helpers(fn.fn)
         with _lock:
             _patch_interpreter()
-            fn.fn.__globals__.setdefault("_triton_language_core", tl.core)  # see twin_module
-            interpreted = _FOREIGN[fn.fn] = InterpretedFunction(fn.fn)
+            body.__globals__.setdefault("_triton_language_core", tl.core)  # see twin_module
+            interpreted = _FOREIGN[fn.fn] = InterpretedFunction(body)
     return interpreted
+
+
+def _with_twin_helpers(py_fn):
+    """A copy of a foreign kernel's function whose globals name the interpreted twins of the moe_comm
+    ``@triton.jit`` helpers it imported (their compiled forms may use inline PTX, which the interpreter
+    cannot run); the kernel's own module is left as it is."""
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+    g = dict(py_fn.__globals__)
+    for name, value in py_fn.__globals__.items():
+        module = getattr(getattr(value, "fn", None), "__module__", "") if isinstance(value, JITFunction) else ""
+        if module.startswith(_ROOT + ".") and not module.startswith(TWIN_ROOT + "."):
+            g[name] = getattr(twin_module(module), value.fn.__name__)
+    return types.FunctionType(py_fn.__code__, g, py_fn.__name__, py_fn.__defaults__, py_fn.__closure__)
 
 
 def is_interpreted_module(module_globals: dict) -> bool:

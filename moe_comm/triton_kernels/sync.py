@@ -247,7 +247,8 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
             elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 state = 2
             elif now_ns() - t0 > timeout_ns:
-                late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD, WORLD_P2)
+                late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD, WORLD_P2,
+                                                 ABORT_ARRIVES)
                 record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD, WORLD_P2)
                 state = 2
             else:
@@ -261,15 +262,20 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
 
 
 @triton.jit
-def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                   ABORT_ARRIVES: tl.constexpr = False):
     """Whom a timed-out wait names, and that peer's flag's call: the lowest live rank among ``peers``
-    (every lane, waited for or not) whose flag is not ``target`` now. Programs of one launch wait for
+    (every lane, waited for or not; a lane whose peer id is WORLD_P2 or more is no candidate) whose flag
+    is not ``target`` now (nor its ABORT, with ``ABORT_ARRIVES``). Programs of one launch wait for
     different peers and the first to time out records the group's error: naming the lowest missing
     peer of all makes it the same whichever program that is (with two peers dead, always the lower).
     ``first_peer``/``seen``: the waited lanes' answer, kept if every flag arrived meanwhile."""
     known = (peers < WORLD) & (tl.load(grp + S_LIVE + peers, mask=peers < WORLD, other=0) != 0)
     v = tl.atomic_add(flag_ptrs, 0, mask=known, sem="acquire", scope="sys")
-    late = tl.min(tl.where(known & (v != target), peers, WORLD_P2))
+    done = v == target
+    if ABORT_ARRIVES:
+        done = done | (v == (target | ABORT_BIT))
+    late = tl.min(tl.where(known & (done == 0), peers, WORLD_P2))
     late_seen = tl.max(tl.where(known & (peers == late), v & CALL_MASK, 0))
     if late >= WORLD_P2:
         late = first_peer
@@ -371,8 +377,9 @@ def drain_kernel(
     w = tl.arange(0, WORLD_P2)
     peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
     flags = ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + FLAG_WORD
-    wait_flags(flags, flag_value(tl.load(grp + S_EPOCH), call), peers, w, grp, status_ptr, op, rank, WORLD,
-               WORLD_P2, True)
+    # This rank's own lane is no candidate for the rank a timeout names (lane id past the world).
+    wait_flags(flags, flag_value(tl.load(grp + S_EPOCH), call), peers, tl.where(w != rank, w, WORLD_P2), grp,
+               status_ptr, op, rank, WORLD, WORLD_P2, ABORT_ARRIVES=True)
     tl.store(recv_seq_ptr, call)
 
 
