@@ -30,7 +30,8 @@ from ..errors import CommTimeoutError
 from .base import Heap, all_ranks
 
 PAYLOAD_WORDS = 8   # all-gather payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
-POLL_S = 0.0005     # between two checks of the store while waiting
+POLL_S = 0.0002     # first pause between two checks of the store while waiting; doubles up to POLL_MAX_S
+POLL_MAX_S = 0.005  # (a waiting rank costs its peers, which may share its cores, little CPU)
 STORE_HOST_RANK = 0  # named when the store itself stops answering (see the module docstring)
 NAMESPACE = "moe_comm"
 FAILED = "failed/{}"  # key: the first group-wide error the host found in epoch {} (post_failure)
@@ -77,13 +78,14 @@ class ControlBlock:
         """Wait for ``ranks``' keys of this seq; returns the ranks still missing at the deadline (one
         store round trip per poll; each rank is looked up alone only to name the missing ones)."""
         keys = [self._key(self.seq, j) for j in ranks]
-        deadline = time.monotonic() + self.timeout_s
+        deadline, pause = time.monotonic() + self.timeout_s, POLL_S
         while not self._store(lambda: self.store.check(keys), op):
             if time.monotonic() >= deadline:
                 return [j for j, k in zip(ranks, keys) if not self._store(lambda k=k: self.store.check([k]), op)]
             if poll is not None:
                 poll()
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
         return []
 
     def realign(self, base: int) -> None:
