@@ -19,7 +19,7 @@ $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 test: $(VENV)/.ready
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=30 tests
 
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench
