@@ -16,6 +16,7 @@ from .channel import Channel
 from .checks import check_tensor
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
+from .op_buffer import OpBuffer
 from .phased import PhasedOp
 from .planner import VEC_BYTES, EPPlan, next_pow2, plan_ep, vector_aligned
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
@@ -79,7 +80,7 @@ class _Set:
         self.routed = torch.zeros((m, k), dtype=torch.int32, device=dev)
 
 
-class EPBuffer:
+class EPBuffer(OpBuffer):
     """Expert-parallel dispatch / combine buffers of one rank (DeepEP low-latency style, for decode).
 
     ``EPBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
@@ -242,25 +243,6 @@ class EPBuffer:
         self._sets = [_Set(p, dev), _Set(p, dev)]
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
         self._allocated = True
-
-    def close(self) -> None:
-        """Free the symmetric buffers (collective). Any later call raises ClosedError."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._allocated:
-            self._dispatch_op.mark_closed()
-            self._combine_op.mark_closed()
-            if not self.group.closed:
-                self._combine_ch.free()
-                self._dispatch_ch.free()
-
-    def _ensure_allocated(self) -> None:
-        if self._closed:
-            raise ClosedError("EPBuffer: used after close()")
-        self.group.ensure_open()
-        if not self._allocated:
-            self._allocate()
 
     # ---- checks ----------------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:

@@ -21,6 +21,7 @@ from .checks import check_tensor
 from .ep import EPBuffer
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
+from .op_buffer import OpBuffer
 from .phased import PhasedOp
 from .planner import PrefillPlan, next_pow2, plan_prefill, vector_aligned
 from .triton_kernels.prefill_combine import (prefill_combine_recv_kernel, prefill_combine_send_kernel,
@@ -103,7 +104,7 @@ class _CombineChannel:
             ch.ctrl.peer_ptrs, ch.recv_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
 
 
-class PrefillBuffer:
+class PrefillBuffer(OpBuffer):
     """Expert-parallel dispatch / combine of one rank for prefill (DeepEP normal-mode style, rank-major).
 
     ``PrefillBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
@@ -263,25 +264,6 @@ class PrefillBuffer:
     def _launch(self, name: str, **args) -> None:
         kernel, static = self._launches[name]
         kernel(**static, **args)
-
-    def close(self) -> None:
-        """Free the symmetric buffers (collective). Any later call raises ClosedError."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._allocated:
-            self._dispatch_op.mark_closed()
-            self._combine_op.mark_closed()
-            if not self.group.closed:
-                self._combine_ch.free()
-                self._dispatch_ch.free()
-
-    def _ensure_allocated(self) -> None:
-        if self._closed:
-            raise ClosedError("PrefillBuffer: used after close()")
-        self.group.ensure_open()
-        if not self._allocated:
-            self._allocate()
 
     # ---- dispatch --------------------------------------------------------------------------------
     def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
