@@ -178,24 +178,6 @@ class EPBuffer(OpBuffer):
             raise ValueError("experts per rank * max_tokens_per_rank * topk must stay below 2**31")
         return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
 
-    @staticmethod
-    def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                       dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False) -> int:
-        """``buffer_bytes`` of an EPBuffer with these sizes, without a group and without allocating."""
-        return EPBuffer._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                              fp8_dispatch, "cpu").buffer_bytes
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Symmetric + local bytes this buffer holds once allocated (see ``moe_comm.planner.EPPlan``)."""
-        return self.plan.buffer_bytes
-
-    @property
-    def expert_token_counts(self) -> torch.Tensor:
-        """int64 [E_local] on the device: rows received per local expert, summed over dispatch calls
-        (the live counter: ``.clone()`` it for a snapshot). Reading it on the host syncs, as any read."""
-        return self._stats
-
     @property
     def dispatch_wait_stats(self) -> torch.Tensor:
         """int64 [2, W] on the device, with the flight recorder on (``moe_comm/trace``; zeros when off):

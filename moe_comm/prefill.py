@@ -177,23 +177,6 @@ class PrefillBuffer(OpBuffer):
         EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
         return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
 
-    @staticmethod
-    def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                       dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False) -> int:
-        """``buffer_bytes`` of a PrefillBuffer with these sizes, without a group and without allocating."""
-        return PrefillBuffer._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                                   fp8_dispatch, "cpu").buffer_bytes
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Symmetric + local bytes this buffer holds once allocated (``planner.PrefillPlan``)."""
-        return self.plan.buffer_bytes
-
-    @property
-    def expert_token_counts(self) -> torch.Tensor:
-        """int64 [L] on the device: slots received per local expert, summed over dispatch calls."""
-        return self._stats
-
     @property
     def excluded_slots(self) -> torch.Tensor:
         """int64 [1] on the device: this rank's slots whose expert lives on an excluded rank, summed."""
