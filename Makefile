@@ -7,7 +7,8 @@ CONSTRAINTS := requirements/constraints.txt
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: test demo test-vllm test-sglang gpu-check clean
+# test-long: the same suite with the soak, exclusion, round-trip and order tests at full size (tests/budget.py).
+.PHONY: test test-long demo test-vllm test-sglang gpu-check clean
 OUT ?= bench/results/gpu-check
 
 $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
@@ -20,6 +21,9 @@ $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 
 test: $(VENV)/.ready
 	$(PY) -m pytest -q -ra --durations=30 tests
+
+test-long: $(VENV)/.ready
+	MOE_COMM_LONG_TESTS=1 $(PY) -m pytest -q -ra --durations=30 tests
 
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench

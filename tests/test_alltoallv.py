@@ -11,6 +11,7 @@ from moe_comm import AllToAllvDynamic, CapacityError, CommTimeoutError, LaunchEr
 from moe_comm.planner import plan_alltoallv
 
 from a2a_cases import make_counts, make_sends, poison, run_loopback_cases, run_shm_cases
+from budget import size
 from shm_files import own_shm_files
 
 
@@ -64,8 +65,8 @@ def _consecutive(group, calls):
 
 
 @pytest.mark.timeout(300)
-def test_back_to_back_and_200_calls_shm():
-    errs = moe_comm.launch(_consecutive, 2, 200, backend="shm", timeout_s=60)
+def test_back_to_back_and_many_calls_shm():
+    errs = moe_comm.launch(_consecutive, 2, size(80, 200), backend="shm", timeout_s=60)
     assert errs == [[], []]
 
 

@@ -1,5 +1,5 @@
 """EPBuffer dispatch / combine against moe_comm.reference: shm ranks (separate processes), loopback (one
-process), buffer alternation over 500 round trips, bitwise reproducibility, validation, memory."""
+process), buffer alternation over 150 round trips (500 under make test-long), bitwise reproducibility, validation, memory."""
 
 import dataclasses
 import os
@@ -17,10 +17,12 @@ from moe_comm.triton_kernels.routing import compute_routing
 
 from ep_cases import (Config, check_dispatch, expert_fn, expert_outputs, make_inputs, poison,
                       run_loopback_cases, run_shm_cases, snapshot)
+from budget import size
 from shm_files import own_shm_files
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROUND_TRIPS = size(150, 500)
 
 
 def _round_trip(eps, xs, idxs, ws, outs=None):
@@ -100,14 +102,14 @@ def test_phase_split_equals_both_world1():
 # ---- buffer alternation, reproducibility -----------------------------------------------------------
 
 @pytest.mark.timeout(400)
-def test_500_round_trips_loopback():
-    """500 consecutive dispatch -> combine round trips, fresh random routing each, world 2; every one
+def test_many_round_trips_loopback():
+    """ROUND_TRIPS consecutive dispatch -> combine round trips, fresh random routing each, world 2; every one
     checked (outputs poisoned first); then a late check that two dispatches in flight do not collide."""
     world, cfg = 2, Config(2, 128, 3, 2)
     eps = [EPBuffer(g, 4, 128, 3, 2) for g in moe_comm.init(backend="loopback", world_size=world, device="cpu")]
     t0 = time.monotonic()
     bad = []
-    for i in range(500):
+    for i in range(ROUND_TRIPS):
         xs, idxs, ws = make_inputs(cfg, world, ("random", "skewed", "dup", "one_rank")[i % 4], 50_000 + i)
         for ep in eps:
             poison(ep)
@@ -120,7 +122,7 @@ def test_500_round_trips_loopback():
             if not (torch.equal(ds[r].counts, exp_d[r]["counts"]) and rows_ok and torch.equal(ys[r], exp_y[r])):
                 bad.append((i, r))
     elapsed = time.monotonic() - t0
-    print(f"500 round trips, loopback world 2: {elapsed:.1f} s ({elapsed / 500 * 1e3:.0f} ms each)")
+    print(f"{ROUND_TRIPS} round trips, loopback world 2: {elapsed:.1f} s ({elapsed / ROUND_TRIPS * 1e3:.0f} ms each)")
     assert bad == []
     assert sum(int(ep.expert_token_counts.sum()) for ep in eps) > 0
 

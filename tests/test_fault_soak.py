@@ -1,4 +1,5 @@
-"""Randomized fault soak: world 3 over shared memory, a serving loop of 300 steps, each a barrier, a
+"""Randomized fault soak: world 3 over shared memory, a serving loop of 100 steps (300 under
+``make test-long``), each a barrier, a
 dispatch -> combine and an AllToAllvDynamic round trip, with random faults injected on random ranks:
 
 - ``host_error``   one rank passes x of the wrong dtype (TypeError; it takes part by aborting);
@@ -26,10 +27,11 @@ import torch
 import moe_comm
 from moe_comm import AllToAllvDynamic, CapacityError, EPBuffer, GroupError, InvalidIndexError
 
+from budget import size
 from fault_cases import check_rank, expert, step_inputs
 from shm_files import own_shm_files
 
-WORLD, STEPS, TIMEOUT_S = 3, 300, 2.0
+WORLD, STEPS, TIMEOUT_S = 3, size(100, 300), 2.0
 E, H, M, K = 6, 64, 2, 2           # 2 experts per rank; capacity world * M = 6 rows per expert
 CAP_A2A, ROW = 3, (8,)
 KINDS = ("none", "host_error", "capacity", "invalid_id", "a2a_lie", "skip", "late")
@@ -37,8 +39,12 @@ WEIGHTS = (70, 6, 6, 6, 6, 3, 3)
 
 
 def _plan(seed):
+    """Random fault kinds on random ranks; every kind occurs at least once, whatever STEPS is."""
     rng = random.Random(seed)
-    return [(rng.choices(KINDS, WEIGHTS)[0], rng.randrange(WORLD)) for _ in range(STEPS)]
+    plan = [(rng.choices(KINDS, WEIGHTS)[0], rng.randrange(WORLD)) for _ in range(STEPS)]
+    for kind in set(KINDS) - {k for k, _ in plan}:
+        plan[rng.randrange(STEPS)] = (kind, rng.randrange(WORLD))
+    return plan
 
 
 def _inputs(step, kind, who):

@@ -7,6 +7,8 @@ abort and timeout) exactly against the references, with ``MOE_COMM_TRANSPORT=put
 peer. They cannot show RDMA timing or ordering on a real NIC: nothing here ran on a GPU or across nodes.
 """
 
+import gc
+
 import pytest
 import torch
 import triton
@@ -120,6 +122,15 @@ def test_a_put_outside_symmetric_memory_is_refused():
     from moe_comm.heap import peer_map
     with pytest.raises(ValueError, match="not in a registered symmetric buffer"):
         peer_map.peer_address(torch.zeros(4).data_ptr(), 0)
+    # Memory a collected symmetric buffer held is ordinary memory again, whoever reuses it.
+    heaps = [g.heap for g in moe_comm.init(backend="loopback", world_size=2, device="cpu")]
+    bufs = [h.alloc("gone", (1024,), torch.float32) for h in heaps]
+    addr = bufs[0].local.data_ptr()
+    assert peer_map.peer_address(addr, 1) == bufs[1].local.data_ptr()
+    del bufs, heaps
+    gc.collect()
+    with pytest.raises(ValueError, match="not in a registered symmetric buffer"):
+        peer_map.peer_address(addr, 1)
 
 
 # ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------

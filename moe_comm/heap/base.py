@@ -20,8 +20,7 @@ class SymmetricBuffer:
     def __post_init__(self):
         if self.local.device.type == "cpu":  # interpreted puts find peers' copies here (peer_map.py)
             from . import peer_map  # noqa: PLC0415
-            peer_map.register(self.local.data_ptr(), self.local.numel() * self.local.element_size(),
-                              self.peer_ptrs, self.handle, self.wire)
+            peer_map.register(self.local, self.peer_ptrs, self.handle, self.wire)
 
 
 class Heap:

@@ -12,27 +12,43 @@ mapped here (``peer_ptrs`` entry 0: another emulated node) is reached through th
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
+import weakref
 
 _lock = threading.Lock()
 _starts: list[int] = []     # sorted start addresses
-_entries: list[tuple] = []  # (start, end, peer_ptrs tensor, allocation index, wire), in the order of _starts
+_entries: list[tuple] = []  # (start, end, peer_ptrs tensor, allocation index, wire, key), in the order of _starts
+_keys = itertools.count()   # one key per registration, so a stale finalizer never drops a newer entry
 wires: set = set()          # every wire a registered buffer uses (``quiet`` completes them all)
 
 
-def register(start: int, nbytes: int, peer_ptrs, index=None, wire=None) -> None:
-    """Register a buffer of ``nbytes`` at ``start`` (a local copy), allocation ``index`` of its heap,
-    whose unmapped peers are reached through ``wire``. An older entry that overlaps it belonged to freed
-    memory and is dropped."""
-    end = start + nbytes
+def register(local, peer_ptrs, index=None, wire=None) -> None:
+    """Register the local copy ``local`` (a CPU tensor), allocation ``index`` of its heap, whose unmapped
+    peers are reached through ``wire``. The entry lives as long as ``local`` does: once the tensor is
+    collected its memory may be reused by any allocation, which must not look symmetric. An older entry
+    that overlaps it belonged to freed memory and is dropped."""
+    start = local.data_ptr()
+    end = start + local.numel() * local.element_size()
+    key = next(_keys)
     with _lock:
         keep = [e for e in _entries if e[1] <= start or e[0] >= end]
-        keep.append((start, end, peer_ptrs, index, wire))
-        keep.sort(key=lambda x: x[0])
-        _entries[:] = keep
-        _starts[:] = [e[0] for e in keep]
+        keep.append((start, end, peer_ptrs, index, wire, key))
+        _store(keep)
         if wire is not None:
             wires.add(wire)
+    weakref.finalize(local, _unregister, key)
+
+
+def _store(entries: list[tuple]) -> None:
+    entries.sort(key=lambda x: x[0])
+    _entries[:] = entries
+    _starts[:] = [e[0] for e in entries]
+
+
+def _unregister(key: int) -> None:
+    with _lock:
+        _store([e for e in _entries if e[5] != key])
 
 
 def _entry(addr: int) -> tuple:
@@ -47,7 +63,7 @@ def peer_address(addr: int, pe: int) -> int:
     """The address, in this process, of rank ``pe``'s copy of the byte at local symmetric ``addr``; 0 if
     rank ``pe``'s copy is not mapped here (another node: NVSHMEM's ``nvshmem_ptr`` answer)."""
     with _lock:
-        start, _, peer_ptrs, _, _ = _entry(addr)
+        start, _, peer_ptrs, _, _, _ = _entry(addr)
         base = int(peer_ptrs[pe])
         return base + (addr - start) if base else 0
 
@@ -56,7 +72,7 @@ def remote(addr: int, pe: int):
     """``(wire, allocation index, offset)`` if rank ``pe``'s copy of local symmetric ``addr`` is not
     mapped here, else None."""
     with _lock:
-        start, _, peer_ptrs, index, wire = _entry(addr)
+        start, _, peer_ptrs, index, wire, _ = _entry(addr)
         if int(peer_ptrs[pe]) != 0:
             return None
         if wire is None:
