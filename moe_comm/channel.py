@@ -38,8 +38,7 @@ class Channel:
               (``moe_comm/triton_kernels/transport.py``); None otherwise
     trace     int64 [group.trace_calls, record words]: the flight recorder of this channel's calls
               (``moe_comm/trace/layout.py``; one unused row when tracing is off); ``row_bytes``: bytes
-              of one row its records count, ``rows_recorded``: False where the kernels record times only
-              (both set by the op)
+              of one row its records count (set by the op)
     wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source
               j's flag, [1, j] how many waits got it (accumulated while tracing is on; ``reset()`` keeps
               both)
@@ -67,7 +66,7 @@ class Channel:
         self.done = torch.zeros(world + 2, dtype=torch.int32, device=dev)
         self.trace = new_ring(world, group.trace_calls, dev)
         self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
-        self.row_bytes, self.rows_recorded = 0, True
+        self.row_bytes = 0
         self.put = group.uses_put
         self.stage = self.stage_ctrl = None
         if self.put:  # collective: MOE_COMM_TRANSPORT and the heap's reachability agree on every rank

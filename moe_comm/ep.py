@@ -215,7 +215,6 @@ class EPBuffer(OpBuffer):
                                    stage_shape=(g.world_size, *p.combine_data_shape[1:]))
         self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
         self._combine_ch.row_bytes = p.out_words * 4                    # a row of expert_out
-        self._combine_ch.rows_recorded = False                          # combine records times only
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype

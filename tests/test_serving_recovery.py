@@ -1,6 +1,8 @@
 """A serving framework's MoE layers after a rank dies (the adapters' shared group, moe_comm.serving.ep_group):
 the next layer raises the named error, ``recover()`` on the survivors excludes the dead rank, and the
-layers go on exactly (against the reference over the survivors, the dead rank's experts unrouted)."""
+layers go on exactly (against the reference over the survivors, the dead rank's experts unrouted). With
+``MOE_COMM_TRACE_DIR`` set (how a served model asks for dumps: the adapters take no options of their
+own), the survivors' flight recorders are dumped at the error and the analyzer names the dead rank."""
 
 import os
 
@@ -10,6 +12,8 @@ import torch
 import moe_comm
 from moe_comm import CommTimeoutError, LaunchError, reference
 from moe_comm.serving import ep_group
+from moe_comm.trace import analyze
+from moe_comm.trace.recorder import ENV_TRACE, ENV_TRACE_DIR
 
 E, H, M, K = 6, 64, 3, 2   # 2 experts per rank at world 3
 
@@ -52,7 +56,9 @@ def _serve(group):
 
 
 @pytest.mark.timeout(240)
-def test_adapters_group_recovers_from_a_dead_rank_and_stays_exact():
+def test_adapters_group_recovers_from_a_dead_rank_and_stays_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_TRACE, "1")
+    monkeypatch.setenv(ENV_TRACE_DIR, str(tmp_path))
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_serve, 3, backend="shm", timeout_s=1.5, grace_s=60)
     err = info.value
@@ -62,3 +68,6 @@ def test_adapters_group_recovers_from_a_dead_rank_and_stays_exact():
         assert log[0] == ("exact", []), log
         assert log[1] == ("error", 2, [2]), log            # named, then excluded by recover()
         assert log[2:] == [("exact", [2]), ("exact", [2])], log
+    diag = analyze.analyze(analyze.load_dumps(str(tmp_path)))
+    assert diag.ranks == [0, 1] and diag.missing == [2], diag.lines
+    assert {(x["rank"], x["op"], x["call"]) for x in diag.never_published} == {(2, "dispatch", 2)}, diag.lines

@@ -69,8 +69,8 @@ def test_recorder_holds_the_last_calls_with_their_rows_bytes_and_times():
 
 def test_dispatch_and_combine_record_their_calls(tmp_path):
     """Dispatch records the slots (rows of d.x) this rank routed to each rank and received from each
-    source, as the ids say; combine records its times and flags (rows: not recorded). Both "ok", and
-    ``dump_trace`` writes them all."""
+    source, as the ids say; combine the same slots on their way back (rows of expert_out). Both "ok",
+    and ``dump_trace`` writes them all."""
     E, H, M, K = 8, 128, 3, 2
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=2.0, trace=4)
     eps = [EPBuffer(g, E, H, M, K) for g in groups]
@@ -88,7 +88,8 @@ def test_dispatch_and_combine_record_their_calls(tmp_path):
         assert (d.op, d.call, d.outcome, c.op, c.call, c.outcome) == ("dispatch", 1, "ok", "combine", 1, "ok")
         assert d.sent_rows == slots[r] and d.recv_rows == [slots[0][r], slots[1][r]]
         assert d.sent_bytes == [n * H * 2 for n in slots[r]]
-        assert c.sent_rows is None and c.recv_rows is None
+        assert c.sent_rows == d.recv_rows and c.recv_rows == d.sent_rows
+        assert c.recv_bytes == [n * H * 2 for n in slots[r]]
         for rec in (d, c):
             assert rec.send_start <= rec.send_end and all(rec.recv_start <= t <= rec.recv_end for t in rec.seen)
         assert ep._dispatch_ch.wait_stats[1].tolist() == [1, 1] == ep._combine_ch.wait_stats[1].tolist()

@@ -168,7 +168,7 @@ def chrome_trace(dumps: dict[int, dict]) -> dict:
                     args = dict(call=rec["call"], epoch=rec["epoch"])
                     if phase == "send":
                         rows = rec["sent_rows"]
-                        args.update(rows_to=rows, bytes_to=None if rows is None else [r * rec["row_bytes"] for r in rows])
+                        args.update(rows_to=rows, bytes_to=[r * rec["row_bytes"] for r in rows])
                     else:
                         args.update(outcome=rec["outcome"] or "unfinished", rows_from=rec["recv_rows"],
                                     seen_after_us=[None if s is None else (s - start) / 1e3 for s in rec["seen"]])

@@ -84,18 +84,18 @@ class TraceRecord:
     outcome: str | None = None       # OUTCOMES value; None without a finished receive
     error: list[int] | None = None   # [peer, value, bound] of the error word when outcome is not "ok"
     row_bytes: int = 0                                   # bytes of one row (the channel's)
-    sent_rows: list[int] | None = field(default_factory=list)  # per peer (None: not recorded, combine)
-    recv_rows: list[int] | None = field(default_factory=list)  # per source (None: not recorded)
+    sent_rows: list[int] = field(default_factory=list)   # per peer: rows this rank's send addressed to it
+    recv_rows: list[int] = field(default_factory=list)   # per source: rows this rank's receive took from it
     seen: list[int | None] = field(default_factory=list)  # per source: ns its flag was seen, None never
     waited: list[int] = field(default_factory=list)       # per source: ns waited for its flag (WAITED)
 
     @property
-    def sent_bytes(self) -> list[int] | None:
-        return None if self.sent_rows is None else [r * self.row_bytes for r in self.sent_rows]
+    def sent_bytes(self) -> list[int]:
+        return [r * self.row_bytes for r in self.sent_rows]
 
     @property
-    def recv_bytes(self) -> list[int] | None:
-        return None if self.recv_rows is None else [r * self.row_bytes for r in self.recv_rows]
+    def recv_bytes(self) -> list[int]:
+        return [r * self.row_bytes for r in self.recv_rows]
 
 
 def decode_row(words: list[int], world: int, row_bytes: int) -> list[TraceRecord]:

@@ -66,13 +66,9 @@ def new_ring(world: int, calls: int, device: torch.device) -> torch.Tensor:
 
 
 def channel_records(ch) -> list[layout.TraceRecord]:
-    """Every call a channel's ring holds, oldest first (rows per peer None where the channel's kernels
-    do not record them)."""
+    """Every call a channel's ring holds, oldest first."""
     world = ch.group.world_size
     recs = [r for row in ch.trace.tolist() for r in layout.decode_row(row, world, ch.row_bytes)]
-    if not ch.rows_recorded:
-        for r in recs:
-            r.sent_rows = r.recv_rows = None
     return sorted(recs, key=lambda r: (r.epoch, r.call))
 
 

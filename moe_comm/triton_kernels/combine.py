@@ -52,6 +52,56 @@ def fill_nan(out_ptr, num_tokens, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl
 
 
 @triton.jit
+def _slots(i, tokens, w, WORLD: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Slots i = (row q, k), q = (token rank s, token t) = s * M + t, as the dispatch's row_of is laid
+    out: (q, k, s, t, whether slot i is one of rank s's tokens' top-k slots). ``tokens``: int [WORLD_P2]
+    tokens of every rank (0 for a rank that sends nothing)."""
+    q = i // TOPK_P2
+    k = i % TOPK_P2
+    s = tl.minimum(q // M, WORLD - 1)
+    t = q % M
+    n_tokens = tl.sum(tl.where(s[:, None] == w[None, :], tokens[None, :], 0), axis=1)
+    return q, k, s, t, (q < WORLD * M) & (k < TOPK) & (t < n_tokens)
+
+
+@triton.jit
+def _returned_rows(row_of_ptr, tokens, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr,
+                   TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BS: tl.constexpr):
+    """Flight recorder, one program: int64 [WORLD_P2] rows this rank's experts return to each rank's
+    tokens (dropped slots' zeros included; its own tokens' rows, read in place, under its own rank):
+    what the dispatch received from each source."""
+    w = tl.arange(0, WORLD_P2)
+    rows = tl.zeros([WORLD_P2], dtype=tl.int64)
+    for i0 in range(0, WORLD * M * TOPK_P2, BS):
+        q, k, s, t, valid = _slots(i0 + tl.arange(0, BS), tokens, w, WORLD, M, TOPK, TOPK_P2)
+        returned = tl.load(row_of_ptr + q * TOPK + k, mask=valid, other=-1) != -1
+        rows += tl.sum(((s[:, None] == w[None, :]) & returned[:, None]).to(tl.int64), axis=0)
+    return rows
+
+
+@triton.jit
+def _owners(routed_ptr, t, kk, num_tokens, TOPK: tl.constexpr):
+    """[BT, TOPK_P2] the rank whose experts hold slot (t, k) of this rank's tokens; -1 not routed."""
+    slot = t[:, None] * TOPK + kk[None, :]
+    slot_live = (t < num_tokens)[:, None] & (kk < TOPK)[None, :]
+    return slot, tl.load(routed_ptr + slot, mask=slot_live, other=0) - 1
+
+
+@triton.jit
+def _rows_by_owner(routed_ptr, num_tokens, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, WORLD_P2: tl.constexpr,
+                   BT: tl.constexpr):
+    """Flight recorder, one program: int64 [WORLD_P2] rows of this rank's tokens each rank's experts
+    return (own: read in place): what the dispatch sent to each rank."""
+    w = tl.arange(0, WORLD_P2)
+    kk = tl.arange(0, TOPK_P2)
+    rows = tl.zeros([WORLD_P2], dtype=tl.int64)
+    for t0 in range(0, num_tokens, BT):
+        _, owner = _owners(routed_ptr, t0 + tl.arange(0, BT), kk, num_tokens, TOPK)
+        rows += tl.sum(tl.sum((owner[:, :, None] == w[None, None, :]).to(tl.int64), axis=1), axis=0)
+    return rows
+
+
+@triton.jit
 def combine_send_kernel(
     expert_out_ptr,   # int32 words [ROWS, X_WORDS]: expert outputs, rows as in d.x ([L, CAP] flattened)
     row_of_ptr,       # int32 [WORLD * M, TOPK]: dispatch's row of slot (s, t, k); -1 not here, -2 dropped
@@ -78,16 +128,15 @@ def combine_send_kernel(
     live = live_ranks(grp, WORLD, WORLD_P2)
     # (tl.where, not `&`: Triton's interpreter turns `bool vector & bool scalar` into int32, no mask)
     tokens = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + w, mask=tl.where(failed, False, live), other=0), 0), M)
-    # Slots i = (row q, k), q = (token rank s, token t) = s * M + t, as the dispatch's row_of is laid out.
+    if TRACE:
+        if blk == 0:
+            trace.store_peer_words(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w,
+                                   _returned_rows(row_of_ptr, tokens, WORLD, WORLD_P2, M, TOPK, TOPK_P2, BS),
+                                   w < WORLD, TRACE)
     # An excluded or failed token rank has no tokens here (tokens = 0), so nothing goes to it.
     for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
-        i = i0 + tl.arange(0, BS)
-        q = i // TOPK_P2
-        k = i % TOPK_P2
-        s = tl.minimum(q // M, WORLD - 1)
-        t = q % M
-        n_tokens = tl.sum(tl.where(s[:, None] == w[None, :], tokens[None, :], 0), axis=1)
-        live_slot = (q < WORLD * M) & (k < TOPK) & (t < n_tokens) & (s != rank)  # own slots: read in place
+        q, k, s, t, valid = _slots(i0 + tl.arange(0, BS), tokens, w, WORLD, M, TOPK, TOPK_P2)
+        live_slot = valid & (s != rank)  # own slots: read in place
         code = tl.load(row_of_ptr + q * TOPK + k, mask=live_slot, other=-1)
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
@@ -166,12 +215,14 @@ def combine_recv_kernel(
         w = tl.arange(0, WORLD_P2)
         first = (blk == 0) & (tl.program_id(1) == 0)   # also the one that records (flight recorder)
         trace.phase_begin(trace_ptr, grp, call, OP, first, True, WORLD, TRACE_N, TRACE)
+        if TRACE:
+            if first:
+                trace.store_peer_words(trace.recv_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w,
+                                       _rows_by_owner(routed_ptr, num_tokens, TOPK, TOPK_P2, WORLD_P2, BT),
+                                       w < WORLD, TRACE)
         need = w < 0   # [WORLD_P2] False
         for t0 in range(blk * BT, num_tokens, NBLK * BT):
-            t = t0 + tl.arange(0, BT)
-            slot = t[:, None] * TOPK + kk[None, :]
-            slot_live = (t < num_tokens)[:, None] & (kk < TOPK)[None, :]
-            owner = tl.load(routed_ptr + slot, mask=slot_live, other=0) - 1      # -1: not routed
+            slot, owner = _owners(routed_ptr, t0 + tl.arange(0, BT), kk, num_tokens, TOPK)
             remote = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=owner >= 0, other=0) == -1
             hit = tl.where(remote, owner, -1)
             need = need | tl.max(tl.max((hit[:, :, None] == w[None, None, :]).to(tl.int32), axis=1), axis=0) != 0
