@@ -26,7 +26,7 @@ WHERE = ("before_send", "between_phases", "inside_wait", "between_ops")
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("world,steps,seed", [(3, size(100, 300), 1), (4, size(70, 120), 2)])
+@pytest.mark.parametrize("world,steps,seed", size([(4, 70, 2)], [(3, 300, 1), (4, 120, 2)]))
 def test_killed_ranks_are_excluded_and_the_rest_stays_exact(world, steps, seed):
     rng = random.Random(seed)
     first, second = rng.randrange(20, steps // 2), rng.randrange(steps // 2 + 10, steps - 20)
