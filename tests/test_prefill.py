@@ -334,6 +334,54 @@ def test_two_zones_pipeline_exact_and_a_third_dispatch_is_refused():
         g.check()
 
 
+@pytest.mark.timeout(120)
+def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over():
+    """zones=2, loopback world 2, dispatches a and b in flight; rank 1 skips combine a: rank 0's combine
+    raises CommTimeoutError naming it with NaN rows, every later call on both ranks raises (NaN rows for
+    b's combine, zero counts for c in a's zone: no stale data), and after reset() the in-flight calls are gone and a new
+    pipeline starts again in zone 0 and is exact."""
+    cfg = CONFIGS[0]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=0.5)
+    bufs = [make_buffer(g, cfg, zones=2) for g in groups]
+    calls = [make_inputs(cfg, 2, "random", 60 + i) for i in range(3)]
+    exp = [expected(cfg, 2, *c) for c in calls]
+    ds = {}
+    for i in (0, 1):
+        _round(bufs, cfg, calls, i, "send")
+        ds[i] = [b.dispatch(phase="recv") for b in bufs]
+    bufs[0].combine(expert_out(ds[0][0], exp[0][0][0], 0, cfg), ds[0][0].handle, phase="send")
+    out = torch.zeros_like(calls[0][0][0])
+    with pytest.raises(CommTimeoutError, match="waiting for peer rank 1") as info:
+        bufs[0].combine(out=out, phase="recv")
+    assert info.value.op == "prefill.combine" and out.isnan().all()
+    bufs[1].combine(expert_out(ds[0][1], exp[0][0][1], 1, cfg), ds[0][1].handle, phase="send")
+    with pytest.raises(CommTimeoutError):
+        bufs[1].combine(phase="recv")
+    for b, d in zip(bufs, ds[1]):      # b's combine: the group error, NaN rows
+        b.combine(d.recv_x, d.handle, phase="send")
+    for b in bufs:
+        with pytest.raises(CommTimeoutError):
+            assert b.combine(phase="recv").isnan().all()
+    _round(bufs, cfg, calls, 2, "send")
+    for b in bufs:
+        with pytest.raises(CommTimeoutError):
+            b.dispatch(phase="recv")
+        assert b._zones[0].counts.tolist() == [0] * cfg.experts_per_rank   # c's zone (a's, freed)
+    for g in groups:
+        g.reset()
+    ds = {}
+    for i in (0, 1):
+        _round(bufs, cfg, calls, i, "send")
+        ds[i] = [b.dispatch(phase="recv") for b in bufs]
+    assert [d.handle.zone for i in (0, 1) for d in ds[i]] == [0, 0, 1, 1]
+    for i in (0, 1):
+        for r, (b, d) in enumerate(zip(bufs, ds[i])):
+            assert check_dispatch(d, exp[i][0][r], cfg, f"call {i} rank{r}") == []
+            b.combine(expert_out(d, exp[i][0][r], r, cfg), d.handle, phase="send")
+        ys = [b.combine(phase="recv") for b in bufs]
+        assert all(torch.equal(y, e) for y, e in zip(ys, exp[i][2])), f"call {i} after reset"
+
+
 def test_one_zone_dispatch_waits_for_the_combine_receive():
     """zones=1: a dispatch between a combine's send and its receive would overwrite the partial rows that
     receive reads (the peer's rows of this rank's tokens): refused before any launch; after the receive
