@@ -9,6 +9,9 @@ caller's stream, so its bytes cross the links under the experts' compute. The or
     dispatch(0), dispatch(1), experts(0), combine(0), dispatch(2), experts(1), combine(1), ...
 
 which keeps at most two dispatches in flight: dispatch(c+2) comes after combine(c), whose zone it reuses.
+
+``local_experts(buf, expert_fn)`` turns a model's per-expert function into the ``experts`` argument:
+a MoE layer's prefill is ``prefill_moe(buf, h, topk_idx, topk_weights, local_experts(buf, mlp), chunks)``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Callable
 import torch
 
 from .prefill import PrefillBuffer, PrefillDispatchResult
+from .reference import dequantize_fp8
 
 _SIDE_STREAMS: dict = {}   # device -> the CUDA stream the overlapped dispatches run on
 
@@ -89,3 +93,41 @@ def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, top
             main.wait_event(landed)
         buf.combine(experts(d), d.handle, out=out[rows(c)])
     return out
+
+
+def local_experts(buf: PrefillBuffer, expert_fn: Callable[[int, torch.Tensor], torch.Tensor]
+                  ) -> Callable[[PrefillDispatchResult], torch.Tensor]:
+    """The ``experts`` argument of ``prefill_moe`` for a model whose local expert e (0 <= e < L) maps rows
+    [n, hidden] buf.dtype -> [n, hidden] (e.g. ``serving.model.gated_mlp`` with expert e's weights).
+
+    Partial row q (the combine's input) = sum over k with recv_topk_idx[q, k] >= 0, in k order, of
+    recv_topk_weights[q, k] * expert_fn(recv_topk_idx[q, k], x[q]), in float32, rounded to buf.dtype;
+    x = recv_x (fp8 dispatch: dequantized with recv_scales and rounded to buf.dtype first). Rows past a
+    source's token count are not computed. Without fp8 the partial rows are written over recv_x (the
+    combine then copies nothing). Eager: which rows each expert has is read on the host (a sync per
+    call), as a plain reference of the grouped GEMM an engine passes instead. Bitwise reproducible when
+    expert_fn computes each row independently of the others.
+    """
+    m, dtype = buf.max_tokens_per_rank, buf.dtype
+
+    def experts(d: PrefillDispatchResult) -> torch.Tensor:
+        rows_total = d.recv_x.shape[0]
+        q = torch.arange(rows_total, device=d.recv_x.device)
+        mine = q % m < d.src_tokens.repeat_interleave(m)
+        ids = torch.where(mine[:, None], d.recv_topk_idx, -1)
+        x = d.recv_x if d.recv_scales is None else dequantize_fp8(d.recv_x, d.recv_scales).to(dtype)
+        acc = torch.zeros(rows_total, x.shape[1], dtype=torch.float32, device=x.device)
+        outs = {}
+        for e in range(buf.num_local_experts):   # each expert once, on every row that routes to it
+            rows = (ids == e).any(dim=1).nonzero().flatten()
+            if rows.numel():
+                outs[e] = rows, expert_fn(e, x[rows]).float()
+        for k in range(buf.topk):                # then the sum in k order (one expert per (row, k))
+            for e, (rows, y) in outs.items():
+                take = (ids[rows, k] == e)[:, None]
+                acc[rows] += torch.where(take, d.recv_topk_weights[rows, k, None] * y, 0.0)
+        out = d.recv_x if d.recv_scales is None else torch.empty_like(acc, dtype=dtype)
+        out.copy_(acc)
+        return out
+
+    return experts

@@ -401,6 +401,37 @@ def test_one_zone_dispatch_waits_for_the_combine_receive():
     assert round_trip(bufs, cfg, *calls[1], "after") == []
 
 
+@pytest.mark.parametrize("zones,fp8,dtype", [(1, False, torch.float32), (2, False, torch.float32),
+                                             (2, True, torch.bfloat16)])
+def test_moe_layer_helper_equals_per_token_experts(zones, fp8, dtype):
+    """A MoE layer through prefill_moe + local_experts at world 1, 11 tokens in chunks of 5, top-3, -1 slots
+    and a token routed nowhere: y[t] = sum over k of w * expert(e_k, x_t) in float32, in k order, rounded
+    to dtype, bitwise (float32 keeps the k order visible; fp8: of the dequantized rows)."""
+    from moe_comm.prefill_chunks import local_experts, num_chunks, prefill_moe
+    g = torch.Generator().manual_seed(21)
+    E, H, K, T = 4, 128, 3, 11
+    buf = PrefillBuffer(moe_comm.init(backend="loopback", device="cpu")[0], E, H, 5, K, dtype=dtype,
+                        fp8_dispatch=fp8, zones=zones)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    idx[3, 1], idx[7] = -1, -1
+    w = torch.rand(T, K, generator=g)
+    scale = torch.rand(E, generator=g) + 0.5
+
+    def expert(e, rows):   # row-independent, so batching cannot change a bit
+        return (rows.float() * scale[e] + 0.3 * e).to(dtype)
+
+    y = prefill_moe(buf, x, idx, w, local_experts(buf, expert), num_chunks(T, buf))
+    xin = reference.dequantize_fp8(*reference.quantize_fp8(x)).to(dtype) if fp8 else x
+    want = torch.zeros(T, H)
+    for k in range(K):
+        for t in range(T):
+            if idx[t, k] >= 0:
+                want[t] += w[t, k] * expert(int(idx[t, k]), xin[t:t + 1])[0].float()
+    assert torch.equal(y, want.to(dtype))
+    buf.close()
+
+
 def test_chunked_prefill_needs_enough_chunks():
     from moe_comm.prefill_chunks import prefill_moe
     b = make_buffer(moe_comm.init(backend="loopback", device="cpu")[0], CONFIGS[0])
