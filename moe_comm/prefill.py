@@ -209,13 +209,6 @@ class PrefillBuffer(OpBuffer):
         return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device,
                             zones)
 
-    @classmethod
-    def required_bytes(cls, world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                       dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1) -> int:
-        """``buffer_bytes`` of a PrefillBuffer of these sizes and zones, without a group and without allocating."""
-        return cls._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, "cpu",
-                         zones).buffer_bytes
-
     @property
     def excluded_slots(self) -> torch.Tensor:
         """int64 [1] on the device: this rank's slots whose expert lives on an excluded rank, summed."""

@@ -285,7 +285,7 @@ def test_next_dispatch_waits_for_every_rank_to_release_the_zone():
         assert r0[zones]["next_sent"] > r1[zones]["read_begins"], f"zones={zones}"
 
 
-def _round(bufs, cfg, calls, i, phase):
+def _round(bufs, calls, i, phase):
     xs, idxs, ws = calls[i]
     return [b.dispatch(x, k, w, phase=phase) for b, x, k, w in zip(bufs, xs, idxs, ws)]
 
@@ -303,11 +303,11 @@ def test_two_zones_pipeline_exact_and_a_third_dispatch_is_refused():
         poison(b)
     ds = {}
     for i in (0, 1):
-        _round(bufs, cfg, calls, i, "send")
+        _round(bufs, calls, i, "send")
         ds[i] = [b.dispatch(phase="recv") for b in bufs]
     assert [d.handle.zone for d in ds[0] + ds[1]] == [0, 0, 1, 1]
     with pytest.raises(RuntimeError, match="at most 2 may be in flight"):
-        _round(bufs, cfg, calls, 2, "send")
+        _round(bufs, calls, 2, "send")
 
     def combine(i, phases=("send", "recv")):
         if "send" in phases:
@@ -321,9 +321,9 @@ def test_two_zones_pipeline_exact_and_a_third_dispatch_is_refused():
         assert check_dispatch(d, exp[0][0][r], cfg, f"call 0 rank{r}") == []
     combine(0, ("send",))
     with pytest.raises(RuntimeError, match="has not been combined"):
-        _round(bufs, cfg, calls, 2, "send")   # c would write a's zone while a's combine still reads it
+        _round(bufs, calls, 2, "send")   # c would write a's zone while a's combine still reads it
     combine(0, ("recv",))
-    _round(bufs, cfg, calls, 2, "send")
+    _round(bufs, calls, 2, "send")
     ds[2] = [b.dispatch(phase="recv") for b in bufs]
     assert [d.handle.zone for d in ds[2]] == [0, 0]
     for i in (1, 2):
@@ -347,7 +347,7 @@ def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over(
     exp = [expected(cfg, 2, *c) for c in calls]
     ds = {}
     for i in (0, 1):
-        _round(bufs, cfg, calls, i, "send")
+        _round(bufs, calls, i, "send")
         ds[i] = [b.dispatch(phase="recv") for b in bufs]
     bufs[0].combine(expert_out(ds[0][0], exp[0][0][0], 0, cfg), ds[0][0].handle, phase="send")
     out = torch.zeros_like(calls[0][0][0])
@@ -362,7 +362,7 @@ def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over(
     for b in bufs:
         with pytest.raises(CommTimeoutError):
             assert b.combine(phase="recv").isnan().all()
-    _round(bufs, cfg, calls, 2, "send")
+    _round(bufs, calls, 2, "send")
     for b in bufs:
         with pytest.raises(CommTimeoutError):
             b.dispatch(phase="recv")
@@ -371,7 +371,7 @@ def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over(
         g.reset()
     ds = {}
     for i in (0, 1):
-        _round(bufs, cfg, calls, i, "send")
+        _round(bufs, calls, i, "send")
         ds[i] = [b.dispatch(phase="recv") for b in bufs]
     assert [d.handle.zone for i in (0, 1) for d in ds[i]] == [0, 0, 1, 1]
     for i in (0, 1):
@@ -390,12 +390,12 @@ def test_one_zone_dispatch_waits_for_the_combine_receive():
     groups, bufs = _loopback(2, cfg, timeout_s=5.0)
     calls = [make_inputs(cfg, 2, "random", 50 + i) for i in range(2)]
     exp = [expected(cfg, 2, *c) for c in calls]
-    _round(bufs, cfg, calls, 0, "send")
+    _round(bufs, calls, 0, "send")
     ds = [b.dispatch(phase="recv") for b in bufs]
     for r, (b, d) in enumerate(zip(bufs, ds)):
         b.combine(expert_out(d, exp[0][0][r], r, cfg), d.handle, phase="send")
     with pytest.raises(RuntimeError, match="has not been combined"):
-        _round(bufs, cfg, calls, 1, "send")
+        _round(bufs, calls, 1, "send")
     ys = [b.combine(phase="recv") for b in bufs]
     assert all(torch.equal(y, e) for y, e in zip(ys, exp[0][2]))
     assert round_trip(bufs, cfg, *calls[1], "after") == []
