@@ -473,3 +473,28 @@ def test_groups_reaching_a_peer_by_puts_are_refused_with_the_alternative(monkeyp
     assert groups[0].uses_put
     with pytest.raises(NotImplementedError, match="reaches some by NVSHMEM puts.*use EPBuffer"):
         PrefillBuffer(groups[0], 8, 128, 2, 2)
+
+
+@pytest.mark.gpu
+def test_overlapped_chunks_on_cuda_streams_equal_sequential():
+    """CUDA, world 1 (loopback heap): prefill_moe with two zones (dispatches on the side stream, experts
+    and combines on the caller's) gives the bits of one zone, chunk for chunk, and leaves the group clean."""
+    from moe_comm.prefill_chunks import local_experts, num_chunks, prefill_moe
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(23)
+    E, H, K, T, M = 8, 256, 4, 1000, 128
+    x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    scale = (torch.rand(E, generator=g) + 0.5).to(dev)
+    ys = []
+    for zones in (1, 2):
+        group = moe_comm.init(backend="loopback", world_size=1, device=dev)[0]
+        buf = PrefillBuffer(group, E, H, M, K, zones=zones)
+        y = prefill_moe(buf, x, idx, w, local_experts(buf, lambda e, rows: (rows.float() * scale[e]).bfloat16()),
+                        num_chunks(T, buf))
+        torch.cuda.synchronize(dev)
+        group.check()
+        ys.append(y)
+        buf.close()
+    assert torch.equal(ys[0], ys[1])
