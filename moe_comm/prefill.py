@@ -232,8 +232,6 @@ class PrefillBuffer(OpBuffer):
         p, dev = self.plan, self.group.device
         ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
         words = self._dispatch_ch.data.local[z]
-        peers = self._dispatch_ch.data.peer_ptrs
-        peer_ptrs = torch.where(peers != 0, peers + z * p.zone_words * 4, 0)
         x = words[p.x_offset:p.x_offset + R * ep.x_words].view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
         scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
                   .view(R, ep.scale_words) if ep.fp8 else None)
@@ -241,9 +239,14 @@ class PrefillBuffer(OpBuffer):
                      routed=torch.zeros((ep.max_tokens, K), dtype=torch.int32, device=dev),
                      src_tokens=torch.zeros(self.group.world_size, dtype=torch.int32, device=dev),
                      counts=torch.zeros(ep.experts_per_rank, dtype=torch.int32, device=dev),
-                     peer_ptrs=peer_ptrs, words=words, launches={})
+                     peer_ptrs=self._zone_peer_ptrs(z), words=words, launches={})
         zone.launches = self._build_launches(zone)
         return zone
+
+    def _zone_peer_ptrs(self, z: int) -> torch.Tensor:
+        """int64 [world]: zone ``z`` on every rank, from the dispatch buffer's peer pointers (0 stays 0)."""
+        peers = self._dispatch_ch.data.peer_ptrs
+        return torch.where(peers != 0, peers + z * self.plan.zone_words * 4, 0)
 
     def _build_launches(self, zone: _Zone) -> dict:
         """Every launch of one zone: its kernel (for this device), grid and the arguments that never change,
@@ -289,11 +292,15 @@ class PrefillBuffer(OpBuffer):
         kernel(**static, **args)
 
     def _in_flight_now(self) -> deque:
-        """The in-flight handles of the group's current epoch (a reset or an exclusion drops the others
-        and starts the zones over: every rank's counters restart together)."""
+        """The in-flight handles of the group's current epoch. A new epoch (``reset()``, ``exclude()``)
+        drops the others, starts the zones over (every rank's counters restart together) and re-derives
+        the zones' peer pointers from the buffer's (an exclusion points an excluded peer's at this rank's
+        own copy)."""
         if self._epoch != self.group.epoch:
             self._epoch, self._next_zone = self.group.epoch, 0
             self._in_flight.clear()
+            for z, zone in enumerate(self._zones):
+                zone.peer_ptrs.copy_(self._zone_peer_ptrs(z))
         return self._in_flight
 
     # ---- dispatch --------------------------------------------------------------------------------

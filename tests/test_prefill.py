@@ -382,6 +382,31 @@ def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over(
         assert all(torch.equal(y, e) for y, e in zip(ys, exp[i][2])), f"call {i} after reset"
 
 
+def test_zone_pointers_follow_the_buffers_after_a_new_epoch():
+    """An exclusion repoints an excluded peer's buffer pointer at this rank's own copy (the heap), then
+    resets: the next call re-derives every zone's pointers from the buffer's, so zone 1 of that peer is
+    this rank's own zone 1 (an address that stays valid), not the released mapping."""
+    cfg = CONFIGS[0]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
+    bufs = [make_buffer(g, cfg, zones=2) for g in groups]
+    for b in bufs:
+        b._ensure_allocated()
+        b._in_flight_now()
+    base = bufs[0]._dispatch_ch.data.peer_ptrs
+    saved = base.clone()
+    base[1] = base[0]                     # what heap.release_peer(1) does on rank 0
+    for g in groups:
+        g.reset()
+    bufs[0]._in_flight_now()
+    zone_bytes = bufs[0].plan.zone_words * 4
+    assert bufs[0]._zones[1].peer_ptrs.tolist() == [int(saved[0]) + zone_bytes] * 2
+    base.copy_(saved)
+    for g in groups:
+        g.reset()
+    for seed in (70, 71):   # zone 0, then zone 1
+        assert round_trip(bufs, cfg, *make_inputs(cfg, 2, "random", seed), f"seed{seed}") == []
+
+
 def test_one_zone_dispatch_waits_for_the_combine_receive():
     """zones=1: a dispatch between a combine's send and its receive would overwrite the partial rows that
     receive reads (the peer's rows of this rank's tokens): refused before any launch; after the receive
