@@ -399,8 +399,9 @@ def prefill_bytes(plan, idxs, num_experts: int, fp8: bool) -> dict:
     (the plan's count: payload once per (token, remote destination rank), plus ids, weights and control
     words; floor_pairs: those pairs alone). hbm_*: what the one device reads and writes for it: the
     dispatch reads each routed token once and writes its row at every destination, itself included,
-    plus ids and weights to every rank; the in-place combine reads one partial row per (token,
-    destination) and writes y."""
+    plus ids and weights to every rank; the combine reads one partial row per (token, destination)
+    and writes y, and with an fp8 dispatch (``expert_out`` is not ``recv_x``) its send first copies
+    those rows into the zone."""
     world, ep = plan.world, plan.ep
     row_in, row_out = ep.hidden * 2, 4 * (ep.x_words + ep.scale_words)
     meta = 8 * ep.topk
@@ -413,7 +414,8 @@ def prefill_bytes(plan, idxs, num_experts: int, fp8: bool) -> dict:
         b["link_dispatch"] += plan.dispatch_link_bytes(remote, t, world - 1)
         b["link_combine"] += plan.combine_link_bytes(remote)
         b["hbm_dispatch"] += routed * row_in + pairs_all * row_out + t * world * meta
-        b["hbm_combine"] += pairs_all * 4 * ep.out_words + t * row_in
+        copies = 3 if fp8 else 1   # the send's read and write of each partial row, then the receive's read
+        b["hbm_combine"] += copies * pairs_all * 4 * ep.out_words + t * row_in
     return b
 
 
