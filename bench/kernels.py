@@ -15,9 +15,10 @@
    variant (impl ``..._concurrent``) runs each rank's phases on its own CUDA stream (in turn on a CPU).
 5. prefill: PrefillBuffer (high-throughput, rank-major) per-rank emulation, as ep_emulated: a loopback
    world of --prefill-world ranks (GPU 8) with --prefill-tokens per rank (GPU 4096) on one device, every
-   rank's dispatch (bf16, fp8) and combine (bf16, in place) phases; GB/s of the link-side bytes (what
-   crosses to other ranks: ``PrefillPlan.dispatch_link_bytes`` / ``combine_link_bytes``); the floor is
-   the HBM bytes the emulation reads and writes on the one device at copy bandwidth plus the launches.
+   rank's dispatch (bf16, fp8) and combine (bf16; in place after the bf16 dispatch) phases; GB/s of the
+   link-side bytes (what crosses to other ranks: ``PrefillPlan.dispatch_link_bytes`` /
+   ``combine_link_bytes``); the floor is the HBM bytes the emulation reads and writes on the one device
+   at copy bandwidth plus the launches.
 6. ep_rank (only when named in --sections): one real rank of EP-N (--rank-worlds, GPU 8,16,32,64) at
    full size; the other N-1 ranks' contributions are staged once and signalled per call by a small
    peer-emulator kernel (bench/ep_rank.py). Per-rank µs (the emulator's own time subtracted, and
