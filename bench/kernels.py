@@ -13,7 +13,13 @@
    from a CUDA graph). It times the kernels of the EP>1 path at DeepSeek-V3 shapes, not a network: the
    floor is every rank's payload bytes at copy bandwidth plus two launches per rank. A concurrent
    variant (impl ``..._concurrent``) runs each rank's phases on its own CUDA stream (in turn on a CPU).
-5. ep_rank (only when named in --sections): one real rank of EP-N (--rank-worlds, GPU 8,16,32,64) at
+5. prefill: PrefillBuffer (high-throughput, rank-major) per-rank emulation, as ep_emulated: a loopback
+   world of --prefill-world ranks (GPU 8) with --prefill-tokens per rank (GPU 4096) on one device, every
+   rank's dispatch (bf16, fp8) and combine (bf16; in place after the bf16 dispatch) phases; GB/s of the
+   link-side bytes (what crosses to other ranks: ``PrefillPlan.dispatch_link_bytes`` /
+   ``combine_link_bytes``); the floor is the HBM bytes the emulation reads and writes on the one device
+   at copy bandwidth plus the launches.
+6. ep_rank (only when named in --sections): one real rank of EP-N (--rank-worlds, GPU 8,16,32,64) at
    full size; the other N-1 ranks' contributions are staged once and signalled per call by a small
    peer-emulator kernel (bench/ep_rank.py). Per-rank µs (the emulator's own time subtracted, and
    reported on its own line), this rank's HBM bytes, x (bytes / copy bandwidth + one launch), uniform
@@ -44,10 +50,10 @@ import moe_comm
 import triton
 from moe_comm.interpreter import kernel_for
 from bench import peers
-from bench.common import DRY_LABEL, JsonLines, environment, read_jsonl, time_us
+from bench.common import DRY_LABEL, JsonLines, environment, l2_bytes, percentiles, read_jsonl, time_us
 
 GPU_SIZES = [1, 8, 64, 128, 512, 2048]
-SECTIONS = ("floor", "a2a", "ep", "ep_emulated", "ep_rank", "permute", "nccl", "vdev")
+SECTIONS = ("floor", "a2a", "ep", "ep_emulated", "prefill", "ep_rank", "permute", "nccl", "vdev")
 # ep_rank runs when named: its GPU sweep compiles ~120 kernel variants (scripts/gpu_check.sh runs it as a
 # step of its own, so that its length cannot cut the other sections short).
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "ep_rank")
@@ -64,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--emulated-tokens", type=lambda s: [int(x) for x in s.split(",")],
                    help="tokens per rank in the ep_emulated section (GPU 1,128; dry 3)")
     sizes = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--prefill-world", type=int, help="ranks of the prefill section (GPU 8; dry 2)")
+    p.add_argument("--prefill-tokens", type=sizes, help="tokens per rank in the prefill section (GPU 4096; dry 3)")
     p.add_argument("--rank-worlds", type=sizes, help="EP sizes of the ep_rank section (GPU 8,16,32,64; dry 2,4)")
     p.add_argument("--rank-tokens", type=sizes, help="T per rank in the ep_rank section (GPU 1,8,32,128,512; dry 1,3)")
     p.add_argument("--rank-routings", default="uniform,skewed", help="routings of the ep_rank section")
@@ -86,10 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not cuda and not o.dry:
         p.error("no GPU here: use --dry (CPU interpreter, tiny shapes, labelled dry run)")
     gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20,
-               emulated_world=8, emulated_tokens=[1, 128], rank_worlds=[8, 16, 32, 64],
+               emulated_world=8, emulated_tokens=[1, 128], prefill_world=8, prefill_tokens=[4096],
+               rank_worlds=[8, 16, 32, 64],
                rank_tokens=[1, 8, 32, 128, 512])
     dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1,
-               emulated_world=2, emulated_tokens=[3], rank_worlds=[2, 4], rank_tokens=[1, 3])
+               emulated_world=2, emulated_tokens=[3], prefill_world=2, prefill_tokens=[3], rank_worlds=[2, 4],
+               rank_tokens=[1, 3])
     for k, v in (gpu if cuda else dry).items():
         if getattr(o, k) is None:
             setattr(o, k, v)
@@ -333,6 +343,160 @@ def bench_emulated_point(o, out, floor, EPBuffer, groups, gen, impl, streams, ho
     del ds, outs, eps
     if o.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# ---- prefill: PrefillBuffer, per-rank emulation ---------------------------------------------------------
+
+PREFILL_SPIN_CYCLES = 20_000_000   # ~10 ms GPU spin before each timed round: the host enqueues every rank's
+                                   # phases meanwhile (4 launches per rank), so its Python is not timed
+
+
+def time_round(first, second, device: torch.device, iters: int, warmup: int) -> tuple[dict, dict]:
+    """Device time of ``first(i)`` and of ``second(i)`` run back to back (a dispatch must be answered by its
+    combine before the next one, so they are timed in one loop): two dicts as ``time_us`` gives. GPU:
+    three CUDA events per round, after an L2 flush and a spin outside them; CPU: ``time.perf_counter``."""
+    for i in range(warmup):
+        first(i)
+        second(i)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        flush = torch.empty(max(2 * l2_bytes(device), 256 << 20) // 4, dtype=torch.int32, device=device)
+    a, b, events = [], [], []
+    for i in range(iters):
+        if cuda:
+            flush.fill_(i)
+            torch.cuda._sleep(PREFILL_SPIN_CYCLES)
+            events.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
+            events[-1][0].record()
+            first(warmup + i)
+            events[-1][1].record()
+            second(warmup + i)
+            events[-1][2].record()
+        else:
+            t0 = time.perf_counter()
+            first(warmup + i)
+            t1 = time.perf_counter()
+            second(warmup + i)
+            a.append((t1 - t0) * 1e6)
+            b.append((time.perf_counter() - t1) * 1e6)
+    if cuda:
+        torch.cuda.synchronize(device)
+        a = [e[0].elapsed_time(e[1]) * 1e3 for e in events]
+        b = [e[1].elapsed_time(e[2]) * 1e3 for e in events]
+    return percentiles(a), percentiles(b)
+
+
+def prefill_destinations(idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
+    """bool [T, world]: the ranks holding one of each token's experts (ids in [0, E); -1 not routed)."""
+    owner = torch.where(idx >= 0, idx // (num_experts // world), world)
+    hit = torch.zeros(idx.shape[0], world + 1, dtype=torch.bool, device=idx.device)
+    hit.scatter_(1, owner, True)
+    return hit[:, :world]
+
+
+def prefill_bytes(plan, idxs, num_experts: int, fp8: bool) -> dict:
+    """Bytes of one round of an emulated world (sums over ranks). link_*: what crosses to other ranks
+    (the plan's count: payload once per (token, remote destination rank), plus ids, weights and control
+    words; floor_pairs: those pairs alone). hbm_*: what the one device reads and writes for it: the
+    dispatch reads each routed token once and writes its row at every destination, itself included,
+    plus ids and weights to every rank; the combine reads one partial row per (token, destination)
+    and writes y, and with an fp8 dispatch (``expert_out`` is not ``recv_x``) its send first copies
+    those rows into the zone."""
+    world, ep = plan.world, plan.ep
+    row_in, row_out = ep.hidden * 2, 4 * (ep.x_words + ep.scale_words)
+    meta = 8 * ep.topk
+    b = dict(link_dispatch=0, link_combine=0, floor_pairs=0, hbm_dispatch=0, hbm_combine=0)
+    for r, idx in enumerate(idxs):
+        dest = prefill_destinations(idx, num_experts, world)
+        pairs_all, remote = int(dest.sum()), int(dest.sum() - dest[:, r].sum())
+        t, routed = idx.shape[0], int(dest.any(dim=1).sum())
+        b["floor_pairs"] += remote
+        b["link_dispatch"] += plan.dispatch_link_bytes(remote, t, world - 1)
+        b["link_combine"] += plan.combine_link_bytes(remote)
+        b["hbm_dispatch"] += routed * row_in + pairs_all * row_out + t * world * meta
+        copies = 3 if fp8 else 1   # the send's read and write of each partial row, then the receive's read
+        b["hbm_combine"] += copies * pairs_all * 4 * ep.out_words + t * row_in
+    return b
+
+
+def prefill_result(out: JsonLines, floor, op, impl, link_bytes: int, hbm_bytes: int, timing, launches: int,
+                   **sizes) -> dict:
+    """A result line whose GB/s is link-side bytes / p50 and whose floor is the HBM bytes at copy bandwidth
+    plus the launches (``result``'s fields, and link_bytes / hbm_bytes)."""
+    gbps, launch_us = floor
+    floor_us = hbm_bytes / (gbps * 1e3) + launches * launch_us
+    return out.write(kind="result", op=op, impl=impl, bytes=link_bytes, hbm_bytes=hbm_bytes,
+                     GBps=link_bytes / (timing["p50_us"] * 1e3), floor_us=floor_us,
+                     x_floor=timing["p50_us"] / floor_us, pct_of_floor=100.0 * floor_us / timing["p50_us"],
+                     **sizes, **timing)
+
+
+def bench_prefill(o, out, floor):
+    """PrefillBuffer dispatch (bf16, fp8) and in-place combine of every rank of a loopback world on one
+    device: in turn, and on CUDA concurrently (one stream per rank, ``run_phases``). The first round of
+    each point is checked: expert counts against the routing, y against (number of destination ranks)
+    x, exact (the experts are the identity: every partial row is the token itself)."""
+    world, h, e, k = o.prefill_world, o.hidden, o.experts, o.topk
+    groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
+    gen = torch.Generator().manual_seed(3)
+    variants = [(f"moe_comm_emulated_w{world}", None, "one")]
+    if o.device.type == "cuda":
+        variants.append((f"moe_comm_emulated_w{world}_concurrent", rank_streams(o.device, world), "one per rank"))
+    for t in o.prefill_tokens:
+        xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device) for _ in groups]
+        idxs = [peers.random_topk(t, e, k, gen).to(o.device) for _ in groups]
+        ws = [torch.rand(t, k, generator=gen).to(o.device) for _ in groups]
+        for impl, streams, how in variants:
+            for fp8 in (False, True):
+                bufs = [moe_comm.PrefillBuffer(g, e, h, t, k, dtype=torch.bfloat16, fp8_dispatch=fp8) for g in groups]
+                bench_prefill_point(o, out, floor, bufs, xs, idxs, ws, impl, streams, how, fp8)
+                for b in reversed(bufs):
+                    b.close()
+                if o.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
+def bench_prefill_point(o, out, floor, bufs, xs, idxs, ws, impl, streams, how, fp8):
+    world, e, t = len(bufs), o.experts, xs[0].shape[0]
+    ds = []
+
+    def dispatch_all(i):
+        ds[:] = run_phases(streams, [lambda b=b, x=x, idx=idx, w=w: b.dispatch(x, idx, w, phase="send")
+                                     for b, x, idx, w in zip(bufs, xs, idxs, ws)],
+                           [lambda b=b: b.dispatch(phase="recv") for b in bufs])
+
+    def combine_all(i):
+        # fp8: the partial rows are bf16 anyway (the experts' output), the zone's recv_x is not: a copy
+        eos = [d.recv_x if not fp8 else expert_outs[r] for r, d in enumerate(ds)]
+        return run_phases(streams, [lambda b=b, eo=eo, d=d: b.combine(eo, d.handle, phase="send")
+                                    for b, eo, d in zip(bufs, eos, ds)],
+                          [lambda b=b: b.combine(phase="recv") for b in bufs])
+
+    expert_outs = [torch.zeros(bufs[0].plan.rows, o.hidden, dtype=torch.bfloat16, device=o.device)
+                   for _ in bufs] if fp8 else None
+    dispatch_all(0)
+    got = torch.stack([d.expert_counts.cpu() for d in ds]).reshape(-1)
+    want = torch.bincount(torch.cat(idxs).reshape(-1).cpu(), minlength=e).to(torch.int32)
+    assert torch.equal(got, want), "emulated prefill dispatch counts differ from the routing"
+    ys = combine_all(0)
+    if not fp8:
+        for x, idx, y in zip(xs, idxs, ys):
+            n = prefill_destinations(idx, e, world).sum(dim=1, keepdim=True)
+            assert torch.equal(y, (x.float() * n).to(torch.bfloat16)), "emulated prefill combine differs"
+    for buf in bufs:
+        buf.group.check()
+    nb = prefill_bytes(bufs[0].plan, idxs, e, fp8)
+    sizes = dict(tokens=t, world=world, hidden=o.hidden, experts=e, topk=o.topk, max_tokens=t,
+                 dtype="fp8" if fp8 else "bf16", heap="loopback (emulated on one device)", streams=how,
+                 floor_pairs=nb["floor_pairs"])
+    td, tc = time_round(dispatch_all, combine_all, o.device, o.iters, o.warmup)
+    for buf in bufs:
+        buf.group.check()
+    prefill_result(out, floor, "prefill_dispatch", impl, nb["link_dispatch"], nb["hbm_dispatch"], td, 2 * world,
+                   **sizes)
+    prefill_result(out, floor, "prefill_combine", impl, nb["link_combine"], nb["hbm_combine"], tc, 2 * world,
+                   **dict(sizes, dtype="bf16", dispatch_dtype=sizes["dtype"]))
 
 
 def bench_ep_rank(o, out, floor):
@@ -631,6 +795,7 @@ def main(argv=None) -> int:
         finally:
             group.close()
     section("ep_emulated", bench_ep_emulated, o, out, floor)
+    section("prefill", bench_prefill, o, out, floor)
     section("ep_rank", bench_ep_rank, o, out, floor)
     section("permute", bench_permute, o, out, floor)
     section("nccl", bench_nccl, o, out, floor)

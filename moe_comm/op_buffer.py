@@ -11,16 +11,17 @@ from .errors import ClosedError
 class OpBuffer:
     """Subclasses set ``_closed = _allocated = False`` and implement ``_allocate()``, which builds
     ``_dispatch_op``, ``_combine_op``, ``_dispatch_ch`` and ``_combine_ch`` and sets ``_allocated``; a
-    static ``_plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)``
-    checks the sizes and returns the plan (``self.plan``, with ``buffer_bytes``); ``_stats`` counts the
-    slots received per local expert."""
+    static ``_plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
+    **options)`` (options: the class's own constructor options, with defaults) checks the sizes and returns
+    the plan (``self.plan``, with ``buffer_bytes``); ``_stats`` counts the slots received per local expert."""
 
     @classmethod
     def required_bytes(cls, world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                       dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False) -> int:
-        """``buffer_bytes`` of a buffer of this class with these sizes, without a group and without allocating."""
+                       dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, **options) -> int:
+        """``buffer_bytes`` of a buffer of this class with these sizes, without a group and without allocating;
+        ``options``: the class's own constructor options (PrefillBuffer: ``zones``)."""
         return cls._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch,
-                         "cpu").buffer_bytes
+                         "cpu", **options).buffer_bytes
 
     @property
     def buffer_bytes(self) -> int:

@@ -365,15 +365,19 @@ class PrefillPlan:
       words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8
       words [x_offset, + R*out_words)       partial rows of the combine (one per received token), written
                                             over recv_x by the combine's send phase
-    x_offset = 2*R*K rounded up to a 16-byte vector. There is one zone, not two: the next dispatch's send
-    waits (on the device) until every rank's combine has finished reading every zone.
+    x_offset = 2*R*K rounded up to a 16-byte vector. ``zones`` such zones (1 or 2, symmetric int32 words
+    [zones, zone_words]): consecutive dispatches alternate between them, so with 2 the dispatch of one
+    chunk can run while the previous chunk is in the experts (``PrefillBuffer``, ``prefill_chunks``).
+    Whatever the number, a dispatch's send waits (on the device) until every rank's combine has finished
+    reading the zones of the calls it answered.
 
     Memory (bytes, per rank; b element size of ``dtype``, p = payload bytes per row: H*b, or H + H/32 with
-    fp8): symmetric  4*x_offset + R*max(p, H*b)   (the zone)
+    fp8, Z = zones): symmetric  Z*(4*x_offset + R*max(p, H*b))   (the zones)
                      + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
-              local  M*K*4 (the combine's mask) + W*4 + L*4 + L*8 + 8 + counters + scratch
+              local  Z*(M*K*4 (the combine's mask) + W*4 + L*4) + L*8 + 8 + counters + scratch
     DeepSeek-V3 prefill (H=7168, K=8, 256 experts, bf16): EP16 with 4096 tokens per rank needs
-    0.88 GiB (DeepEP V2: 1.13 GiB); EP8 with 8192 the same R and so the same 0.88 GiB.
+    0.88 GiB (DeepEP V2: 1.13 GiB); EP8 with 8192 the same R and so the same 0.88 GiB; two zones of
+    half the capacity (M = 2048, 4096 tokens in two overlapped chunks) the same 0.88 GiB again.
     """
 
     ep: EPPlan            # the decode plan of the same sizes: its launch shapes (blocks, programs, warps)
@@ -382,6 +386,7 @@ class PrefillPlan:
     copy_rows: int        # rows per iteration of the combine's send (its copy into the zone)
     copy_words: int       # words per iteration along a row there
     copy_programs: int    # grid of the combine's send
+    zones: int = 1        # landing zones (1, or 2 for overlapped chunks)
 
     @property
     def world(self) -> int:
@@ -414,12 +419,13 @@ class PrefillPlan:
     @property
     def symmetric_bytes(self) -> int:
         w = self.world
-        return 4 * self.zone_words + 8 * (2 * w * self.dispatch_ctrl_words + 2 * w * self.combine_ctrl_words) + 4
+        return 4 * self.zones * self.zone_words + 8 * (2 * w * self.dispatch_ctrl_words + 2 * w * self.combine_ctrl_words) + 4
 
     @property
     def local_bytes(self) -> int:
         p, w = self.ep, self.world
-        metadata = p.max_tokens * p.topk * 4 + w * 4 + p.experts_per_rank * (4 + 8) + 8
+        per_zone = p.max_tokens * p.topk * 4 + w * 4 + p.experts_per_rank * 4   # mask, src_tokens, counts
+        metadata = self.zones * per_zone + p.experts_per_rank * 8 + 8
         counters = 2 * (8 + 8 + 4 * (w + 2))
         return metadata + counters + 4 * self.scratch_words
 
@@ -442,9 +448,15 @@ class PrefillPlan:
         return routed_pairs * 4 * self.ep.out_words
 
 
+PREFILL_ZONES = (1, 2)   # landing zones a PrefillBuffer may hold: in sequence, or overlapped chunks
+
+
 def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-                 fp8: bool, device) -> PrefillPlan:
+                 fp8: bool, device, zones: int = 1) -> PrefillPlan:
     """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+    if zones not in PREFILL_ZONES:
+        raise ValueError(f"zones must be one of {PREFILL_ZONES} (2: the next chunk's dispatch overlaps this "
+                         f"chunk's experts), got {zones!r}")
     device = torch.device(device)
     ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device)
     rows = world * max_tokens
@@ -455,4 +467,4 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
     else:                      # the interpreter: one wide program
         words = min(next_pow2(ep.out_words), 4096)
         block_rows, programs = min(next_pow2(rows), max(1, 8192 // words)), 1
-    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs)
+    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones))

@@ -12,6 +12,7 @@ functions and ``planner.plan_ep``'s launch shapes.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +42,13 @@ class PrefillHandle:
     routed: torch.Tensor      # int32 [M, topk]: 1 + the expert's rank where slot (t, k) is routed, else 0
     owner: int                # id() of the PrefillBuffer that made it
     epoch: int                # group epoch when it was made (a handle does not survive group.reset())
+    zone: int = 0             # the landing zone of the call (0, or 1 with zones=2)
 
 
 @dataclass
 class PrefillDispatchResult:
-    """What one rank receives from ``PrefillBuffer.dispatch`` (R = world * M, L = experts per rank).
+    """What one rank receives from ``PrefillBuffer.dispatch`` (R = world * M, L = experts per rank), in the
+    call's landing zone (``handle.zone``).
 
     recv_x             [R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Row s*M + t is token t of
                        source rank s, for t < src_tokens[s] and a recv_topk_idx entry >= 0 in that row;
@@ -58,10 +61,11 @@ class PrefillDispatchResult:
     src_tokens         int32 [world] on the device: tokens each source dispatched (0 for an excluded one).
     expert_counts      int32 [L] on the device: valid (row, k) slots per local expert.
     handle             PrefillHandle for ``combine``.
-    All of them are views of this rank's landing zone (or of small device tensors of the buffer): valid
-    until this rank's combine send phase of the same call, which writes the partial rows over recv_x.
-    Once every rank's combine has returned, peers may write the next call's rows into the zone at any
-    time: it is not the caller's between calls.
+    All of them are views of this rank's landing zone of the call (or of small device tensors of that
+    zone): valid until this rank's combine send phase of the same call, which writes the partial rows
+    over recv_x. Once every rank's combine has returned, peers may write a later call's rows into the
+    zone at any time: it is not the caller's between calls. With zones=2 the next dispatch uses the
+    other zone: this result stays valid while it runs.
     """
 
     recv_x: torch.Tensor
@@ -86,6 +90,22 @@ class PrefillDispatchResult:
                     topk_idx=self.recv_topk_idx[rows], topk_weights=self.recv_topk_weights[rows])
 
 
+@dataclass
+class _Zone:
+    """One landing zone of a rank and the small device tensors of the call that uses it."""
+
+    recv_x: torch.Tensor
+    recv_scales: torch.Tensor | None
+    recv_idx: torch.Tensor
+    recv_weights: torch.Tensor
+    routed: torch.Tensor       # int32 [M, K]: the combine's mask (PrefillHandle.routed)
+    src_tokens: torch.Tensor   # int32 [world]
+    counts: torch.Tensor       # int32 [L]
+    peer_ptrs: torch.Tensor    # int64 [world]: this zone on every rank (0 where a peer is not mapped)
+    words: torch.Tensor        # int32 [zone_words]: this rank's zone
+    launches: dict             # name -> (kernel with its grid, the arguments that never change)
+
+
 class _CombineChannel:
     """The combine's channel as ``PhasedOp`` sees it (every other method is the channel's): an abort also
     releases the zones (this rank reads none), so that when every rank aborted the call the next dispatch
@@ -108,9 +128,11 @@ class PrefillBuffer(OpBuffer):
     """Expert-parallel dispatch / combine of one rank for prefill (DeepEP normal-mode style, rank-major).
 
     ``PrefillBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
-    fp8_dispatch=False)``: rank r owns experts [r*L, (r+1)*L), L = num_experts // world. Buffers are
-    collective (every rank builds its PrefillBuffer in the same order; on a loopback world one per group,
-    in rank order) and allocated by the first ``dispatch``.
+    fp8_dispatch=False, zones=1)``: rank r owns experts [r*L, (r+1)*L), L = num_experts // world. Buffers
+    are collective (every rank builds its PrefillBuffer in the same order, with the same sizes and zones;
+    on a loopback world one per group, in rank order) and allocated by the first ``dispatch``.
+    zones=2 holds two landing zones (twice the memory) that consecutive dispatches alternate between, so
+    the dispatch of chunk i+1 may run before the combine of chunk i (``prefill_chunks.prefill_moe``).
 
     dispatch(x, topk_idx, topk_weights, *, phase="both") -> PrefillDispatchResult (None for phase="send")
         x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank
@@ -133,8 +155,12 @@ class PrefillBuffer(OpBuffer):
         partial row for t, in float32, rounded to dtype: bitwise reproducible from run to run. A token
         with no routed slot gets zeros.
 
-    Order: every dispatch is answered by one combine before the next dispatch (one landing zone: the
-    next dispatch's send waits on the device until every rank's combine has read every zone). Phases
+    Order: every dispatch is answered by one combine, in dispatch order; at most ``zones`` dispatches
+    are in flight (dispatched, their combine's receive phase not yet run): RuntimeError before any
+    launch otherwise, since the next one would write a zone still being read. A dispatch's send also
+    waits on the device until every rank's combine has finished reading the zones of the calls this
+    rank has combined (and, on CUDA, its launch waits for this rank's latest combine launch, whatever
+    the streams). Phases
     (``phase="send"`` then ``"recv"``) and loopback worlds as for EPBuffer. Nothing is read on the host:
     counts stay on the device and every launch has a fixed shape (CUDA-graph capturable at the fixed
     capacity max_tokens_per_rank).
@@ -146,36 +172,42 @@ class PrefillBuffer(OpBuffer):
     (``group.exclude``) send and receive nothing; slots routed to them are counted in ``excluded_slots``
     and skipped by the combine.
 
-    Memory (``buffer_bytes``, ``planner.PrefillPlan``): one symmetric zone of W*M rows (payload + 8*topk
-    bytes each) plus control words: 0.88 GiB per rank at DeepSeek-V3 EP16 with 4096 tokens per rank in
-    bf16 (DeepEP V2: 1.13 GiB). ``PrefillBuffer.required_bytes(...)`` evaluates it without a group.
+    Memory (``buffer_bytes``, ``planner.PrefillPlan``): ``zones`` symmetric zones of W*M rows (payload +
+    8*topk bytes each) plus control words: 0.88 GiB per rank at DeepSeek-V3 EP16 with 4096 tokens per
+    rank in bf16 (DeepEP V2: 1.13 GiB), and the same with zones=2 and 2048 tokens per zone (4096 tokens
+    in two overlapped chunks). ``PrefillBuffer.required_bytes(...)`` evaluates it without a group.
     Not supported yet: groups that reach a peer by puts (``group.uses_put``).
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1):
         if group.uses_put:
             raise NotImplementedError("PrefillBuffer's combine loads partial rows from its peers' memory, so every "
                                       "peer must be mapped here; this group reaches some by NVSHMEM puts (another "
                                       "node): use EPBuffer there")
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                               fp8_dispatch, group.device)
+                               fp8_dispatch, group.device, zones)
         self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
         self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
         self.num_local_experts = self.plan.ep.experts_per_rank
+        self.zones = self.plan.zones
         dev = group.device
         self._stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=dev)
         self._excluded = torch.zeros(1, dtype=torch.int64, device=dev)
         self._allocated = self._closed = False
         self._calls = 0             # dispatch send phases begun
-        self._open = None           # the handle of the latest dispatch until its combine starts
+        self._in_flight = deque()   # handles of this epoch's dispatches whose combine receive has not run
+        self._epoch = None          # the group epoch of _in_flight and _next_zone
+        self._next_zone = 0         # dispatches of this epoch (the zone of the next one: mod zones)
 
     # ---- planning --------------------------------------------------------------------------------
     @staticmethod
-    def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device) -> PrefillPlan:
+    def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
+              zones: int = 1) -> PrefillPlan:
         EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
-        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
+        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device,
+                            zones)
 
     @property
     def excluded_slots(self) -> torch.Tensor:
@@ -184,30 +216,41 @@ class PrefillBuffer(OpBuffer):
 
     # ---- buffers ---------------------------------------------------------------------------------
     def _allocate(self) -> None:
-        p, g, dev = self.plan, self.group, self.group.device
-        ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
-        self._dispatch_ch = Channel(g, "prefill.dispatch", (1, p.zone_words), torch.int32,
+        p, g = self.plan, self.group
+        self._dispatch_ch = Channel(g, "prefill.dispatch", (p.zones, p.zone_words), torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "prefill.combine", (1,), torch.int32, ctrl_words=p.combine_ctrl_words)
         self._dispatch_op = PhasedOp(g, "prefill.dispatch", self._dispatch_ch)
         self._combine_op = PhasedOp(g, "prefill.combine", _CombineChannel(self._combine_ch))
-        zone = self._dispatch_ch.data.local.view(-1)
-        self._recv_idx = zone[:R * K].view(R, K)
-        self._recv_weights = zone[R * K:2 * R * K].view(WEIGHT_DTYPE).view(R, K)
-        x_words = zone[p.x_offset:p.x_offset + R * ep.x_words]
-        self._recv_x = x_words.view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
-        self._recv_scales = (zone[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
-                             .view(R, ep.scale_words) if ep.fp8 else None)
-        self._routed = torch.zeros((ep.max_tokens, K), dtype=torch.int32, device=dev)
-        self._src_tokens = torch.zeros(g.world_size, dtype=torch.int32, device=dev)
-        self._counts = torch.zeros(ep.experts_per_rank, dtype=torch.int32, device=dev)
-        self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
-        self._launches = self._build_launches()
+        self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=g.device)
+        self._zones = [self._zone(z) for z in range(p.zones)]
         self._allocated = True
 
-    def _build_launches(self) -> dict:
-        """Every launch's kernel (for this device), grid and the arguments that never change, built once:
-        a call adds only its tensors and sizes (the host cost of an eager call)."""
+    def _zone(self, z: int) -> _Zone:
+        """Views of landing zone ``z`` (``planner.PrefillPlan`` layout), its call's device tensors and
+        every launch that reads or writes it."""
+        p, dev = self.plan, self.group.device
+        ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
+        words = self._dispatch_ch.data.local[z]
+        x = words[p.x_offset:p.x_offset + R * ep.x_words].view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
+        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
+                  .view(R, ep.scale_words) if ep.fp8 else None)
+        zone = _Zone(x, scales, words[:R * K].view(R, K), words[R * K:2 * R * K].view(WEIGHT_DTYPE).view(R, K),
+                     routed=torch.zeros((ep.max_tokens, K), dtype=torch.int32, device=dev),
+                     src_tokens=torch.zeros(self.group.world_size, dtype=torch.int32, device=dev),
+                     counts=torch.zeros(ep.experts_per_rank, dtype=torch.int32, device=dev),
+                     peer_ptrs=self._zone_peer_ptrs(z), words=words, launches={})
+        zone.launches = self._build_launches(zone)
+        return zone
+
+    def _zone_peer_ptrs(self, z: int) -> torch.Tensor:
+        """int64 [world]: zone ``z`` on every rank, from the dispatch buffer's peer pointers (0 stays 0)."""
+        peers = self._dispatch_ch.data.peer_ptrs
+        return torch.where(peers != 0, peers + z * self.plan.zone_words * 4, 0)
+
+    def _build_launches(self, zone: _Zone) -> dict:
+        """Every launch of one zone: its kernel (for this device), grid and the arguments that never change,
+        built once: a call adds only its tensors and sizes (the host cost of an eager call)."""
         p, ep, g = self.plan, self.plan.ep, self.group
         dch, cch = self._dispatch_ch, self._combine_ch
         sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,
@@ -220,8 +263,8 @@ class PrefillBuffer(OpBuffer):
 
         return dict(
             dispatch_send=launch(
-                prefill_dispatch_send_kernel, ep.send_grid, routed_ptr=self._routed, excluded_ptr=self._excluded,
-                data_ptrs_ptr=dch.data.peer_ptrs, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, released_ptr=cch.ctrl.local,
+                prefill_dispatch_send_kernel, ep.send_grid, routed_ptr=zone.routed, excluded_ptr=self._excluded,
+                data_ptrs_ptr=zone.peer_ptrs, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, released_ptr=cch.ctrl.local,
                 combine_seq_ptr=cch.recv_seq, seq_ptr=dch.send_seq, done_ptr=dch.done, num_experts=self.num_experts,
                 OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
                 X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
@@ -229,24 +272,36 @@ class PrefillBuffer(OpBuffer):
                 BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
                 NBLK=ep.send_programs, num_warps=ep.send_warps, **slots, **sig),
             dispatch_recv=launch(
-                prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=self._src_tokens, counts_ptr=self._counts,
+                prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=zone.src_tokens, counts_ptr=zone.counts,
                 stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq, OP=op_id("prefill.dispatch"),
                 EXPERTS_PER_RANK=ep.experts_per_rank, EXPERTS_P2=next_pow2(ep.experts_per_rank),
                 CTRL_WORDS=p.dispatch_ctrl_words, **shape, **sig),
             combine_send=launch(
-                prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=dch.data.local,
-                src_tokens_ptr=self._src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
+                prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=zone.words,
+                src_tokens_ptr=zone.src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
                 done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
                 NBLK=p.copy_programs, **slots, **sig),
             combine_recv=launch(
-                prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=self._routed, data_ptrs_ptr=dch.data.peer_ptrs,
+                prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=zone.routed, data_ptrs_ptr=zone.peer_ptrs,
                 ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
                 OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset,
                 BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **slots, **sig))
 
-    def _launch(self, name: str, **args) -> None:
-        kernel, static = self._launches[name]
+    def _launch(self, zone: int, name: str, **args) -> None:
+        kernel, static = self._zones[zone].launches[name]
         kernel(**static, **args)
+
+    def _in_flight_now(self) -> deque:
+        """The in-flight handles of the group's current epoch. A new epoch (``reset()``, ``exclude()``)
+        drops the others, starts the zones over (every rank's counters restart together) and re-derives
+        the zones' peer pointers from the buffer's (an exclusion points an excluded peer's at this rank's
+        own copy)."""
+        if self._epoch != self.group.epoch:
+            self._epoch, self._next_zone = self.group.epoch, 0
+            self._in_flight.clear()
+            for z, zone in enumerate(self._zones):
+                zone.peer_ptrs.copy_(self._zone_peer_ptrs(z))
+        return self._in_flight
 
     # ---- dispatch --------------------------------------------------------------------------------
     def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
@@ -267,31 +322,38 @@ class PrefillBuffer(OpBuffer):
         the class docstring. phase="recv" takes no tensors."""
         self._ensure_allocated()
         g, op = self.group, self._dispatch_op
-        if phase != "recv" and self._open is not None and self._open.epoch == g.epoch:
-            raise RuntimeError("PrefillBuffer: the previous dispatch has not been combined; every dispatch is "
-                               "answered by one combine before the next dispatch (the landing zone is reused)")
+        in_flight = self._in_flight_now()
+        if phase != "recv" and len(in_flight) == self.zones:
+            raise RuntimeError(f"PrefillBuffer: the previous dispatch has not been combined (both phases); every "
+                               f"dispatch is answered by one combine, and with zones={self.zones} at most "
+                               f"{self.zones} may be in flight (the next one would write a landing zone still "
+                               f"being read)")
         do_send, do_recv = op.begin(phase)
         if do_send:
             T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, topk_weights))
+            self._combine_ch.after_previous()   # CUDA: after this rank's latest combine, which read the zones
             op.before_send()
-            handle = PrefillHandle(self._calls, T, self._routed, id(self), g.epoch)
+            zone = self._next_zone % self.zones
+            handle = PrefillHandle(self._calls, T, self._zones[zone].routed, id(self), g.epoch, zone)
             self._calls += 1
-            self._open = handle
+            self._next_zone += 1
+            in_flight.append(handle)
             if T > 0:
                 xin = x.contiguous() if self.fp8_dispatch else x.contiguous().view(torch.int32)
                 idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             else:  # never read (T = 0), but the kernel needs valid pointers
                 xin = self._dummy.view(self.dtype) if self.fp8_dispatch else self._dummy
                 idx, w = self._dummy, self._dummy.view(WEIGHT_DTYPE)
-            self._launch("dispatch_send", x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T,
+            self._launch(zone, "dispatch_send", x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T,
                          ALIGNED=vector_aligned(xin))
             op.sent(handle)
             if not do_recv:
                 return None
         handle = op.take()
-        self._launch("dispatch_recv")
-        return op.finish(PrefillDispatchResult(self._recv_x, self._recv_scales, self._recv_idx, self._recv_weights,
-                                               self._src_tokens, self._counts, handle))
+        self._launch(handle.zone, "dispatch_recv")
+        z = self._zones[handle.zone]
+        return op.finish(PrefillDispatchResult(z.recv_x, z.recv_scales, z.recv_idx, z.recv_weights, z.src_tokens,
+                                               z.counts, handle))
 
     # ---- combine ---------------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
@@ -300,9 +362,11 @@ class PrefillBuffer(OpBuffer):
                             f"got {type(handle).__name__}")
         if handle.epoch != self.group.epoch:
             raise ValueError("stale handle: its dispatch was made before group.reset()/exclude()")
-        if handle.call_index != self._calls - 1 or self._dispatch_op.pending is not None:
-            raise ValueError("stale handle: a handle is valid for one combine, that of the latest dispatch, once "
-                             "its phase='recv' has run")
+        in_flight = self._in_flight_now()
+        if (not in_flight or handle is not in_flight[0]
+                or (handle is in_flight[-1] and self._dispatch_op.pending is not None)):
+            raise ValueError("stale handle: a handle is valid for one combine, that of the oldest dispatch not yet "
+                             "combined, once its phase='recv' has run")
 
     def _check_out(self, T, out) -> None:
         if out is not None:
@@ -321,28 +385,36 @@ class PrefillBuffer(OpBuffer):
         p, g, op = self.plan, self.group, self._combine_op
         do_send, do_recv = op.begin(phase)
         if do_send:
-            if handle is not None and handle is self._open:
-                self._open = None   # this call answers it, even if its inputs are refused
+            in_flight = self._in_flight_now()
             R, H = p.rows, self.hidden
 
             def check():
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (self.dtype,), (R, H))
                 self._check_out(handle.num_tokens, out)
-            op.validate(check)
+            try:
+                op.validate(check)
+            except (TypeError, ValueError):
+                if in_flight and handle is in_flight[0]:
+                    in_flight.popleft()   # a refused combine answers its dispatch (the call is aborted)
+                raise
             op.before_send()
-            in_place = expert_out.data_ptr() == self._recv_x.data_ptr() and not self.fp8_dispatch
+            in_place = expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr() and not self.fp8_dispatch
             src = self._dummy if in_place else expert_out.contiguous().view(torch.int32)
-            self._launch("combine_send", expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=vector_aligned(src))
+            self._launch(handle.zone, "combine_send", expert_out_ptr=src, IN_PLACE=in_place,
+                         ALIGNED=vector_aligned(src))
             op.sent((handle, out))
             if not do_recv:
                 return None
         handle, out0 = op.pending
         self._check_out(handle.num_tokens, out)   # before taking: a refused output keeps the call pending
         op.take()
+        in_flight = self._in_flight_now()
+        if in_flight and in_flight[0] is handle:
+            in_flight.popleft()   # its zone is free once this receive has read it (the next dispatch's wait)
         T, out = handle.num_tokens, out0 if out is None else out
         if out is None:
             out = torch.empty((T, self.hidden), dtype=self.dtype, device=g.device)
-        self._launch("combine_recv", out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T,
+        self._launch(handle.zone, "combine_recv", out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T,
                      ALIGNED=vector_aligned(out))
         return op.finish(out)

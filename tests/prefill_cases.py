@@ -23,9 +23,9 @@ CONFIGS = (
 CASES = ((0, "random"), (1, "skewed"), (2, "one_rank"), (0, "dup"), (1, "random"), (2, "none"))
 
 
-def make_buffer(group, cfg: Config) -> PrefillBuffer:
+def make_buffer(group, cfg: Config, zones: int = 1) -> PrefillBuffer:
     return PrefillBuffer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.max_tokens, cfg.topk,
-                         dtype=cfg.dtype, fp8_dispatch=cfg.fp8)
+                         dtype=cfg.dtype, fp8_dispatch=cfg.fp8, zones=zones)
 
 
 def poison(buf: PrefillBuffer) -> None:
@@ -33,9 +33,10 @@ def poison(buf: PrefillBuffer) -> None:
     (allocating the buffer first: collective, so every rank poisons at the same point)."""
     buf._ensure_allocated()
     buf._dispatch_ch.data.local.fill_(-1)           # all ones: NaN in every float format, fp8 included
-    buf._recv_idx.fill_(12345)                      # not -1, not a local id
-    buf._src_tokens.fill_(-7)
-    buf._counts.fill_(-7)
+    for zone in buf._zones:
+        zone.recv_idx.fill_(12345)                  # not -1, not a local id
+        zone.src_tokens.fill_(-7)
+        zone.counts.fill_(-7)
 
 
 def partial_rows(x: torch.Tensor, scales, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -146,8 +147,8 @@ CHUNK_TOKENS = (11, 4)   # tokens per rank of the chunked case, M = 5: 3 chunks,
 
 
 def run_chunked_case(group) -> list[str]:
-    """prefill_moe over 3 chunks (T > capacity on rank 0, one chunk's worth on rank 1) equals the
-    reference for one call with room for every token."""
+    """prefill_moe over 3 chunks (T > capacity on rank 0, one chunk's worth on rank 1), in sequence (one
+    zone) and overlapped (two zones), equals the reference for one call with room for every token."""
     from moe_comm.prefill_chunks import num_chunks, prefill_moe
     world, rank, cfg = group.world_size, group.rank, CONFIGS[0]
     g = torch.Generator().manual_seed(77)
@@ -159,11 +160,71 @@ def run_chunked_case(group) -> list[str]:
     exp_d = reference.prefill_dispatch(xs, idxs, ws, E, big)
     parts = [partial_rows(e["x"], None, r, cfg.dtype) for r, e in enumerate(exp_d)]
     want = reference.prefill_combine(parts, idxs, E, big)[rank]
-    buf = make_buffer(group, cfg)
+    errs = []
+    for zones in (1, 2):
+        buf = make_buffer(group, cfg, zones)
+        seen = []
 
-    def experts(d):
-        return partial_rows(d.recv_x, None, rank, cfg.dtype)
+        def experts(d):
+            seen.append(d.handle.zone)
+            return partial_rows(d.recv_x, None, rank, cfg.dtype)
 
-    y = prefill_moe(buf, xs[rank], idxs[rank], ws[rank], experts, num_chunks(big, buf))
+        y = prefill_moe(buf, xs[rank], idxs[rank], ws[rank], experts, num_chunks(big, buf))
+        buf.close()
+        if not torch.equal(y, want):
+            errs.append(f"rank{rank} zones={zones}: chunked prefill differs from the reference")
+        if seen != [c % zones for c in range(3)]:
+            errs.append(f"rank{rank} zones={zones}: chunks used zones {seen}")
+    return errs
+
+
+SLOW_RANK_S = 1.0   # the slow rank's pause between its combine's send and receive phases
+
+
+def run_slow_reader_case(group) -> dict:
+    """``slow_reader`` with one zone and with two: {zones: its result}."""
+    return {zones: slow_reader(group, zones) for zones in (1, 2)}
+
+
+def slow_reader(group, zones: int) -> dict:
+    """World 2: rank 1 pauses between the send and the receive of a combine; rank 0's next dispatch into
+    the same zone must not finish its send before rank 1's combine receive has begun (the device wait on
+    every rank's ``released`` word). With zones=2 the calls are pipelined (dispatch b before combine a,
+    dispatch c into a's zone). Returns the times and the errors against the reference."""
+    import time
+    rank, cfg = group.rank, CONFIGS[0]
+    buf = make_buffer(group, cfg, zones)
+    calls = [make_inputs(cfg, 2, "random", 300 + i) for i in range(3)]
+    exp = [expected(cfg, 2, *c) for c in calls]
+    errs, t = [], {}
+    poison(buf)
+    group.barrier()
+
+    def dispatch(i, phase="both"):
+        xs, idxs, ws = calls[i]
+        return buf.dispatch(xs[rank], idxs[rank], ws[rank], phase=phase)
+
+    def combine(i, d):
+        y = buf.combine(expert_out(d, exp[i][0][rank], rank, cfg), d.handle)
+        if not torch.equal(y, exp[i][2][rank]):
+            errs.append(f"rank{rank} zones={zones} call {i}: combine differs from the reference")
+
+    ds = {0: dispatch(0)}
+    if zones == 2:
+        ds[1] = dispatch(1)
+    buf.combine(expert_out(ds[0], exp[0][0][rank], rank, cfg), ds[0].handle, phase="send")
+    if rank == 1:
+        time.sleep(SLOW_RANK_S)
+    t["read_begins"] = time.monotonic()
+    y = buf.combine(phase="recv")
+    if not torch.equal(y, exp[0][2][rank]):
+        errs.append(f"rank{rank} zones={zones} call 0: combine differs from the reference")
+    nxt = 2 if zones == 2 else 1           # the next dispatch into call 0's zone
+    dispatch(nxt, phase="send")
+    t["next_sent"] = time.monotonic()
+    ds[nxt] = buf.dispatch(phase="recv")
+    for i in sorted(ds)[1:]:
+        errs += check_dispatch(ds[i], exp[i][0][rank], cfg, f"rank{rank} zones={zones} call {i}")
+        combine(i, ds[i])
     buf.close()
-    return [] if torch.equal(y, want) else [f"rank{rank}: chunked prefill differs from the reference"]
+    return dict(errs=errs, **t)

@@ -106,6 +106,30 @@ def test_summary_judges_targets(tmp_path):
     assert LABEL not in text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")
+@pytest.mark.timeout(300)
+def test_kernels_dry_prefill_section(tmp_path):
+    """The prefill section alone (one timed round per point): dispatch bf16 / fp8 and combine lines of an
+    emulated world 2, checked against the routing inside the script; link bytes are the plan's: the
+    combine moves the floor pairs' rows exactly, the dispatch those plus ids, weights and control words."""
+    proc = _run("bench/kernels.py", "--dry", "--out-dir", str(tmp_path), "--sections", "prefill", "--iters", "1",
+                "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (jsonl,) = tmp_path.glob("kernels-dry-*.jsonl")
+    lines = [json.loads(s) for s in jsonl.read_text().splitlines()]
+    results = [r for r in lines if r["kind"] == "result"]
+    assert {(r["op"], r["dtype"]) for r in results} == {
+        ("prefill_dispatch", "bf16"), ("prefill_dispatch", "fp8"), ("prefill_combine", "bf16")}
+    assert all(r["dry"] and r["impl"] == "moe_comm_emulated_w2" and r["world"] == 2 for r in results)
+    row = 2 * 256   # --hidden 256 in bf16
+    for r in results:
+        assert r["floor_pairs"] > 0 and r["hbm_bytes"] > r["bytes"] > 0 and r["floor_us"] > 0
+        if r["op"] == "prefill_combine":
+            assert r["bytes"] == r["floor_pairs"] * row
+        elif r["dtype"] == "bf16":
+            assert r["bytes"] > r["floor_pairs"] * row
+
+
 # ---- decode benchmark: the fair baselines, --emulate-ep, the counters, the report ----------------------
 
 def _dist_free_group():

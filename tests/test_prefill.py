@@ -13,8 +13,8 @@ from moe_comm.planner import plan_prefill
 
 from ep_cases import Config, make_inputs
 from shm_files import own_shm_files
-from prefill_cases import (CONFIGS, check_dispatch, expected, make_buffer, poison, round_trip, run_chunked_case,
-                           run_loopback_cases, run_shm_cases)
+from prefill_cases import (CONFIGS, check_dispatch, expected, expert_out, make_buffer, poison, round_trip,
+                           run_chunked_case, run_loopback_cases, run_shm_cases, run_slow_reader_case)
 
 GIB = 2 ** 30
 DEEPEP_V2_EP16_4096_BYTES = 1.13 * GIB   # DeepEP V2 ElasticBuffer, EP16, 4096 tokens per rank (issue 25)
@@ -94,6 +94,11 @@ def test_memory_at_deepseek_v3():
     assert ep16 <= DEEPEP_V2_EP16_4096_BYTES
     assert ep16 == plan_prefill(16, 256, 7168, 4096, 8, torch.bfloat16, False, "cpu").buffer_bytes
     assert EPBuffer.required_bytes(16, 256, 7168, 4096, 8) > 10 * ep16
+    # Overlapped chunks: two zones double the zone memory at the same capacity, and fit at half of it
+    # (4096 tokens per rank in two chunks of 2048).
+    assert PrefillBuffer.required_bytes(16, 256, 7168, 4096, 8, zones=2) > DEEPEP_V2_EP16_4096_BYTES
+    two = PrefillBuffer.required_bytes(16, 256, 7168, 2048, 8, zones=2)
+    assert two <= DEEPEP_V2_EP16_4096_BYTES and abs(two - ep16) < 2 ** 20
     # The zone is the output: W * M rows of payload plus 8 * topk bytes of ids and weights.
     assert ep16 >= 16 * 4096 * (7168 * 2 + 64)
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
@@ -101,6 +106,11 @@ def test_memory_at_deepseek_v3():
     buf._allocate()   # what the first dispatch does: the plan's symmetric bytes are what it allocates
     held = buf._dispatch_ch.symmetric_bytes + buf._combine_ch.symmetric_bytes
     assert held == buf.plan.symmetric_bytes
+    buf2 = PrefillBuffer(moe_comm.init(backend="loopback", device="cpu")[0], 8, 128, 3, 2, zones=2)
+    buf2._allocate()
+    assert buf2._dispatch_ch.symmetric_bytes + buf2._combine_ch.symmetric_bytes == buf2.plan.symmetric_bytes
+    with pytest.raises(ValueError, match=r"zones must be one of \(1, 2\)"):
+        PrefillBuffer(groups[0], 8, 128, 3, 2, zones=3)
 
 
 # ---- faults ---------------------------------------------------------------------------------------
@@ -211,7 +221,7 @@ def test_timeout_is_sticky_poisons_and_recovers_after_reset():
     for b in bufs:
         with pytest.raises(CommTimeoutError) as info:
             b.dispatch(phase="recv")
-        assert b._counts.tolist() == [0] * cfg.experts_per_rank
+        assert b._zones[0].counts.tolist() == [0] * cfg.experts_per_rank
     for g in groups:
         g.reset()
     for seed in (8, 9):
@@ -249,8 +259,8 @@ def test_excluded_rank_sends_and_receives_nothing():
     ys = [b.combine(phase="recv") for b in live]
     want = reference.prefill_combine([e["x"] for e in exp_d], idxs, E, m, excluded=(2,))
     assert all(torch.equal(ys[r], want[r]) for r in range(2))
-    ids_words = bufs[2]._recv_idx.numel()   # the rest of the zone (weights, rows) holds all-ones words
-    assert (bufs[2]._recv_idx == 12345).all() and (bufs[2]._dispatch_ch.data.local[0, ids_words:] == -1).all()
+    ids_words = bufs[2]._zones[0].recv_idx.numel()   # the rest of the zone (weights, rows): all-ones words
+    assert (bufs[2]._zones[0].recv_idx == 12345).all() and (bufs[2]._dispatch_ch.data.local[0, ids_words:] == -1).all()
     to_2 = sum(int(((i >= 8) & (i < 12)).sum()) for i in idxs[:2])
     assert int(live[0].excluded_slots) + int(live[1].excluded_slots) == to_2 > 0
 
@@ -262,6 +272,189 @@ def test_excluded_rank_sends_and_receives_nothing():
 def test_chunked_prefill_beyond_capacity(world):
     errs = moe_comm.launch(run_chunked_case, world, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
+
+
+@pytest.mark.timeout(180)
+def test_next_dispatch_waits_for_every_rank_to_release_the_zone():
+    """shm world 2, rank 1 slow between its combine's send and receive: rank 0's next dispatch into the
+    same zone returns from its send only after rank 1's combine receive began (the device wait on the
+    released words), with one zone and with two (pipelined), and every call is exact."""
+    r0, r1 = moe_comm.launch(run_slow_reader_case, 2, backend="shm", timeout_s=60)
+    for zones in (1, 2):
+        assert r0[zones]["errs"] == [] and r1[zones]["errs"] == []
+        assert r0[zones]["next_sent"] > r1[zones]["read_begins"], f"zones={zones}"
+
+
+def _round(bufs, calls, i, phase):
+    xs, idxs, ws = calls[i]
+    return [b.dispatch(x, k, w, phase=phase) for b, x, k, w in zip(bufs, xs, idxs, ws)]
+
+
+def test_two_zones_pipeline_exact_and_a_third_dispatch_is_refused():
+    """zones=2, loopback world 2: dispatch a, dispatch b (other zone: a's result intact), combine a,
+    dispatch c (a's zone), combine b, combine c: every result exact. A third dispatch in flight, or one
+    while combine a's receive is still to run, raises before any launch and loses nothing."""
+    cfg = CONFIGS[0]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
+    bufs = [make_buffer(g, cfg, zones=2) for g in groups]
+    calls = [make_inputs(cfg, 2, "random", 40 + i) for i in range(3)]
+    exp = [expected(cfg, 2, *c) for c in calls]
+    for b in bufs:
+        poison(b)
+    ds = {}
+    for i in (0, 1):
+        _round(bufs, calls, i, "send")
+        ds[i] = [b.dispatch(phase="recv") for b in bufs]
+    assert [d.handle.zone for d in ds[0] + ds[1]] == [0, 0, 1, 1]
+    with pytest.raises(RuntimeError, match="at most 2 may be in flight"):
+        _round(bufs, calls, 2, "send")
+
+    def combine(i, phases=("send", "recv")):
+        if "send" in phases:
+            for r, (b, d) in enumerate(zip(bufs, ds[i])):
+                b.combine(expert_out(d, exp[i][0][r], r, cfg), d.handle, phase="send")
+        if "recv" in phases:
+            ys = [b.combine(phase="recv") for b in bufs]
+            assert all(torch.equal(y, e) for y, e in zip(ys, exp[i][2])), f"call {i}"
+
+    for r, d in enumerate(ds[0]):   # b landed in the other zone
+        assert check_dispatch(d, exp[0][0][r], cfg, f"call 0 rank{r}") == []
+    combine(0, ("send",))
+    with pytest.raises(RuntimeError, match="has not been combined"):
+        _round(bufs, calls, 2, "send")   # c would write a's zone while a's combine still reads it
+    combine(0, ("recv",))
+    _round(bufs, calls, 2, "send")
+    ds[2] = [b.dispatch(phase="recv") for b in bufs]
+    assert [d.handle.zone for d in ds[2]] == [0, 0]
+    for i in (1, 2):
+        for r, d in enumerate(ds[i]):
+            assert check_dispatch(d, exp[i][0][r], cfg, f"call {i} rank{r}") == []
+        combine(i)
+    for g in groups:
+        g.check()
+
+
+@pytest.mark.timeout(120)
+def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over():
+    """zones=2, loopback world 2, dispatches a and b in flight; rank 1 skips combine a: rank 0's combine
+    raises CommTimeoutError naming it with NaN rows, every later call on both ranks raises (NaN rows for
+    b's combine, zero counts for c in a's zone: no stale data), and after reset() the in-flight calls are gone and a new
+    pipeline starts again in zone 0 and is exact."""
+    cfg = CONFIGS[0]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=0.5)
+    bufs = [make_buffer(g, cfg, zones=2) for g in groups]
+    calls = [make_inputs(cfg, 2, "random", 60 + i) for i in range(3)]
+    exp = [expected(cfg, 2, *c) for c in calls]
+    ds = {}
+    for i in (0, 1):
+        _round(bufs, calls, i, "send")
+        ds[i] = [b.dispatch(phase="recv") for b in bufs]
+    bufs[0].combine(expert_out(ds[0][0], exp[0][0][0], 0, cfg), ds[0][0].handle, phase="send")
+    out = torch.zeros_like(calls[0][0][0])
+    with pytest.raises(CommTimeoutError, match="waiting for peer rank 1") as info:
+        bufs[0].combine(out=out, phase="recv")
+    assert info.value.op == "prefill.combine" and out.isnan().all()
+    bufs[1].combine(expert_out(ds[0][1], exp[0][0][1], 1, cfg), ds[0][1].handle, phase="send")
+    with pytest.raises(CommTimeoutError):
+        bufs[1].combine(phase="recv")
+    for b, d in zip(bufs, ds[1]):      # b's combine: the group error, NaN rows
+        b.combine(d.recv_x, d.handle, phase="send")
+    for b in bufs:
+        with pytest.raises(CommTimeoutError):
+            assert b.combine(phase="recv").isnan().all()
+    _round(bufs, calls, 2, "send")
+    for b in bufs:
+        with pytest.raises(CommTimeoutError):
+            b.dispatch(phase="recv")
+        assert b._zones[0].counts.tolist() == [0] * cfg.experts_per_rank   # c's zone (a's, freed)
+    for g in groups:
+        g.reset()
+    ds = {}
+    for i in (0, 1):
+        _round(bufs, calls, i, "send")
+        ds[i] = [b.dispatch(phase="recv") for b in bufs]
+    assert [d.handle.zone for i in (0, 1) for d in ds[i]] == [0, 0, 1, 1]
+    for i in (0, 1):
+        for r, (b, d) in enumerate(zip(bufs, ds[i])):
+            assert check_dispatch(d, exp[i][0][r], cfg, f"call {i} rank{r}") == []
+            b.combine(expert_out(d, exp[i][0][r], r, cfg), d.handle, phase="send")
+        ys = [b.combine(phase="recv") for b in bufs]
+        assert all(torch.equal(y, e) for y, e in zip(ys, exp[i][2])), f"call {i} after reset"
+
+
+def test_zone_pointers_follow_the_buffers_after_a_new_epoch():
+    """An exclusion repoints an excluded peer's buffer pointer at this rank's own copy (the heap), then
+    resets: the next call re-derives every zone's pointers from the buffer's, so zone 1 of that peer is
+    this rank's own zone 1 (an address that stays valid), not the released mapping."""
+    cfg = CONFIGS[0]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
+    bufs = [make_buffer(g, cfg, zones=2) for g in groups]
+    for b in bufs:
+        b._ensure_allocated()
+        b._in_flight_now()
+    base = bufs[0]._dispatch_ch.data.peer_ptrs
+    saved = base.clone()
+    base[1] = base[0]                     # what heap.release_peer(1) does on rank 0
+    for g in groups:
+        g.reset()
+    bufs[0]._in_flight_now()
+    zone_bytes = bufs[0].plan.zone_words * 4
+    assert bufs[0]._zones[1].peer_ptrs.tolist() == [int(saved[0]) + zone_bytes] * 2
+    base.copy_(saved)
+    for g in groups:
+        g.reset()
+    for seed in (70, 71):   # zone 0, then zone 1
+        assert round_trip(bufs, cfg, *make_inputs(cfg, 2, "random", seed), f"seed{seed}") == []
+
+
+def test_one_zone_dispatch_waits_for_the_combine_receive():
+    """zones=1: a dispatch between a combine's send and its receive would overwrite the partial rows that
+    receive reads (the peer's rows of this rank's tokens): refused before any launch; after the receive
+    both rounds are exact."""
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg, timeout_s=5.0)
+    calls = [make_inputs(cfg, 2, "random", 50 + i) for i in range(2)]
+    exp = [expected(cfg, 2, *c) for c in calls]
+    _round(bufs, calls, 0, "send")
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    for r, (b, d) in enumerate(zip(bufs, ds)):
+        b.combine(expert_out(d, exp[0][0][r], r, cfg), d.handle, phase="send")
+    with pytest.raises(RuntimeError, match="has not been combined"):
+        _round(bufs, calls, 1, "send")
+    ys = [b.combine(phase="recv") for b in bufs]
+    assert all(torch.equal(y, e) for y, e in zip(ys, exp[0][2]))
+    assert round_trip(bufs, cfg, *calls[1], "after") == []
+
+
+@pytest.mark.parametrize("zones,fp8,dtype", [(1, False, torch.float32), (2, False, torch.float32),
+                                             (2, True, torch.bfloat16)])
+def test_moe_layer_helper_equals_per_token_experts(zones, fp8, dtype):
+    """A MoE layer through prefill_moe + local_experts at world 1, 11 tokens in chunks of 5, top-3, -1 slots
+    and a token routed nowhere: y[t] = sum over k of w * expert(e_k, x_t) in float32, in k order, rounded
+    to dtype, bitwise (float32 keeps the k order visible; fp8: of the dequantized rows)."""
+    from moe_comm.prefill_chunks import local_experts, num_chunks, prefill_moe
+    g = torch.Generator().manual_seed(21)
+    E, H, K, T = 4, 128, 3, 11
+    buf = PrefillBuffer(moe_comm.init(backend="loopback", device="cpu")[0], E, H, 5, K, dtype=dtype,
+                        fp8_dispatch=fp8, zones=zones)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    idx[3, 1], idx[7] = -1, -1
+    w = torch.rand(T, K, generator=g)
+    scale = torch.rand(E, generator=g) + 0.5
+
+    def expert(e, rows):   # row-independent, so batching cannot change a bit
+        return (rows.float() * scale[e] + 0.3 * e).to(dtype)
+
+    y = prefill_moe(buf, x, idx, w, local_experts(buf, expert), num_chunks(T, buf))
+    xin = reference.dequantize_fp8(*reference.quantize_fp8(x)).to(dtype) if fp8 else x
+    want = torch.zeros(T, H)
+    for k in range(K):
+        for t in range(T):
+            if idx[t, k] >= 0:
+                want[t] += w[t, k] * expert(int(idx[t, k]), xin[t:t + 1])[0].float()
+    assert torch.equal(y, want.to(dtype))
+    buf.close()
 
 
 def test_chunked_prefill_needs_enough_chunks():
@@ -305,3 +498,28 @@ def test_groups_reaching_a_peer_by_puts_are_refused_with_the_alternative(monkeyp
     assert groups[0].uses_put
     with pytest.raises(NotImplementedError, match="reaches some by NVSHMEM puts.*use EPBuffer"):
         PrefillBuffer(groups[0], 8, 128, 2, 2)
+
+
+@pytest.mark.gpu
+def test_overlapped_chunks_on_cuda_streams_equal_sequential():
+    """CUDA, world 1 (loopback heap): prefill_moe with two zones (dispatches on the side stream, experts
+    and combines on the caller's) gives the bits of one zone, chunk for chunk, and leaves the group clean."""
+    from moe_comm.prefill_chunks import local_experts, num_chunks, prefill_moe
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(23)
+    E, H, K, T, M = 8, 256, 4, 1000, 128
+    x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    scale = (torch.rand(E, generator=g) + 0.5).to(dev)
+    ys = []
+    for zones in (1, 2):
+        group = moe_comm.init(backend="loopback", world_size=1, device=dev)[0]
+        buf = PrefillBuffer(group, E, H, M, K, zones=zones)
+        y = prefill_moe(buf, x, idx, w, local_experts(buf, lambda e, rows: (rows.float() * scale[e]).bfloat16()),
+                        num_chunks(T, buf))
+        torch.cuda.synchronize(dev)
+        group.check()
+        ys.append(y)
+        buf.close()
+    assert torch.equal(ys[0], ys[1])
