@@ -125,7 +125,7 @@ from ..ep import EPBuffer
 from ..errors import MoECommError
 from ..group import CommGroup
 from ..planner import FP8_GROUP, plan_ep
-from ..prefill import PrefillBuffer, PrefillHandle
+from ..prefill import PrefillBuffer
 from . import deep_ep_layout as layout
 
 topk_idx_t = torch.int64          # DeepEP's expert-id dtype (int32 is accepted too)
@@ -238,10 +238,8 @@ class NormalHandle:
     """The handle of a normal-mode dispatch (opaque, unlike DeepEP's tuple of layout tensors): what
     ``combine`` needs. Valid for one combine, before the next normal-mode dispatch with the same sizes."""
 
-    def __init__(self, owner, buf: PrefillBuffer, prefill_handle: PrefillHandle, recv_x: torch.Tensor,
-                 rows: torch.Tensor, num_tokens: int):
-        self.owner, self.buf, self.prefill_handle = owner, buf, prefill_handle
-        self.recv_x, self.rows, self.num_tokens = recv_x, rows, num_tokens
+    def __init__(self, owner, buf: PrefillBuffer, recv: layout.PackedReceive, num_tokens: int):
+        self.owner, self.buf, self.recv, self.num_tokens = owner, buf, recv, num_tokens
 
 
 class Buffer:
@@ -536,12 +534,7 @@ class Buffer:
         E, W = _check_int("num_experts", num_experts, 1), self.group_size
         _check_divisible(E, W)
         check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (None, None))
-        idx = topk_idx.long()
-        valid = (idx >= 0) & (idx < E)
-        ranks = torch.arange(W, device=idx.device)
-        is_token_in_rank = ((torch.where(valid, idx // (E // W), W)[:, :, None] == ranks).any(dim=1))
-        num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
-        num_tokens_per_expert = torch.bincount(idx[valid], minlength=E).to(torch.int32)
+        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = layout.dispatch_layout(topk_idx, E, W)
         event = (_event_after(self.comm_group.device, (topk_idx,)) if async_finish else EventOverlap())
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
 
@@ -581,14 +574,11 @@ class Buffer:
                              f"{self.group_size}, {E}, {hidden}, {T}, {topk}) or more, or dispatch in chunks")
         weights = (torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device) if topk_weights is None
                    else topk_weights)
-        d = buf.dispatch(x, topk_idx, weights)
-        rows = d.exact()   # a host read of the counts, as DeepEP's normal mode makes
-        counts = [-(-c // align) * align for c in d.expert_counts.tolist()]
-        recv_weights = None if topk_weights is None else rows["topk_weights"]
-        recv_idx = rows["topk_idx"].to(topk_idx_t)
-        h = NormalHandle(self, buf, d.handle, d.recv_x, rows["rows"], T)
-        event = _event_after(self.comm_group.device, (x, rows["x"])) if async_finish else EventOverlap()
-        return rows["x"], recv_idx, recv_weights, counts, h, event
+        recv = layout.PackedReceive(buf.dispatch(x, topk_idx, weights), align)   # reads the counts on the host
+        recv_weights = None if topk_weights is None else recv.topk_weights
+        h = NormalHandle(self, buf, recv, T)
+        event = _event_after(self.comm_group.device, (x, recv.x)) if async_finish else EventOverlap()
+        return recv.x, recv.topk_idx, recv_weights, recv.counts, h, event
 
     def combine(self, x: torch.Tensor, handle: "NormalHandle", topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -602,11 +592,8 @@ class Buffer:
                                "backward pass)", "pass None: the forward combine needs no weights")
         if bias is not None:
             raise _unsupported("bias in combine", "add the bias to the combined output")
-        check_tensor("x", x, self.comm_group.device, (DTYPE,), (handle.rows.shape[0], handle.buf.hidden))
-        # The received rows' places in the rank-major zone take the expert outputs: the combine then reads
-        # them in place (nothing else is copied on this rank).
-        handle.recv_x[handle.rows] = x
-        y = handle.buf.combine(handle.recv_x, handle.prefill_handle)
+        check_tensor("x", x, self.comm_group.device, (DTYPE,), (handle.recv.x.shape[0], handle.buf.hidden))
+        y = handle.recv.combine(handle.buf, x)
         event = _event_after(self.comm_group.device, (x, y)) if async_finish else EventOverlap()
         return y, None, event
 
