@@ -76,15 +76,28 @@ class PrefillDispatchResult:
     expert_counts: torch.Tensor
     handle: PrefillHandle
 
+    def received_rows(self) -> torch.Tensor:
+        """bool [R] on the device: row s*M + t holds a token of source s (t < src_tokens[s]). Computed on
+        the device from the counts (no host read: capturable)."""
+        R = self.recv_x.shape[0]
+        m = R // self.src_tokens.shape[0]
+        t = torch.arange(R, device=self.recv_x.device)
+        return t % m < self.src_tokens.repeat_interleave(m)
+
+    def masked_topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_idx int32 [R, topk], topk_weights float32 [R, topk]) defined on every row: the local ids
+        and weights of ``recv_topk_idx`` / ``recv_topk_weights``, with -1 and 0 on rows no source wrote
+        (``received_rows``), for expert kernels that route over all R rows. New tensors; capturable."""
+        live = self.received_rows()[:, None] & (self.recv_topk_idx >= 0)
+        return (torch.where(live, self.recv_topk_idx, -1),
+                torch.where(live, self.recv_topk_weights, 0.0))
+
     def exact(self) -> dict:
         """The valid rows only, for eager callers that want exact sizes (reads the counts on the host: a
         sync, and not capturable). Returns dict(rows int64 [N]: their row in the rank-major layout, in
         order, x [N, hidden], scales [N, hidden // 128] or None, topk_idx int32 [N, topk], topk_weights
         float32 [N, topk]) as copies. The combine still takes [R, hidden]: ``expert_out[rows] = y``."""
-        R = self.recv_x.shape[0]
-        m = R // self.src_tokens.shape[0]
-        t = torch.arange(R, device=self.recv_x.device)
-        mine = (t % m < self.src_tokens.repeat_interleave(m)) & (self.recv_topk_idx >= 0).any(dim=1)
+        mine = self.received_rows() & (self.recv_topk_idx >= 0).any(dim=1)
         rows = mine.nonzero().flatten()
         return dict(rows=rows, x=self.recv_x[rows], scales=None if self.recv_scales is None else self.recv_scales[rows],
                     topk_idx=self.recv_topk_idx[rows], topk_weights=self.recv_topk_weights[rows])

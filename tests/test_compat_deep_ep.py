@@ -242,7 +242,7 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     world = 2
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     E, _ = _sizes(world)
-    for kw in (dict(low_latency_mode=False), dict(num_nvl_bytes=1 << 20), dict(enable_shrink=True),
+    for kw in (dict(enable_shrink=True),
                dict(allow_nvlink_for_low_latency_mode=False), dict(allow_mnnvl=True), dict(comm=object())):
         with pytest.raises(NotImplementedError, match="not supported"):
             deep_ep.Buffer(groups[0], num_rdma_bytes=1 << 20, **kw)
@@ -255,11 +255,9 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     with pytest.raises(ValueError, match="MOE_COMM_TRACE=1"):   # wait costs need the flight recorder
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True,
                                dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
-    for name in ("dispatch", "combine", "get_dispatch_layout", "low_latency_update_mask_buffer", "get_comm_stream"):
+    for name in ("internode_dispatch", "low_latency_update_mask_buffer", "get_comm_stream"):
         with pytest.raises(NotImplementedError, match="not supported"):
             getattr(b, name)()
-    with pytest.raises(NotImplementedError, match="packed to the received tokens.*PrefillBuffer"):
-        b.dispatch()   # the normal mode names the difference and the op that replaces it
     with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, async_finish=True, return_recv_hook=True)
     with pytest.raises(ValueError, match="not a multiple"):

@@ -133,6 +133,28 @@ def test_bucket_padding_changes_nothing(backend):
         assert ((lg - lg_u).abs().max() / lg_u.abs().max()).item() <= RTOL
 
 
+@pytest.mark.timeout(120)
+def test_fused_prefill_runs_on_the_prefill_buffer():
+    """The fused backend's prefill chunks go through its PrefillBuffer (one dispatch per chunk and layer,
+    every rank, the idle one included), its decode steps through the EPBuffer; the generation equals the
+    reference (loopback world 2, phased)."""
+    config, world = "mixtral", 2
+    cfg = model_config(config, "cpu")
+    groups = moe_comm.init(backend="loopback", world_size=world)
+    comms = make_comms("fused", groups, cfg, MAX_BATCH)
+    full = build_weights(cfg)
+    models = [MoEDecoder(full.for_rank(g.rank, world), c, MAX_BATCH, phased=True, expert_impl="dense",
+                         attention_impl="torch") for g, c in zip(groups, comms)]
+    reqs = [_requests(g.rank, world, cfg.vocab) for g in groups]
+    chunks = max(-(-sum(len(r.prompt) for r in rs) // MAX_BATCH) for rs in reqs)
+    gens = DecodeEngine(models).generate(reqs, record_logits=True)
+    assert [c.prefill.buf._calls for c in comms] == [chunks * cfg.num_layers] * world
+    _assert_matches_reference(config, world, {"fused": [[(g.tokens, g.logits) for g in per] for per in gens]},
+                              list(range(world)))
+    for c in comms:
+        c.close()
+
+
 def test_bucket_sizes():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(8) == [1, 2, 4, 8]

@@ -1,5 +1,7 @@
-"""The SGLang dispatcher's logic without SGLang (``EPBufferDispatcher``, what ``MoECommDispatcher`` runs):
-DeepEP low-latency output layout, split calls, and what the next dispatch does after a failed combine.
+"""The SGLang dispatcher's logic without SGLang (``EPBufferDispatcher``, ``PrefillBufferDispatcher`` and
+``ModeDispatcher``, what ``MoECommDispatcher`` runs): DeepEP low-latency and normal output layouts exact
+against moe_comm.reference, split calls, --deepep-mode auto, and what the next dispatch does after a
+failed combine.
 The run against SGLang's real classes is tests/sglang/ (``make test-sglang``)."""
 
 from types import SimpleNamespace
@@ -97,10 +99,9 @@ def test_live_ranks_are_published_into_the_active_rank_mask():
     disp.combine(SimpleNamespace(hidden_states=toy_experts(0, E, out.hidden_states), topk_weights=None))
     assert active.tolist() == [1, 0, 0, 0]
     active.fill_(7)   # unchanged live ranks: not written again
-    disp._publish_live_ranks()
+    disp._publish_live_ranks(ep.group)
     assert active.tolist() == [7, 7, 7, 7]
-    disp.ep = SimpleNamespace(group=SimpleNamespace(live_ranks=[0, 1, 3]))   # after exclude([2])
-    disp._publish_live_ranks()
+    disp._publish_live_ranks(SimpleNamespace(live_ranks=[0, 1, 3]))   # after exclude([2])
     assert active.tolist() == [1, 1, 0, 1]
 
 
@@ -119,3 +120,103 @@ def test_elastic_active_ranks_reads_sglangs_state(monkeypatch):
     assert elastic_active_ranks() is None
     mod.ElasticEPStateManager = SimpleNamespace(instance=lambda: state)
     assert elastic_active_ranks() is state.active_ranks
+
+
+# ---- normal mode (PrefillBuffer) and --deepep-mode auto ------------------------------------------
+
+from moe_comm.prefill import PrefillBuffer  # noqa: E402
+from moe_comm.serving.sglang import ModeDispatcher, PrefillBufferDispatcher  # noqa: E402
+
+
+def normal_experts(rank, local, out):
+    """SGLang normal-mode experts' part: each received row's local experts (global g multiplies by
+    (g + 1) / 4), weighted and summed in float32 in k order, rounded once: [N, hidden]."""
+    acc = torch.zeros(out.hidden_states.shape, dtype=torch.float32)
+    for k in range(out.topk_ids.shape[1]):
+        g = out.topk_ids[:, k] + rank * local
+        scaled = (out.hidden_states.float() * ((g.float() + 1) / 4)[:, None]).to(out.hidden_states.dtype)
+        acc += torch.where(out.topk_ids[:, k, None] >= 0, out.topk_weights[:, k, None] * scaled.float(), 0.0)
+    return SimpleNamespace(hidden_states=acc.to(out.hidden_states.dtype), topk_ids=out.topk_ids,
+                           topk_weights=out.topk_weights)
+
+
+def _normal_expected(world, xs, idxs, ws, m, align=1):
+    disp = reference.prefill_dispatch(xs, idxs, ws, E, m)
+    local = E // world
+    partials = [normal_experts(r, local, SimpleNamespace(hidden_states=d["x"], topk_ids=d["topk_idx"].long(),
+                                                         topk_weights=d["topk_weights"])).hidden_states
+                for r, d in enumerate(disp)]
+    return disp, reference.prefill_combine(partials, idxs, E, m)
+
+
+def _run_normal(dispatchers, xs, idxs, ws, align=1):
+    """Every rank's dispatch_a, then dispatch_b, combine_a, combine_b (loopback phase order); checks the
+    DeepEP normal-mode outputs and the combine bitwise. Returns the outputs."""
+    world, m = len(dispatchers), dispatchers[0].buf.max_tokens_per_rank
+    want_disp, want_y = _normal_expected(world, xs, idxs, ws, m, align)
+    for d, x, i, w in zip(dispatchers, xs, idxs, ws):
+        d.dispatch_a(x, _topk(i, w))
+    outs = [d.dispatch_b() for d in dispatchers]
+    for r, (out, want) in enumerate(zip(outs, want_disp)):
+        v = want["valid"]
+        assert torch.equal(out.hidden_states, want["x"][v]) and out.hidden_states_scale is None, r
+        assert out.topk_ids.dtype == torch.int64 and torch.equal(out.topk_ids, want["topk_idx"][v].long()), r
+        assert torch.equal(out.topk_weights, want["topk_weights"][v]), r
+        assert out.num_recv_tokens_per_expert == [-(-c // align) * align for c in want["expert_counts"].tolist()], r
+    for r, (d, out) in enumerate(zip(dispatchers, outs)):
+        d.combine_a(normal_experts(r, E // world, out))
+    ys = [d.combine_b() for d in dispatchers]
+    for r, (y, want) in enumerate(zip(ys, want_y)):
+        assert torch.equal(y, want), r
+        assert close(y, reference_moe(xs[r], idxs[r], ws[r])), r
+    return outs
+
+
+@pytest.mark.parametrize("world,tokens", [(1, [MAXT]), (1, [0]), (2, [MAXT, 0]), (4, [1, MAXT, 3, 0])])
+def test_normal_mode_equals_reference(world, tokens):
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    disps = [PrefillBufferDispatcher(PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16), 1 + world % 2)
+             for g in groups]
+    for seed in (0, 1):
+        xs, idxs, ws = make_inputs(world, tokens, E, TOPK, HIDDEN, seed)
+        _run_normal(disps, xs, idxs, ws, align=1 + world % 2)
+    xs, _, ws = make_inputs(world, tokens, E, TOPK, HIDDEN, 2)   # every token to the last expert, one -1 slot
+    _run_normal(disps, xs, [torch.tensor([[E - 1, -1]] * x.shape[0], dtype=torch.int64).view(-1, 2) for x in xs], ws, align=1 + world % 2)
+
+
+def test_auto_mode_picks_normal_for_prefill_and_low_latency_for_decode():
+    """--deepep-mode auto: a batch with an extend dispatches in the normal layout, a decode batch in the
+    low-latency one, alternately on the same dispatcher; the pick made at dispatch_a holds until
+    combine_b even if the batch state changes in between."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    extend = [True]
+    disp = ModeDispatcher(EPBufferDispatcher(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16)),
+                          PrefillBufferDispatcher(PrefillBuffer(g, E, HIDDEN, 2 * MAXT, TOPK, dtype=torch.bfloat16)),
+                          lambda: "normal" if extend[0] else "low_latency")
+    assert disp.mode == "auto"
+    for step, (is_extend, tokens) in enumerate([(True, 2 * MAXT), (False, MAXT), (True, 3), (False, 1)]):
+        extend[0] = is_extend
+        (x,), (idx,), (w,) = make_inputs(1, [tokens], E, TOPK, HIDDEN, 10 + step)
+        disp.dispatch_a(x, _topk(idx, w))
+        extend[0] = not is_extend   # the batch state flips: this dispatch keeps its mode
+        out = disp.dispatch_b()
+        if is_extend:
+            assert hasattr(out, "num_recv_tokens_per_expert"), step
+            disp.combine_a(normal_experts(0, E, out))
+        else:
+            assert hasattr(out, "masked_m"), step
+            disp.combine_a(SimpleNamespace(hidden_states=toy_experts(0, E, out.hidden_states), topk_weights=None))
+        assert close(disp.combine_b(), reference_moe(x, idx, w)), step
+
+
+def test_a_mode_that_was_not_built_raises_by_name():
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    disp = ModeDispatcher(EPBufferDispatcher(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16)), None,
+                          lambda: "normal")
+    (x,), (idx,), (w,) = make_inputs(1, [2], E, TOPK, HIDDEN, 3)
+    with pytest.raises(RuntimeError, match="--deepep-mode normal or auto"):
+        disp.dispatch(x, _topk(idx, w))
+    with pytest.raises(RuntimeError, match="combine without a matching dispatch"):
+        disp.combine(SimpleNamespace(hidden_states=x, topk_weights=None))
+    with pytest.raises(ValueError, match="low-latency or a normal"):
+        ModeDispatcher(None, None)

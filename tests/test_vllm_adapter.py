@@ -158,3 +158,159 @@ def test_plugin_batched_format_flag(monkeypatch):
     monkeypatch.setattr(vllm_plugin, "requested_options", lambda: {})
     assert ParallelConfig(True).use_batched_activation_format
     assert not ParallelConfig(False).use_batched_activation_format
+
+
+# ---- Standard activation format (PrefillBuffer, prefill) ------------------------------------------
+
+from moe_comm import reference  # noqa: E402
+from moe_comm.prefill import PrefillBuffer  # noqa: E402
+from moe_comm.serving.vllm import PrefillBufferPrepareFinalize, resolve_mode  # noqa: E402
+
+
+def standard_experts(x, ids, weights, unreduced=False):
+    """Standard-format toy experts over every received row: global expert g multiplies by (g + 1) / 4.
+    x [R, hidden], ids [R, topk] global (-1 = skip) -> partial rows [R, hidden] (weighted, summed in float32
+    in k order, rounded once), or with unreduced [R, topk, hidden] unweighted rows (zeros where -1)."""
+    scaled = [torch.where(ids[:, k, None] >= 0, (x.float() * ((ids[:, k, None].float() + 1) / 4)).to(x.dtype), 0)
+              for k in range(ids.shape[1])]
+    if unreduced:
+        return torch.stack(scaled, dim=1)
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for k, rows in enumerate(scaled):
+        acc += torch.where(ids[:, k, None] >= 0, weights[:, k, None] * rows.float(), 0.0)
+    return acc.to(x.dtype)
+
+
+def _prefill_expected(world, xs, idxs, ws):
+    """What each rank's prepare must return (global ids) and its finalize output, from moe_comm.reference."""
+    disp = reference.prefill_dispatch(xs, idxs, ws, E, MAXT)
+    L = E // world
+    ids = [torch.where(d["topk_idx"] >= 0, d["topk_idx"].long() + r * L, -1) for r, d in enumerate(disp)]
+    partials = [standard_experts(d["x"], i, d["topk_weights"]) for d, i in zip(disp, ids)]
+    return disp, ids, reference.prefill_combine(partials, idxs, E, MAXT)
+
+
+def _check_prepared(res, want_disp, want_ids, rank):
+    a, scales, meta, ids, weights = res
+    valid = want_disp["valid"]
+    assert scales is None and meta.expert_num_tokens_cpu is None, rank
+    assert torch.equal(meta.expert_num_tokens, want_disp["expert_counts"]), rank
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_ids), rank   # -1 on every row no source wrote
+    assert torch.equal(weights, want_disp["topk_weights"]), rank
+    assert torch.equal(a[valid], want_disp["x"][valid]), rank
+
+
+@pytest.mark.parametrize("world,tokens", [(1, [MAXT]), (1, [0]), (2, [MAXT, 0]), (4, [1, MAXT, 3, 0])])
+def test_standard_format_equals_reference_loopback(world, tokens):
+    """prepare -> Standard-format experts -> finalize against reference.prefill_dispatch / prefill_combine,
+    bitwise; two steps, the second with fewer tokens, so stale rows of the first are in the zone."""
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    pfs = [PrefillBufferPrepareFinalize(PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+           for g in groups]
+    for seed, scale in ((0, 1), (1, 0.5)):
+        steps = [int(t * scale) for t in tokens]
+        xs, idxs, ws = make_inputs(world, steps, E, TOPK, HIDDEN, seed)
+        want_disp, want_ids, want_y = _prefill_expected(world, xs, idxs, ws)
+        pending = [pf.prepare_async(x, w, i, E, None, False, UNQUANTIZED) for pf, x, i, w in zip(pfs, xs, idxs, ws)]
+        for hook, _ in pending:
+            hook()
+        results = [receiver() for _, receiver in pending]
+        for r, res in enumerate(results):
+            _check_prepared(res, want_disp[r], want_ids[r], r)
+        outs = [torch.full_like(x, float("nan")) for x in xs]
+        finals = [pf.finalize_async(out, standard_experts(res[0], res[3], res[4]), w, i, False, None)
+                  for pf, out, res, w, i in zip(pfs, outs, results, ws, idxs)]
+        for _, receiver in finals:
+            receiver()
+        for r in range(world):
+            assert torch.equal(outs[r], want_y[r]), f"rank {r}"
+            assert close(outs[r], reference_moe(xs[r], idxs[r], ws[r])), f"rank {r}"
+
+
+def test_standard_format_all_tokens_to_one_expert_and_unreduced_outputs():
+    """Every token to expert 3 (rank 1's), one -1 slot each: rank 0 receives nothing routed; the experts
+    hand back [R, topk, hidden] unweighted rows (the delegate's contract), reduced in finalize."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    pfs = [PrefillBufferPrepareFinalize(PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+           for g in groups]
+    xs, _, ws = make_inputs(2, [MAXT, 3], E, TOPK, HIDDEN, 5)
+    idxs = [torch.tensor([[3, -1]] * x.shape[0]) for x in xs]
+    results = []
+    for pf, x, i, w in zip(pfs, xs, idxs, ws):
+        results.append(pf.prepare_async(x, w, i, E, None, False, UNQUANTIZED))
+    results = [(hook(), receiver())[1] for hook, receiver in results]
+    assert results[0][2].expert_num_tokens.tolist() == [0, 0]
+    assert results[1][2].expert_num_tokens.tolist() == [0, MAXT + 3]
+    assert (results[0][3] == -1).all()
+    outs = [torch.empty_like(x) for x in xs]
+    finals = [pf.finalize_async(out, standard_experts(res[0], res[3], res[4], unreduced=True), res[4], res[3],
+                                False, None) for pf, out, res in zip(pfs, outs, results)]
+    for _, receiver in finals:
+        receiver()
+    for r in range(2):
+        assert close(outs[r], reference_moe(xs[r], idxs[r], ws[r])), f"rank {r}"
+
+
+def _standard_shm_rank(group, seed):
+    world, rank = group.world_size, group.rank
+    pf = PrefillBufferPrepareFinalize(PrefillBuffer(group, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    errs = []
+    for step in range(2):
+        xs, idxs, ws = make_inputs(world, [MAXT, 0, 3][:world], E, TOPK, HIDDEN, seed + step)
+        want_disp, want_ids, want_y = _prefill_expected(world, xs, idxs, ws)
+        res = pf.prepare(xs[rank], ws[rank], idxs[rank], E, None, False, UNQUANTIZED)
+        _check_prepared(res, want_disp[rank], want_ids[rank], rank)
+        out = torch.full_like(xs[rank], float("nan"))
+        pf.finalize(out, standard_experts(res[0], res[3], res[4]), res[4], res[3], False, None)
+        if not torch.equal(out, want_y[rank]):
+            errs.append(f"rank {rank} step {step}")
+    return errs
+
+
+@pytest.mark.timeout(300)
+def test_standard_format_equals_reference_shm_world2():
+    errs = moe_comm.launch(_standard_shm_rank, 2, 0, backend="shm", timeout_s=120)
+    assert [e for r in errs for e in r] == []
+
+
+def test_standard_format_fp8_dispatch_and_bad_configurations():
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    pf = PrefillBufferPrepareFinalize(PrefillBuffer(g, E, 128, MAXT, TOPK, dtype=torch.bfloat16, fp8_dispatch=True))
+    (x,), (idx,), (w,) = make_inputs(1, [3], E, TOPK, 128, 6)
+    block_fp8 = SimpleNamespace(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+    a, scales, _, _, _ = pf.prepare(x, w, idx, E, None, False, block_fp8)
+    want = reference.prefill_dispatch([x], [idx], [w], E, MAXT, fp8=True)[0]
+    valid = want["valid"]
+    assert a.dtype == torch.float8_e4m3fn and torch.equal(scales[valid], want["scales"][valid])
+    assert reference.fp8_codes_match(a[valid], want["x"][valid])
+    pf.finalize(torch.empty_like(x), torch.zeros(MAXT, 128, dtype=x.dtype), w, idx, False, None)
+    with pytest.raises(ValueError, match="fp8_dispatch=False"):
+        pf.prepare(x, w, idx, E, None, False, UNQUANTIZED)
+    with pytest.raises(RuntimeError, match="without a matching prepare"):
+        pf.finalize(torch.empty_like(x), torch.zeros(MAXT, 128, dtype=x.dtype), w, idx, False, None)
+
+
+def test_mode_follows_the_option_or_vllms_all2all_backend():
+    assert resolve_mode(None, "deepep_high_throughput") == "low_latency"        # default: as before
+    assert resolve_mode({"mode": "high_throughput"}, None) == "high_throughput"
+    assert resolve_mode({"mode": "auto"}, "deepep_high_throughput") == "high_throughput"
+    assert resolve_mode({"mode": "auto"}, "deepep_low_latency") == "low_latency"
+    assert resolve_mode({"mode": "auto"}, "allgather_reducescatter") == "low_latency"
+    with pytest.raises(ValueError, match="'low_latency'.*'high_throughput'"):
+        resolve_mode({"mode": "prefill"}, None)
+
+
+def test_plugin_batched_format_follows_the_mode(monkeypatch):
+    class ParallelConfig:
+        use_all2all_kernels, all2all_backend = True, "deepep_high_throughput"
+
+        @property
+        def use_batched_activation_format(self):
+            return False
+
+    ParallelConfig.use_batched_activation_format = vllm_plugin._wrap_batched_format(
+        ParallelConfig.__dict__["use_batched_activation_format"])
+    monkeypatch.setattr(vllm_plugin, "requested_options", lambda: {"mode": "auto"})
+    assert not ParallelConfig().use_batched_activation_format      # Standard-format experts for prefill
+    monkeypatch.setattr(vllm_plugin, "requested_options", lambda: {"mode": "low_latency"})
+    assert ParallelConfig().use_batched_activation_format

@@ -1,4 +1,5 @@
-"""DeepEP's low-latency API over moe-comm's EPBuffer: code written for DeepEP runs by changing one import.
+"""DeepEP's API over moe-comm: code written for DeepEP runs by changing one import. The low-latency mode
+runs on EPBuffers, the normal (high-throughput) mode on a PrefillBuffer.
 
     from moe_comm.compat import deep_ep          # instead of: import deep_ep
 
@@ -28,17 +29,49 @@ low_latency_combine(x, topk_idx, topk_weights, handle, *, zero_copy=False, async
     returns (combined_x [T, H] bfloat16, event, hook): combined_x[t] = sum over the token's routed slots k,
     ascending, of topk_weights[t, k] * its expert's row, in float32, then rounded (bitwise reproducible).
 
-Hooks (``return_recv_hook=True``): the call runs the op's send phase and returns at once; ``hook()`` runs
-its receive phase (for the dispatch also the layout above) and must be called exactly once before the
+Normal mode (one node; ``num_nvl_bytes`` is the budget of its PrefillBuffer, one per (H, E, K), made at
+the first call with the largest capacity M, tokens per rank per call, whose
+``PrefillBuffer.required_bytes`` fits; a call with more tokens raises ValueError naming the size to ask):
+
+get_dispatch_layout(topk_idx, E, ...) -> (num_tokens_per_rank int32 [W], None, num_tokens_per_expert
+    int32 [E], is_token_in_rank bool [T, W], event), computed on the device.
+dispatch(x, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=, topk_idx=, topk_weights=,
+         expert_alignment=1, ...) -> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+         handle, event)
+    x           [T, H] bfloat16, T <= M; topk_idx [T, K] int64 (int32 accepted), -1 = not routed;
+                topk_weights [T, K] float32 or None
+    recv_x      [N, H] bfloat16: every token with at least one expert on this rank, once, ordered by
+                (source rank, token index) as DeepEP's intranode kernels order them (N read on the host,
+                as DeepEP's normal mode reads it)
+    recv_topk_idx  int64 [N, K]: local expert ids, -1 where the slot's expert is elsewhere
+    recv_topk_weights  float32 [N, K] (0 where the id is -1), or None without topk_weights
+    num_recv_tokens_per_expert_list  list of L ints: slots per local expert, rounded up to expert_alignment
+    handle      a ``NormalHandle`` (opaque; DeepEP's is a tuple of layout tensors)
+    The layout arguments are checked for presence only: the PrefillBuffer routes from topk_idx.
+combine(x, handle, ...) -> (combined_x [T, H] bfloat16, None, event)
+    x           [N, H] bfloat16: row i answers recv_x[i] (the token's local experts, weighted and summed)
+    combined_x[t] = sum over the ranks holding one of token t's experts, ascending, of their rows for t, in
+    float32, rounded once (bitwise reproducible; DeepEP sums unweighted too, in its own order).
+
+Where the normal mode does not map (NotImplementedError, naming the reason): a cached dispatch
+(``handle=``: one PrefillBuffer dispatch is answered by one combine, no layout is kept to replay), fp8 input
+as a (data, scales) tuple (the PrefillBuffer quantizes bf16 itself, and only that), ``num_worst_tokens``
+(the padded capturable receive: the PrefillBuffer's own rank-major output is that, used directly),
+``topk_weights`` and ``bias`` in combine (reducing per-slot weights back is DeepEP's backward pass),
+internode dispatch/combine (the combine loads partial rows from peers' memory: one node only), and a
+loopback group of several ranks (the normal API has no receive hook to run phases). Every dispatch must be
+answered by its combine before the next normal-mode dispatch with the same sizes (RuntimeError otherwise).
+
+Low-latency hooks (``return_recv_hook=True``): the call runs the op's send phase and returns at once;
+``hook()`` runs its receive phase (for low_latency_dispatch also its handle's layout) and must be called exactly once before the
 results are read. On a loopback group of several ranks (one process holds every rank) hooks are required:
 call every rank's dispatch, then every rank's hook. ``async_finish=True`` returns an ``EventOverlap``
 recorded on the current stream.
 
 Differences from DeepEP (none is silent: an unsupported argument raises NotImplementedError):
 
-- Only the low-latency mode. ``low_latency_mode`` defaults to True; ``low_latency_mode=False``,
-  ``num_nvl_bytes > 0`` and the normal-mode methods (``dispatch``, ``combine``, ``get_dispatch_layout``,
-  ...), the rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
+- Both modes work on every Buffer; ``low_latency_mode`` (default True, DeepEP's is False) is stored only.
+  The rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
   ``CommGroup.exclude``), ``use_logfmt=True``, ``round_scale=True``, ``use_ue8m0=True``,
   ``allow_nvlink_for_low_latency_mode=
   False``, ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor``
@@ -92,12 +125,14 @@ from ..ep import EPBuffer
 from ..errors import MoECommError
 from ..group import CommGroup
 from ..planner import FP8_GROUP, plan_ep
+from ..prefill import PrefillBuffer
 from . import deep_ep_layout as layout
 
 topk_idx_t = torch.int64          # DeepEP's expert-id dtype (int32 is accepted too)
 HINT_MAX_TOPK = 11                # DeepEP's low-latency kernels take at most 11 experts per token
 BUFFERS_PER_FORMAT = 2            # EPBuffers alternating per (shapes, use_fp8): recv_x of two calls stay valid
-DTYPE = torch.bfloat16            # DeepEP's low-latency token dtype
+DTYPE = torch.bfloat16            # DeepEP's token dtype (low-latency and normal mode)
+NORMAL_MAX_TOKENS = 1 << 20       # the largest normal-mode capacity (tokens per rank) a budget can buy
 
 _shared_group: CommGroup | None = None   # the CommGroup made for torch.distributed's default group
 
@@ -191,6 +226,22 @@ class LowLatencyHandle(tuple):
         return h
 
 
+class Config:
+    """DeepEP's performance-tuning config of the normal mode (SMs, chunk sizes): kept for API compatibility,
+    accepted and unused (the PrefillBuffer plans its own launch shapes)."""
+
+    def __init__(self, num_sms: int = 20, *tuning):
+        self.num_sms, self.tuning = num_sms, tuning
+
+
+class NormalHandle:
+    """The handle of a normal-mode dispatch (opaque, unlike DeepEP's tuple of layout tensors): what
+    ``combine`` needs. Valid for one combine, before the next normal-mode dispatch with the same sizes."""
+
+    def __init__(self, owner, buf: PrefillBuffer, recv: layout.PackedReceive, num_tokens: int):
+        self.owner, self.buf, self.recv, self.num_tokens = owner, buf, recv, num_tokens
+
+
 class Buffer:
     """DeepEP's ``deep_ep.Buffer`` in low-latency mode (see the module docstring for the differences).
 
@@ -204,11 +255,6 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None):
-        if not low_latency_mode:
-            raise _unsupported("low_latency_mode=False (DeepEP's normal mode)", "use low_latency_mode=True, "
-                               "or moe_comm.EPBuffer / AllToAllvDynamic")
-        if num_nvl_bytes:
-            raise _unsupported("num_nvl_bytes > 0 (it sizes DeepEP's normal-mode NVLink buffer)", "pass 0")
         if not allow_nvlink_for_low_latency_mode:
             raise _unsupported("allow_nvlink_for_low_latency_mode=False", "peers on the same node are always "
                                "reached by load/store")
@@ -217,13 +263,16 @@ class Buffer:
         if enable_shrink:
             raise _unsupported("enable_shrink=True (rank masking)", "use CommGroup.exclude(ranks)")
         self.num_rdma_bytes = _check_int("num_rdma_bytes", num_rdma_bytes, 0)
+        self.num_nvl_bytes = _check_int("num_nvl_bytes", num_nvl_bytes, 0)
         self.num_qps_per_rank = _check_int("num_qps_per_rank", num_qps_per_rank, 1)
         self.comm_group = _comm_group(group, comm)
         self.group = group
         self.rank, self.group_size = self.comm_group.rank, self.comm_group.world_size
-        self.num_nvl_bytes, self.low_latency_mode = 0, True
+        self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self._pairs: dict[tuple, list] = {}     # (M, H, E, K, fp8) -> [EPBuffers, calls]
+        self._prefill: dict[tuple, PrefillBuffer] = {}   # (H, E, K) -> the normal mode's buffer
+        self._nvl_bytes_used = 0
         self._staging: dict[int, torch.Tensor] = {}   # id(EPBuffer) -> zero-copy combine input
         self._symmetric_bytes = 0
         self._destroyed = False
@@ -420,7 +469,10 @@ class Buffer:
         for bufs, _ in self._pairs.values():
             for ep in bufs:
                 ep.close()
+        for buf in self._prefill.values():
+            buf.close()
         self._pairs.clear()
+        self._prefill.clear()
         self._staging.clear()
         self._destroyed = True
 
@@ -437,17 +489,125 @@ class Buffer:
             raise ValueError("the SM count must be even (as in DeepEP)")
         Buffer.num_sms = new_num_sms
 
-    def _normal_mode(self, *args, **kwargs):
-        raise _unsupported("DeepEP's normal (high-throughput) mode", "its recv_x is packed to the received "
-                           "tokens, a count read on the host; moe_comm.PrefillBuffer is the high-throughput op, "
-                           "rank-major [world * max_tokens_per_rank, hidden] with the counts on the device (no "
-                           "host read, no layout call): use it directly, or low_latency_dispatch/low_latency_combine")
+    # ---- normal (high-throughput) mode: PrefillBuffer --------------------------------------------
+    def _prefill_for(self, hidden: int, num_experts: int, topk: int) -> PrefillBuffer:
+        """The PrefillBuffer of the normal-mode calls with these sizes, made on first use with the largest
+        capacity (tokens per rank per call) whose memory fits in what is left of ``num_nvl_bytes``. The
+        same on every rank (same arguments, same order), as the buffer is collective."""
+        key = (hidden, num_experts, topk)
+        if key not in self._prefill:
+            W, left = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used
 
-    get_dispatch_layout = dispatch = combine = internode_dispatch = internode_combine = _normal_mode
+            def need(m):
+                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE)
+            if need(1) > left:
+                raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
+                                 f"hidden={hidden}, num_experts={num_experts}, topk={topk}: {need(1)} bytes hold one "
+                                 f"token per rank ({self._nvl_bytes_used} in use); size it with moe_comm."
+                                 f"PrefillBuffer.required_bytes({W}, {num_experts}, {hidden}, tokens_per_rank, {topk})")
+            lo, hi = 1, 2
+            while hi < NORMAL_MAX_TOKENS and need(hi) <= left:
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:   # need(lo) fits, need(hi) does not (or hi is the cap)
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if need(mid) <= left else (lo, mid)
+            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, lo, topk, dtype=DTYPE)
+            self._nvl_bytes_used += need(lo)
+        return self._prefill[key]
+
+    def _check_normal_call(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+        g = self.comm_group
+        if g.backend == "loopback" and g.world_size > 1:
+            raise ValueError("DeepEP's normal mode has no receive hook, so a loopback group of several ranks (one "
+                             "process) cannot run it: use one process per rank (moe_comm.launch, torchrun), or "
+                             "moe_comm.PrefillBuffer with phase='send' / 'recv'")
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's layout of a dispatch, computed on the device from ``topk_idx`` [T, K] (-1 = not routed):
+        (num_tokens_per_rank int32 [W]: tokens with an expert on each rank, None (no RDMA ranks: one
+        node), num_tokens_per_expert int32 [E], is_token_in_rank bool [T, W], event). ``dispatch`` routes
+        from ``topk_idx`` itself: these are informational, as DeepEP's callers use them."""
+        self._check_normal_call()
+        E, W = _check_int("num_experts", num_experts, 1), self.group_size
+        _check_divisible(E, W)
+        check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (None, None))
+        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = layout.dispatch_layout(topk_idx, E, W)
+        event = (_event_after(self.comm_group.device, (topk_idx,)) if async_finish else EventOverlap())
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode dispatch on a PrefillBuffer; returns (recv_x, recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event) (module docstring)."""
+        self._check_normal_call()
+        if handle is not None:
+            raise _unsupported("a cached dispatch (handle=)", "every PrefillBuffer dispatch is answered by its "
+                               "combine before the next one, so a layout is not kept to be replayed: dispatch "
+                               "with topk_idx again")
+        if isinstance(x, tuple):
+            raise _unsupported("pre-quantized fp8 input (x as a (data, scales) tuple)", "pass bfloat16 x (the "
+                               "PrefillBuffer quantizes on the way only from bf16, with fp8_dispatch, which this "
+                               "door does not expose)")
+        if num_worst_tokens:
+            raise _unsupported("num_worst_tokens > 0 (a padded, graph-capturable receive)", "use moe_comm."
+                               "PrefillBuffer directly: rank-major [world * max_tokens_per_rank, hidden] with the "
+                               "counts on the device")
+        if topk_idx is None or num_tokens_per_expert is None:
+            raise ValueError("a non-cached dispatch needs topk_idx and num_tokens_per_expert (from "
+                             "get_dispatch_layout), as in DeepEP")
+        align = _check_int("expert_alignment", expert_alignment, 1)
+        E = int(num_tokens_per_expert.shape[0])
+        _check_divisible(E, self.group_size)
+        check_tensor("x", x, self.comm_group.device, (DTYPE,), (None, None))
+        check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (x.shape[0], None))
+        T, hidden, topk = int(x.shape[0]), int(x.shape[1]), int(topk_idx.shape[1])
+        buf = self._prefill_for(hidden, E, topk)
+        if T > buf.max_tokens_per_rank:
+            raise ValueError(f"{T} tokens: this Buffer's normal mode holds {buf.max_tokens_per_rank} tokens per rank "
+                             f"per call at hidden={hidden}, num_experts={E}, topk={topk} within num_nvl_bytes="
+                             f"{self.num_nvl_bytes}; raise num_nvl_bytes to moe_comm.PrefillBuffer.required_bytes("
+                             f"{self.group_size}, {E}, {hidden}, {T}, {topk}) or more, or dispatch in chunks")
+        weights = (torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device) if topk_weights is None
+                   else topk_weights)
+        recv = layout.PackedReceive(buf.dispatch(x, topk_idx, weights), align)   # reads the counts on the host
+        recv_weights = None if topk_weights is None else recv.topk_weights
+        h = NormalHandle(self, buf, recv, T)
+        event = _event_after(self.comm_group.device, (x, recv.x)) if async_finish else EventOverlap()
+        return recv.x, recv.topk_idx, recv_weights, recv.counts, h, event
+
+    def combine(self, x: torch.Tensor, handle: "NormalHandle", topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode combine: sums every rank's row of a token at the token's rank, unweighted;
+        returns (combined_x [T, hidden] bfloat16, None, event) (module docstring)."""
+        self._check_normal_call()
+        if not isinstance(handle, NormalHandle) or handle.owner is not self:
+            raise TypeError("handle must come from dispatch (normal mode) on this Buffer")
+        if topk_weights is not None:
+            raise _unsupported("topk_weights in combine (per-slot weights reduced back to their tokens, DeepEP's "
+                               "backward pass)", "pass None: the forward combine needs no weights")
+        if bias is not None:
+            raise _unsupported("bias in combine", "add the bias to the combined output")
+        check_tensor("x", x, self.comm_group.device, (DTYPE,), (handle.recv.x.shape[0], handle.buf.hidden))
+        y = handle.recv.combine(handle.buf, x)
+        event = _event_after(self.comm_group.device, (x, y)) if async_finish else EventOverlap()
+        return y, None, event
+
+    def _internode(self, *args, **kwargs):
+        raise _unsupported("DeepEP's internode (RDMA) normal mode", "the PrefillBuffer's combine loads partial rows "
+                           "from its peers' memory, so every peer must be mapped (one node); across nodes use "
+                           "low_latency_dispatch/low_latency_combine")
+
+    internode_dispatch = internode_combine = _internode
 
     @staticmethod
-    def get_dispatch_config(*args, **kwargs):
-        raise _unsupported("DeepEP's normal-mode configs", "the low-latency calls need none")
+    def get_dispatch_config(num_ranks: int) -> "Config":
+        """A ``Config`` (accepted by dispatch/combine and unused: the PrefillBuffer plans its own launches)."""
+        return Config(Buffer.num_sms)
 
     get_combine_config = get_dispatch_config
 

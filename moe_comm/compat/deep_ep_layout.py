@@ -1,4 +1,6 @@
-"""DeepEP's low-latency receive layout, computed on the device from an EPBuffer dispatch result.
+"""DeepEP's receive layouts from moe-comm results: the low-latency layout (on the device, from an EPBuffer
+dispatch result) and the normal mode's packed receive (from a PrefillBuffer dispatch result). Used by
+``moe_comm.compat.deep_ep`` and the SGLang dispatcher.
 
 Pure tensor functions (no host reads: CUDA-graph capturable). R = num_ranks * num_max_dispatch_tokens_per_rank.
 
@@ -57,3 +59,49 @@ def column_major_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -
 def split_range(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(begin, count) int64 tensors of a ``layout_range`` tensor."""
     return torch.bitwise_right_shift(layout, RANGE_SHIFT), torch.bitwise_and(layout, (1 << RANGE_SHIFT) - 1)
+
+
+# ---- normal mode (PrefillBuffer) ----------------------------------------------------------------------
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """DeepEP's ``get_dispatch_layout`` on the device: topk_idx [T, K] (-1 = not routed; ids outside
+    [0, num_experts) count nowhere) -> (num_tokens_per_rank int32 [W]: tokens with an expert on each rank,
+    num_tokens_per_expert int32 [E], is_token_in_rank bool [T, W]); experts placed linearly."""
+    idx = topk_idx.long()
+    valid = (idx >= 0) & (idx < num_experts)
+    ranks = torch.arange(num_ranks, device=idx.device)
+    owner = torch.where(valid, idx // (num_experts // num_ranks), num_ranks)
+    is_token_in_rank = (owner[:, :, None] == ranks).any(dim=1)
+    return (is_token_in_rank.sum(0, dtype=torch.int32),
+            torch.bincount(idx[valid], minlength=num_experts).to(torch.int32), is_token_in_rank)
+
+
+class PackedReceive:
+    """DeepEP's normal-mode receive from a ``PrefillDispatchResult`` ``d``: every row holding an expert of
+    this rank, once, in (source rank, token index) order. Reads the counts on the host (as DeepEP's normal
+    mode does: N is a host number).
+
+    x [N, hidden] (dtype, or float8_e4m3fn with fp8 dispatch), scales [N, hidden // 128] float32 or None,
+    topk_idx int64 [N, K] local ids (-1 elsewhere), topk_weights float32 [N, K] (0 where -1),
+    counts list of L ints: slots per local expert rounded up to ``expert_alignment``.
+    ``combine(buf, y)``: y [N, hidden] (row i answers x[i]) -> buf.combine's [T, hidden] output.
+    """
+
+    def __init__(self, d, expert_alignment: int = 1):
+        ex = d.exact()
+        self.rows, self.x, self.scales = ex["rows"], ex["x"], ex["scales"]
+        self.topk_idx, self.topk_weights = ex["topk_idx"].to(torch.int64), ex["topk_weights"]
+        self.counts = [-(-c // expert_alignment) * expert_alignment for c in d.expert_counts.tolist()]
+        self._zone, self.handle = d.recv_x, d.handle
+
+    def combine(self, buf, y: torch.Tensor, out: torch.Tensor | None = None, phase: str = "both"):
+        """Put y's rows back at their rank-major places and combine (send phase, or both). With a bf16
+        dispatch the places are the landing zone's own rows, which the combine then reads in place
+        (nothing else is copied); with fp8 they are a new [R, hidden] tensor."""
+        if y.shape != (self.rows.shape[0], buf.hidden) or y.dtype != buf.dtype:
+            raise ValueError(f"the combine takes one {buf.dtype} row per received row: [{self.rows.shape[0]}, "
+                             f"{buf.hidden}], got {tuple(y.shape)} {y.dtype}")
+        rows = self._zone if not buf.fp8_dispatch else torch.empty(
+            (self._zone.shape[0], buf.hidden), dtype=buf.dtype, device=y.device)
+        rows[self.rows] = y
+        return buf.combine(rows, self.handle, out=out, phase=phase)

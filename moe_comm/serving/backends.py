@@ -22,7 +22,8 @@ receives); the torch.distributed baselines are emulated there by copies through 
            step's batch bucket (T x min(K, E_local) rows per peer at world 1; at world > 1 the ranks pick
            their buckets independently, so the capacity of the largest bucket).
   dynamic  moe_comm.AllToAllvDynamic (counts stay on the device) + a local permute; capturable.
-  fused    moe_comm.EPBuffer dispatch / combine; capturable.
+  fused    moe_comm.EPBuffer dispatch / combine; capturable. Its prefill steps run on a moe_comm.PrefillBuffer
+           (``FusedEP.prefill``, a ``PrefillEP``): the high-throughput op, rank-major, each token once per rank.
 """
 
 from __future__ import annotations
@@ -489,8 +490,44 @@ class DynamicAllToAll(MoEComm):
         self.a2a.close()
 
 
+class PrefillEP:
+    """moe_comm.PrefillBuffer for an engine's prefill steps (eager): the high-throughput op, while the
+    decode steps keep their MoEComm. Same phases as a MoEComm (``phase="send" | "recv" | "both"``):
+
+        d = prefill.dispatch(x, topk_idx, topk_weights)   # x [T, H]; topk_idx [T, K] int64 (-1 = not routed);
+                                                          # topk_weights [T, K] float32 -> PrefillDispatchResult
+        y = prefill.combine(partial, d.handle)            # partial [world * max_tokens, H] dtype: each received
+                                                          # row's local experts, weighted and summed -> [T, H]
+    ``model.standard_experts`` computes ``partial`` from ``d``. y[t] sums the ranks' partial rows of token t
+    in ascending rank order (``PrefillBuffer.combine``).
+    """
+
+    name = "prefill"
+
+    def __init__(self, group, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype):
+        from ..prefill import PrefillBuffer  # noqa: PLC0415
+        self.group = group
+        self.buf = PrefillBuffer(group, num_experts, hidden, max_tokens, topk, dtype=dtype)
+
+    @property
+    def groups(self) -> tuple:
+        return (self.group,)
+
+    def dispatch(self, x, topk_idx, topk_weights, phase="both"):
+        return self.buf.dispatch(phase="recv") if phase == "recv" else \
+            self.buf.dispatch(x, topk_idx, topk_weights, phase=phase)
+
+    def combine(self, partial, handle, phase="both"):
+        return self.buf.combine(phase="recv") if phase == "recv" else self.buf.combine(partial, handle, phase=phase)
+
+    def close(self) -> None:
+        self.buf.close()
+
+
 class FusedEP(MoEComm):
-    """moe_comm.EPBuffer: fused dispatch (one row per token per destination) and weighted combine."""
+    """moe_comm.EPBuffer: fused dispatch (one row per token per destination) and weighted combine; its
+    ``prefill`` (a PrefillEP on the same group, None on groups that reach a peer by puts) is what the
+    model's prefill steps use."""
 
     name = "fused"
     capturable = True
@@ -501,6 +538,9 @@ class FusedEP(MoEComm):
         self.group = group
         self.emulated = group.backend == "loopback" and group.world_size > 1
         self.ep = EPBuffer(group, self.num_experts, self.hidden, self.max_tokens, self.topk, dtype=self.dtype)
+        # Groups that reach a peer by puts (another node) have no PrefillBuffer: their prefill stays on the EPBuffer.
+        self.prefill = None if group.uses_put else PrefillEP(group, self.num_experts, self.hidden, self.max_tokens,
+                                                               self.topk, self.dtype)
 
     def dispatch(self, x, topk_idx, phase="both"):
         if phase != "recv":
@@ -515,6 +555,8 @@ class FusedEP(MoEComm):
 
     def close(self) -> None:
         self.ep.close()
+        if self.prefill is not None:
+            self.prefill.close()
 
 
 # ---- one rank of an EP-N deployment on one device ------------------------------------------------------

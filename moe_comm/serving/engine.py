@@ -1,6 +1,7 @@
 """DecodeEngine: vLLM-style batched greedy decoding over data-parallel ranks with expert-parallel MoE.
 
-Each rank holds its own requests. Prompts are prefilled in chunks of up to ``max_batch`` tokens (eager),
+Each rank holds its own requests. Prompts are prefilled in chunks of up to ``max_batch`` tokens (eager;
+through the backend's high-throughput op where it has one: moe_comm.PrefillBuffer for ``fused``),
 then every decode step runs one token per live request, padded up to a batch-size bucket (1, 2, 4, ...,
 max_batch). All ranks take the same number of steps in lockstep, since every MoE layer is a collective: a
 rank whose requests are done (or that has none) runs dummy steps with T = 0 tokens.
@@ -119,8 +120,8 @@ class DecodeEngine:
                 self._graph_for((b,))
 
     # ---- one step ------------------------------------------------------------------------------------
-    def _forward(self, tokens, slots, positions, valid):
-        gens = [m.forward(*a) for m, a in zip(self.models, zip(tokens, slots, positions, valid))]
+    def _forward(self, tokens, slots, positions, valid, prefill=False):
+        gens = [m.forward(*a, prefill=prefill) for m, a in zip(self.models, zip(tokens, slots, positions, valid))]
         return drive_lockstep(gens) if self.models[0].phased else [run_to_end(g) for g in gens]
 
     def _decode_body(self, metas):
@@ -308,7 +309,7 @@ class DecodeEngine:
         for st, s, p, t in zip(self.seq_tokens, slots, positions, tokens):
             st[s, p] = t
         valid = [torch.ones(len(c[0]), dtype=torch.bool, device=dev) for c in cols]
-        logits = self._forward(tokens, slots, positions, valid)
+        logits = self._forward(tokens, slots, positions, valid, prefill=True)
         for k, st, c, lg in zip(self._keep, self.seq_tokens, cols, logits):
             last = [j for j, is_last in enumerate(c[3]) if is_last]
             if not last:

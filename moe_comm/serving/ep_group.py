@@ -1,8 +1,8 @@
 """The CommGroup and EPBuffers a serving framework's MoE layers share within one process.
 
 Serving frameworks build one dispatcher per MoE layer; moe-comm gives them one CommGroup per process
-(over torch.distributed's default group, created on first use) and one EPBuffer per distinct layer shape
-(layers with the same shapes share it: calls alternate between its two buffer sets). Used by the vLLM
+(over torch.distributed's default group, created on first use) and one EPBuffer (decode) or PrefillBuffer
+(prefill) per distinct layer shape (layers with the same shapes share it). Used by the vLLM
 adapter (moe_comm.serving.vllm) and the SGLang dispatcher (moe_comm.serving.sglang).
 """
 
@@ -35,15 +35,18 @@ def process_group(backend: str = "auto", timeout_s: float = 30.0):
 
 
 def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                  dtype: torch.dtype, fp8_dispatch: bool):
-    """The EPBuffer of ``group`` with these sizes, built on first request (collective: every rank asks
-    for the same shapes in the same order, as every rank builds the same layers)."""
+                  dtype: torch.dtype, fp8_dispatch: bool, prefill: bool = False):
+    """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes,
+    built on first request (collective: every rank asks for the same shapes in the same order, as every
+    rank builds the same layers)."""
     from moe_comm.ep import EPBuffer  # noqa: PLC0415
+    from moe_comm.prefill import PrefillBuffer  # noqa: PLC0415
 
-    key = (id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch))
+    cls = PrefillBuffer if prefill else EPBuffer
+    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch))
     if key not in _BUFFERS:
-        _BUFFERS[key] = EPBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype,
-                                 fp8_dispatch=bool(fp8_dispatch))
+        _BUFFERS[key] = cls(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype,
+                            fp8_dispatch=bool(fp8_dispatch))
     return _BUFFERS[key]
 
 

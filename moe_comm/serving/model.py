@@ -65,6 +65,25 @@ def batched_experts(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor,
     return EXPERT_IMPLS[impl](x_e, counts, gate, up, down, expected_rows=expected_rows, max_active=max_active)
 
 
+def standard_experts(d, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Every local expert on the rows a PrefillBuffer dispatch received (vLLM's "standard" format):
+    d a PrefillDispatchResult -> partial rows [R, H] dtype, row q = sum over slots k of row q routed to a
+    local expert e, in k order, of recv_topk_weights[q, k] * gated_mlp(recv_x[q], e), accumulated in
+    float32; rows without a local expert (and rows no source wrote) are zeros. gate/up [E_local, H, I],
+    down [E_local, I, H]. Eager: each expert's rows are gathered by index (a host read per expert)."""
+    ids, weights = d.masked_topk()
+    x = d.recv_x
+    slots = torch.zeros((*ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)   # [R, K, H]
+    for e in range(gate.shape[0]):
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if rows.numel():   # each (row, slot) once: plain stores, no accumulation order to fix
+            slots[rows, slot] = weights[rows, slot, None] * gated_mlp(x[rows], gate[e], up[e], down[e]).float()
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(ids.shape[1]):
+        acc += slots[:, k]
+    return acc.to(x.dtype)
+
+
 def route(h: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router with renormalised top-k: h [T, H] -> (topk_idx [T, K] int64, topk_weights [T, K] float32)."""
     probs = torch.softmax((h @ router).float(), dim=-1)
@@ -124,6 +143,8 @@ class MoEDecoder:
     scratch that padding rows write to and read from, so they never touch a real sequence.
     phased=True (loopback worlds): ``forward`` yields after every send phase so a driver can run all ranks'
     send phases before their receive phases; otherwise it never yields (run it with ``run_to_end``).
+    Prefill steps (``forward(..., prefill=True)``) use ``comm.prefill`` (a PrefillEP) where the comm has
+    one, with ``standard_experts``; decode steps use ``comm`` with ``batched_experts``.
     expert_impl: "masked" or "dense" (``batched_experts``); None = masked on CUDA, dense on the CPU (where
     the masked kernel runs in Triton's interpreter, one program per expert tile).
     attention_impl: "torch" or "triton" (``cached_attention``); None = ``default_attention_impl``.
@@ -149,11 +170,14 @@ class MoEDecoder:
         self.k_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
 
-    def forward(self, tokens, slots, positions, valid):
+    def forward(self, tokens, slots, positions, valid, prefill: bool = False):
         """Generator; returns logits [T, vocab] float32 for tokens [T] int64 at (slots, positions) [T] int64.
 
         valid [T] bool: False marks padding rows, whose outputs are garbage and which route nowhere
         (topk_idx = -1), so they cannot change any real row. T may be 0 (an idle rank's dummy step).
+        prefill: a prefill step (eager): the MoE goes through the comm's high-throughput op
+        (``comm.prefill``, a PrefillEP, with ``standard_experts``) where it has one; every rank of a
+        step passes the same value (the ops are collective).
         """
         cfg = self.cfg
         x = self.w.embed[tokens]
@@ -163,15 +187,45 @@ class MoEDecoder:
                 h = cached_attention(lw, h, self.k_cache[layer], self.v_cache[layer], slots, positions,
                                      cfg.num_heads, cfg.head_dim, self.attention_impl)
             x = x + h
-            x = x + (yield from self._moe(lw, rms_norm(x, lw.moe_norm), valid))
+            x = x + (yield from self._moe(lw, rms_norm(x, lw.moe_norm), valid, prefill))
         h = rms_norm(x, self.w.final_norm)
         with span("lm_head"):
             return (h @ self.w.lm_head).float()
 
-    def _moe(self, lw: LayerWeights, h, valid):
+    def _moe(self, lw: LayerWeights, h, valid, prefill=False):
         with span("router"):
             topk_idx, topk_weights = route(h, lw.router, self.cfg.topk)
             topk_idx = torch.where(valid[:, None], topk_idx, -1)
+        high_throughput = getattr(self.comm, "prefill", None) if prefill else None
+        if high_throughput is not None:
+            routed = yield from self._moe_prefill(high_throughput, lw, h, topk_idx, topk_weights)
+        else:
+            routed = yield from self._moe_decode(lw, h, topk_idx, topk_weights)
+        if lw.shared_gate is None:
+            return routed
+        with span("shared_expert"):
+            shared = gated_mlp(h, lw.shared_gate, lw.shared_up, lw.shared_down)
+        return shared + routed
+
+    def _moe_prefill(self, comm, lw: LayerWeights, h, topk_idx, topk_weights):
+        """The routed experts through a PrefillEP: rank-major dispatch, standard_experts, combine.
+
+        Phased (one process holding every rank): one more yield after the combine's receive, so that every
+        rank has received its combine before any rank sends the next layer's dispatch. The PrefillBuffer
+        has one landing zone: the next dispatch's send waits (on the device) until every rank's combine
+        has read it, which a rank driven later in the same round would never get to do."""
+        with span("dispatch"):
+            d = yield from self._phases(comm.dispatch, h, topk_idx, topk_weights)
+        with span("experts"):
+            partial = standard_experts(d, lw.expert_gate, lw.expert_up, lw.expert_down)
+        with span("combine"):
+            y = yield from self._phases(comm.combine, partial, d.handle)
+        if self.phased:
+            yield
+        return y
+
+    def _moe_decode(self, lw: LayerWeights, h, topk_idx, topk_weights):
+        """The routed experts through the MoEComm: expert-major dispatch, batched_experts, weighted combine."""
         with span("dispatch"):
             x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
         # Rows an expert is expected to get, for the masked kernel's row tile: T*K/E over the ranks.
@@ -182,12 +236,7 @@ class MoEDecoder:
             y_e = batched_experts(x_e, counts, lw.expert_gate, lw.expert_up, lw.expert_down, self.expert_impl,
                                   expected, max_active)
         with span("combine"):
-            routed = yield from self._phases(self.comm.combine, y_e, topk_weights, ctx)
-        if lw.shared_gate is None:
-            return routed
-        with span("shared_expert"):
-            shared = gated_mlp(h, lw.shared_gate, lw.shared_up, lw.shared_down)
-        return shared + routed
+            return (yield from self._phases(self.comm.combine, y_e, topk_weights, ctx))
 
     def _phases(self, op, *args):
         if not self.phased:

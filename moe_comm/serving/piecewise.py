@@ -49,8 +49,8 @@ class PiecewiseEngine(DecodeEngine):
                 self._capture((b,))
 
     # ---- cutting the step at the exchanges ------------------------------------------------------------
-    def _forward(self, tokens, slots, positions, valid):
-        gens = [m.forward(*a) for m, a in zip(self.models, zip(tokens, slots, positions, valid))]
+    def _forward(self, tokens, slots, positions, valid, prefill=False):
+        gens = [m.forward(*a, prefill=prefill) for m, a in zip(self.models, zip(tokens, slots, positions, valid))]
         return drive_lockstep(gens, between=self._cut)
 
     def _cut(self) -> None:

@@ -4,12 +4,14 @@ Installed with moe-comm, SGLang calls ``register()`` in every process at start-u
 unless ``MOE_COMM_SGLANG=1`` is set in the environment of the server, e.g.::
 
     MOE_COMM_SGLANG=1 python -m sglang.launch_server --model-path MODEL --tp 8 --ep-size 8 \
-        --moe-a2a-backend deepep --deepep-mode low_latency
+        --moe-a2a-backend deepep --deepep-mode auto
 
 Then SGLang's MoE dispatcher factory
 (``sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher``) is wrapped through SGLang's
 ``HookRegistry`` so that every MoE layer gets ``MoECommDispatcher`` (moe_comm.serving.sglang), which
-produces the DeepEP low-latency formats that the deepep backend's expert kernels take; more options in
+produces the DeepEP formats that the deepep backend's expert kernels take, per ``--deepep-mode``:
+low_latency (EPBuffer), normal (PrefillBuffer) or auto (normal for batches with prefill tokens, low
+latency for decode, as SGLang's DeepEP dispatcher switches); more options in
 ``moe_comm.serving.sglang.options_from_env``. SGLang 0.5.23 lists ``customized`` among its a2a backends
 but its command line does not accept it, hence the environment switch.
 """

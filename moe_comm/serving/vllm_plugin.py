@@ -6,10 +6,14 @@ unless the engine was started with a ``moe_comm`` section in its additional conf
     vllm serve MODEL --enable-expert-parallel --data-parallel-size 8 \
         --additional-config '{"moe_comm": {"backend": "auto"}}'
 
-Then every MoE layer that runs expert parallel with an all-to-all (EP with DP > 1) gets
-``MoECommPrepareAndFinalize`` (moe_comm.serving.vllm) instead of vLLM's own all2all backend, and
-vLLM picks experts of the BatchedExperts activation format to go with it. Options: see
-``moe_comm.serving.vllm.make_prepare_finalize``.
+Then every MoE layer that runs expert parallel with an all-to-all (EP with DP > 1) gets moe-comm's
+prepare/finalize (moe_comm.serving.vllm) instead of vLLM's own all2all backend, of the option ``mode``:
+"low_latency" (the default: ``MoECommPrepareAndFinalize`` on an EPBuffer, and vLLM picks experts of the
+BatchedExperts activation format), "high_throughput" (``MoECommStandardPrepareAndFinalize`` on a
+PrefillBuffer, Standard-format experts) or "auto" (from ``--all2all-backend``, as vLLM picks its own:
+``moe_comm.serving.vllm.resolve_mode``). A disaggregated deployment gives its prefill engines
+``{"moe_comm": {"mode": "high_throughput"}}`` and its decode engines ``{"moe_comm": {}}``. Other
+options: see ``moe_comm.serving.vllm.make_prepare_finalize``.
 
 vLLM 0.32 and 0.33 have no registry for prepare/finalize implementations, so the hook wraps
 ``all2all_utils.maybe_make_prepare_finalize`` (where vLLM builds them, and every module that imported it)
@@ -69,9 +73,11 @@ def _wrap_maybe_make_prepare_finalize(original):
 
 def _wrap_batched_format(original: property) -> property:
     def use_batched_activation_format(self) -> bool:
-        if original.fget(self):
-            return True
-        return bool(self.use_all2all_kernels) and requested_options() is not None
+        options = requested_options()
+        if options is None or not self.use_all2all_kernels:
+            return original.fget(self)
+        from .vllm import resolve_mode  # noqa: PLC0415
+        return resolve_mode(options, getattr(self, "all2all_backend", None)) == "low_latency"
 
     use_batched_activation_format.moe_comm_original = original
     return property(use_batched_activation_format)

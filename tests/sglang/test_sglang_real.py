@@ -3,8 +3,10 @@
 What is SGLang's own code here: the plugin loader (``sglang.srt.plugins.load_plugins``, which finds our
 ``sglang.srt.plugins`` entry point), its HookRegistry, the MoE dispatcher factory
 (``create_moe_dispatcher``) that the hook wraps, MoeRunnerConfig, BaseDispatcher, StandardTopKOutput,
-DeepEPLLDispatchOutput / DeepEPLLCombineInput. The experts are torch (tests/moe_cases.toy_experts):
-SGLang's kernels for the DeepEP low-latency layout (DeepGEMM masked grouped GEMM, CuteDSL) are GPU-only.
+DeepEPLLDispatchOutput / DeepEPLLCombineInput, DeepEPNormalDispatchOutput / DeepEPNormalCombineInput,
+DeepEPMode and the extend-in-batch flag that --deepep-mode auto reads, the expert-distribution recorder.
+The experts are torch (tests/moe_cases.toy_experts and a normal-mode equivalent): SGLang's kernels for
+the DeepEP layouts (DeepGEMM grouped GEMMs, CuteDSL) are GPU-only.
 torchvision is replaced by an import placeholder (cpu_shims), as PyPI's build does not load on CPU torch.
 """
 
@@ -27,11 +29,13 @@ from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 
 import moe_comm  # noqa: E402
 from moe_comm.ep import EPBuffer  # noqa: E402
+from moe_comm.prefill import PrefillBuffer  # noqa: E402
 from moe_comm.serving import ep_group  # noqa: E402
 from moe_comm.serving import sglang as adapter  # noqa: E402
 from moe_comm.serving import sglang_plugin  # noqa: E402
 
-from moe_cases import make_inputs, reference_moe, toy_experts  # noqa: E402
+from moe_cases import close, make_inputs, reference_moe, toy_experts  # noqa: E402
+from moe_comm import reference  # noqa: E402
 
 E, TOPK, HIDDEN, MAXT = 8, 2, 128, 4
 TOKENS = [MAXT, 3, 0, 1]  # rank r dispatches TOKENS[r] tokens (0: a rank with nothing to send)
@@ -94,10 +98,13 @@ def test_options_from_env():
     assert adapter.options_from_env({}) is None
     assert adapter.options_from_env({"MOE_COMM_SGLANG": "0"}) is None
     opts = adapter.options_from_env({"MOE_COMM_SGLANG": "1", "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "64"})
-    assert opts == dict(backend="auto", timeout_s=30.0, fp8_dispatch=False, max_tokens_per_rank=64)
+    assert opts == dict(backend="auto", timeout_s=30.0, fp8_dispatch=False, max_tokens_per_rank=64,
+                        prefill_max_tokens_per_rank=adapter.DEFAULT_PREFILL_MAX_TOKENS_PER_RANK)
     opts = adapter.options_from_env({"MOE_COMM_SGLANG": "1", "MOE_COMM_SGLANG_FP8": "1",
-                                     "MOE_COMM_SGLANG_MAX_TOKENS": "8", "MOE_COMM_SGLANG_BACKEND": "shm"})
+                                     "MOE_COMM_SGLANG_MAX_TOKENS": "8", "MOE_COMM_SGLANG_BACKEND": "shm",
+                                     "MOE_COMM_SGLANG_PREFILL_MAX_TOKENS": "32"})
     assert opts["fp8_dispatch"] and opts["max_tokens_per_rank"] == 8 and opts["backend"] == "shm"
+    assert opts["prefill_max_tokens_per_rank"] == 32
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -251,3 +258,114 @@ def test_unsupported_configurations_raise():
         with pytest.raises(NotImplementedError, match="two-batch-overlap"):
             adapter.make_dispatcher(_runner_config(1), opts)
     assert type(adapter.make_dispatcher(_runner_config(1), opts)).__name__ == "MoECommDispatcher"
+
+
+# ---- normal mode and --deepep-mode auto ----------------------------------------------------------
+
+def _normal_experts(rank, world, out):
+    """SGLang's normal-mode experts' part: one row per received token, its local experts (global g
+    multiplies by (g + 1) / 4) weighted and summed in float32, rounded once."""
+    acc = torch.zeros(out.hidden_states.shape, dtype=torch.float32)
+    for k in range(out.topk_ids.shape[1]):
+        g = out.topk_ids[:, k] + rank * (E // world)
+        scaled = (out.hidden_states.float() * ((g.float() + 1) / 4)[:, None]).to(out.hidden_states.dtype)
+        acc += torch.where(out.topk_ids[:, k, None] >= 0, out.topk_weights[:, k, None] * scaled.float(), 0.0)
+    return sgl_dispatcher.DeepEPNormalCombineInput(acc.to(out.hidden_states.dtype), out.topk_ids, out.topk_weights)
+
+
+def _normal_layer(dispatcher, rank, world, seed, tokens):
+    xs, idxs, ws = make_inputs(world, tokens, E, TOPK, HIDDEN, seed)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    out = dispatcher.dispatch(hidden_states=x, topk_output=StandardTopKOutput(w, idx, torch.zeros(x.shape[0], E)))
+    assert isinstance(out, sgl_dispatcher.DeepEPNormalDispatchOutput) and out.format.is_deepep_normal()
+    want = reference.prefill_dispatch(xs, idxs, ws, E, dispatcher.buf.max_tokens_per_rank)[rank]
+    assert torch.equal(out.hidden_states, want["x"][want["valid"]])
+    assert torch.equal(out.topk_ids, want["topk_idx"][want["valid"]].long())
+    assert out.num_recv_tokens_per_expert == want["expert_counts"].tolist()
+    y = dispatcher.combine(combine_input=_normal_experts(rank, world, out))
+    return y, reference_moe(x, idx, w)
+
+
+def test_normal_dispatcher_world1_equals_reference(monkeypatch):
+    from sglang.srt.eplb import expert_distribution  # noqa: PLC0415
+
+    seen = []
+
+    class Recorder:
+        def on_deepep_dispatch_normal(self, counts, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                      num_tokens_per_expert):
+            seen.append((counts, num_tokens_per_rank.tolist(), num_tokens_per_expert.sum().item()))
+
+    monkeypatch.setattr(expert_distribution, "get_global_expert_distribution_recorder", lambda: Recorder())
+    adapter.dispatcher_class.cache_clear()
+    try:
+        (g,) = moe_comm.init(backend="loopback", world_size=1)
+        d = adapter.dispatcher_class()(prefill=PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+        assert d.mode == "normal"
+        for seed in (0, 1):
+            y, ref = _normal_layer(d, 0, 1, seed, [MAXT])
+            assert close(y, ref), seed
+        (x,), (idx,), _ = make_inputs(1, [MAXT], E, TOPK, HIDDEN, 1)
+        assert len(seen) == 2 and seen[1] == (torch.bincount(idx[idx >= 0], minlength=E).tolist(),
+                                              [int((idx >= 0).any(1).sum())], int((idx >= 0).sum()))
+        d.dispatch(*_normal_args(0))
+        with pytest.raises(ValueError, match="normal-mode layout"):
+            d.combine(sgl_dispatcher.DeepEPLLCombineInput(torch.zeros(1), None, None))
+    finally:
+        adapter.dispatcher_class.cache_clear()
+
+
+def _normal_args(seed):
+    (x,), (idx,), (w,) = make_inputs(1, [2], E, TOPK, HIDDEN, seed)
+    return x, StandardTopKOutput(w, idx, torch.zeros(2, E))
+
+
+def test_auto_mode_follows_sglangs_extend_in_batch():
+    """--deepep-mode auto as SGLang's DeepEPDispatcher resolves it: an extend batch (prefill) gets the
+    normal layout, a decode batch the low-latency one; SGLang's own flag decides."""
+    from sglang.srt.layers.dp_attention import set_is_extend_in_batch  # noqa: PLC0415
+
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    d = adapter.dispatcher_class()(EPBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16),
+                                   PrefillBuffer(g, E, HIDDEN, 2 * MAXT, TOPK, dtype=torch.bfloat16))
+    assert d.mode == "auto"
+    try:
+        for step in range(2):
+            set_is_extend_in_batch(True)
+            y, ref = _normal_layer(d, 0, 1, 20 + step, [2 * MAXT])
+            assert close(y, ref), step
+            set_is_extend_in_batch(False)
+            y, ref, out, _ = _layer(d, 0, 1, 30 + step)
+            assert isinstance(out, sgl_dispatcher.DeepEPLLDispatchOutput) and torch.equal(y, ref), step
+    finally:
+        set_is_extend_in_batch(False)
+
+
+def _plugin_auto_rank(group):
+    """One shm rank: SGLang's factory, hooked, under --deepep-mode auto (SGLang's flag): a prefill step
+    (normal layout) then a decode step (low latency) on the same dispatcher."""
+    from sglang.srt.layers.dp_attention import set_is_extend_in_batch  # noqa: PLC0415
+    from sglang.srt.layers.moe.utils import DeepEPMode, get_flags  # noqa: PLC0415
+
+    os.environ.update(MOE_COMM_SGLANG="1", MOE_COMM_SGLANG_MAX_TOKENS=str(MAXT),
+                      MOE_COMM_SGLANG_PREFILL_MAX_TOKENS=str(2 * MAXT))
+    ep_group.use_group(group)
+    sgl_plugins.load_plugins()
+    world, rank = group.world_size, group.rank
+    with get_flags().moe.override(deepep_mode=DeepEPMode.AUTO):
+        d = sgl_layer.create_moe_dispatcher(_runner_config(world), quant_method=None)
+    errs = []
+    for step in range(2):
+        set_is_extend_in_batch(True)
+        y, ref = _normal_layer(d, rank, world, 40 + step, [2 * MAXT, 0, 5, 1][:world])
+        errs += [] if close(y, ref) else [f"rank {rank} prefill {step}"]
+        set_is_extend_in_batch(False)
+        y, ref, _, _ = _layer(d, rank, world, 50 + step)
+        errs += [] if torch.equal(y, ref) else [f"rank {rank} decode {step}"]
+    return type(d).__name__, d.mode, errs
+
+
+@pytest.mark.timeout(600)
+def test_plugin_auto_mode_world2_shm():
+    got = moe_comm.launch(_plugin_auto_rank, 2, backend="shm", timeout_s=120)
+    assert got == [("MoECommDispatcher", "auto", [])] * 2

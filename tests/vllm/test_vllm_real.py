@@ -1,11 +1,15 @@
 """The vLLM adapter against vLLM's real classes (``make test-vllm``; skipped where vLLM is not installed).
 
-On a CPU machine vLLM's CUDA extension (vllm._C) is absent and its platform is "unspecified", so three
-GPU-only helpers are replaced here, and only here: the fused SiLU-and-mul kernel (by the same math in
-torch), the CUDA-graph-capture probe (nothing is ever captured on a CPU) and the platform's is_cpu (so
+On a CPU machine vLLM's CUDA extension (vllm._C) is absent and its platform is "unspecified", so four
+GPU-only helpers are replaced here, and only here: the fused SiLU-and-mul kernel and the top-k sum
+(``ops.moe_sum``) by the same math in torch, the CUDA-graph-capture probe (nothing is ever captured on a CPU) and the platform's is_cpu (so
 vLLM's modular kernel allocates its workspaces with torch.empty, its CPU path). Everything else is
 vLLM's own code: FusedMoEKernel, NaiveBatchedExperts, FusedMoEConfig / FusedMoEParallelConfig,
 ExpertTokensMetadata, TopKWeightAndReduceDelegate, the plugin entry point and the config lookup.
+vLLM ships no Standard-format experts that run without its CUDA or CPU extension, so the high-throughput
+(Standard format) runs use ``TorchStandardExperts`` below: vLLM's experts base class with the SiLU MoE
+in torch, honouring vLLM's expert_map and -1 ids, handing back either unreduced rows (the delegate, so
+vLLM's TopKWeightAndReduceContiguous runs in finalize) or reduced rows (TopKWeightAndReduceNoOP).
 """
 
 import importlib.metadata
@@ -22,11 +26,13 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
 from vllm.model_executor.layers.fused_moe import config as moe_config_module  # noqa: E402
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
 from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe  # noqa: E402
+from vllm.model_executor.layers.fused_moe import topk_weight_and_reduce as wr  # noqa: E402
 
 from moe_comm.serving import vllm as adapter  # noqa: E402
 from moe_comm.serving import vllm_plugin  # noqa: E402
 
 from moe_comm.ep import EPBuffer  # noqa: E402
+from moe_comm.prefill import PrefillBuffer  # noqa: E402
 
 E, TOPK, HIDDEN, INTER, MAXT = 4, 2, 64, 32, 4
 
@@ -39,8 +45,65 @@ class CpuNaiveBatchedExperts(fused_batched_moe.NaiveBatchedExperts):
         output.copy_(torch.nn.functional.silu(input[..., :n].float()) * input[..., n:].float())
 
 
+class TorchStandardExperts(mk.FusedMoEExpertsModular):
+    """Standard-format experts in torch (test only): rows [M, hidden] with global top-k ids [M, topk]."""
+
+    reduced = False   # True: weight and sum here (NoOP reduce); False: [M, topk, hidden] for the delegate
+
+    @staticmethod
+    def activation_format():
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device():
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul():
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key):
+        return (weight_key, activation_key) == (None, None)
+
+    @staticmethod
+    def _supports_activation(activation):
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config):
+        return True
+
+    def finalize_weight_and_reduce_impl(self):
+        return wr.TopKWeightAndReduceNoOP() if self.reduced else wr.TopKWeightAndReduceDelegate()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                         activation):
+        return (M, K), (M, N), ((M, K) if self.reduced else (M, topk, K))
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        local = topk_ids if expert_map is None else torch.where(topk_ids >= 0, expert_map[topk_ids.clamp(min=0)], -1)
+        output.zero_()
+        inter = w1.shape[1] // 2
+        for k in range(topk_ids.shape[1]):
+            for e in range(w1.shape[0]):
+                rows = (local[:, k] == e).nonzero().flatten()
+                if rows.numel() == 0:
+                    continue
+                h = hidden_states[rows].float() @ w1[e].float().T
+                y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].float().T
+                if self.reduced:
+                    output[rows] += (topk_weights[rows, k, None] * y).to(output.dtype)
+                else:
+                    output[rows, k] = y.to(output.dtype)
+
+
 def _cpu_shims():
     mk.current_platform.is_cpu = lambda: True
+    # vLLM's top-k sum (TopKWeightAndReduceContiguous) is a vllm._C kernel: the same sum in torch.
+    wr.ops.moe_sum = lambda input, output, topk_ids=None, expert_map=None: output.copy_(input.sum(dim=1))
     fused_batched_moe._is_capturing_or_compiling = lambda: False
 
 
@@ -86,18 +149,35 @@ def _reference(x, ids, weights, w1, w2):
     return y
 
 
-def _run_kernel(pf, world, rank, steps=2):
+def _experts_for(pf, world, rank, reduced=False):
+    """The experts vLLM would pair with ``pf``'s activation format."""
+    cfg, quant = _moe_config(world, rank), moe_config_module.FUSED_MOE_UNQUANTIZED_CONFIG
+    if pf.activation_format == mk.FusedMoEActivationFormat.BatchedExperts:
+        return CpuNaiveBatchedExperts(cfg, quant, max_num_tokens=pf.max_num_tokens_per_rank(),
+                                      num_dispatchers=pf.num_dispatchers())
+    experts = TorchStandardExperts(cfg, quant)
+    experts.reduced = reduced
+    return experts
+
+
+def _expert_map(world, rank):
+    """vLLM's expert_map for linear placement: global id -> local id, -1 on other ranks' experts."""
+    m = torch.full((E,), -1, dtype=torch.int32)
+    L = E // world
+    m[rank * L:(rank + 1) * L] = torch.arange(L, dtype=torch.int32)
+    return m
+
+
+def _run_kernel(pf, world, rank, steps=2, reduced=False):
     """vLLM's FusedMoEKernel(prepare/finalize, experts) on this rank's inputs; returns max errors."""
-    experts = CpuNaiveBatchedExperts(_moe_config(world, rank), moe_config_module.FUSED_MOE_UNQUANTIZED_CONFIG,
-                                     max_num_tokens=pf.max_num_tokens_per_rank(),
-                                     num_dispatchers=pf.num_dispatchers())
-    kernel = mk.FusedMoEKernel(pf, experts)
+    kernel = mk.FusedMoEKernel(pf, _experts_for(pf, world, rank, reduced))
     w1, w2 = _weights()
     local = slice(rank * (E // world), (rank + 1) * (E // world))
+    expert_map = _expert_map(world, rank) if world > 1 else None
     errs = []
     for step in range(steps):
         x, ids, weights = _inputs(world, 10 + step)[rank]
-        y = kernel.apply(x, w1[local], w2[local], weights, ids, MoEActivation.SILU, E, None, False)
+        y = kernel.apply(x, w1[local], w2[local], weights, ids, MoEActivation.SILU, E, expert_map, False)
         ref = _reference(x, ids, weights, w1, w2)
         errs.append(float((y.float() - ref).abs().max()) if x.shape[0] else 0.0)
     return errs
@@ -121,14 +201,31 @@ def test_modular_kernel_world1_equals_reference():
     assert max(_run_kernel(pf, 1, 0)) < 0.05
 
 
+@pytest.mark.parametrize("reduced", [False, True])
+def test_standard_format_modular_kernel_world1_equals_reference(reduced):
+    """MoECommStandardPrepareAndFinalize (PrefillBuffer) in vLLM's modular kernel with Standard-format
+    experts: unreduced rows (vLLM's TopKWeightAndReduceContiguous runs in finalize) and reduced rows."""
+    _cpu_shims()
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    cls = adapter.prepare_finalize_class("high_throughput")
+    assert cls is adapter.MoECommStandardPrepareAndFinalize
+    assert issubclass(cls, getattr(mk, "FusedMoEPrepareAndFinalizeModular", mk.FusedMoEPrepareAndFinalize))
+    assert not getattr(cls, "__abstractmethods__", None)
+    pf = cls(PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    assert pf.activation_format == mk.FusedMoEActivationFormat.Standard
+    assert (pf.num_dispatchers(), pf.output_is_reduced(), pf.supports_async()) == (1, True, True)
+    assert max(_run_kernel(pf, 1, 0, reduced=reduced)) < 0.05
+
+
 def test_entry_point_is_installed():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     assert any(ep.value == "moe_comm.serving.vllm_plugin:register" for ep in eps)
 
 
-def _plugin_rank(group):
+def _plugin_rank(group, mode="low_latency"):
     """One shm rank: vLLM's own maybe_make_prepare_finalize, hooked by the plugin and asked through
-    --additional-config, builds our prepare/finalize; then vLLM's modular kernel runs on it."""
+    --additional-config, builds our prepare/finalize of ``mode`` (the format the experts oracles read
+    follows it); then vLLM's modular kernel runs on it."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import all2all_utils
 
@@ -141,10 +238,11 @@ def _plugin_rank(group):
     plain = all2all_utils.maybe_make_prepare_finalize.moe_comm_original
     assert all2all_utils.maybe_make_prepare_finalize.moe_comm_original is plain
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"),
-                                            additional_config={"moe_comm": {"backend": "shm"}})):
-        assert moe.moe_parallel_config.use_batched_activation_format
+                                            additional_config={"moe_comm": {"backend": "shm", "mode": mode}})):
+        batched = mode == "low_latency"
+        assert moe.moe_parallel_config.use_batched_activation_format == batched
         pf = all2all_utils.maybe_make_prepare_finalize(moe=moe, quant_config=None, allow_new_interface=True)
-        assert type(pf).__name__ == "MoECommPrepareAndFinalize"
+        assert type(pf).__name__ == ("MoECommPrepareAndFinalize" if batched else "MoECommStandardPrepareAndFinalize")
         errs = _run_kernel(pf, world, rank)
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         assert not moe.moe_parallel_config.use_batched_activation_format
@@ -152,8 +250,9 @@ def _plugin_rank(group):
 
 
 @pytest.mark.timeout(600)
-def test_plugin_and_modular_kernel_world2_shm():
-    errs = moe_comm.launch(_plugin_rank, 2, backend="shm", timeout_s=120)
+@pytest.mark.parametrize("mode", ["low_latency", "high_throughput"])
+def test_plugin_and_modular_kernel_world2_shm(mode):
+    errs = moe_comm.launch(_plugin_rank, 2, mode, backend="shm", timeout_s=120)
     assert max(e for r in errs for e in r) < 0.05, errs
 
 
