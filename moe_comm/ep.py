@@ -156,11 +156,9 @@ class EPBuffer(OpBuffer):
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False):
+        self.group = group
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                fp8_dispatch, group.device)
-        if group.uses_put and group.world_size > 1:
-            self.plan = self.plan.with_put()
-        self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
         self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
         self.num_local_experts = self.plan.experts_per_rank
@@ -171,6 +169,16 @@ class EPBuffer(OpBuffer):
         self._calls = 0               # dispatch send phases begun (picks the metadata set)
 
     # ---- planning --------------------------------------------------------------------------------
+    @property
+    def plan(self) -> EPPlan:
+        """Buffers and launch shapes (``moe_comm.planner.EPPlan``)."""
+        return self._ep_plan
+
+    @plan.setter
+    def plan(self, p: EPPlan) -> None:
+        # A group that reaches a peer by puts needs the put layout (EPPlan.with_put), whoever sets the plan.
+        self._ep_plan = p.with_put() if self.group.uses_put and self.group.world_size > 1 and not p.put else p
+
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device) -> EPPlan:
         for name, v in (("num_experts", num_experts), ("hidden", hidden),
