@@ -157,6 +157,9 @@ class EPPlan:
                  combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
                  (both 8 bytes at world 1, where the ops are one kernel each and use no landing zone)
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
+                 with puts (``with_put``): one more routing word per dispatch row (the token index), one
+                 more control word (the combine's run base), a second half of the combine landing zone
+                 (M*K rows), and the channels' staging (``Channel.symmetric_bytes``)
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
                  routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
                  counters, scratch 2 * (16 + 4*(W+2)) + 8 + 4*max(H, K)
