@@ -310,3 +310,13 @@ def test_the_reuse_check_finds_a_missing_quiet():
     assert _unquieted_reuse(one_call + [("quiet", -1)] + one_call + [("quiet", -1)]) == []
     assert _unquieted_reuse(one_call + one_call + [("quiet", -1)]) == [8, 10, 12, 14]
     assert _unquieted_reuse(one_call) == [8]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, fp8, send_programs", [(3, True, 5), (2, False, 2)])
+def test_gpu_launch_shapes_over_puts(put_forced, world, fp8, send_programs):
+    """The GPU launch shapes run by the interpreter, every peer over puts: several send programs, so a
+    program's packed rows continue those of the tokens of earlier programs (``reach_of_tokens``), and
+    the combine's runs are staged by many programs, exact against the references."""
+    import test_ep
+    test_ep.test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs)
