@@ -6,7 +6,8 @@ routing words ``local_expert + L * position`` for each k routed to this rank (el
 16-byte vectors (``EPPlan.row_words``). A source writes its token t at row t, so the send side needs no
 compaction, and a token crosses to a rank at most once however many of its top-k experts live there.
 Control words ``ctrl[zone, source, :]`` (int64) = (tokens T of the source, L per-local-expert slot counts
-from it, flag). Zone = call % 2.
+from it, flag); with puts (``EPPlan.with_put``) = (rows, L counts, run base, flag), rows = T from a store
+source, the tokens routed here from a put source (below). Zone = call % 2.
 
 Send (grid = NBLK token blocks x column blocks, ``EPPlan.send_grid``): each program takes a contiguous
 range of tokens, computes the positions of their slots from a histogram of the earlier tokens' ids
