@@ -197,7 +197,8 @@ class EmulatedRank:
         remote = ((owner >= 0) & (owner != self.rank))[:, :, None]
         rows = torch.where(remote, self.returned, torch.zeros((), dtype=torch.bfloat16)).contiguous()
         for zone in range(2):
-            data[zone, :self.tokens] = rows.view(torch.int32).view(self.tokens, p.topk, p.out_words).to(self.device)
+            data[zone, :self.tokens * p.topk] = rows.view(torch.int32).view(self.tokens * p.topk, p.out_words).to(
+                self.device)
         return torch.zeros(2, self.world, self.combine_ch.ctrl_words, dtype=torch.int64, device=self.device)
 
     # ---- one call --------------------------------------------------------------------------------

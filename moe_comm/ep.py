@@ -39,7 +39,8 @@ class EPHandle:
     num_tokens: int           # T: tokens this rank dispatched (the combine returns [T, hidden])
     row_of: torch.Tensor      # int32 [world, M, topk]: for slot (s, t, k) routed here, the flat row
     #                           e * world*M + i of d.x that holds it; -1 = not routed here, -2 = dropped
-    src_tokens: torch.Tensor  # int32 [world]: tokens each source rank dispatched
+    src_tokens: torch.Tensor  # int32 [world]: rows of each source rank in the dispatch's landing zone (its
+    #                           tokens; for a put source, its tokens routed here)
     routed: torch.Tensor      # int32 [M, topk]: 1 + the expert's rank where this rank's slot (t, k) is routed
     #                           (valid id, live rank), else 0
     owner: int                # id() of the EPBuffer that made it
@@ -78,6 +79,17 @@ class _Set:
         self.row_of = torch.full((w, m, k), -1, dtype=torch.int32, device=dev)
         self.src_tokens = torch.zeros(w, dtype=torch.int32, device=dev)
         self.routed = torch.zeros((m, k), dtype=torch.int32, device=dev)
+        # Put transport only (``EPPlan.put``; else placeholders, never read): where the combine's runs go.
+        #   runs     int32 [w, L + 1]: rows received from each source per local expert, then the source's
+        #            run base (its slots routed to lower ranks' experts), from the dispatch control words
+        #   slot_key int32 [m, k]: position * BINS + expert id of this rank's slot (t, k) (valid where routed)
+        #   id_base  int32 [BINS]: this rank's slots with a lower expert id (slots sort by (id, position))
+        if p.put:
+            self.runs = torch.zeros((w, L + 1), dtype=torch.int32, device=dev)
+            self.slot_key = torch.zeros((m, k), dtype=torch.int32, device=dev)
+            self.id_base = torch.zeros(histogram_bins(p.num_experts), dtype=torch.int32, device=dev)
+        else:
+            self.runs = self.slot_key = self.id_base = self.src_tokens
 
 
 class EPBuffer(OpBuffer):
@@ -144,9 +156,9 @@ class EPBuffer(OpBuffer):
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False):
+        self.group = group
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                fp8_dispatch, group.device)
-        self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
         self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
         self.num_local_experts = self.plan.experts_per_rank
@@ -157,6 +169,16 @@ class EPBuffer(OpBuffer):
         self._calls = 0               # dispatch send phases begun (picks the metadata set)
 
     # ---- planning --------------------------------------------------------------------------------
+    @property
+    def plan(self) -> EPPlan:
+        """Buffers and launch shapes (``moe_comm.planner.EPPlan``)."""
+        return self._ep_plan
+
+    @plan.setter
+    def plan(self, p: EPPlan) -> None:
+        # A group that reaches a peer by puts needs the put layout (EPPlan.with_put), whoever sets the plan.
+        self._ep_plan = p.with_put() if self.group.uses_put and self.group.world_size > 1 and not p.put else p
+
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device) -> EPPlan:
         for name, v in (("num_experts", num_experts), ("hidden", hidden),
@@ -212,7 +234,7 @@ class EPBuffer(OpBuffer):
         self._dispatch_ch = Channel(g, "ep.dispatch", p.dispatch_data_shape, torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
-                                   stage_shape=(g.world_size, *p.combine_data_shape[1:]))
+                                   stage_shape=(g.world_size, p.max_tokens * p.topk, p.out_words))
         self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
         self._combine_ch.row_bytes = p.out_words * 4                    # a row of expert_out
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
@@ -305,7 +327,8 @@ class EPBuffer(OpBuffer):
     def _launch_send(self, xin, idx, s, T) -> None:
         p, g, ch = self.plan, self.group, self._dispatch_ch
         kernel_for(dispatch_send_kernel, g.device)[p.send_grid](
-            xin, idx, s.routed, self._excluded, ch.data.peer_ptrs, ch.ctrl.peer_ptrs, seq_ptr=ch.send_seq,
+            xin, idx, s.routed, self._excluded, s.slot_key, s.id_base, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
+            seq_ptr=ch.send_seq,
             done_ptr=ch.done, **ch.put_args(), num_tokens=T, num_experts=self.num_experts,
             OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
             S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
@@ -331,9 +354,9 @@ class EPBuffer(OpBuffer):
         p, g, ch = self.plan, self.group, self._dispatch_ch
         scales_words = self._scales.view(torch.int32) if p.fp8 else self._dummy
         kernel_for(dispatch_recv_kernel, g.device)[p.recv_grid](
-            self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, self._stats,
+            self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, s.runs, self._stats,
             ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done, **self._signal_args(),
-            OP=op_id("dispatch"), CAP=p.capacity,
+            OP=op_id("dispatch"), CAP=p.capacity, PUT=p.put,
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots, BW=p.recv_block_words,
@@ -364,8 +387,10 @@ class EPBuffer(OpBuffer):
             if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
                 s, ch = self._sets[handle.call_index % 2], self._combine_ch
                 kernel_for(combine_send_kernel, g.device)[(p.recv_programs,)](
-                    expert_out.view(torch.int32), s.row_of, s.src_tokens, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
-                    seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
+                    expert_out.view(torch.int32), s.row_of, s.src_tokens, s.runs, ch.data.peer_ptrs,
+                    ch.ctrl.peer_ptrs, seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
+                    ZONE_SLOTS=p.combine_zone_slots, EXPERTS_PER_RANK=p.experts_per_rank,
+                    EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity,
                     ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
                     BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=vector_aligned(expert_out),
                     OP=op_id("combine"), **self._common(), **ch.trace_args(recv=False))
@@ -385,8 +410,9 @@ class EPBuffer(OpBuffer):
         s, ch = self._sets[handle.call_index % 2], self._combine_ch
         kernel_for(combine_recv_kernel, g.device)[p.reduce_grid](
             out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
-            s.routed, expert_out, s.row_of, ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done,
-            **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
+            s.routed, expert_out, s.row_of, s.slot_key, s.id_base, ch.data.local, ch.ctrl.local, ch.recv_seq,
+            ch.done, **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
+            PUT=p.put, ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
             HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs,
             ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common(), **ch.trace_args(recv=True))
         return op.finish(out)

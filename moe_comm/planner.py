@@ -12,7 +12,7 @@ then runs the multi-program grids a GPU would, slowly; see docs/testing.md).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import os
 
@@ -157,6 +157,9 @@ class EPPlan:
                  combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
                  (both 8 bytes at world 1, where the ops are one kernel each and use no landing zone)
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
+                 with puts (``with_put``): one more routing word per dispatch row (the token index), one
+                 more control word (the combine's run base), a second half of the combine landing zone
+                 (M*K rows), and the channels' staging (``Channel.symmetric_bytes``)
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
                  routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
                  counters, scratch 2 * (16 + 4*(W+2)) + 8 + 4*max(H, K)
@@ -201,6 +204,22 @@ class EPPlan:
     #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte)
     recv_programs: int        # grid of the combine send; the dispatch receive's, split over sources (recv_grid)
     reduce_programs: int      # token blocks of the combine reduction's grid
+    # Put transport (``with_put``): the dispatch row carries one more routing word, the token index (a
+    # put peer gets only the rows routed to it, packed; the index places them), the control words one
+    # more, the run base of the combine (below), and the combine landing zone a second half where the
+    # rows put by put peers land as one run per peer, sorted by (expert, token, k).
+    put: bool = False
+
+    def with_put(self) -> "EPPlan":
+        """This plan for a group that reaches some peer by puts (``group.uses_put``)."""
+        return replace(self, put=True, row_words=route_row_words(self.x_words + self.scale_words, self.topk, True),
+                       dispatch_ctrl_words=self.experts_per_rank + 3)
+
+    @property
+    def combine_zone_slots(self) -> int:
+        """Rows of one combine landing zone: M*K (slot (t, k) at t*K + k, written by stores), and with
+        puts M*K more (slot of sorted index i at M*K + i, written by the put peers' runs)."""
+        return self.max_tokens * self.topk * (2 if self.put else 1)
 
     @property
     def reduce_grid(self) -> tuple:
@@ -249,11 +268,11 @@ class EPPlan:
 
     @property
     def combine_data_shape(self) -> tuple:
-        """int32 words [2 zones, M tokens, K slots, out_words]: each (token, k) has exactly one writer; at
+        """int32 words [2 zones, combine_zone_slots, out_words]: each (token, k) has exactly one writer; at
         world 1 one word per zone (every row is read in place)."""
         if self.world == 1:
             return (2, 1, 1, 1)
-        return (2, self.max_tokens, self.topk, self.out_words)
+        return (2, self.combine_zone_slots, self.out_words)
 
     @property
     def symmetric_bytes(self) -> int:
@@ -266,6 +285,8 @@ class EPPlan:
         L, cap, w, m, k = self.experts_per_rank, self.capacity, self.world, self.max_tokens, self.topk
         outputs = L * cap * 4 * (self.x_words + self.scale_words)
         metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4) + L * 8
+        if self.put:   # per set: runs per source (w * (L + 1)), slot keys (m * k), the id histogram (bins)
+            metadata += 2 * 4 * (w * (L + 1) + m * k + max(32, next_pow2(self.num_experts)))
         # two channels of (send count, receive count, arrival counters); excluded-slot count; launch scratch
         counters = 2 * (8 + 8 + 4 * (w + 2)) + 8 + 4 * self.scratch_words
         return outputs + metadata + counters
@@ -278,6 +299,12 @@ class EPPlan:
     @property
     def buffer_bytes(self) -> int:
         return self.symmetric_bytes + self.local_bytes
+
+
+def route_row_words(payload_words: int, topk: int, put: bool) -> int:
+    """Words of a dispatch landing row: payload (and scales), K routing words, with puts the token index
+    word, padded to whole 16-byte vectors."""
+    return -(-(payload_words + topk + int(put)) // 4) * 4
 
 
 def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
@@ -321,7 +348,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         send_warps = 4
     return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
-                  row_words=-(-(x_words + scale_words + topk) // 4) * 4, dispatch_ctrl_words=L + 2,
+                  row_words=route_row_words(x_words + scale_words, topk, False), dispatch_ctrl_words=L + 2,
                   out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
                   send_block_words=send_block_words, recv_block_words=recv_block_words,
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,

@@ -210,11 +210,14 @@ def run_shm_cases(group) -> list[str]:
     return errs
 
 
-def run_loopback_cases(groups) -> list[str]:
-    """The same cases on a loopback world, driven phase by phase (every rank's send, then every recv)."""
+def run_loopback_cases(groups, configs=None) -> list[str]:
+    """The same cases on a loopback world, driven phase by phase (every rank's send, then every recv);
+    ``configs``: indices into CONFIGS to run (default all)."""
     world = len(groups)
     errs, bufs = [], {}
     for ci, cfg, routing, seed in case_list(world):
+        if configs is not None and ci not in configs:
+            continue
         if ci not in bufs:
             bufs[ci] = [_make_buffer(g, cfg) for g in groups]
         eps = bufs[ci]

@@ -61,7 +61,7 @@ def test_a_wrong_staged_word_fails_the_check():
 
         own, _ = em._owner_and_position(em.idxs[r])
         tk = torch.nonzero((own >= 0) & (own != r))[0].tolist()
-        em.combine_ch.data.local.view(p.combine_data_shape)[:, tk[0], tk[1], 0] ^= 1 << 20
+        em.combine_ch.data.local.view(p.combine_data_shape)[:, tk[0] * p.topk + tk[1], 0] ^= 1 << 20
         with pytest.raises(AssertionError, match="combine output"):
             em.check(em.dispatch(), em.combine())
     finally:

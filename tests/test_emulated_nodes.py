@@ -108,3 +108,26 @@ def test_killed_rank_on_the_other_node_is_named_and_excluded(monkeypatch):
         assert named == 3, err.results
         assert took < TIMEOUT_S + 2, err.results
         assert out["log"] == ["exact"] * 3 and out["mismatches"] == [] and out["live"] == [0, 1, 2], out
+
+
+# ---- bytes on the wire: the put path at its floor -------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, nodes=2, per_node=2, fp8=True):
+    """Dispatch and combine across emulated nodes put exactly the floor's payload (bench/wire_bytes.py:
+    each routed token row once per destination rank plus its control words; each routed slot's expert
+    row once plus the flag), odd sizes and unrouted slots included, in at most 3 messages (rows, control
+    words, signal) per peer for the dispatch and 2 (run, signal) for the combine."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))   # measure() sets it too; restored after the test
+    import wire_bytes
+    args = wire_bytes.parse(["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--tokens", "7",
+                             "--hidden", "128", "--experts", str(4 * nodes * per_node), "--topk", "3",
+                             "--unrouted", "0.25"] + (["--fp8"] if fp8 else []))
+    rows = wire_bytes.measure(args)
+    far = nodes * per_node - per_node   # peers on other nodes
+    for r in rows:
+        assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, r
+        assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], r
+        assert r["dispatch_messages"] <= 3 * far and r["combine_messages"] <= 2 * far, r

@@ -55,6 +55,37 @@ def test_every_binding_call_links_into_an_sm90a_cubin():
     assert "nvshmemi_device_state_d" in ptx
 
 
+@triton.jit
+def _one_thread_calls(sig, pe):
+    nv.fence()
+    nv.signal_op(sig, 1, nv.SIGNAL_SET, pe)
+    nv.quiet()
+
+
+# The thread-index read of ``nvshmem_device._first_thread`` (inline asm: Triton's own reads are not
+# between "begin inline asm" markers) and the predicate "not thread 0" set from it.
+_TID_GUARD = re.compile(r"// begin inline asm\s+mov\.u32 (%r\d+), %tid\.x;\s+// end inline asm.*?"
+                        r"setp\.ne\.b32\s+(%p\d+), \1, 0;", re.S)
+
+
+@pytest.mark.timeout(300)
+def test_signal_fence_and_quiet_are_issued_by_one_thread():
+    """``signal_op``, ``fence`` and ``quiet`` compile to a call that only thread 0 of the program makes
+    (the others branch around it): on IBGDA each is a network operation, not to be sent once per thread."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    opts = _bitcode_or_skip()
+    compiled = triton.compile(ASTSource(_one_thread_calls, dict(sig="*i64", pe="i32"), {}),
+                              target=GPUTarget("cuda", 90, 32), options=dict(opts, num_warps=4))
+    ptx = compiled.asm["ptx"]
+    body = ptx[ptx.index(".entry"):]
+    body = body[:body.index(".func")] if ".func" in body else body   # the kernel, not NVSHMEM's helpers
+    guard = _TID_GUARD.search(body)
+    assert guard, "no thread-0 guard"
+    # One branch of the other threads around each call (the thread index is read once and reused).
+    assert body.count(f"@{guard.group(2)} bra") == 3
+
+
 def test_pairing_accepts_the_verified_pair_and_refuses_the_known_bad_one(monkeypatch):
     monkeypatch.delenv(nb.ENV_UNVERIFIED, raising=False)
     assert "3.4.5" in nb.check_pairing("3.6.0", "3.4.5")

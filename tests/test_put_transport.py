@@ -257,6 +257,46 @@ def test_put_path_fences_rows_before_every_signal(put_forced, monkeypatch, cases
     assert any(e == "put" for e, _ in events) and any(e == "signal" for e, _ in events)
     assert _unordered_signals(events) == [], events[:40]
     assert _unquieted_reuse(events) == [], events[:40]
+    assert not any(e == "fence_system" for e, _ in events)   # one transport for every peer: no fence needed
+
+
+def _unfenced_flags(events):
+    """Signals (put_signal or signal) with no system-scope fence since the launch's last quiet: in a launch
+    that reaches peers by stores and by puts, every flag must follow one (``transport.order_transports``)."""
+    fenced, bad = False, []
+    for i, (event, _) in enumerate(events):
+        if event == "fence_system":
+            fenced = True
+        elif event == "quiet":
+            fenced = False
+        elif event in ("put_signal", "signal") and not fenced:
+            bad.append(i)
+    return bad
+
+
+def _two_nodes(heap):
+    """The transports two nodes would give: ranks 0-1 reach each other by stores, rank 2 by puts."""
+    node = [0, 0, 1]
+    return [STORE if node[j] == node[heap.rank] else PUT for j in range(heap.world_size)]
+
+
+@pytest.mark.timeout(300)
+def test_mixed_transports_are_exact_and_fence_before_the_flags(monkeypatch):
+    """Store peers and put peers in one launch (loopback world 3; ranks 0-1 one node, rank 2 another):
+    dispatch and combine exact against the references (bf16 and fp8 cases: the packed rows and the
+    combine's runs beside the store path's rows), and every send launch orders its stores and staging
+    with a system-scope fence before any flag. Put forced everywhere, no launch needs it (checked above)."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(moe_comm.group, "choose_transports", _two_nodes)
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    groups = moe_comm.init(backend="loopback", world_size=3)
+    assert [g.transports for g in groups] == [[STORE, STORE, PUT], [STORE, STORE, PUT], [PUT, PUT, STORE]]
+    assert ep_cases.run_loopback_cases(groups, configs={0, 1}) == []
+    assert any(e == "fence_system" for e, _ in events) and any(e == "put_signal" for e, _ in events)
+    assert _unfenced_flags(events) == [], events[:40]
+    assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
 
 
 def test_the_ordering_check_finds_a_missing_fence():
@@ -270,3 +310,13 @@ def test_the_reuse_check_finds_a_missing_quiet():
     assert _unquieted_reuse(one_call + [("quiet", -1)] + one_call + [("quiet", -1)]) == []
     assert _unquieted_reuse(one_call + one_call + [("quiet", -1)]) == [8, 10, 12, 14]
     assert _unquieted_reuse(one_call) == [8]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, fp8, send_programs", [(3, True, 5), (2, False, 2)])
+def test_gpu_launch_shapes_over_puts(put_forced, world, fp8, send_programs):
+    """The GPU launch shapes run by the interpreter, every peer over puts: several send programs, so a
+    program's packed rows continue those of the tokens of earlier programs (``reach_of_tokens``), and
+    the combine's runs are staged by many programs, exact against the references."""
+    import test_ep
+    test_ep.test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs)

@@ -12,7 +12,8 @@ blocks the sender longer: its messages are dropped, and the group's own waits na
 Symmetric addresses do not cross: a message names the buffer by its allocation index (the same on every
 rank: allocation is collective) and the offset in it; the receiver resolves the index to its own copy.
 
-The wire counts what it sends (``stats``: messages and bytes, payload and headers, per destination), so
+The wire counts what it sends (``stats``: messages; bytes, headers included, also per destination; payload,
+the bytes put plus 8 per signal value), so
 the bytes a call puts on the network are a measured figure on the CPU. What it cannot show: a NIC's
 reordering, partial completion or bandwidth (the streams are localhost TCP, ordered and reliable).
 """
@@ -29,6 +30,7 @@ from collections import Counter
 HEADER = struct.Struct("<BIQq")    # kind, buffer index, byte offset, payload bytes (put) / value (signal)
 ACK = struct.Struct("<Q")          # messages applied so far on this stream
 PUT, SIGNAL_SET, SIGNAL_ADD = 0, 1, 2
+SIGNAL_BYTES = 8                   # a signal's payload: its int64 value (carried in the header's last field)
 KEY = "wire/{}"                    # store key: the proxy's port of rank {}
 
 
@@ -49,7 +51,7 @@ class Wire:
 
     def __init__(self, rank: int, store, timeout_s: float, resolve):
         self.rank, self.store, self.timeout_s, self.resolve = rank, store, timeout_s, resolve
-        self.stats: Counter = Counter()   # "messages", "bytes", ("bytes", pe), ("messages", pe)
+        self.stats: Counter = Counter()   # "messages", "bytes", "payload", ("bytes", pe), ("messages", pe)
         self._out: dict[int, socket.socket] = {}
         self._sent: Counter = Counter()
         self._acked: Counter = Counter()
@@ -115,6 +117,7 @@ class Wire:
         msg = HEADER.pack(kind, index, offset, arg) + data
         self.stats["messages"] += 1
         self.stats["bytes"] += len(msg)
+        self.stats["payload"] += len(data) if kind == PUT else SIGNAL_BYTES
         self.stats[("messages", pe)] += 1
         self.stats[("bytes", pe)] += len(msg)
         s = self._stream(pe)

@@ -23,10 +23,16 @@ bit as the expert wrote it and always in the same order, so y is bitwise reprodu
 world sizes.
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
-PUT): the send stores a slot's row into this rank's staging copy of the peer's zone instead, then puts
-that row (one ``putmem_nbi`` per row: one rank's slots are interleaved with other ranks' slots) and
-``quiet``s before counting itself in; the last program delivers the flags as NVSHMEM signals, then
-``quiet``s once.
+PUT): with puts a landing zone has a second half of M*K rows (``EPPlan.combine_zone_slots``), where
+token rank s's slots sorted by (expert id, position), i.e. by (expert, token, k), are in order. The
+slots of s on this rank's experts are one contiguous run there: it starts at s's run base (s's slots
+on lower ranks' experts, a dispatch control word) and holds, per local expert e, the rows the dispatch
+received from s for e, in d.x order. The send stages that run (``_stage_run``: every program a share,
+rows read straight from expert_out, zeros for a row the dispatch dropped) and the last program puts it
+in one ``putmem_signal_nbi`` whose signal is the flag, to every put rank, then ``quiet``s once. The
+receive finds slot (t, k) from a put rank at M*K + id_base[id] + position (both kept by this rank's
+dispatch: ``slot_key``, ``id_base``); its own slots by the owner word of ``routed``. Bytes: each routed
+slot's row once, the floor, since the weights are applied here in a fixed k order.
 """
 
 import triton
@@ -34,7 +40,7 @@ import triton.language as tl
 
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import cast_rne
-from .transport import dest, drain, put_peers, put_rows, signal_only, store_only
+from .transport import drain, flush, order_transports, put_peers, store_only
 from . import trace
 from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
                    publish_many, wait_flags)
@@ -102,14 +108,66 @@ def _rows_by_owner(routed_ptr, num_tokens, TOPK: tl.constexpr, TOPK_P2: tl.const
 
 
 @triton.jit
+def _runs(runs_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
+          EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """(rows [WORLD_P2, EXPERTS_P2], run base [WORLD_P2]), int32: the dispatch's rows per (source, local
+    expert) and the sources' run bases, clamped so that no value steers a copy or put out of bounds."""
+    w = tl.arange(0, WORLD_P2)
+    e = tl.arange(0, EXPERTS_P2)
+    rows = tl.load(runs_ptr + w[:, None] * (EXPERTS_PER_RANK + 1) + e[None, :],
+                   mask=(w < WORLD)[:, None] & (e < EXPERTS_PER_RANK)[None, :], other=0)
+    base = tl.load(runs_ptr + w * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK, mask=w < WORLD, other=0)
+    return tl.minimum(tl.maximum(rows, 0), M * TOPK), tl.minimum(tl.maximum(base, 0), M * TOPK)
+
+
+@triton.jit
+def _run_of(rows, base, p, rank, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
+            EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """(run base, rows) of rank p's run: its slots this rank's experts got, at [base, base + rows) of the
+    sorted half of p's landing zone; no rows for this rank's own slots (read in place)."""
+    w = tl.arange(0, WORLD_P2)
+    b = tl.sum(tl.where(w == p, base, 0))
+    n = tl.sum(tl.sum(tl.where((w == p)[:, None], rows, 0), axis=1))
+    return b, tl.where(p == rank, 0, tl.minimum(n, M * TOPK - b))
+
+
+@triton.jit
+def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
+               EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CAP: tl.constexpr,
+               X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """This program's share of rank p's run, staged at ``stage`` (int32 words [M * TOPK, X_WORDS]): row i
+    is the i-th of p's slots here in (local expert, dispatch row) order, i.e. expert_out[e, base_e + j]
+    with base_e = rows of expert e from ranks before p (the dispatch placed p's rows there); a row past
+    the capacity (dropped by the dispatch) is staged as zeros."""
+    w = tl.arange(0, WORLD_P2)
+    rows_p = tl.sum(tl.where((w == p)[:, None], rows, 0), axis=0)             # [EXPERTS_P2]
+    first = tl.sum(tl.where((w < p)[:, None], rows, 0), axis=0)               # row of p's first, per expert
+    end = tl.cumsum(rows_p, axis=0)                                           # run index after expert e
+    n = tl.minimum(tl.sum(rows_p), M * TOPK)
+    for i0 in range(blk * BS, n, NBLK * BS):
+        i = i0 + tl.arange(0, BS)
+        ok = i < n
+        e = tl.sum((end[None, :] <= i[:, None]).to(tl.int32), axis=1)          # the expert of run row i
+        pick = e[:, None] == tl.arange(0, EXPERTS_P2)[None, :]
+        row = tl.sum(tl.where(pick, first[None, :] + rows_p[None, :] - end[None, :], 0), axis=1) + i
+        has_row = ok & (row < CAP)
+        src = expert_out_ptr + (e.to(tl.int64) * CAP + tl.where(has_row, row, 0)) * X_WORDS
+        copy_rows(src, has_row, address(stage + i.to(tl.int64) * X_WORDS)[:, None], ok[:, None], X_WORDS, BW, 1,
+                  1, ALIGNED)
+
+
+@triton.jit
 def combine_send_kernel(
     expert_out_ptr,   # int32 words [ROWS, X_WORDS]: expert outputs, rows as in d.x ([L, CAP] flattened)
     row_of_ptr,       # int32 [WORLD * M, TOPK]: dispatch's row of slot (s, t, k); -1 not here, -2 dropped
-    src_tokens_ptr,   # int32 [WORLD]: tokens T of every rank in that dispatch
-    data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, M, TOPK, X_WORDS]
+    src_tokens_ptr,   # int32 [WORLD]: rows of every rank in that dispatch's landing zone (its tokens T: store)
+    runs_ptr,         # int32 [WORLD, EXPERTS_PER_RANK + 1] (PUT only): the dispatch's rows per (source, local
+    #                   expert), then the source's run base
+    data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, ZONE_SLOTS, X_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, 2]
-    stage_ptr,        # put transport: int32 [WORLD dest, M, TOPK, X_WORDS], rows staged per dest (symmetric)
-    stage_ctrl_ptr,   # put transport: int64 [WORLD, 2] (unused: the flag travels as a bare signal)
+    stage_ptr,        # put transport: int32 [WORLD dest, M * TOPK, X_WORDS], the run staged per dest (symmetric)
+    stage_ctrl_ptr,   # put transport: int64 [WORLD, 2] (unused: the flag travels as the run's signal)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
@@ -118,6 +176,7 @@ def combine_send_kernel(
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
     ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr, OP: tl.constexpr,
+    ZONE_SLOTS: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CAP: tl.constexpr,
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -130,39 +189,34 @@ def combine_send_kernel(
     tokens = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + w, mask=tl.where(failed, False, live), other=0), 0), M)
     if TRACE:
         if blk == 0:
-            trace.store_peer_words(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w,
-                                   _returned_rows(row_of_ptr, tokens, WORLD, WORLD_P2, M, TOPK, TOPK_P2, BS),
-                                   w < WORLD, TRACE)
+            returned = _returned_rows(row_of_ptr, tokens, WORLD, WORLD_P2, M, TOPK, TOPK_P2, BS)
+            if PUT:   # a put rank's rows: its run (row_of of the tokens its dispatch did not carry is stale)
+                rows, _ = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
+                returned = tl.where(put_peers(grp, w, w < WORLD, WORLD, PUT), tl.sum(rows, axis=1).to(tl.int64),
+                                    returned)
+            trace.store_peer_words(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w, returned, w < WORLD,
+                                   TRACE)
     # An excluded or failed token rank has no tokens here (tokens = 0), so nothing goes to it.
     for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
         q, k, s, t, valid = _slots(i0 + tl.arange(0, BS), tokens, w, WORLD, M, TOPK, TOPK_P2)
         live_slot = valid & (s != rank)  # own slots: read in place
+        if PUT:  # a rank reached by puts gets its slots as one run (below), not slot by slot
+            live_slot = tl.where(put_peers(grp, s, live_slot, WORLD, PUT), False, live_slot)
         code = tl.load(row_of_ptr + q * TOPK + k, mask=live_slot, other=-1)
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
         src = expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
-        # Slot (t, k) of rank s: in s's landing zone (store transport), or in this rank's staging for s
-        # (put transport: each staged row is put right after this tile, below).
-        put = put_peers(grp, s, send, WORLD, PUT)
-        zone_off = zone.to(tl.int64) * M * TOPK * X_WORDS
-        landing = dest(put, stage_ptr + s.to(tl.int64) * M * TOPK * X_WORDS,
-                       as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone_off, PUT)
+        # Slot (t, k) of rank s, in s's landing zone.
+        zone_off = zone.to(tl.int64) * ZONE_SLOTS * X_WORDS
+        landing = as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone_off
         dst = landing + (t * TOPK + k).to(tl.int64) * X_WORDS
         copy_rows(src, has_row, address(dst)[:, None], send[:, None], X_WORDS, BW, 1, 1, ALIGNED)
-        if PUT:  # one put per staged row: slots of one rank are scattered among other ranks' slots
-            put_send = tl.where(put, send, False)
-            if tl.max(put_send.to(tl.int32)) > 0:
-                own = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone_off
-                j = tl.arange(0, BS)
-                for jj in range(BS):
-                    one = j == jj
-                    if tl.sum(tl.where(one & put_send, 1, 0)) > 0:
-                        row = tl.sum(tl.where(one, t * TOPK + k, 0)).to(tl.int64) * X_WORDS
-                        to_rank = tl.sum(tl.where(one, s, 0))
-                        put_rows(own + row, stage_ptr + to_rank.to(tl.int64) * M * TOPK * X_WORDS + row,
-                                 X_WORDS * 4, to_rank)
-    if PUT:
-        drain()  # this program's puts are complete before it counts itself in: the signal follows them
+    if PUT:  # stage each put rank's run: the rows its tokens' slots got here, sorted by (expert, token, k)
+        rows, _ = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
+        for p in range(WORLD):
+            if (p != rank) & is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT) & (failed == 0):
+                _stage_run(expert_out_ptr, stage_ptr + tl.cast(p, tl.int64) * M * TOPK * X_WORDS, rows, p, blk,
+                           WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2, CAP, X_WORDS, BS, BW, NBLK, ALIGNED)
     # The last program publishes to every live rank, unless a program skipped its part because the group
     # failed, and advances the send count.
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
@@ -171,13 +225,19 @@ def combine_send_kernel(
             flag = flag_value(tl.load(grp + S_EPOCH), call)
             ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=live, other=0), tl.int64) + (zone * WORLD + rank) * 2
             put_all = put_peers(grp, w, w < WORLD, WORLD, PUT)
+            order_transports(grp, live, WORLD, WORLD_P2, PUT)
             publish_many(ctrl + 1, flag, store_only(put_all, live, PUT))
-            if PUT:
+            if PUT:  # each put rank's run in one put whose signal is the flag (own slots: read in place)
                 own_flag = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + (zone * WORLD + rank) * 2 + 1
-                for p in range(WORLD):   # every program drained its puts before it counted itself in
+                own_runs = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone.to(tl.int64) * ZONE_SLOTS * X_WORDS
+                rows, bases = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
+                for p in range(WORLD):
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
-                        signal_only(own_flag, flag, p)
-                drain()
+                        base, n = _run_of(rows, bases, p, rank, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
+                        flush(own_runs, own_runs, 0, own_runs + (M * TOPK + base).to(tl.int64) * X_WORDS,
+                              stage_ptr + tl.cast(p, tl.int64) * M * TOPK * X_WORDS, n.to(tl.int64) * X_WORDS * 4,
+                              own_flag, flag, p)
+                drain()   # one wait for the runs to every peer, all in flight together
         tl.store(seq_ptr, call)
     trace.send_end(trace_ptr, call, last, WORLD, TRACE_N, TRACE)
 
@@ -189,7 +249,9 @@ def combine_recv_kernel(
     routed_ptr,       # int32 [M, TOPK]: 1 + the owner rank of slot (t, k) where the dispatch routed it, else 0
     expert_out_ptr,   # [ROWS, HIDDEN] dtype: this rank's expert outputs (rows as in d.x)
     row_of_ptr,       # int32 [WORLD * M, TOPK]: the dispatch's row of slot (s, t, k) on this rank
-    data_ptr,         # int32 words [2, M, TOPK, HIDDEN * elem / 4]: this rank's landing zone
+    slot_key_ptr,     # int32 [M, TOPK] (PUT only): position * BINS + expert id of this rank's slot (t, k)
+    id_base_ptr,      # int32 [BINS] (PUT only): this rank's slots with a lower expert id
+    data_ptr,         # int32 words [2, ZONE_SLOTS, HIDDEN * elem / 4]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here; unused at world 1)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
@@ -199,6 +261,7 @@ def combine_recv_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     NBLK: tl.constexpr, ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    PUT: tl.constexpr, ZONE_SLOTS: tl.constexpr, BINS: tl.constexpr,
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
@@ -223,7 +286,10 @@ def combine_recv_kernel(
         need = w < 0   # [WORLD_P2] False
         for t0 in range(blk * BT, num_tokens, NBLK * BT):
             slot, owner = _owners(routed_ptr, t0 + tl.arange(0, BT), kk, num_tokens, TOPK)
-            remote = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=owner >= 0, other=0) == -1
+            if PUT:   # (row_of of a token the own put dispatch did not carry is stale)
+                remote = owner != rank
+            else:
+                remote = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=owner >= 0, other=0) == -1
             hit = tl.where(remote, owner, -1)
             need = need | tl.max(tl.max((hit[:, :, None] == w[None, None, :]).to(tl.int32), axis=1), axis=0) != 0
         need = tl.where(first, True, need)
@@ -241,7 +307,7 @@ def combine_recv_kernel(
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0
-    landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * M * TOPK * HIDDEN
+    landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * ZONE_SLOTS * HIDDEN
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
         t = t0 + tl.arange(0, BT)
         live = t < num_tokens
@@ -249,21 +315,34 @@ def combine_recv_kernel(
         # in the landing zone).
         slot = t[:, None] * TOPK + kk[None, :]
         slot_live = live[:, None] & (kk < TOPK)[None, :]
-        use_all = tl.load(routed_ptr + slot, mask=slot_live, other=0) != 0
+        routed_all = tl.load(routed_ptr + slot, mask=slot_live, other=0)
+        use_all = routed_all != 0
         w_all = tl.load(weights_ptr + slot, mask=slot_live, other=0).to(tl.float32)
-        code_all = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=use_all, other=-1)
+        if PUT:
+            # Own slots by the owner (row_of of a token the own put dispatch did not carry is stale); a
+            # slot from a put rank is in that rank's run: row M*TOPK + (slots of lower ids) + position.
+            code_all = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=routed_all == rank + 1, other=-1)
+            key = tl.load(slot_key_ptr + slot, mask=use_all, other=0)
+            sorted_slot = tl.load(id_base_ptr + key % BINS, mask=use_all, other=0) + key // BINS
+            at_all = tl.where(put_peers(grp, routed_all - 1, use_all, WORLD, PUT), M * TOPK + sorted_slot, slot)
+        else:
+            code_all = tl.load(row_of_ptr + rank * M * TOPK + slot, mask=use_all, other=-1)
         acc = tl.zeros([BT, BH], dtype=tl.float32)
         for k in tl.static_range(TOPK):
             pick = kk[None, :] == k
             use = tl.sum(tl.where(pick, use_all.to(tl.int32), 0), axis=1) != 0
             wk = tl.sum(tl.where(pick, w_all, 0.0), axis=1)
             code = tl.sum(tl.where(pick, code_all, 0), axis=1)
+            if PUT:
+                at = tl.sum(tl.where(pick, at_all, 0), axis=1)      # landing row of slot (t, k)
+            else:
+                at = t * TOPK + k
             here = code != -1
             has_row = (code >= 0) & (code < ROWS)
             # One load per slot: from expert_out in place, or from the landing zone; a dropped slot (-2)
             # reads nothing and adds w * 0, as the zeros a peer sends for one.
             row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
-                           landing + (t * TOPK + k).to(tl.int64) * HIDDEN)
+                           landing + at.to(tl.int64) * HIDDEN)
             v = load_tile(row, tl.where(arrived, use & (has_row | ~here), False), c0, HIDDEN, BH,
                           ALIGNED).to(tl.float32)
             acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)

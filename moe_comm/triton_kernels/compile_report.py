@@ -51,10 +51,21 @@ def with_trace(cfg: KernelConfig) -> KernelConfig:
                         dict(cfg.constexprs, TRACE=True, TRACE_N=TRACE_CALLS), num_warps=cfg.num_warps)
 
 
-def with_put(cfg: KernelConfig) -> KernelConfig:
-    """The same kernel and shapes with the put transport compiled in (NVSHMEM calls, bitcode linked)."""
-    return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, dict(cfg.constexprs, PUT=True),
-                        nvshmem=True, num_warps=cfg.num_warps)
+def with_put(cfg: KernelConfig, nvshmem: bool = True) -> KernelConfig:
+    """The same kernel and shapes with the put transport compiled in (a send kernel: NVSHMEM calls, bitcode
+    linked; a receive kernel, ``nvshmem=False``: the put layout's reads), at the put plan's sizes
+    (``EPPlan.with_put``: the token index word, the run-base control word, the sorted half of the
+    combine landing zone)."""
+    c = dict(cfg.constexprs, PUT=True)
+    if {"S_WORDS", "TOPK", "ROW_WORDS"} <= c.keys():
+        from ..planner import route_row_words  # noqa: PLC0415
+        c["ROW_WORDS"] = route_row_words(c["X_WORDS"] + c["S_WORDS"], c["TOPK"], True)
+    if {"CTRL_WORDS", "EXPERTS_PER_RANK"} <= c.keys():
+        c["CTRL_WORDS"] = c["EXPERTS_PER_RANK"] + 3
+    if "ZONE_SLOTS" in c:
+        c["ZONE_SLOTS"] = 2 * c["M"] * c["TOPK"]
+    return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, c, nvshmem=nvshmem,
+                        num_warps=cfg.num_warps)
 
 
 def _a2a_configs() -> list[KernelConfig]:
@@ -100,15 +111,15 @@ def _ep_configs() -> list[KernelConfig]:
         label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
             x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
-            data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
+            slot_key_ptr="*i32", id_base_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
             num_experts="i32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
             BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=True, PUT=False),
             num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
-            row_of_ptr="*i32", src_tokens_ptr="*i32", stats_ptr="*i64", data_ptr="*i32", ctrl_ptr="*i64",
-            seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
+            row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", data_ptr="*i32",
+            ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
             ALIGNED=True)))
@@ -128,14 +139,17 @@ def _ep_configs() -> list[KernelConfig]:
         pw = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
         out.append(KernelConfig("combine", "combine_recv_kernel", f"DSV3 EP{world} bf16", dict(
             out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
-            data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
+            slot_key_ptr="*i32", id_base_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64",
+            done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
             OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
-            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True)))
+            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
+            ZONE_SLOTS=pw.combine_zone_slots, BINS=bins)))
     out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
-        expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", data_ptrs_ptr="*i64",
+        expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
         ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
         OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
-        BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False)))
+        BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots,
+        EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity)))
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
         num_tokens="i32", num_experts="i32"), dict(
@@ -200,8 +214,13 @@ PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with
     ("combine_send_kernel", "DSV3 EP8 bf16"), ("abort_kernel", "EP8 dispatch channel")}
 
 
+PUT_RECV_CONFIGS = {  # receive kernels whose put build reads the put layout (no NVSHMEM call)
+    ("dispatch_recv_kernel", "DSV3 EP8 bf16"), ("combine_recv_kernel", "DSV3 EP8 bf16")}
+
+
 def put_configs(base: list[KernelConfig]) -> list[KernelConfig]:
-    return [with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS]
+    return ([with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS] +
+            [with_put(c, nvshmem=False) for c in base if (c.kernel, c.label) in PUT_RECV_CONFIGS])
 
 
 TRACE_CONFIGS = {  # (kernel, label) of the configs compiled again with the flight recorder on

@@ -6,7 +6,8 @@ routing words ``local_expert + L * position`` for each k routed to this rank (el
 16-byte vectors (``EPPlan.row_words``). A source writes its token t at row t, so the send side needs no
 compaction, and a token crosses to a rank at most once however many of its top-k experts live there.
 Control words ``ctrl[zone, source, :]`` (int64) = (tokens T of the source, L per-local-expert slot counts
-from it, flag). Zone = call % 2.
+from it, flag); with puts (``EPPlan.with_put``) = (rows, L counts, run base, flag), rows = T from a store
+source, the tokens routed here from a put source (below). Zone = call % 2.
 
 Send (grid = NBLK token blocks x column blocks, ``EPPlan.send_grid``): each program takes a contiguous
 range of tokens, computes the positions of their slots from a histogram of the earlier tokens' ids
@@ -29,9 +30,16 @@ Counts read from peers are clamped so that no value can steer a store out of bou
 capacity is dropped and recorded (CapacityError).
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
-PUT): the rows and control words for such a peer are stored into this rank's staging copy of its region
-instead; the last program puts rows [0, T) in one ``putmem_nbi``, then the control words in a
-``putmem_signal_nbi`` whose signal is the flag. The receive is the same for both transports.
+PUT): a put peer gets only the rows of the tokens routed to it (each once), packed in token order into
+this rank's staging copy of its region: row j is the j-th such token (``routing.packed_rows``: the
+tokens of earlier programs are counted like the histogram), and carries the token index in the word
+after the routing words (``EPPlan.with_put``). The control words say rows, not T, and add the run base
+of the combine (this rank's slots on lower ranks' experts). The last program puts the rows in one
+``putmem_nbi`` (rows x row bytes: the floor), then the control words in a ``putmem_signal_nbi`` whose
+signal is the flag. The receive of a put source reads each row's token from that word; it writes
+row_of only for the rows it received (the combine answers a put source by its run, not by row_of), and
+keeps the source's rows per local expert and its run base for the combine (``runs``). A launch that
+reaches peers by both transports fences at system scope before any flag (``order_transports``).
 """
 
 import triton
@@ -40,30 +48,50 @@ import triton.language as tl
 from . import trace
 from .copy import address, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
-from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids, token_destinations
-from .transport import dest, drain, flush, put_peers, store_only
+from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
+                      token_destinations)
+from .transport import dest, drain, flush, order_transports, put_peers, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
                    live_ranks, publish_many, record_error, wait_flags)
 
 
 @triton.jit
-def count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, grp, rank,
-                    num_tokens, num_experts, send, OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-                    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr,
-                    CHUNK_T: tl.constexpr, BINS: tl.constexpr, CTRL_WORDS: tl.constexpr, PUT: tl.constexpr):
+def _by_slot(a, BT: tl.constexpr, TOPK_P2: tl.constexpr, WORLD_P2: tl.constexpr):
+    """[BT, WORLD_P2] per (token, rank) -> [WORLD_P2, BT * TOPK_P2] per (rank, slot) of the chunk."""
+    return tl.reshape(tl.broadcast_to(tl.trans(a)[:, :, None], (WORLD_P2, BT, TOPK_P2)), (WORLD_P2, BT * TOPK_P2))
+
+
+@triton.jit
+def count_and_check(idx_ptr, routed_ptr, excluded_ptr, id_base_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, grp,
+                    rank, num_tokens, num_experts, send, OP: tl.constexpr, WORLD: tl.constexpr,
+                    WORLD_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                    EXPERTS_PER_RANK: tl.constexpr, CHUNK_T: tl.constexpr, BINS: tl.constexpr,
+                    CTRL_WORDS: tl.constexpr, PUT: tl.constexpr):
     """The combine's mask (routed), the excluded-slot count and the first bad id, in one pass over the
-    slots; then, unless the group failed, every live rank's control words (tokens, per-local-expert
-    counts: a histogram of the valid ids with BINS >= E bins): in the rank's memory, or staged here for a
-    rank reached by puts."""
+    slots; then, unless the group failed, every live rank's control words (rows: T, or for a rank reached
+    by puts the tokens routed to it; per-local-expert counts: a histogram of the valid ids with BINS >= E
+    bins; for a put rank its run base, the slots routed to lower ranks' experts): in the rank's memory,
+    or staged here for a rank reached by puts. With PUT, ``id_base`` [BINS] gets the slots of lower expert
+    ids (the combine's receive finds the put runs' rows by it)."""
     counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2,
                       EXPERTS_PER_RANK, CHUNK_T, BINS)
     # (tl.where, not `&`: Triton's interpreter turns `bool vector & bool scalar` into int32, no mask)
     live = tl.where(send, live_ranks(grp, WORLD, WORLD_P2), False)
     peer = tl.arange(0, WORLD_P2)
-    ctrl = dest(put_peers(grp, peer, peer < WORLD, WORLD, PUT), stage_ctrl_ptr + peer * CTRL_WORDS,
-                as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=live, other=0), tl.int64) + ctrl_offset, PUT)
-    tl.store(ctrl, num_tokens, mask=live)
     expert = tl.arange(0, BINS)
+    put = put_peers(grp, peer, peer < WORLD, WORLD, PUT)
+    ctrl = dest(put, stage_ctrl_ptr + peer * CTRL_WORDS,
+                as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=live, other=0), tl.int64) + ctrl_offset, PUT)
+    if PUT:
+        rows = reach_of_tokens(idx_ptr, 0, num_tokens, num_experts, TOPK, TOPK_P2, EXPERTS_PER_RANK, WORLD_P2,
+                               CHUNK_T)
+        tl.store(ctrl, tl.where(put, rows, num_tokens).to(tl.int64), mask=live)
+        below = tl.cumsum(counts, axis=0) - counts   # slots of lower expert ids
+        run_base = tl.sum(tl.where(expert[None, :] == peer[:, None] * EXPERTS_PER_RANK, below[None, :], 0), axis=1)
+        tl.store(ctrl + 1 + EXPERTS_PER_RANK, run_base.to(tl.int64), mask=tl.where(put, live, False))
+        tl.store(id_base_ptr + expert, below)
+    else:
+        tl.store(ctrl, num_tokens, mask=live)
     owner = tl.minimum(expert // EXPERTS_PER_RANK, WORLD - 1)
     owner_live = tl.where(send, tl.load(grp + S_LIVE + owner) != 0, False)
     ctrl_of_expert = dest(put_peers(grp, owner, owner_live, WORLD, PUT), stage_ctrl_ptr + owner * CTRL_WORDS,
@@ -80,6 +108,8 @@ def dispatch_send_kernel(
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     routed_ptr,       # out int32 [M, TOPK]: 1 + the owner rank where slot (t, k) is routed (the combine's mask), else 0
     excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (accumulated)
+    slot_key_ptr,     # out int32 [M, TOPK] (PUT only): position * BINS + expert id of each valid slot
+    id_base_ptr,      # out int32 [BINS] (PUT only): valid slots with a lower expert id
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]
     stage_ptr,        # put transport: int32 [WORLD dest, M, ROW_WORDS], this rank's rows for each dest (symmetric)
@@ -103,6 +133,7 @@ def dispatch_send_kernel(
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
+    TOKEN_WORD: tl.constexpr = META + TOPK              # put rows: the token index, after the routing words
     ROW_BYTES: tl.constexpr = ROW_WORDS * 4
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     peer = tl.arange(0, WORLD_P2)
@@ -116,7 +147,7 @@ def dispatch_send_kernel(
     # 1. Bookkeeping, by one program: the combine's mask, the excluded-slot count, the first bad id, and
     #    per-expert counts (a histogram of the valid ids; BINS >= E) into each live rank's control words.
     if (blk == NBLK - 1) & (col == 0):
-        counts = count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
+        counts = count_and_check(idx_ptr, routed_ptr, excluded_ptr, id_base_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
                                  (zone * WORLD + rank) * CTRL_WORDS, grp, rank, num_tokens, num_experts, failed == 0,
                                  OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT)
         trace.store_slots_per_rank(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), counts, peer_live,
@@ -129,22 +160,44 @@ def dispatch_send_kernel(
     t_begin = tl.minimum(blk * per_program, num_tokens)
     t_end = tl.minimum(t_begin + per_program, num_tokens)
     before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
+    if PUT:  # a put rank gets only its tokens' rows, packed in token order: rows of the earlier tokens
+        put_all = put_peers(grp, peer, peer < WORLD, WORLD, PUT)
+        rows_before = reach_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, EXPERTS_PER_RANK, WORLD_P2,
+                                      ROUTE_T)
     for t0 in range(t_begin, t_end, BT):
         ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
         pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
         owner = tl.where(valid, idx // EXPERTS_PER_RANK, -1)
+        t = t0 + tl.arange(0, BT)
+        if PUT:
+            packed, reach, rows_before = packed_rows(owner, rows_before, BT, TOPK_P2, WORLD_P2)  # [BT, WORLD_P2]
         if col == 0:
             word = tl.where(owner[None, :] == peer[:, None], idx % EXPERTS_PER_RANK + pos * EXPERTS_PER_RANK, -1)
-            tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
-                     mask=peer_live[:, None] & live[None, :])
+            if PUT:  # a put rank: the token's packed row, only tokens routed there, and the token index word
+                at = tl.where(put_all[:, None], _by_slot(packed, BT, TOPK_P2, WORLD_P2), ts[None, :])
+                sent = tl.where(put_all[:, None], _by_slot(reach, BT, TOPK_P2, WORLD_P2) != 0, True)
+                tl.store(landing_all[:, None] + at.to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
+                         mask=peer_live[:, None] & live[None, :] & sent)
+                tl.store(landing_all[None, :] + packed.to(tl.int64) * ROW_WORDS + TOKEN_WORD, t[:, None],
+                         mask=(reach != 0) & (put_all & peer_live)[None, :] & (t < t_end)[:, None])
+                tl.store(slot_key_ptr + ts * TOPK + ks, pos * BINS + idx, mask=valid)
+            else:
+                tl.store(landing_all[:, None] + ts[None, :].to(tl.int64) * ROW_WORDS + META + ks[None, :], word,
+                         mask=peer_live[:, None] & live[None, :])
 
         # Destinations of token t: one per slot k, the slot's rank if it is live and no earlier slot of
-        # the token has it (so a rank gets the row once); its address is that rank's row t.
-        t = t0 + tl.arange(0, BT)
+        # the token has it (so a rank gets the row once); its address is that rank's row t (a put rank:
+        # the token's packed row in the staging for it).
         to, write = token_destinations(owner, t < t_end, grp, failed, BT, TOPK_P2)
-        zone_base = dest(put_peers(grp, to, write, WORLD, PUT), address(stage_ptr) + to.to(tl.int64) * M * ROW_BYTES,
+        put_to = put_peers(grp, to, write, WORLD, PUT)
+        zone_base = dest(put_to, address(stage_ptr) + to.to(tl.int64) * M * ROW_BYTES,
                          tl.load(data_ptrs_ptr + to, mask=write, other=0) + first_row * ROW_BYTES, PUT)
-        dst = zone_base + t[:, None].to(tl.int64) * ROW_BYTES                           # [BT, TOPK_P2] bytes
+        if PUT:
+            row = tl.where(put_to, tl.sum(tl.where(to[:, :, None] == peer[None, None, :], packed[:, None, :], 0), axis=2),
+                           t[:, None])
+        else:
+            row = t[:, None]
+        dst = zone_base + row.to(tl.int64) * ROW_BYTES                                  # [BT, TOPK_P2] bytes
         read = tl.max(write.to(tl.int32), axis=1) > 0
         if FP8:  # column block `col` of the row: quantized in registers, stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
@@ -164,6 +217,7 @@ def dispatch_send_kernel(
             ctrl_off = (zone * WORLD + rank) * CTRL_WORDS
             flag = flag_value(tl.load(grp + S_EPOCH), call)
             ctrl_last = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=peer_live, other=0), tl.int64)
+            order_transports(grp, peer_live, WORLD, WORLD_P2, PUT)
             publish_many(ctrl_last + ctrl_off + CTRL_WORDS - 1, flag,
                          store_only(put_peers(grp, peer, peer < WORLD, WORLD, PUT), peer_live, PUT))
             if PUT:
@@ -171,7 +225,8 @@ def dispatch_send_kernel(
                 own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off
                 for p in range(WORLD):
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
-                        flush(own_rows, stage_ptr + tl.cast(p, tl.int64) * M * ROW_WORDS, num_tokens.to(tl.int64) * ROW_WORDS * 4,
+                        rows = tl.load(stage_ctrl_ptr + p * CTRL_WORDS, volatile=True)   # the rows staged for p
+                        flush(own_rows, stage_ptr + tl.cast(p, tl.int64) * M * ROW_WORDS, rows * ROW_BYTES,
                               own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
                               own_ctrl + CTRL_WORDS - 1, flag, p)
                 drain()   # one wait for the puts to every peer, all in flight together
@@ -186,7 +241,10 @@ def dispatch_recv_kernel(
     out_src_ptr,      # out int32 [EXPERTS_PER_RANK * CAP]: source_rank * M + token per row
     out_counts_ptr,   # out int32 [EXPERTS_PER_RANK]: valid rows per local expert
     row_of_ptr,       # out int32 [WORLD * M, TOPK]: e * CAP + row of slot (s, t, k); -1 not here, -2 dropped
-    src_tokens_ptr,   # out int32 [WORLD]: tokens T of every source (what the combine sends back)
+    src_tokens_ptr,   # out int32 [WORLD]: rows of every source in the landing zone: its tokens T (store), or
+    #                   its tokens routed here (put source; the combine answers those by runs, not by row)
+    runs_ptr,         # out int32 [WORLD, EXPERTS_PER_RANK + 1] (PUT only): per source, its rows per local
+    #                   expert, then its run base (control word), for the combine's runs
     stats_ptr,        # int64 [EXPERTS_PER_RANK]: rows received per local expert, accumulated over calls
     data_ptr,         # int32 [2, WORLD * M, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words
@@ -198,7 +256,7 @@ def dispatch_recv_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
-    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr,
+    CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
     TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
     blk = tl.program_id(0)
@@ -246,7 +304,14 @@ def dispatch_recv_kernel(
     # This source's base and count per local expert: rows of expert e from sources before src.
     base = tl.sum(tl.where((w < src)[:, None], counts, 0), axis=0)      # [EXPERTS_P2]
     count = tl.sum(tl.where((w == src)[:, None], counts, 0), axis=0)
-    n_tokens = tl.sum(tl.where(w == src, tokens, 0))
+    n_tokens = tl.sum(tl.where(w == src, tokens, 0))   # rows of this source in the landing zone
+    packed = put_peers(grp, src, True, WORLD, PUT)      # a put source: row j holds the token in its token word
+    if PUT:
+        if blk == 0:
+            tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + e, count, mask=e_live)
+            run_base = tl.load(ctrl + src * CTRL_WORDS + 1 + EXPERTS_PER_RANK, volatile=True)
+            tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK,
+                     tl.minimum(tl.maximum(run_base, 0), M * TOPK).to(tl.int32))
     # Slots j = (token t, k) of this source, k padded to TOPK_P2: one flat axis, so that every tile below
     # is 2-D. Every slot's row_of is written (-1 past the source's tokens), the payload only where routed.
     landing = data_ptr + (zone * WORLD + src).to(tl.int64) * M * ROW_WORDS
@@ -255,8 +320,13 @@ def dispatch_recv_kernel(
         t = j // TOPK_P2
         k = j % TOPK_P2
         slot_live = (t < M) & (k < TOPK)
-        q = src * M + t
         src_row = landing + t.to(tl.int64) * ROW_WORDS
+        q = src * M + t
+        if PUT:   # a put source's row t holds token tok (clamped: no value steers a store out of bounds);
+            #       only its received rows' slots are written (the combine answers a put source by runs)
+            tok = tl.load(src_row + META + TOPK, mask=slot_live & (t < n_tokens) & packed, other=0)
+            q = tl.where(packed, src * M + tl.minimum(tl.maximum(tok, 0), M - 1), q)
+            slot_live = tl.where(packed, slot_live & (t < n_tokens), slot_live)
         word = tl.load(src_row + META + k, mask=slot_live & (t < n_tokens), other=-1)
         here = word >= 0
         expert = tl.where(here, word % EXPERTS_PER_RANK, 0)

@@ -9,8 +9,10 @@ copy.
 
 The ``*_block`` calls are collective over the calling program (CTA): every thread must make the same
 call with the same arguments, so call them with scalar arguments only, from code every thread of the
-program runs (uniform branches). ``quiet`` completes this thread's outstanding puts; the kernels call
-it from every program that issued puts before they count themselves in (``sync.arrive``).
+program runs (uniform branches). ``signal_op``, ``fence`` and ``quiet`` are too (same rule), but one
+thread of the program issues them, after a CTA barrier (on IBGDA each is a network operation; issued by
+every thread it would be sent once per thread); ``quiet`` ends with a CTA barrier, so no thread of the
+program goes on before the program's puts are complete.
 
 Interpreted twin (CPU tests, ``moe_comm/interpreter.py``): the same functions run as plain memory
 operations in this process: a put is a byte copy into the peer's copy (found through
@@ -211,6 +213,12 @@ if INTERPRET:
         _order("fence", -1)
 
     @triton.jit
+    def fence_system():
+        """Order every store and put of this program before its later ones, at system scope (not an
+        NVSHMEM call; interpreted: in order, reported as "fence_system")."""
+        _order("fence_system", -1)
+
+    @triton.jit
     def ptr(dest, pe):
         """Address, usable by loads and stores here, of rank ``pe``'s copy of symmetric ``dest``; 0 if
         that rank is not load/store reachable (interpreted: another emulated node)."""
@@ -233,8 +241,16 @@ else:
         _putmem_nbi_block(_i64(dest), _i64(src), _i64(nbytes), _i32(pe))
 
     @triton.jit
+    def _first_thread():
+        # %tid.x: launches are 1-D blocks of num_warps * 32 threads.
+        return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True,
+                                         pack=1) == 0
+
+    @triton.jit
     def signal_op(sig, value, op, pe):
-        _signal_op(_i64(sig), _u64(value), _i32(op), _i32(pe))
+        tl.debug_barrier()
+        if _first_thread():
+            _signal_op(_i64(sig), _u64(value), _i32(op), _i32(pe))
 
     @triton.jit
     def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
@@ -246,11 +262,23 @@ else:
 
     @triton.jit
     def quiet():
-        _quiet()
+        tl.debug_barrier()
+        if _first_thread():
+            _quiet()
+        tl.debug_barrier()   # no thread goes on (counts itself in, reuses the staging) before it returned
 
     @triton.jit
     def fence():
-        _fence()
+        tl.debug_barrier()
+        if _first_thread():
+            _fence()
+
+    @triton.jit
+    def fence_system():
+        # fence.sc.sys after a CTA barrier: cumulative, it orders every thread's earlier stores (to mapped
+        # peers and to the staging the puts read) before this program's later stores, puts and signals.
+        tl.debug_barrier()
+        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def ptr(dest, pe):

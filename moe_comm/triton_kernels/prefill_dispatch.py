@@ -77,7 +77,9 @@ def prefill_dispatch_send_kernel(
     zone_all = as_ptr(tl.load(data_ptrs_ptr + peer, mask=peer_live, other=0), tl.int32)   # [WORLD_P2]
 
     if (blk == NBLK - 1) & (col == 0):   # the combine's mask, excluded slots, bad ids, control words
-        count_and_check(idx_ptr, routed_ptr, excluded_ptr, ctrl_ptrs_ptr, ctrl_ptrs_ptr, (zone * WORLD + rank) * CTRL_WORDS,
+        # (id_base: the put layout's, never written without PUT: routed_ptr stands in)
+        count_and_check(idx_ptr, routed_ptr, excluded_ptr, routed_ptr, ctrl_ptrs_ptr, ctrl_ptrs_ptr,
+                        (zone * WORLD + rank) * CTRL_WORDS,
                         grp, rank, num_tokens, num_experts, failed == 0, OP, WORLD, WORLD_P2, TOPK, TOPK_P2,
                         EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, False)
 

@@ -119,6 +119,36 @@ def chunk_positions(idx, slot, counts_before, BINS: tl.constexpr):
 
 
 @triton.jit
+def token_reach(owner, BT: tl.constexpr, TOPK_P2: tl.constexpr, WORLD_P2: tl.constexpr):
+    """int32 [BT, WORLD_P2]: 1 where token t of a chunk has a slot on rank w (``owner`` [BT * TOPK_P2]: the
+    rank of each slot, -1 not routed)."""
+    w = tl.arange(0, WORLD_P2)
+    return tl.max((tl.reshape(owner, (BT, TOPK_P2))[:, :, None] == w[None, None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def reach_of_tokens(idx_ptr, t_begin, t_end, num_experts, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                    EXPERTS_PER_RANK: tl.constexpr, WORLD_P2: tl.constexpr, SCAN_T: tl.constexpr):
+    """int32 [WORLD_P2]: tokens of [t_begin, t_end) with a valid slot on each rank (a token counts once
+    per rank): the rows a rank gets from tokens [t_begin, t_end) when only the routed rows travel."""
+    rows = tl.zeros([WORLD_P2], dtype=tl.int32)
+    for c0 in range(t_begin, t_end, SCAN_T):
+        t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, c0, t_end, num_experts, TOPK, TOPK_P2, SCAN_T)
+        rows += tl.sum(token_reach(tl.where(valid, idx // EXPERTS_PER_RANK, -1), SCAN_T, TOPK_P2, WORLD_P2), axis=0)
+    return rows
+
+
+@triton.jit
+def packed_rows(owner, rows_before, BT: tl.constexpr, TOPK_P2: tl.constexpr, WORLD_P2: tl.constexpr):
+    """Packed row of each token of a chunk on each rank, when a rank gets only the rows routed to it, in
+    token order: ``owner`` [BT * TOPK_P2] as in ``token_reach``, ``rows_before`` [WORLD_P2] the rows of
+    every earlier token (``reach_of_tokens``). Returns (row [BT, WORLD_P2], meaningful where reach;
+    reach [BT, WORLD_P2]; rows_before plus this chunk's)."""
+    reach = token_reach(owner, BT, TOPK_P2, WORLD_P2)
+    return rows_before[None, :] + tl.cumsum(reach, axis=0) - reach, reach, rows_before + tl.sum(reach, axis=0)
+
+
+@triton.jit
 def token_destinations(owner, t_live, grp, failed, BT: tl.constexpr, TOPK_P2: tl.constexpr):
     """Where each token of a chunk goes, once per rank: ``owner`` [BT * TOPK_P2] is the rank of each slot
     (-1 not routed), ``t_live`` [BT] the tokens that exist. Returns (rank [BT, TOPK_P2] >= 0, write

@@ -7,8 +7,11 @@ region the rank would have written on that peer (same row layout), so the row-bu
 for both. Where a store-path kernel publishes the flag, the put path instead calls ``flush`` (below):
 the staged rows go to the peer's landing zone in one ``putmem_nbi``, NVSHMEM ``fence`` orders them
 before the staged control words, which travel in a ``putmem_signal_nbi`` whose signal *is* the flag
-(``SIGNAL_SET`` of the same value a store-path sender publishes). The receive kernels do not change:
-they wait for the same flag word, with the same bounded acquire wait, and read the same layout.
+(``SIGNAL_SET`` of the same value a store-path sender publishes). The receive kernels wait for the same
+flag word, with the same bounded acquire wait. The EP ops pack what they put (only the routed rows,
+one run per peer: ``dispatch.py``, ``combine.py``), so their receives read a put peer's rows by the
+put layout. ``signal_op``, ``fence`` and ``quiet`` are issued by one thread per program
+(``nvshmem_device.py``).
 
 Kernels take ``PUT: tl.constexpr``: False when no peer of the group uses puts, which compiles the put
 path out (no NVSHMEM call in the module, no bitcode needed); True links NVSHMEM's bitcode.
@@ -19,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import protocol
-from .nvshmem_device import SIGNAL_SET, fence, putmem_nbi_block, putmem_signal_nbi_block, quiet, signal_op
+from .nvshmem_device import SIGNAL_SET, fence, fence_system, putmem_nbi_block, putmem_signal_nbi_block, quiet, signal_op
 from .sync import publish
 
 TRANSPORT_PUT = tl.constexpr(protocol.TRANSPORT_PUT)
@@ -66,7 +69,7 @@ def flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, 
     tl.debug_barrier()   # this program's own staging stores, before the put reads them
     if nbytes > 0:
         putmem_nbi_block(dst_sym, src, nbytes, pe)
-    fence()              # the rows reach pe before the control words and the signal
+        fence()          # the rows reach pe before the control words and the signal
     if ctrl_bytes > 0:
         putmem_signal_nbi_block(ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, SIGNAL_SET, pe)
     else:
@@ -90,21 +93,19 @@ def deliver(flag_ptr, flag, put, dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_
 
 
 @triton.jit
-def put_rows(dst_sym, src, nbytes, pe):
-    """Put one run of staged rows now (scalar arguments, every thread of the program); ``drain`` before
-    the program counts itself in, so the last program's signal follows every program's rows."""
-    tl.debug_barrier()
-    putmem_nbi_block(dst_sym, src, nbytes, pe)
-
-
-@triton.jit
 def drain():
     """Complete this program's puts (``quiet``)."""
     quiet()
 
 
 @triton.jit
-def signal_only(flag_sym, flag, pe):
-    """Deliver ``flag`` to rank ``pe``'s ``flag_sym``. Call after a ``drain`` that completed the puts
-    it must follow (then no fence is needed), for every peer, then ``drain`` once."""
-    signal_op(flag_sym, flag, SIGNAL_SET, pe)
+def order_transports(grp, live, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, PUT: tl.constexpr):
+    """Before the flags of a launch: when it reaches some ``live`` peer ([WORLD_P2]) by stores and some
+    by puts, a system-scope fence, so that the stores and the staging the puts read are ordered before
+    every flag, whichever transport carries it (the multi-node hang DeepEP fixed in its PR #715).
+    Nothing without PUT, or when every live peer uses one transport."""
+    if PUT:
+        put = put_peers(grp, tl.arange(0, WORLD_P2), live, WORLD, PUT)
+        n_put = tl.sum(put.to(tl.int32))
+        if (n_put > 0) & (n_put < tl.sum(live.to(tl.int32))):
+            fence_system()
