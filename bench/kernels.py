@@ -2,6 +2,8 @@
 
     python bench/kernels.py [--out-dir bench/results]      # a GPU: full sizes
     python bench/kernels.py --dry [--out-dir DIR]          # no GPU: tiny sizes in Triton's interpreter
+    python bench/kernels.py --host                         # host cost of an eager call, launches stubbed
+                                                           # (CPU or GPU; bench/host_cost.py says what)
 
 1. Floor: device-to-device copy bandwidth (bytes read + written, one large buffer) and the time of an
    empty Triton kernel (one launch). An op that must move B bytes cannot beat B / bandwidth + 1 launch.
@@ -63,6 +65,9 @@ DRY_SIZES = [1, 5]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry", action="store_true", help="CPU: tiny shapes, interpreter, a few iterations")
+    p.add_argument("--host", action="store_true",
+                   help="only the host cost of an eager call of every op, Triton's launch stubbed (bench/host_cost.py; "
+                        "CPU or GPU; sizes DeepSeek-V3, T 16, world 1 and loopback 8; --iters 1000, --warmup 20)")
     p.add_argument("--out-dir", help="where the .jsonl and .png go (default bench/results; --dry: a temp dir)")
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help=f"comma separated subset of {','.join(SECTIONS)} (default: all but ep_rank)")
@@ -91,8 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available() and not o.dry
     if o.dry and torch.cuda.is_available():
         p.error("--dry is for machines without a GPU (it labels its numbers as not GPU measurements)")
-    if not cuda and not o.dry:
+    if o.dry and o.host:
+        p.error("--host measures the host on any machine: run it without --dry")
+    if not cuda and not o.dry and not o.host:
         p.error("no GPU here: use --dry (CPU interpreter, tiny shapes, labelled dry run)")
+    host = dict(tokens=[16], hidden=7168, experts=256, topk=8, iters=1000, warmup=20)
     gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20,
                emulated_world=8, emulated_tokens=[1, 128], prefill_world=8, prefill_tokens=[4096],
                rank_worlds=[8, 16, 32, 64],
@@ -100,11 +108,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1,
                emulated_world=2, emulated_tokens=[3], prefill_world=2, prefill_tokens=[3], rank_worlds=[2, 4],
                rank_tokens=[1, 3])
+    for k, v in (host if o.host else {}).items():
+        if getattr(o, k) is None:
+            setattr(o, k, v)
     for k, v in (gpu if cuda else dry).items():
         if getattr(o, k) is None:
             setattr(o, k, v)
     o.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if o.dry:
+    if o.dry or (o.host and not cuda):
         torch.set_num_threads(1)  # tiny CPU ops: a 2-thread pool only adds wake-up latency (index_add_: 0.1 s)
     o.sections = o.sections.split(",")
     o.rank_routings = o.rank_routings.split(",")
@@ -760,6 +771,13 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slug = "dry" if o.dry else env["device"].replace(" ", "-")
     base = os.path.join(out_dir, f"kernels-{slug}-{stamp}")
+    if o.host:
+        from bench.host_cost import measure  # noqa: PLC0415
+        out = JsonLines(os.path.join(out_dir, f"kernels-host-{slug}-{stamp}.jsonl"), dict(env, tag=o.tag), False)
+        print(f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+        measure(o, out)
+        print(f"wrote {out.path}")
+        return 0
     out = JsonLines(base + ".jsonl", dict(env, tag=o.tag), o.dry)
     if o.dry:
         print(f"*** {DRY_LABEL} ***")

@@ -1,0 +1,187 @@
+"""Host cost of an eager call: the Python between an op call and its kernel launches (``kernels.py --host``).
+
+Stubbed: Triton's launch. ``JITFunction.run`` and ``InterpretedFunction.run`` (what ``kernel[grid](...)``
+calls: Triton's argument binding, its compilation-cache lookup and the launch itself, or on a CPU the
+interpreter's execution of the grid) return at once without doing anything.
+
+Measured: everything else of a call, as an eager caller makes it: the phase state machine, the input
+checks, the handle, the launch arguments (kernel choice, grid, argument dicts), output allocation, the
+views of the inputs, and the end-of-call error check (on a CPU it reads the error word; on a GPU it
+records an event and waits for the previous call's). Every op: EPBuffer dispatch / combine,
+AllToAllvDynamic forward / combine, PrefillBuffer dispatch / combine.
+
+Per call of one rank: at world 1 one ``phase="both"`` call; on a loopback world of W ranks (one process
+holds every rank) every rank's ``phase="send"`` then every rank's ``phase="recv"``, the total divided
+by W. Dispatch and combine alternate (a PrefillBuffer dispatch must be answered by a combine before the
+next one), each timed on its own with ``time.perf_counter_ns``; the garbage collector is off during the
+timed calls. p50 / p90 of the per-call times.
+
+Since the kernels never run, outputs hold garbage and no device value changes: the figures say nothing
+about the kernels, only about the host. The inputs of every call are the same tensors (an eager engine
+passes tensors of the same shapes every step; buffers may cache what those determine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import torch
+
+import moe_comm
+from bench import peers
+
+STUBBED = ("Triton's launch (JITFunction.run / InterpretedFunction.run: argument binding, compilation cache "
+           "lookup and the launch, or the interpreter's run of the grid) is a no-op")
+MEASURED = ("everything else of an eager call: phase state machine, input checks, handle, launch arguments, "
+            "output allocation, input views, end-of-call error check")
+TARGET_US = 15.0   # issue 25: host time per eager call with launches stubbed, at world 1 and loopback world 8
+WORLDS = (1, 8)
+PERCENTILES = (0.5, 0.9)
+
+
+@contextlib.contextmanager
+def launches_stubbed():
+    """Within: every Triton kernel launch in this process does nothing (see the module docstring)."""
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+    saved = [(cls, cls.__dict__["run"]) for cls in (JITFunction, InterpretedFunction)]
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return None
+
+    try:
+        for cls, _ in saved:
+            cls.run = run
+        yield
+    finally:
+        for cls, original in saved:
+            cls.run = original
+
+
+def _calls(world: int, drive_send, drive_recv):
+    """One timed call of an op on every rank: ``phase="both"`` at world 1, else all sends, all receives."""
+    if world == 1:
+        return lambda: drive_send(0, "both")
+
+    def all_ranks():
+        for r in range(world):
+            drive_send(r, "send")
+        for r in range(world):
+            drive_recv(r)
+    return all_ranks
+
+
+def _ops(groups, o, t: int):
+    """(op name, [(dispatch name, dispatch call), (combine name, combine call)]) for every op, inputs built."""
+    world, dev, h, e, k = len(groups), o.device, o.hidden, o.experts, o.topk
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16).to(dev) for _ in groups]
+    idxs = [peers.random_topk(t, e, k, gen).to(dev) for _ in groups]
+    ws = [torch.rand(t, k, generator=gen).to(dev) for _ in groups]
+    built = []
+
+    # EPBuffer
+    eps = [moe_comm.EPBuffer(g, e, h, t, k, dtype=torch.bfloat16) for g in groups]
+    ep_res = [None] * world
+    ep_out = [torch.zeros(eps[0].num_local_experts, world * t, h, dtype=torch.bfloat16, device=dev) for _ in groups]
+
+    def ep_dispatch(r, phase):
+        got = eps[r].dispatch(xs[r], idxs[r], phase=phase)
+        if got is not None:
+            ep_res[r] = got
+
+    def ep_dispatch_recv(r):
+        ep_res[r] = eps[r].dispatch(phase="recv")
+
+    def ep_combine(r, phase):
+        eps[r].combine(ep_out[r], ws[r], ep_res[r].handle, phase=phase)
+
+    built.append(("EPBuffer", eps, [("dispatch", _calls(world, ep_dispatch, ep_dispatch_recv)),
+                                    ("combine", _calls(world, ep_combine, lambda r: eps[r].combine(phase="recv")))]))
+
+    # AllToAllvDynamic: rows of hidden bf16, t rows per call split as evenly as possible over the ranks
+    a2as = [moe_comm.AllToAllvDynamic(g, max(1, t), (h,), torch.bfloat16) for g in groups]
+    counts = torch.tensor([t // world + (j < t % world) for j in range(world)], dtype=torch.int32, device=dev)
+    a2a_res = [None] * world
+    rows = [torch.zeros(world, max(1, t), h, dtype=torch.bfloat16, device=dev) for _ in groups]
+
+    def a2a_forward(r, phase):
+        got = a2as[r](xs[r], counts, phase=phase)
+        if got is not None:
+            a2a_res[r] = got
+
+    def a2a_forward_recv(r):
+        a2a_res[r] = a2as[r](phase="recv")
+
+    def a2a_combine(r, phase):
+        a2as[r].combine(rows[r], a2a_res[r].handle, phase=phase)
+
+    built.append(("AllToAllvDynamic", a2as,
+                  [("forward", _calls(world, a2a_forward, a2a_forward_recv)),
+                   ("combine", _calls(world, a2a_combine, lambda r: a2as[r].combine(phase="recv")))]))
+
+    # PrefillBuffer
+    pres = [moe_comm.PrefillBuffer(g, e, h, t, k, dtype=torch.bfloat16) for g in groups]
+    pre_res = [None] * world
+    pre_out = [torch.zeros(world * t, h, dtype=torch.bfloat16, device=dev) for _ in groups]
+
+    def pre_dispatch(r, phase):
+        got = pres[r].dispatch(xs[r], idxs[r], ws[r], phase=phase)
+        if got is not None:
+            pre_res[r] = got
+
+    def pre_dispatch_recv(r):
+        pre_res[r] = pres[r].dispatch(phase="recv")
+
+    def pre_combine(r, phase):
+        pres[r].combine(pre_out[r], pre_res[r].handle, phase=phase)
+
+    built.append(("PrefillBuffer", pres,
+                  [("dispatch", _calls(world, pre_dispatch, pre_dispatch_recv)),
+                   ("combine", _calls(world, pre_combine, lambda r: pres[r].combine(phase="recv")))]))
+    return built
+
+
+def _percentiles(samples_ns: list[int], world: int) -> dict:
+    us = torch.tensor(samples_ns, dtype=torch.float64) / (1e3 * world)
+    q = torch.quantile(us, torch.tensor(PERCENTILES, dtype=torch.float64)).tolist()
+    return dict(p50_us=q[0], p90_us=q[1], samples=len(samples_ns))
+
+
+def measure(o, out) -> list[dict]:
+    """Every op's dispatch and combine at every world of ``WORLDS``: p50 / p90 µs per call of one rank.
+    Writes one JSON line per (op, call, world, T) to ``out`` and returns them."""
+    lines = []
+    print(f"host cost per eager call, µs per call of one rank (stubbed: {STUBBED}; measured: {MEASURED})")
+    print(f"{'op':<18} {'call':<9} {'world':>5} {'T':>5} {'p50 µs':>8} {'p90 µs':>8}  target <= {TARGET_US:g} µs")
+    for world in WORLDS:
+        for t in o.tokens:
+            groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
+            with launches_stubbed():
+                for op, objs, calls in _ops(groups, o, t):
+                    samples = {name: [] for name, _ in calls}
+                    gc.collect()
+                    for i in range(o.warmup + o.iters):
+                        if i == o.warmup:
+                            gc.disable()
+                        for name, call in calls:
+                            t0 = time.perf_counter_ns()
+                            call()
+                            dt = time.perf_counter_ns() - t0
+                            if i >= o.warmup:
+                                samples[name].append(dt)
+                    gc.enable()
+                    for obj in objs:
+                        obj.close()
+                    for name, _ in calls:
+                        q = _percentiles(samples[name], world)
+                        lines.append(out.write(kind="host", op=op, call=name, world=world, tokens=t, hidden=o.hidden,
+                                               experts=o.experts, topk=o.topk, dtype="bf16", heap="loopback",
+                                               stubbed=STUBBED, measured=MEASURED, target_us=TARGET_US, **q))
+                        print(f"{op:<18} {name:<9} {world:>5} {t:>5} {q['p50_us']:>8.1f} {q['p90_us']:>8.1f}"
+                              f"  {'ok' if q['p50_us'] <= TARGET_US else 'over'}")
+            for g in groups:
+                g.close()
+    return lines
