@@ -11,10 +11,11 @@ records an event and waits for the previous call's). Every op: EPBuffer dispatch
 AllToAllvDynamic forward / combine, PrefillBuffer dispatch / combine.
 
 Per call of one rank: at world 1 one ``phase="both"`` call; on a loopback world of W ranks (one process
-holds every rank) every rank's ``phase="send"`` then every rank's ``phase="recv"``, the total divided
-by W. Dispatch and combine alternate (a PrefillBuffer dispatch must be answered by a combine before the
-next one), each timed on its own with ``time.perf_counter_ns``; the garbage collector is off during the
-timed calls. p50 / p90 of the per-call times.
+holds every rank) every rank's ``phase="send"``, then every rank's ``phase="recv"``, each phase timed on
+its own and a rank's two phases added (one sample per rank and call). Dispatch and combine alternate (a
+PrefillBuffer dispatch must be answered by a combine before the next one). ``time.perf_counter_ns``;
+the garbage collector is off during the timed calls. p10 / p50 / p90 of the per-call times, and the
+machine's load average (a shared machine's load inflates every figure: compare runs of similar load).
 
 Since the kernels never run, outputs hold garbage and no device value changes: the figures say nothing
 about the kernels, only about the host. The inputs of every call are the same tensors (an eager engine
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 
 import torch
@@ -38,7 +40,7 @@ MEASURED = ("everything else of an eager call: phase state machine, input checks
             "output allocation, input views, end-of-call error check")
 TARGET_US = 15.0   # issue 25: host time per eager call with launches stubbed, at world 1 and loopback world 8
 WORLDS = (1, 8)
-PERCENTILES = (0.5, 0.9)
+PERCENTILES = (0.1, 0.5, 0.9)
 
 
 @contextlib.contextmanager
@@ -61,15 +63,27 @@ def launches_stubbed():
 
 
 def _calls(world: int, drive_send, drive_recv):
-    """One timed call of an op on every rank: ``phase="both"`` at world 1, else all sends, all receives."""
+    """A function that makes one call of an op on every rank (``phase="both"`` at world 1, else every
+    rank's send phase, then every rank's receive phase) and returns the ns each rank spent in it."""
+    clock = time.perf_counter_ns
     if world == 1:
-        return lambda: drive_send(0, "both")
+        def both():
+            t0 = clock()
+            drive_send(0, "both")
+            return [clock() - t0]
+        return both
 
     def all_ranks():
+        ns = [0] * world
         for r in range(world):
+            t0 = clock()
             drive_send(r, "send")
+            ns[r] = clock() - t0
         for r in range(world):
+            t0 = clock()
             drive_recv(r)
+            ns[r] += clock() - t0
+        return ns
     return all_ranks
 
 
@@ -144,10 +158,10 @@ def _ops(groups, o, t: int):
     return built
 
 
-def _percentiles(samples_ns: list[int], world: int) -> dict:
-    us = torch.tensor(samples_ns, dtype=torch.float64) / (1e3 * world)
+def _percentiles(samples_ns: list[int]) -> dict:
+    us = torch.tensor(samples_ns, dtype=torch.float64) / 1e3
     q = torch.quantile(us, torch.tensor(PERCENTILES, dtype=torch.float64)).tolist()
-    return dict(p50_us=q[0], p90_us=q[1], samples=len(samples_ns))
+    return dict(p10_us=q[0], p50_us=q[1], p90_us=q[2], samples=len(samples_ns))
 
 
 def measure(o, out) -> list[dict]:
@@ -155,7 +169,9 @@ def measure(o, out) -> list[dict]:
     Writes one JSON line per (op, call, world, T) to ``out`` and returns them."""
     lines = []
     print(f"host cost per eager call, µs per call of one rank (stubbed: {STUBBED}; measured: {MEASURED})")
-    print(f"{'op':<18} {'call':<9} {'world':>5} {'T':>5} {'p50 µs':>8} {'p90 µs':>8}  target <= {TARGET_US:g} µs")
+    print(f"load average before: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    print(f"{'op':<18} {'call':<9} {'world':>5} {'T':>5} {'p10 µs':>8} {'p50 µs':>8} {'p90 µs':>8}  "
+          f"p50 <= {TARGET_US:g} µs")
     for world in WORLDS:
         for t in o.tokens:
             groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
@@ -167,21 +183,21 @@ def measure(o, out) -> list[dict]:
                         if i == o.warmup:
                             gc.disable()
                         for name, call in calls:
-                            t0 = time.perf_counter_ns()
-                            call()
-                            dt = time.perf_counter_ns() - t0
+                            ns = call()
                             if i >= o.warmup:
-                                samples[name].append(dt)
+                                samples[name].extend(ns)
                     gc.enable()
                     for obj in objs:
                         obj.close()
                     for name, _ in calls:
-                        q = _percentiles(samples[name], world)
+                        q = _percentiles(samples[name])
                         lines.append(out.write(kind="host", op=op, call=name, world=world, tokens=t, hidden=o.hidden,
                                                experts=o.experts, topk=o.topk, dtype="bf16", heap="loopback",
-                                               stubbed=STUBBED, measured=MEASURED, target_us=TARGET_US, **q))
-                        print(f"{op:<18} {name:<9} {world:>5} {t:>5} {q['p50_us']:>8.1f} {q['p90_us']:>8.1f}"
-                              f"  {'ok' if q['p50_us'] <= TARGET_US else 'over'}")
+                                               stubbed=STUBBED, measured=MEASURED, target_us=TARGET_US,
+                                               loadavg=os.getloadavg()[0], **q))
+                        print(f"{op:<18} {name:<9} {world:>5} {t:>5} {q['p10_us']:>8.1f} {q['p50_us']:>8.1f} "
+                              f"{q['p90_us']:>8.1f}  {'ok' if q['p50_us'] <= TARGET_US else 'over'}")
             for g in groups:
                 g.close()
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     return lines
