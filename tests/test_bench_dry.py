@@ -71,6 +71,25 @@ def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
     assert (tmp_path / "summary.md").read_text().startswith("```\n")
 
 
+def test_kernels_host_cost_prints_every_op_at_both_worlds(tmp_path):
+    """--host: every op's dispatch and combine at world 1 and loopback world 8, p10 <= p50 <= p90, and the
+    output says what is stubbed and what is measured (tiny sizes: the script's logic, not its figures)."""
+    proc = _run("bench/kernels.py", "--host", "--out-dir", str(tmp_path), "--iters", "4", "--warmup", "1",
+                "--hidden", "128", "--experts", "8", "--topk", "2", "--tokens", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stubbed: Triton's launch" in proc.stdout and "measured: everything else" in proc.stdout
+    (jsonl,) = tmp_path.glob("kernels-host-*.jsonl")
+    lines = [json.loads(s) for s in jsonl.read_text().splitlines()]
+    want = {(op, call, world) for world in (1, 8) for op, calls in (
+        ("EPBuffer", ("dispatch", "combine")), ("AllToAllvDynamic", ("forward", "combine")),
+        ("PrefillBuffer", ("dispatch", "combine"))) for call in calls}
+    assert {(r["op"], r["call"], r["world"]) for r in lines} == want and len(lines) == len(want)
+    for r in lines:
+        assert r["kind"] == "host" and r["stubbed"] and r["measured"] and r["env"]["commit"]
+        assert 0 < r["p10_us"] <= r["p50_us"] <= r["p90_us"] and r["samples"] == 4 * r["world"]
+        assert f"{r['op']:<18} {r['call']:<9} {r['world']:>5}" in proc.stdout
+
+
 def test_summary_judges_targets(tmp_path):
     env = {"device": "test", "torch": "x", "triton": "y", "nvshmem4py": None, "commit": "abc"}
 
