@@ -85,10 +85,8 @@ _FOREIGN: dict = {}
 
 
 def _foreign(fn):
-    if _is_interpreted(fn):  # TRITON_INTERPRET=1 when it was defined
-        with _lock:
-            _patch_interpreter()
-        return fn
+    """A foreign kernel interpreted in its own module but calling moe_comm's interpreted twins, also when
+    TRITON_INTERPRET=1 made it (and the helpers it imported) interpreted where it was defined."""
     interpreted = _FOREIGN.get(fn.fn)
     if interpreted is None:
         import triton.language as tl  # noqa: PLC0415
@@ -105,10 +103,12 @@ def _with_twin_helpers(py_fn):
     """A copy of a foreign kernel's function whose globals name the interpreted twins of the moe_comm
     ``@triton.jit`` helpers it imported (their compiled forms may use inline PTX, which the interpreter
     cannot run); the kernel's own module is left as it is."""
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
     from triton.runtime.jit import JITFunction  # noqa: PLC0415
     g = dict(py_fn.__globals__)
     for name, value in py_fn.__globals__.items():
-        module = getattr(getattr(value, "fn", None), "__module__", "") if isinstance(value, JITFunction) else ""
+        jitted = isinstance(value, (JITFunction, InterpretedFunction))
+        module = getattr(getattr(value, "fn", None), "__module__", "") if jitted else ""
         if module.startswith(_ROOT + ".") and not module.startswith(TWIN_ROOT + "."):
             g[name] = getattr(twin_module(module), value.fn.__name__)
     return types.FunctionType(py_fn.__code__, g, py_fn.__name__, py_fn.__defaults__, py_fn.__closure__)

@@ -97,6 +97,7 @@ def test_skewed_routing_makes_the_measured_rank_the_busiest():
         assert least <= share <= most, (kind, share)
 
 
+@pytest.mark.ptx
 def test_signal_peers_kernel_compiles_for_sm90_with_a_barrier_before_its_publish():
     for world, cw in ((8, 34), (64, 6)):
         rep = compile_one(KernelConfig(

@@ -18,6 +18,8 @@ import triton.language as tl
 
 from moe_comm.triton_kernels import ptx_rules
 
+pytestmark = pytest.mark.ptx
+
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
               "prefill_dispatch", "prefill_combine", "moe_comm.serving.experts")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",

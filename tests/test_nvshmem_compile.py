@@ -37,6 +37,7 @@ def _every_call(dst, src, sig, nbytes, pe):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.ptx
 def test_every_binding_call_links_into_an_sm90a_cubin():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -69,6 +70,7 @@ _TID_GUARD = re.compile(r"// begin inline asm\s+mov\.u32 (%r\d+), %tid\.x;\s+// 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.ptx
 def test_signal_fence_and_quiet_are_issued_by_one_thread():
     """``signal_op``, ``fence`` and ``quiet`` compile to a call that only thread 0 of the program makes
     (the others branch around it): on IBGDA each is a network operation, not to be sent once per thread."""
