@@ -295,7 +295,7 @@ def test_rdma_budget_and_hint():
 
 # ---- shm world 2: separate processes, a torch.distributed ProcessGroup, no hooks ---------------------
 
-def _shm_rank(group) -> list[str]:
+def shm_rank(group) -> list[str]:
     import torch.distributed as dist
     world, rank = group.world_size, group.rank
     (buf,) = make_buffers_pg(dist.group.WORLD, world)
@@ -325,7 +325,7 @@ def make_buffers_pg(pg, world):
 
 @pytest.mark.timeout(240)
 def test_shm_world2_process_group():
-    errs = moe_comm.launch(_shm_rank, 2, backend="shm", timeout_s=60)
+    errs = moe_comm.launch(shm_rank, 2, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
 
 

@@ -21,6 +21,7 @@ from moe_comm.heap.shm import RANKS_PER_NODE_ENV, session_prefix
 
 import a2a_cases
 import ep_cases
+import test_compat_deep_ep
 from fault_cases import E_PER_RANK, H, K, M, expert, serve, step_inputs
 
 TIMEOUT_S = 1.5
@@ -57,8 +58,14 @@ def _isolation(group) -> list[str]:
 
 def _cases(group, which):
     errs = _isolation(group)
-    before = group.heap.wire.stats["bytes"]
-    errs += ep_cases.run_shm_cases(group) if which == "ep" else a2a_cases.run_shm_cases(group)
+    if which == "compat":
+        # DeepEP's API makes its own CommGroup for torch.distributed's group (compat.deep_ep): check that one.
+        errs += test_compat_deep_ep.shm_rank(group)
+        from moe_comm.compat import deep_ep  # noqa: PLC0415
+        group, before = deep_ep._shared_group, 0
+    else:
+        before = group.heap.wire.stats["bytes"]
+        errs += {"ep": ep_cases.run_shm_cases, "a2a": a2a_cases.run_shm_cases}[which](group)
     if group.heap.wire.stats["bytes"] <= before:
         errs.append(f"rank {group.rank}: nothing crossed the wire")
     errs += _isolation(group)   # buffers allocated by the cases too
@@ -66,16 +73,21 @@ def _cases(group, which):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), (3, 1, "a2a"), (3, 1, "ep")])
+@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), (3, 1, "ep"), (4, 2, "a2a"), (3, 1, "a2a"),
+                                                     (4, 2, "compat"), (3, 1, "compat")])
 def test_ops_are_exact_across_emulated_nodes(monkeypatch, world, per_node, which):
+    """ep: every bf16 and fp8 dispatch/combine case of tests/ep_cases.py; a2a: every AllToAllvDynamic case
+    of tests/a2a_cases.py; compat: DeepEP's low-latency API (moe_comm.compat.deep_ep) through a
+    torch.distributed ProcessGroup, fp8 and bf16, events and hooks (tests/test_compat_deep_ep.py)."""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     errs = moe_comm.launch(_cases, world, which, backend="shm", timeout_s=60)
     assert errs == [[]] * world
 
 
-def _killed_on_the_other_node(group):
-    """Rank 3 (node 1) dies after a good step; the survivors time out naming it, exclude it, go on."""
+def _killed_on_the_other_node(group, victim):
+    """Rank ``victim`` (on another node than rank 0) dies after a good step; the survivors time out naming
+    it, exclude it, go on."""
     world, me = group.world_size, group.rank
     E = E_PER_RANK * world
     ep = EPBuffer(group, E, H, M, K)
@@ -83,7 +95,7 @@ def _killed_on_the_other_node(group):
     xs, idxs = inputs[0], inputs[1]
     d = ep.dispatch(xs[me], idxs[me])
     ep.combine(expert(d.x), inputs[2][me], d.handle)
-    if me == 3:
+    if me == victim:
         os._exit(9)
     t0 = time.monotonic()
     try:
@@ -93,21 +105,24 @@ def _killed_on_the_other_node(group):
     except CommTimeoutError as e:
         named, took = e.peer, time.monotonic() - t0
     ep.close()
-    out = serve(group, 3, {}) if named is not None and group.exclude([named]) == [3] else None
+    out = serve(group, 3, {}) if named is not None and group.exclude([named]) == [victim] else None
     return named, took, out
 
 
-def test_killed_rank_on_the_other_node_is_named_and_excluded(monkeypatch):
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+@pytest.mark.parametrize("world, per_node", [(4, 2), (3, 1)])
+def test_killed_rank_on_the_other_node_is_named_and_excluded(monkeypatch, world, per_node):
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    victim = world - 1
     with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_killed_on_the_other_node, 4, backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
+        moe_comm.launch(_killed_on_the_other_node, world, victim, backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
     err = info.value
-    assert sorted(err.failures) == [3], err.failures
-    for r in (0, 1, 2):
+    survivors = list(range(victim))
+    assert sorted(err.failures) == [victim], err.failures
+    for r in survivors:
         named, took, out = err.results[r]
-        assert named == 3, err.results
+        assert named == victim, err.results
         assert took < TIMEOUT_S + 2, err.results
-        assert out["log"] == ["exact"] * 3 and out["mismatches"] == [] and out["live"] == [0, 1, 2], out
+        assert out["log"] == ["exact"] * 3 and out["mismatches"] == [] and out["live"] == survivors, out
 
 
 # ---- bytes on the wire: the put path at its floor -------------------------------------------------
