@@ -78,7 +78,8 @@ def _rank(group, args):
     return dict(rank=me, dispatch_wire=diff(before, mid, "payload"), dispatch_floor=fd,
                 dispatch_messages=diff(before, mid, "messages"), combine_wire=diff(mid, after, "payload"),
                 combine_floor=fc, combine_messages=diff(mid, after, "messages"),
-                headers=diff(before, after, "bytes") - diff(before, after, "payload"))
+                headers=diff(before, after, "bytes") - diff(before, after, "payload"),
+                row_bytes=p.row_words * 4, out_row_bytes=p.out_words * 4)
 
 
 def parse(argv=None) -> argparse.Namespace:

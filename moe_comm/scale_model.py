@@ -38,6 +38,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .planner import route_row_words
+
 # ---- link parameters (all named; sources in each comment) --------------------------------------
 
 # NVLink 4 per direction: H100 SXM 900 GB/s bidirectional -> 450 GB/s per direction; H800 SXM is
@@ -132,12 +134,18 @@ def pplx(op: str, hidden: int = HIDDEN) -> Design:
 
 
 def moe_comm_design(op: str, dtype: str, hidden: int = HIDDEN, topk: int = TOPK) -> Design:
-    """This project (``EPBuffer``): dispatch sends a token to a rank once with its K routing ids
-    (4 B each), fp8 or bf16; combine returns each slot's bf16 row (no reduction on the expert side);
-    send and receive kernels at world > 1."""
+    """This project (``EPBuffer``): dispatch sends a token to a rank once; combine returns each slot's
+    bf16 row (no reduction on the expert side); send and receive kernels at world > 1.
+
+    Bytes per message are those the emulated nodes' wire measured equal to the floor
+    (``bench/wire_bytes.py``, ``tests/test_emulated_nodes.py``): a dispatch row of the put layout
+    (payload, fp8 scales, K routing words and the token index, padded to 16 bytes: ``EPPlan.with_put``),
+    a combine row of ``hidden`` bf16 values. A peer inside the node gets the store layout's row, up to
+    16 bytes shorter (no index word); the model charges every message the put row."""
     if op == "dispatch":
-        row = fp8_row_bytes(hidden) if dtype == "fp8" else hidden * BF16_BYTES
-        return Design("moe-comm", op, dtype, row + 4 * topk, per_rank=True, kernels=2)
+        payload_words = hidden // 4 + hidden // FP8_GROUP if dtype == "fp8" else hidden * BF16_BYTES // 4
+        return Design("moe-comm", op, dtype, route_row_words(payload_words, topk, put=True) * 4, per_rank=True,
+                      kernels=2)
     return Design("moe-comm", op, "bf16", hidden * BF16_BYTES, per_rank=False, kernels=2)
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import moe_comm
-from moe_comm import CommTimeoutError, EPBuffer, LaunchError, protocol
+from moe_comm import CommTimeoutError, EPBuffer, LaunchError, protocol, scale_model
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV, session_prefix
 
 import a2a_cases
@@ -146,3 +146,7 @@ def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, nodes=2, per_no
         assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, r
         assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], r
         assert r["dispatch_messages"] <= 3 * far and r["combine_messages"] <= 2 * far, r
+    # The scale model charges each message the bytes of a row as measured here (moe_comm/scale_model.py).
+    for op in ("dispatch", "combine"):
+        design = scale_model.moe_comm_design(op, "fp8" if fp8 else "bf16", hidden=128, topk=3)
+        assert all(design.msg_bytes == r["row_bytes" if op == "dispatch" else "out_row_bytes"] for r in rows), op
