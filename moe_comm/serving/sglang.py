@@ -129,56 +129,48 @@ class _LiveRanks:
         self._published = live
 
 
-class EPBufferDispatcher(_LiveRanks):
-    """Low latency: dispatch/combine over one EPBuffer, in SGLang's dispatcher calling convention (module doc).
+class _Dispatcher(_LiveRanks):
+    """SGLang's dispatcher calling convention over one moe-comm op (``self.op``: an EPBuffer or a
+    PrefillBuffer): ``dispatch`` = ``dispatch_a`` (send phase; the whole dispatch at world 1) then
+    ``dispatch_b`` (receive phase), ``combine`` = ``combine_a`` then ``combine_b``. Dispatch and combine
+    alternate, one dispatch in flight. Subclasses implement ``_send``, ``_receive`` and ``_combine_send``."""
 
-    dispatch(hidden_states [T, hidden], topk_output with .topk_ids [T, topk] int32/int64 global expert
-    ids (-1 = not routed) and .topk_weights [T, topk] float), T <= ep.max_tokens_per_rank. Dispatch and
-    combine alternate; one dispatch is in flight per dispatcher (SGLang's two-batch overlap, which keeps
-    two, is not supported: d.x has one set per buffer).
-    """
-
-    def __init__(self, ep):
+    def __init__(self, op):
         super().__init__()
-        self.ep = ep
-        self._pending = None   # (topk_ids, topk_weights, T) between dispatch_a and dispatch_b
-        self._handle = None    # the dispatch the next combine answers
-        self._weights = None
+        self.op = op
+        self._pending = None   # what ``_send`` returned, between dispatch_a and dispatch_b
+        self._answer = None    # (tokens, what ``_receive`` kept): the dispatch the next combine answers
         self._out = None       # the combine's [T, hidden] output between combine_a and combine_b
 
-    def _output(self, *fields):
-        return LowLatencyDispatchOutput(*fields)
+    def _send(self, hidden_states: torch.Tensor, topk_output, phase: str):
+        """Launch the dispatch's ``phase`` ("send", or "both" at world 1); returns what ``_receive`` needs."""
+        raise NotImplementedError
 
-    def _record_counts(self, counts: torch.Tensor) -> None:
-        """Hook for the framework's expert-load statistics (int32 [E_local] device counts)."""
+    def _receive(self, pending):
+        """Finish the dispatch; returns (dispatch output, (tokens, what ``_combine_send`` needs))."""
+        raise NotImplementedError
+
+    def _combine_send(self, kept, combine_input, out: torch.Tensor) -> None:
+        """Launch the combine's send phase of ``combine_input``, answering the dispatch that kept ``kept``."""
+        raise NotImplementedError
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch_a(self, hidden_states: torch.Tensor, topk_output) -> None:
         """Send phase (the whole dispatch at world 1)."""
-        check_group(self.ep.group)
-        self._publish_live_ranks(self.ep.group)
-        if self._pending is not None or self._handle is not None:
+        check_group(self.op.group)
+        self._publish_live_ranks(self.op.group)
+        if self._pending is not None or self._answer is not None:
             raise RuntimeError("dispatch while an earlier dispatch is still waiting for its "
                                "dispatch_b/combine (two-batch overlap is not supported)")
-        ids, weights = topk_output.topk_ids, topk_output.topk_weights
-        whole = self.ep.group.world_size == 1
-        d = self.ep.dispatch(hidden_states, ids, phase="both" if whole else "send")
-        self._pending = (ids, weights, hidden_states.shape[0], d)
+        self._pending = self._send(hidden_states, topk_output, "both" if self.op.group.world_size == 1 else "send")
 
     def dispatch_b(self):
-        """Receive phase: -> DeepEPLLDispatchOutput (see the module doc)."""
+        """Receive phase: -> the mode's dispatch output (see the module doc)."""
         if self._pending is None:
             raise RuntimeError("dispatch_b without dispatch_a")
-        ids, weights, tokens, d = self._pending
-        self._pending = None
-        if d is None:
-            d = self.ep.dispatch(None, None, phase="recv")
-        self._handle, self._weights = d.handle, weights
-        self._record_counts(d.counts)
-        scales = None if d.scales is None else column_major_scales(d.scales)
-        world, topk, experts = self.ep.group.world_size, self.ep.topk, self.ep.num_experts
-        expected_m = (tokens * world * topk + experts) // experts
-        return self._output(d.x, scales, ids, weights, d.counts, expected_m)
+        pending, self._pending = self._pending, None
+        output, self._answer = self._receive(pending)
+        return output
 
     def dispatch(self, hidden_states: torch.Tensor, topk_output):
         self.dispatch_a(hidden_states, topk_output)
@@ -186,22 +178,19 @@ class EPBufferDispatcher(_LiveRanks):
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine_a(self, combine_input) -> None:
-        """Send phase of the combine of ``combine_input.hidden_states`` [E_local, R, hidden]."""
-        if self._handle is None:
+        """Send phase of the combine of ``combine_input.hidden_states``."""
+        if self._answer is None:
             raise RuntimeError("combine without a matching dispatch")
-        weights = getattr(combine_input, "topk_weights", None)
-        weights = self._weights if weights is None else weights
         # The dispatch is answered whatever the send does: a send that raises (bad input, a failed group)
         # must not leave this dispatcher refusing every later dispatch.
-        handle, self._handle, self._weights = self._handle, None, None
-        self._out = torch.empty((handle.num_tokens, self.ep.hidden), dtype=self.ep.dtype,
-                                device=self.ep.group.device)
-        self.ep.combine(combine_input.hidden_states, weights, handle, out=self._out, phase="send")
+        (tokens, kept), self._answer = self._answer, None
+        self._out = torch.empty((tokens, self.op.hidden), dtype=self.op.dtype, device=self.op.group.device)
+        self._combine_send(kept, combine_input, self._out)
 
     def combine_b(self) -> torch.Tensor:
-        """Receive phase: -> [T, hidden], y[t] = sum_k topk_weights[t, k] * expert output of (t, k)."""
+        """Receive phase: -> [T, hidden], this rank's tokens with their experts' outputs reduced."""
         out, self._out = self._out, None
-        self.ep.combine(None, None, None, out=out, phase="recv")
+        self.op.combine(out=out, phase="recv")
         return out
 
     def combine(self, combine_input) -> torch.Tensor:
@@ -209,7 +198,51 @@ class EPBufferDispatcher(_LiveRanks):
         return self.combine_b()
 
 
-class PrefillBufferDispatcher(_LiveRanks):
+class EPBufferDispatcher(_Dispatcher):
+    """Low latency: dispatch/combine over one EPBuffer, in SGLang's dispatcher calling convention (module doc).
+
+    dispatch(hidden_states [T, hidden], topk_output with .topk_ids [T, topk] int32/int64 global expert
+    ids (-1 = not routed) and .topk_weights [T, topk] float), T <= ep.max_tokens_per_rank. Dispatch and
+    combine alternate; one dispatch is in flight per dispatcher (SGLang's two-batch overlap, which keeps
+    two, is not supported: d.x has one set per buffer). combine_input.hidden_states: [E_local, R, hidden];
+    its ``topk_weights``, if given and not None, replace the dispatch's. combine_b -> [T, hidden],
+    y[t] = sum_k topk_weights[t, k] * expert output of (t, k).
+    """
+
+    def __init__(self, ep):
+        super().__init__(ep)
+        self.ep = ep
+
+    def _output(self, *fields):
+        return LowLatencyDispatchOutput(*fields)
+
+    def _record_counts(self, counts: torch.Tensor) -> None:
+        """Hook for the framework's expert-load statistics (int32 [E_local] device counts)."""
+
+    def _send(self, hidden_states, topk_output, phase):
+        ids, weights = topk_output.topk_ids, topk_output.topk_weights
+        return ids, weights, hidden_states.shape[0], self.ep.dispatch(hidden_states, ids, phase=phase)
+
+    def _receive(self, pending):
+        """-> DeepEPLLDispatchOutput (see the module doc)."""
+        ids, weights, tokens, d = pending
+        if d is None:
+            d = self.ep.dispatch(None, None, phase="recv")
+        self._record_counts(d.counts)
+        scales = None if d.scales is None else column_major_scales(d.scales)
+        world, topk, experts = self.ep.group.world_size, self.ep.topk, self.ep.num_experts
+        expected_m = (tokens * world * topk + experts) // experts
+        output = self._output(d.x, scales, ids, weights, d.counts, expected_m)
+        return output, (d.handle.num_tokens, (d.handle, weights))
+
+    def _combine_send(self, kept, combine_input, out):
+        handle, weights = kept
+        given = getattr(combine_input, "topk_weights", None)
+        self.ep.combine(combine_input.hidden_states, weights if given is None else given, handle, out=out,
+                        phase="send")
+
+
+class PrefillBufferDispatcher(_Dispatcher):
     """Normal mode: dispatch/combine over one PrefillBuffer, in SGLang's dispatcher calling convention
     (DeepEP normal-mode layout; see the module doc).
 
@@ -217,14 +250,13 @@ class PrefillBufferDispatcher(_LiveRanks):
     not routed) and .topk_weights [T, topk] float), T <= buf.max_tokens_per_rank. Dispatch and combine
     alternate; one dispatch is in flight per buffer (the PrefillBuffer answers each dispatch with its
     combine before the next). Eager: the receive reads the counts on the host (DeepEP's normal mode too).
+    combine_input.hidden_states: [N, hidden], one row per received token; combine_b -> [T, hidden],
+    y[t] = sum over the ranks holding t's experts of their rows.
     """
 
     def __init__(self, buf, expert_alignment: int = 1):
-        super().__init__()
+        super().__init__(buf)
         self.buf, self.expert_alignment = buf, int(expert_alignment)
-        self._pending = None   # (T, send-phase result) between dispatch_a and dispatch_b
-        self._recv = None      # the PackedReceive the next combine answers
-        self._out = None
 
     def _output(self, *fields):
         return NormalDispatchOutput(*fields)
@@ -232,52 +264,22 @@ class PrefillBufferDispatcher(_LiveRanks):
     def _record_counts(self, counts: list, topk_ids: torch.Tensor) -> None:
         """Hook for the framework's expert-load statistics (list of E_local ints, the router's ids)."""
 
-    def dispatch_a(self, hidden_states: torch.Tensor, topk_output) -> None:
-        """Send phase (the whole dispatch at world 1)."""
-        check_group(self.buf.group)
-        self._publish_live_ranks(self.buf.group)
-        if self._pending is not None or self._recv is not None:
-            raise RuntimeError("dispatch while an earlier dispatch is still waiting for its "
-                               "dispatch_b/combine (two-batch overlap is not supported)")
+    def _send(self, hidden_states, topk_output, phase):
         ids, weights = topk_output.topk_ids, topk_output.topk_weights.to(torch.float32)
-        whole = self.buf.group.world_size == 1
-        d = self.buf.dispatch(hidden_states, ids, weights, phase="both" if whole else "send")
-        self._pending = (ids, d)
+        return ids, self.buf.dispatch(hidden_states, ids, weights, phase=phase)
 
-    def dispatch_b(self):
-        """Receive phase: -> DeepEPNormalDispatchOutput (see the module doc)."""
-        if self._pending is None:
-            raise RuntimeError("dispatch_b without dispatch_a")
-        (ids, d), self._pending = self._pending, None
+    def _receive(self, pending):
+        """-> DeepEPNormalDispatchOutput (see the module doc)."""
+        ids, d = pending
         if d is None:
             d = self.buf.dispatch(phase="recv")
         recv = PackedReceive(d, self.expert_alignment)
-        self._recv = recv
         self._record_counts(recv.counts, ids)
-        return self._output(recv.x, recv.scales, recv.topk_idx, recv.topk_weights, recv.counts)
+        output = self._output(recv.x, recv.scales, recv.topk_idx, recv.topk_weights, recv.counts)
+        return output, (recv.handle.num_tokens, recv)
 
-    def dispatch(self, hidden_states: torch.Tensor, topk_output):
-        self.dispatch_a(hidden_states, topk_output)
-        return self.dispatch_b()
-
-    def combine_a(self, combine_input) -> None:
-        """Send phase of the combine of ``combine_input.hidden_states`` [N, hidden]."""
-        if self._recv is None:
-            raise RuntimeError("combine without a matching dispatch")
-        recv, self._recv = self._recv, None   # answered whatever the send does
-        self._out = torch.empty((recv.handle.num_tokens, self.buf.hidden), dtype=self.buf.dtype,
-                                device=self.buf.group.device)
-        recv.combine(self.buf, combine_input.hidden_states, out=self._out, phase="send")
-
-    def combine_b(self) -> torch.Tensor:
-        """Receive phase: -> [T, hidden], y[t] = sum over the ranks holding t's experts of their rows."""
-        out, self._out = self._out, None
-        self.buf.combine(out=out, phase="recv")
-        return out
-
-    def combine(self, combine_input) -> torch.Tensor:
-        self.combine_a(combine_input)
-        return self.combine_b()
+    def _combine_send(self, recv, combine_input, out):
+        recv.combine(self.buf, combine_input.hidden_states, out=out, phase="send")
 
 
 class ModeDispatcher:
