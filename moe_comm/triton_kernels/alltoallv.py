@@ -155,7 +155,7 @@ def a2a_recv_kernel(
     wait_ptr,          # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
-    ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr, PUT: tl.constexpr = False,
 ):
     src = tl.program_id(0)
     blk = tl.program_id(1)
@@ -174,9 +174,9 @@ def a2a_recv_kernel(
         flags, target = ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call)
         if TRACE:
             ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
-                            seen_ptr=seen, seen_mask=(w == src) & (blk == 0))
+                            seen_ptr=seen, seen_mask=(w == src) & (blk == 0), PUT=PUT)
         else:
-            ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+            ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
         arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0
     trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)
     trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)
