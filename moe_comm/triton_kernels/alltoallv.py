@@ -12,7 +12,9 @@ wait failed, no result is partial: the last program zeroes every receive count.
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): the rows for j go to this rank's staging for j; the last program for j puts them in one
-``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag.
+``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag. When the live
+ranks are reached by both transports, the last program for j fences at system scope before its flag,
+whichever transport carries it (``transport.order_transports``, as the EP send kernels do).
 
 World 1 (``a2a_local_kernel``): one kernel copies the rows straight from the input to the output.
 
@@ -27,8 +29,8 @@ import triton.language as tl
 from . import trace
 from .copy import address, copy_rows
 from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
-                   record_error, wait_flags)
-from .transport import deliver, dest, put_peers
+                   live_ranks, record_error, wait_flags)
+from .transport import deliver, dest, order_transports, put_peers
 
 
 @triton.jit
@@ -131,6 +133,8 @@ def a2a_send_kernel(
         tl.store(ctrl, my_cnt)
         own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off  # local symmetric addresses
         row_bytes = ROW_WORDS * (elem.primitive_bitwidth // 8)
+        if PUT:  # a launch reaching live peers by both transports: a system-scope fence before the flag
+            order_transports(grp, live_ranks(grp, WORLD, WORLD_P2), WORLD, WORLD_P2, PUT)
         deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,
                 as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * row_bytes,
                 own_ctrl, ctrl, 8, own_ctrl + 1, peer, PUT)
