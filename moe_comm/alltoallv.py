@@ -154,7 +154,8 @@ class AllToAllvDynamic:
         ch, dev = (self._fwd if forward else self._rev), self.group.device
         kernel_for(a2a_recv_kernel, dev)[self._grid()](
             dst, handle.recv_counts, handle.send_counts, handle.send_offsets, ch.data.local, ch.ctrl.local,
-            ch.recv_seq, ch.done, ALIGNED=self._aligned(dst), **self._phase_args(forward), **ch.trace_args(recv=True))
+            ch.recv_seq, ch.done, ALIGNED=self._aligned(dst), **self._phase_args(forward), **ch.trace_args(recv=True),
+            **self.group.put_launch_args())
 
     def _local(self, forward: bool, src, counts, handle, dst, n_rows) -> None:
         """World 1: one kernel, straight from the input to the output."""

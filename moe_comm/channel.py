@@ -10,7 +10,11 @@ from .triton_kernels import nvshmem_bitcode
 from .trace.recorder import new_ring
 from .triton_kernels.sync import abort_kernel, drain_kernel
 
-PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel")
+# Kernels that carry NVSHMEM calls when launched with PUT: the send kernels (the put transport) and every
+# kernel that may record a group-wide error (its status broadcast to the peers reached by puts).
+PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
+               "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel",
+               "fail_group_kernel")
 
 
 def register_put_kernels() -> None:
@@ -74,13 +78,9 @@ class Channel:
             self.stage = heap.alloc(f"{name}.stage", stage_shape, data_dtype)
             self.stage_ctrl = heap.alloc(f"{name}.stage_ctrl", (world, ctrl_words), torch.int64)
         self._put_args = dict(stage_ptr=self.data.local, stage_ctrl_ptr=self.ctrl.local, PUT=False)
-        if self.put:
-            extra = {}
-            if dev.type == "cuda":   # checked once here, not per launch: the pairing check reads the disk
-                register_put_kernels()
-                extra = nvshmem_bitcode.launch_options()
-            self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local, PUT=True,
-                                  **extra)
+        if self.put:   # PUT and, on CUDA, the bitcode (checked once per group, not per launch)
+            self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local,
+                                  **group.put_launch_args())
         self._ordered = dev.type == "cuda"  # launches ordered by CUDA events (``after_previous``)
         self._last_event = None  # (CUDA event after this channel's last launch, its stream, captured?)
         self._drain_op = None    # op id of an aborted call whose receive side is still owed (``drain``)
@@ -160,7 +160,7 @@ class Channel:
         kernel_for(drain_kernel, g.device)[(1,)](
             self.ctrl.local, self.recv_seq, g.state, g.status.local, op, g.rank,
             CTRL_WORDS=self.ctrl_words, FLAG_WORD=self.flag_word, WORLD=g.world_size,
-            WORLD_P2=next_pow2(g.world_size))
+            WORLD_P2=next_pow2(g.world_size), **g.put_launch_args())
 
     def reset(self) -> None:
         """Local part of ``group.reset()`` (the device is idle): counters and this rank's flags to zero."""

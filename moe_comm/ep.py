@@ -284,6 +284,13 @@ class EPBuffer(OpBuffer):
         return dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
                     TOPK_P2=next_pow2(p.topk))
 
+    def _recv_put_args(self):
+        """``PUT`` of the receive kernels: the put layout (``plan.put``), and the status broadcast of a
+        failed wait to the peers reached by puts (with, on CUDA, NVSHMEM's bitcode)."""
+        args = self.group.put_launch_args() if self.plan.put else {}
+        args["PUT"] = self.plan.put
+        return args
+
     def _signal_args(self):
         g = self.group
         return dict(grp=g.state, status_ptr=g.status.local, rank=g.rank)
@@ -356,7 +363,7 @@ class EPBuffer(OpBuffer):
         kernel_for(dispatch_recv_kernel, g.device)[p.recv_grid](
             self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, s.runs, self._stats,
             ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done, **self._signal_args(),
-            OP=op_id("dispatch"), CAP=p.capacity, PUT=p.put,
+            OP=op_id("dispatch"), CAP=p.capacity, **self._recv_put_args(),
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
             X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
             ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots, BW=p.recv_block_words,
@@ -412,7 +419,7 @@ class EPBuffer(OpBuffer):
             out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
             s.routed, expert_out, s.row_of, s.slot_key, s.id_base, ch.data.local, ch.ctrl.local, ch.recv_seq,
             ch.done, **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
-            PUT=p.put, ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
+            **self._recv_put_args(), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
             HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs,
             ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common(), **ch.trace_args(recv=True))
         return op.finish(out)

@@ -59,6 +59,7 @@ class CommGroup:
         self.status = heap.alloc("group.status", (protocol.status_words(self.world_size),), torch.int64)
         self.state = torch.zeros(protocol.state_words(self.world_size), dtype=torch.int64, device=self.device)
         self.transports = choose_transports(heap)   # per peer: protocol.TRANSPORT_STORE / TRANSPORT_PUT
+        self._put_launch = None                     # put_launch_args(), built on first use
         self._write_state()
 
     @property
@@ -69,6 +70,21 @@ class CommGroup:
     def uses_put(self) -> bool:
         """True if any peer is reached by NVSHMEM puts (``moe_comm/transport.py``)."""
         return protocol.TRANSPORT_PUT in self.transports
+
+    def put_launch_args(self) -> dict:
+        """Launch arguments of a kernel whose put path is compiled in only when the group uses puts (its
+        ``PUT: tl.constexpr``: the send kernels' put transport, the status broadcast of every kernel that
+        may record a group-wide error): ``PUT``, and on CUDA with puts NVSHMEM's bitcode (those kernels'
+        CUDA modules get ``nvshmemx_cumodule_init`` on load: ``channel.register_put_kernels``)."""
+        if self._put_launch is None:
+            args = {"PUT": self.uses_put}
+            if self.uses_put and self.device.type == "cuda":  # once: the pairing check reads the disk
+                from .channel import register_put_kernels  # noqa: PLC0415
+                from .triton_kernels import nvshmem_bitcode  # noqa: PLC0415
+                register_put_kernels()
+                args.update(nvshmem_bitcode.launch_options())
+            self._put_launch = args
+        return dict(self._put_launch)
 
     @property
     def live_ranks(self) -> list[int]:
@@ -249,9 +265,10 @@ class CommGroup:
         w = self.world_size
         kernel_for(fail_group_kernel, self.device)[(1,)](
             self.state, ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, self.timeout_ns,
-            WORLD=w, WORLD_P2=1 << max(w - 1, 0).bit_length())
+            WORLD=w, WORLD_P2=1 << max(w - 1, 0).bit_length(), **self.put_launch_args())
         self.synchronize()
-        # Ranks that do not map this one's status (another node) read the record from the control plane.
+        # Ranks reached by puts got the record as a put; a rank that is not in a kernel reads it from the
+        # control plane at its next barrier too.
         record = [ERR_TIMEOUT, OPS.index("barrier"), self.rank, err.peer, 0, self.timeout_ns]
         self.heap.post_failure(self.epoch, record + [0] * (protocol.REC_WORDS - len(record)))
 

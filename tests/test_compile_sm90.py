@@ -251,13 +251,16 @@ def test_the_flight_recorder_adds_a_few_stores_and_nothing_when_off(report):
 
 
 PUT_SPILL_BYTES = 64
-PUT_KERNELS = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel"}
+PUT_KERNELS = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
+               "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel", "fail_group_kernel"}
 
 
 @pytest.mark.timeout(900)
 def test_every_kernel_with_nvshmem_calls_links_the_bitcode_for_sm90a(report):
-    """The put transport (PUT=True) of every send kernel compiles with NVSHMEM's device bitcode linked
-    (its device state is in the module), with no spills, and keeps the ordering rules (above)."""
+    """The put build (PUT=True) of every kernel with NVSHMEM calls (the send kernels' put transport, and
+    the status broadcast of every kernel that may record a group-wide error) compiles with NVSHMEM's
+    device bitcode linked (its device state is in the module), with no spills, and keeps the ordering
+    rules (above)."""
     problem = _bitcode_problem()
     if problem is not None:
         pytest.skip(f"NVSHMEM device bitcode unusable here: {problem}")

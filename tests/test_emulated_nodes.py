@@ -6,7 +6,10 @@ What these tests show: every cross-node peer pointer is 0 and no process maps a 
 AllToAllvDynamic stay exact against the references when every cross-node byte travels as messages that a
 proxy thread of the receiving process applies asynchronously; a rank killed on the other node is named by
 a CommTimeoutError on every survivor within the timeout + 2 s, and ``exclude()`` / ``reset()`` work across
-the boundary. What they cannot show: a real NIC's ordering, completion or bandwidth, or NVSHMEM itself.
+the boundary; a group-wide error recorded on one node reaches the other as a put of the status record
+(the same named error on every rank, before the other node's own timeouts), and a dead receiver does
+not hold up that put's sender. What they cannot show: a real NIC's ordering, completion or bandwidth, or
+NVSHMEM itself.
 """
 
 import os
@@ -14,9 +17,10 @@ import re
 import time
 
 import pytest
+import torch
 
 import moe_comm
-from moe_comm import CommTimeoutError, EPBuffer, LaunchError, protocol, scale_model
+from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, GroupError, LaunchError, protocol, scale_model
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV, session_prefix
 
 import a2a_cases
@@ -150,3 +154,121 @@ def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, nodes=2, per_no
     for op in ("dispatch", "combine"):
         design = scale_model.moe_comm_design(op, "fp8" if fp8 else "bf16", hidden=128, topk=3)
         assert all(design.msg_bytes == r["row_bytes" if op == "dispatch" else "out_row_bytes"] for r in rows), op
+
+
+# ---- failure status across the boundary: the record travels as a put -------------------------------
+
+STATUS_TIMEOUT_S = 2.0   # the group timeout of the status tests
+LATE_S = 1.0             # how much later than the rank that finds the failure the others start their call
+
+
+def _a2a_round(group, a2a, seed) -> list[str]:
+    """One exact AllToAllvDynamic call: every rank rebuilds every rank's inputs from ``seed``; [] if this
+    rank's result equals the reference."""
+    counts = a2a_cases.make_counts("random", group.world_size, 3, seed)
+    sends = a2a_cases.make_sends(counts, (8,), torch.float32, seed)
+    a2a_cases.poison(a2a)
+    res = a2a(sends[group.rank], counts[group.rank])
+    return a2a_cases.check_forward(group.rank, res, sends, counts, 3, f"seed {seed}")
+
+
+def _fields(err) -> tuple:
+    """What a GroupError names: class, op, recording rank, peer, and the calls a desync saw."""
+    return (type(err).__name__, err.op, err.rank, err.peer, getattr(err, "got", None), getattr(err, "expected", None))
+
+
+def _one_rank_finds_the_failure(group):
+    """Ranks 0-1 on node 0, 2-3 on node 1 (only puts cross). After an exact call, rank 0 alone finds a
+    group-wide error while the others are busy in an AllToAllvDynamic call that started LATE_S later
+    and waits for a rank that will not come; twice, each time recovered by reset() and checked by an
+    exact call: ``barrier`` rank 0 is in a host barrier nobody else joins (it times out and broadcasts
+    from ``fail_group_kernel``); ``wait`` rank 1 skips the call (rank 0's receive times out naming it
+    and broadcasts from its wait; rank 1 makes the call after the failure). Returns, per scenario, this
+    rank's error fields, the seconds its failing call took, and the mismatches of the call after reset()."""
+    me = group.rank
+    a2a = AllToAllvDynamic(group, 3, (8,), torch.float32)
+    out = {"first": _a2a_round(group, a2a, 1)}
+    for seed, how in ((2, "barrier"), (4, "wait")):
+        group.barrier()
+        err, t0 = None, time.monotonic()
+        try:
+            if me == 0 and how == "barrier":
+                group.barrier()
+            elif me == 1 and how == "wait":
+                time.sleep(STATUS_TIMEOUT_S + LATE_S)   # skips the call; its next call comes after the failure
+                t0 = time.monotonic()
+                _a2a_round(group, a2a, seed)
+            else:
+                if me != 0:
+                    time.sleep(LATE_S)
+                    t0 = time.monotonic()
+                _a2a_round(group, a2a, seed)
+        except GroupError as e:
+            err = e
+        took = time.monotonic() - t0
+        group.reset()
+        out[how] = (None if err is None else _fields(err), took, _a2a_round(group, a2a, seed + 1))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_found_on_one_node_reaches_the_other_by_puts(monkeypatch):
+    """A group-wide error recorded by rank 0 (node 0), from a host barrier's timeout or from a kernel's
+    wait, reaches ranks 2-3 (node 1) as a put of its status record delivered by their proxies: every
+    rank raises the same named error (class, op, recording rank, peer) at its next call, ranks 2-3
+    before their own waits would have expired; after reset() the next call is exact everywhere.
+    (Without the put, node 1's ranks time out on their own, a timeout after their call began, naming
+    themselves.)"""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    out = moe_comm.launch(_one_rank_finds_the_failure, 4, backend="shm", timeout_s=STATUS_TIMEOUT_S)
+    assert [o["first"] for o in out] == [[]] * 4, out
+    for how, op in (("barrier", "barrier"), ("wait", "alltoallv")):
+        res = [o[how] for o in out]
+        assert [r[0] for r in res] == [("CommTimeoutError", op, 0, 1, None, None)] * 4, (how, res)
+        assert res[2][1] < STATUS_TIMEOUT_S and res[3][1] < STATUS_TIMEOUT_S, (how, res)  # adopted, not expired
+        assert [r[2] for r in res] == [[]] * 4, (how, res)
+    assert out[1]["wait"][1] < STATUS_TIMEOUT_S, out   # the skipper's next call raises without waiting
+
+
+def _dead_receiver(group):
+    """Rank 3 (node 1) dies after an exact call. Rank 0 starts the next call first, times out naming
+    rank 3 and broadcasts: a store to rank 1, puts to rank 2 and to the dead rank 3. Returns the error
+    fields, the seconds the failing call took, and the messages the recording rank sent rank 3 after
+    its send phase (the status put and its signal)."""
+    me = group.rank
+    a2a = AllToAllvDynamic(group, 3, (8,), torch.float32)
+    first = _a2a_round(group, a2a, 1)
+    group.barrier()
+    if me == 3:
+        os._exit(9)
+    if me != 0:
+        time.sleep(LATE_S)
+    counts = a2a_cases.make_counts("random", group.world_size, 3, 2)
+    sends = a2a_cases.make_sends(counts, (8,), torch.float32, 2)
+    t0, err = time.monotonic(), None
+    a2a(sends[me], counts[me], phase="send")
+    before = group.heap.wire.stats[("messages", 3)]
+    try:
+        a2a(phase="recv")
+    except GroupError as e:
+        err = e
+    return first, None if err is None else _fields(err), time.monotonic() - t0, \
+        group.heap.wire.stats[("messages", 3)] - before
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_receiver_does_not_hold_up_the_broadcast(monkeypatch):
+    """The status put to a dead rank on the other node is issued and never waited for: the rank that
+    records the error raises within the timeout + 2 s, and the live ranks raise the same error."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_dead_receiver, 4, backend="shm", timeout_s=STATUS_TIMEOUT_S, grace_s=60)
+    err = info.value
+    assert sorted(err.failures) == [3], err.failures
+    out = err.results[:3]
+    assert [o[0] for o in out] == [[]] * 3, out
+    assert [o[1] for o in out] == [("CommTimeoutError", "alltoallv", 0, 3, None, None)] * 3, out
+    assert out[0][2] < STATUS_TIMEOUT_S + 2, out
+    assert out[0][3] == 2, out      # the record's put and its signal, sent to the dead rank

@@ -299,6 +299,24 @@ def test_mixed_transports_are_exact_and_fence_before_the_flags(monkeypatch):
     assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
 
 
+@pytest.mark.timeout(300)
+def test_mixed_transports_alltoallv_fences_before_the_flags(monkeypatch):
+    """The same for AllToAllvDynamic (forward and reverse; loopback world 3, ranks 0-1 one node, rank 2
+    another): exact against the reference, and the last program for each destination fences at system
+    scope before its flag when the live ranks are reached by both transports."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(moe_comm.group, "choose_transports", _two_nodes)
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    groups = moe_comm.init(backend="loopback", world_size=3)
+    cases = [(torch.float32, (64,), "random", 7), (torch.bfloat16, (3, 32), "full", 14)]
+    assert a2a_cases.run_loopback_cases(groups, cases=cases) == []
+    assert any(e == "fence_system" for e, _ in events) and any(e == "put_signal" for e, _ in events)
+    assert _unfenced_flags(events) == [], events[:40]
+    assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
+
+
 def test_the_ordering_check_finds_a_missing_fence():
     assert _unordered_signals([("put", 1), ("fence", -1), ("put_signal", 1), ("signal", 1)]) == []
     assert _unordered_signals([("put", 1), ("put_signal", 1), ("signal", 1)]) == [2]

@@ -7,7 +7,10 @@ with release). A proxy thread in the *receiving* process reads its incoming stre
 message to its own heap, asynchronously, in order per (source, destination): a receiver that sees a
 signal sees every payload sent before it. Each applied message is acknowledged; ``quiet`` waits until
 every message this rank sent is delivered, bounded by the group timeout (a dead or stuck receiver never
-blocks the sender longer: its messages are dropped, and the group's own waits name it).
+blocks the sender longer: its messages are dropped, and the group's own waits name it). A put that is
+never quieted (a group-wide error's status record, ``sync.record_group_error``) only sends: a dead
+receiver refuses the connection or resets it at once, and a send to a stuck one is bounded by the same
+timeout.
 
 Symmetric addresses do not cross: a message names the buffer by its allocation index (the same on every
 rank: allocation is collective) and the offset in it; the receiver resolves the index to its own copy.

@@ -12,7 +12,9 @@ wait failed, no result is partial: the last program zeroes every receive count.
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): the rows for j go to this rank's staging for j; the last program for j puts them in one
-``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag.
+``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag. When the live
+ranks are reached by both transports, the last program for j fences at system scope before its flag,
+whichever transport carries it (``transport.order_transports``, as the EP send kernels do).
 
 World 1 (``a2a_local_kernel``): one kernel copies the rows straight from the input to the output.
 
@@ -27,8 +29,8 @@ import triton.language as tl
 from . import trace
 from .copy import address, copy_rows
 from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
-                   record_error, wait_flags)
-from .transport import deliver, dest, put_peers
+                   live_ranks, record_error, wait_flags)
+from .transport import deliver, dest, order_transports, put_peers
 
 
 @triton.jit
@@ -131,6 +133,8 @@ def a2a_send_kernel(
         tl.store(ctrl, my_cnt)
         own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off  # local symmetric addresses
         row_bytes = ROW_WORDS * (elem.primitive_bitwidth // 8)
+        if PUT:  # a launch reaching live peers by both transports: a system-scope fence before the flag
+            order_transports(grp, live_ranks(grp, WORLD, WORLD_P2), WORLD, WORLD_P2, PUT)
         deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,
                 as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * row_bytes,
                 own_ctrl, ctrl, 8, own_ctrl + 1, peer, PUT)
@@ -155,7 +159,7 @@ def a2a_recv_kernel(
     wait_ptr,          # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
     OP: tl.constexpr, FORWARD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NBLK: tl.constexpr,
-    ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr, PUT: tl.constexpr = False,
 ):
     src = tl.program_id(0)
     blk = tl.program_id(1)
@@ -174,9 +178,9 @@ def a2a_recv_kernel(
         flags, target = ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call)
         if TRACE:
             ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
-                            seen_ptr=seen, seen_mask=(w == src) & (blk == 0))
+                            seen_ptr=seen, seen_mask=(w == src) & (blk == 0), PUT=PUT)
         else:
-            ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+            ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
         arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0
     trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)
     trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)

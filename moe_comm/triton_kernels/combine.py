@@ -300,9 +300,9 @@ def combine_recv_kernel(
             t_wait = trace.wait_begin(TRACE)
             if TRACE:
                 ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
-                                seen_ptr=seen, seen_mask=first & (w < WORLD))
+                                seen_ptr=seen, seen_mask=first & (w < WORLD), PUT=PUT)
             else:
-                ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
+                ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
             trace.add_waits(wait_ptr, seen, w, first & (w < WORLD), live, t_wait, WORLD, TRACE)
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:

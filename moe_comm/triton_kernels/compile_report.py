@@ -52,8 +52,9 @@ def with_trace(cfg: KernelConfig) -> KernelConfig:
 
 
 def with_put(cfg: KernelConfig, nvshmem: bool = True) -> KernelConfig:
-    """The same kernel and shapes with the put transport compiled in (a send kernel: NVSHMEM calls, bitcode
-    linked; a receive kernel, ``nvshmem=False``: the put layout's reads), at the put plan's sizes
+    """The same kernel and shapes with the put transport compiled in (NVSHMEM calls, bitcode linked: a send
+    kernel's puts and signals, a waiting kernel's status broadcast; a receive kernel also reads the put
+    layout), at the put plan's sizes
     (``EPPlan.with_put``: the token index word, the run-base control word, the sorted half of the
     combine landing zone)."""
     c = dict(cfg.constexprs, PUT=True)
@@ -209,18 +210,18 @@ def _prefill_configs() -> list[KernelConfig]:
     return out
 
 
-PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with the put transport
+PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with the put transport: the send
+    # kernels (puts of rows, signals), and every kernel whose failed wait (or host-found error) broadcasts
+    # the status record to the peers reached by puts (the receive kernels also read the put layout)
     ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("dispatch_send_kernel", "DSV3 EP8 bf16"),
-    ("combine_send_kernel", "DSV3 EP8 bf16"), ("abort_kernel", "EP8 dispatch channel")}
-
-
-PUT_RECV_CONFIGS = {  # receive kernels whose put build reads the put layout (no NVSHMEM call)
-    ("dispatch_recv_kernel", "DSV3 EP8 bf16"), ("combine_recv_kernel", "DSV3 EP8 bf16")}
+    ("combine_send_kernel", "DSV3 EP8 bf16"), ("abort_kernel", "EP8 dispatch channel"),
+    ("a2a_recv_kernel", "fwd 7168 bf16 EP8"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
+    ("combine_recv_kernel", "DSV3 EP8 bf16"), ("drain_kernel", "EP8 dispatch channel"),
+    ("fail_group_kernel", "EP8 barrier timeout")}
 
 
 def put_configs(base: list[KernelConfig]) -> list[KernelConfig]:
-    return ([with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS] +
-            [with_put(c, nvshmem=False) for c in base if (c.kernel, c.label) in PUT_RECV_CONFIGS])
+    return [with_put(c) for c in base if (c.kernel, c.label) in PUT_CONFIGS]
 
 
 TRACE_CONFIGS = {  # (kernel, label) of the configs compiled again with the flight recorder on

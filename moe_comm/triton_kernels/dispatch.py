@@ -277,10 +277,10 @@ def dispatch_recv_kernel(
     t_wait = trace.wait_begin(TRACE)
     if TRACE:
         arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
-                             WORLD, WORLD_P2, seen_ptr=seen, seen_mask=(w == src) & (blk == 0))
+                             WORLD, WORLD_P2, seen_ptr=seen, seen_mask=(w == src) & (blk == 0), PUT=PUT)
     else:
         arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
-                             WORLD, WORLD_P2)
+                             WORLD, WORLD_P2, PUT=PUT)
     trace.add_waits(wait_ptr, seen, w, (w == src) & (blk == 0), need, t_wait, WORLD, TRACE)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK

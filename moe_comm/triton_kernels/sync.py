@@ -9,8 +9,9 @@ The words and their layout are in ``moe_comm/protocol.py``; the rules, in short:
 - Every wait is bounded by the group's timeout. It ends early when the peer published ABORT for the call
   (CommAbortedError), when a flag of a later call shows the ranks out of step (CommDesyncError), or when
   the group is already failed. A wait that does not get its flag records a group-wide error: into this
-  rank's error word (for the host) and into row ``rank`` of every live rank's status buffer, so every
-  rank's kernels stop sending and waiting until ``reset()``.
+  rank's error word (for the host) and into row ``rank`` of every live rank's status buffer (by stores
+  where the status is mapped; by an NVSHMEM put with the tag as its signal to a peer reached by puts,
+  in kernels compiled with ``PUT``), so every rank's kernels stop sending and waiting until ``reset()``.
 - "Last program publishes": programs count themselves in with an acq_rel atomic (``arrive``); the last
   one publishes, and only if no program skipped its part.
 """
@@ -155,21 +156,54 @@ def record_error(grp, code, op, rank, peer, value, bound):
 
 
 @triton.jit
-def record_group_error(grp, code, op, rank, peer, value, bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+def record_group_error(grp, code, op, rank, peer, value, bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                       PUT: tl.constexpr = False):
     """Record a group-wide error here and broadcast it: row ``rank`` of every live rank's status buffer
-    gets the record, then the tag ``epoch + 1`` (release). Once per epoch per rank (the first wins)."""
+    gets the record (int64 [REC_WORDS]: code, op, rank, peer, value, bound, 0, 0), then the tag
+    ``epoch + 1`` at word ``rank`` (release): payload before tag, as ``adopt_group_error`` reads them.
+    Once per epoch per rank (the first wins).
+
+    Store transport (the status mapped here, ``status_addr != 0``): plain stores, then a release store of
+    the tag. With ``PUT`` (constexpr; the kernel was launched with the put transport), a live peer whose
+    ``transports`` entry is TRANSPORT_PUT (e.g. on another node: not mapped at all) gets instead one
+    ``putmem_signal_nbi`` of this rank's own row (its symmetric copy, written by the stores above) into
+    the same row of the peer's status, the tag as the signal (SIGNAL_SET; NVSHMEM delivers the payload
+    before the signal). Nothing waits for those puts (no ``quiet``): a dead or unreachable peer must not
+    hold up the rank that records the error. Without ``PUT`` this compiles to the store path only."""
     record_error(grp, code, op, rank, peer, value, bound)
     if claim(grp + S_BCAST_CLAIM):
         w = tl.arange(0, WORLD_P2)
-        status_addr = tl.load(grp + STATE_WORDS + WORLD + w, mask=live_ranks(grp, WORLD, WORLD_P2), other=0)
-        live = status_addr != 0  # live and mapped here (a peer on another node is reached by its own waits)
+        live = live_ranks(grp, WORLD, WORLD_P2)
+        status_addr = tl.load(grp + STATE_WORDS + WORLD + w, mask=live, other=0)
+        stored = status_addr != 0  # live and mapped here
+        if PUT:  # a put peer gets the record as a put (below); this rank's own row is always stored
+            put = tl.load(grp + STATE_WORDS + 2 * WORLD + w, mask=live, other=0) == TRANSPORT_PUT
+            stored = stored & ((put == 0) | (w == rank))
         status = as_ptr(status_addr, tl.int64)
         f = tl.arange(0, REC_WORDS)
         rec = tl.where(f == 0, code, tl.where(f == 1, op, tl.where(f == 2, rank, tl.where(
             f == 3, peer, tl.where(f == 4, value, tl.where(f == 5, bound, 0)))))).to(tl.int64)
-        tl.store(status[:, None] + WORLD + rank * REC_WORDS + f[None, :], rec[None, :], mask=live[:, None])
+        tl.store(status[:, None] + WORLD + rank * REC_WORDS + f[None, :], rec[None, :], mask=stored[:, None])
         tl.debug_barrier()
-        release_store(status + rank, tl.load(grp + S_EPOCH) + 1 + tl.zeros([WORLD_P2], tl.int64), live)
+        tag = tl.load(grp + S_EPOCH) + 1
+        release_store(status + rank, tag + tl.zeros([WORLD_P2], tl.int64), stored)
+        if PUT:
+            broadcast_by_puts(grp, rank, tag, WORLD)
+
+
+@triton.jit
+def broadcast_by_puts(grp, rank, tag, WORLD: tl.constexpr):
+    """The put half of ``record_group_error`` (scalar arguments, called by every thread of the program):
+    this rank's status row ``rank`` (int64 [REC_WORDS], already stored here) to the same row of every
+    live peer reached by puts, with ``tag`` (int64) SIGNAL_SET at that peer's status word ``rank``.
+    Non-blocking: issued, never waited for."""
+    own = tl.load(grp + STATE_WORDS + WORLD + rank)   # this rank's status: a local symmetric address
+    row = own + (WORLD + rank * REC_WORDS) * 8
+    nvshmem_device.fence_system()   # the row's stores, before the network reads them
+    for p in range(WORLD):
+        if (p != rank) & is_live(grp, p) & (tl.load(grp + STATE_WORDS + 2 * WORLD + p) == TRANSPORT_PUT):
+            nvshmem_device.putmem_signal_nbi_block(row, row, REC_WORDS * 8, own + rank * 8, tag,
+                                                   nvshmem_device.SIGNAL_SET, p)
 
 
 @triton.jit
@@ -198,7 +232,8 @@ def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
 
 @triton.jit
 def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD: tl.constexpr,
-               WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False, seen_ptr=None, seen_mask=None):
+               WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False, seen_ptr=None, seen_mask=None,
+               PUT: tl.constexpr = False):
     """Wait until every flag at ``flag_ptrs`` (a vector, this rank's memory; lanes where ``mask``; lane i
     is rank ``peers[i]``'s flag) equals ``target``: every pending flag is polled at once, one vector of
     acquire loads (system scope) per poll, so N flags cost one round trip, not N.
@@ -214,6 +249,9 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
 
     Flight recorder (``seen_ptr`` given, ``triton_kernels/trace.py``): on the lanes where ``seen_mask``,
     ``seen_ptr[peers[i]]`` gets the time lane i's flag was seen (``now_ns``), 0 if it never was.
+
+    ``PUT`` (constexpr): the error a failed wait records also reaches the peers reached by puts
+    (``record_group_error``); launch with the put transport's arguments when the group uses puts.
     """
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
@@ -239,17 +277,19 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
             if tl.max(pending.to(tl.int32)) == 0:
                 state = 1
             elif tl.max(aborted.to(tl.int32)) > 0:
-                record_group_error(grp, ERR_ABORTED, op, rank, first_peer, 0, 0, WORLD, WORLD_P2)
+                record_group_error(grp, ERR_ABORTED, op, rank, first_peer, 0, 0, WORLD, WORLD_P2, PUT)
                 state = 2
             elif tl.max(ahead.to(tl.int32)) > 0:
-                record_group_error(grp, ERR_DESYNC, op, rank, first_peer, seen, target & CALL_MASK, WORLD, WORLD_P2)
+                record_group_error(grp, ERR_DESYNC, op, rank, first_peer, seen, target & CALL_MASK, WORLD, WORLD_P2,
+                                   PUT)
                 state = 2
             elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 state = 2
             elif now_ns() - t0 > timeout_ns:
                 late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD, WORLD_P2,
                                                  ABORT_ARRIVES)
-                record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD, WORLD_P2)
+                record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD, WORLD_P2,
+                                   PUT)
                 state = 2
             else:
                 v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
@@ -285,11 +325,11 @@ def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.co
 
 @triton.jit
 def wait_flag(flag_ptr, target, grp, status_ptr, op, rank, peer, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-              seen_ptr=None, seen_mask=None):
+              seen_ptr=None, seen_mask=None, PUT: tl.constexpr = False):
     """``wait_flags`` for one flag (rank ``peer``'s, at ``flag_ptr``): True when it arrived."""
     one = tl.arange(0, 1)
     ok = wait_flags(flag_ptr + one, target, one == 0, peer + one, grp, status_ptr, op, rank, WORLD, WORLD_P2,
-                    seen_ptr=seen_ptr, seen_mask=seen_mask)
+                    seen_ptr=seen_ptr, seen_mask=seen_mask, PUT=PUT)
     return tl.max(ok.to(tl.int32)) > 0
 
 
@@ -366,27 +406,30 @@ def drain_kernel(
     recv_seq_ptr,     # int64 [1]: the channel's receive count (advanced here)
     grp, status_ptr, op, rank,
     CTRL_WORDS: tl.constexpr, FLAG_WORD: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+    PUT: tl.constexpr = False,
 ):
     """The receive side of an aborted call, run before the channel's next launch on this rank: wait
     (bounded) until every live peer published its flag of the call, data or ABORT, then advance the
     receive count. A peer publishes it only after its own receive of the call before, so this rank's
     next send cannot overwrite a zone that a slow peer still reads (what the receive phase guarantees
     for a call that was made). A wait that fails records its group-wide error (``wait_flags``), so
-    every rank's next call raises it. Grid (1,)."""
+    every rank's next call raises it (put peers too, with ``PUT``). Grid (1,)."""
     call = tl.load(recv_seq_ptr) + 1
     w = tl.arange(0, WORLD_P2)
     peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
     flags = ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + FLAG_WORD
     # This rank's own lane is no candidate for the rank a timeout names (lane id past the world).
     wait_flags(flags, flag_value(tl.load(grp + S_EPOCH), call), peers, tl.where(w != rank, w, WORLD_P2), grp,
-               status_ptr, op, rank, WORLD, WORLD_P2, ABORT_ARRIVES=True)
+               status_ptr, op, rank, WORLD, WORLD_P2, ABORT_ARRIVES=True, PUT=PUT)
     tl.store(recv_seq_ptr, call)
 
 
 @triton.jit
-def fail_group_kernel(grp, code, op, rank, peer, bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+def fail_group_kernel(grp, code, op, rank, peer, bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                      PUT: tl.constexpr = False):
     """A group-wide error the host found (a host barrier that timed out): record it here and broadcast it
-    to every live rank's status, exactly as a kernel's failed wait does, so that a slow peer which still
-    passes that barrier raises the same error at its next check instead of sending into a group that is
-    recovering. Grid (1,)."""
-    record_group_error(grp, code, op, rank, peer, 0, bound, WORLD, WORLD_P2)
+    to every live rank's status, exactly as a kernel's failed wait does (with ``PUT``, by puts to the
+    peers reached by puts), so that a slow peer which still passes that barrier, or is busy in an op,
+    raises the same error at its next check instead of sending into a group that is recovering.
+    Grid (1,)."""
+    record_group_error(grp, code, op, rank, peer, 0, bound, WORLD, WORLD_P2, PUT)
