@@ -1,0 +1,90 @@
+"""An op's kernel launches with what does not change between calls bound once (the host cost of an eager call).
+
+Prefill runs eagerly in most engines, so the Python between an op call and its kernel launches counts.
+Most arguments of a launch are the same at every call of an op on a rank: the kernel's launchable form
+for the group's device (``interpreter.kernel_for``, which reads the environment), the grid and the
+constexprs (from the plan), and the tensors the op owns (its channels' buffers, counters and peer
+pointers, the group state, its metadata sets and outputs). A ``Launch`` binds them once; a call adds its
+own: the caller's tensors, the sizes they have (T, N) and their alignment (``ALIGNED``).
+
+What a launch may bind, and why it stays right:
+
+- tensors of the op, its channels and its group, whose identity never changes while the op is open. Their
+  contents do change, in place: ``group.reset()`` zeroes counters and flags, ``group.exclude()`` repoints
+  the excluded ranks' ``peer_ptrs`` entries and writes the new epoch and live mask into ``group.state``,
+  which the kernels read on the device. So launches survive ``reset()`` and ``exclude()`` unchanged (the
+  one epoch-dependent copy, ``PrefillBuffer``'s per-zone peer pointers, is re-derived in place at a new
+  epoch);
+- values of the plan: an op's ``LaunchTable`` is rebuilt when its plan is replaced (tests and tuning set
+  a plan on an op that exists, sometimes after it has run);
+- values of the group fixed when it is made: rank, world size, the transports (``Channel.put_args``), the
+  flight recorder's setting (``group.trace_calls``, ``Channel.trace_args``);
+- the kernel's form, from ``MOE_COMM_INTERPRET`` and ``MOE_COMM_INTERPRET_ORDER`` as they are when the
+  table is built (an op's first call, or its first call with a new plan).
+
+Never a caller's tensor or anything derived from one (a view, a pointer, its alignment): a caller's tensor
+may die and its memory and Python id be reused by the next call's, so those are derived at every call.
+A closed op launches nothing (its calls raise ClosedError first).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from .interpreter import kernel_for
+from .planner import vector_aligned
+
+
+class Launch:
+    """One launch of an op: ``kernel`` (an ``@triton.jit`` kernel) on ``grid`` for tensors on ``device``, with
+    the arguments ``static`` bound (by parameter name; a name that is not a parameter of the kernel is a
+    launch option, e.g. ``num_warps``). ``aligned``: whether the op's own tensors (and plan) let the
+    kernel's ``ALIGNED`` be set; a call ands its own tensors in (``aligned_with``).
+
+    ``launch(**args)`` launches with ``args``, every parameter not in ``static`` (TypeError for a missing or
+    unknown one). The kernel gets its parameters positionally, from a list made once: passing some 40
+    keyword arguments through Triton's ``kernel[grid](...)`` costs microseconds per launch, a list copy
+    and a few stores do not."""
+
+    __slots__ = ("kernel", "options", "aligned", "_args", "_slot", "_per_call")
+
+    def __init__(self, kernel, device, grid, aligned: bool = True, **static):
+        names = list(inspect.signature(kernel.fn).parameters)
+        self.kernel = kernel_for(kernel, device)[tuple(grid)]
+        self.options = {k: v for k, v in static.items() if k not in names}
+        self.aligned = bool(aligned)
+        self._args = [static.get(n) for n in names]                 # the call's entries are set per call
+        self._slot = {n: i for i, n in enumerate(names) if n not in static}
+        self._per_call = tuple(self._slot)
+
+    def aligned_with(self, *tensors) -> bool:
+        """``ALIGNED`` of a call that also passes ``tensors`` (None entries skipped): 16-byte vectors are
+        allowed when the op's side allows them and every one of ``tensors`` starts on a 16-byte boundary."""
+        return self.aligned and vector_aligned(*tensors)
+
+    def __call__(self, **args) -> None:
+        if len(args) != len(self._per_call):
+            raise TypeError(f"launch of {self._per_call}: got {tuple(args)}")
+        a = self._args.copy()
+        slot = self._slot
+        for name, value in args.items():
+            a[slot[name]] = value    # KeyError: not a per-call parameter of this kernel
+        self.kernel(*a, **self.options)
+
+
+class LaunchTable:
+    """The launches of one op for the plan in force. ``get(plan, build)``: the launches ``build(plan)``
+    made, built at first use and again whenever ``plan`` is not the object they were built from (a
+    replaced plan; the table holds the plan it was built from, so that object stays alive and the
+    identity test cannot match a new plan at a reused address)."""
+
+    __slots__ = ("_plan", "_launches")
+
+    def __init__(self):
+        self._plan = self._launches = None
+
+    def get(self, plan, build):
+        if plan is not self._plan:
+            self._launches = build(plan)
+            self._plan = plan
+        return self._launches
