@@ -115,9 +115,11 @@ class AllToAllvDynamic:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _words(self, t: torch.Tensor, rows_dims: int) -> torch.Tensor:
-        """View a [*rows, *row_shape] tensor as [*rows, row_words] words (no copy)."""
+        """View a [*rows, *row_shape] tensor as [*rows, row_words] words (no copy; ``flatten`` costs a third
+        of a ``view`` with a shape, and this runs at every call)."""
         t = t.contiguous()
-        return t.view(*t.shape[:rows_dims], -1).view(self.plan.copy.word_dtype)
+        rows = t.flatten(rows_dims) if t.dim() > rows_dims else t.unsqueeze(-1)   # row_shape () : one element
+        return rows.view(self.plan.copy.word_dtype)
 
     def _rows_or_dummy(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         """Words of ``t`` [rows, *row_shape]; a one-row scratch when there are no rows (never read)."""
@@ -140,8 +142,8 @@ class AllToAllvDynamic:
                           OP=op_id("alltoallv" if forward else "alltoallv.combine"), FORWARD=forward,
                           ROW_WORDS=c.row_words, BLOCK_R=c.block_rows, BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
             if g.world_size == 1:  # one kernel per call, straight from the input to the output
-                launches[forward] = dict(local=Launch(a2a_local_kernel, dev, (c.blocks_per_peer,), aligned=c.vector_rows,
-                                                      dropped_ptr=self._dropped, **common))
+                launches[forward] = dict(local=Launch(a2a_local_kernel, dev, (c.blocks_per_peer,),
+                                                      aligned=c.vector_rows, dropped_ptr=self._dropped, **common))
                 continue
             phase = dict(status_ptr=g.status.local, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), **common)
             grid = (g.world_size, c.blocks_per_peer)
@@ -168,16 +170,16 @@ class AllToAllvDynamic:
             handle = A2AHandle(self._calls, n, m["send_counts"], m["send_offsets"], m["recv_counts"],
                                owner=id(self), epoch=self.group.epoch)
             self._calls += 1
-            launches = self._launches()
-            src = self._rows_or_dummy(send, n)
-            rows = dict(src_ptr=src, counts_ptr=send_counts.contiguous(), kept_counts_ptr=m["send_counts"],
-                        kept_offsets_ptr=m["send_offsets"], n_rows=n)
+            launches, src, counts = self._launches(), self._rows_or_dummy(send, n), send_counts.contiguous()
             if self.group.world_size == 1:  # one kernel: rows straight into this call's output set
                 dst, local = launches["recv_words"][k], launches[True]["local"]
-                local(**rows, recv_counts_ptr=m["recv_counts"], dst_ptr=dst, ALIGNED=local.aligned_with(src, dst))
+                local.run(src_ptr=src, counts_ptr=counts, kept_counts_ptr=m["send_counts"],
+                          kept_offsets_ptr=m["send_offsets"], recv_counts_ptr=m["recv_counts"], dst_ptr=dst, n_rows=n,
+                          ALIGNED=local.aligned_with(src, dst))
             else:
                 send_ = launches[True]["send"]
-                send_(**rows, ALIGNED=send_.aligned_with(src))
+                send_.run(src_ptr=src, counts_ptr=counts, kept_counts_ptr=m["send_counts"],
+                          kept_offsets_ptr=m["send_offsets"], n_rows=n, ALIGNED=send_.aligned_with(src))
             op.sent((handle, k))
             if not do_recv:
                 return None
@@ -185,8 +187,8 @@ class AllToAllvDynamic:
         if self.group.world_size > 1:
             launches = self._launches()
             dst, recv = launches["recv_words"][k], launches[True]["recv"]
-            recv(dst_ptr=dst, recv_counts_ptr=handle.recv_counts, kept_counts_ptr=handle.send_counts,
-                 kept_offsets_ptr=handle.send_offsets, ALIGNED=recv.aligned_with(dst))
+            recv.run(dst_ptr=dst, recv_counts_ptr=handle.recv_counts, kept_counts_ptr=handle.send_counts,
+                     kept_offsets_ptr=handle.send_offsets, ALIGNED=recv.aligned_with(dst))
         return op.finish(A2AResult(self._recv[k], handle.recv_counts, handle))
 
     def _check_forward(self, send, send_counts) -> None:
@@ -209,21 +211,21 @@ class AllToAllvDynamic:
             dst, src = self._rows_or_dummy(out, handle.num_rows), self._words(rows, 2)
             if self.group.world_size == 1:  # one kernel: rows straight back into ``out`` (the count the forward kept)
                 local = self._launches()[False]["local"]
-                local(src_ptr=src, counts_ptr=handle.send_counts, kept_counts_ptr=handle.send_counts,
-                      kept_offsets_ptr=handle.send_offsets, recv_counts_ptr=handle.recv_counts, dst_ptr=dst,
-                      n_rows=handle.num_rows, ALIGNED=local.aligned_with(src, dst))
+                local.run(src_ptr=src, counts_ptr=handle.send_counts, kept_counts_ptr=handle.send_counts,
+                          kept_offsets_ptr=handle.send_offsets, recv_counts_ptr=handle.recv_counts, dst_ptr=dst,
+                          n_rows=handle.num_rows, ALIGNED=local.aligned_with(src, dst))
             else:
                 send = self._launches()[False]["send"]
-                send(src_ptr=src, counts_ptr=handle.recv_counts, kept_counts_ptr=handle.recv_counts,
-                     kept_offsets_ptr=handle.send_offsets, n_rows=0, ALIGNED=send.aligned_with(src))
+                send.run(src_ptr=src, counts_ptr=handle.recv_counts, kept_counts_ptr=handle.recv_counts,
+                         kept_offsets_ptr=handle.send_offsets, n_rows=0, ALIGNED=send.aligned_with(src))
             op.sent((handle, out, dst))
             if not do_recv:
                 return None
         handle, out, dst = op.take()
         if self.group.world_size > 1:
             recv = self._launches()[False]["recv"]
-            recv(dst_ptr=dst, recv_counts_ptr=handle.recv_counts, kept_counts_ptr=handle.send_counts,
-                 kept_offsets_ptr=handle.send_offsets, ALIGNED=recv.aligned_with(dst))
+            recv.run(dst_ptr=dst, recv_counts_ptr=handle.recv_counts, kept_counts_ptr=handle.send_counts,
+                     kept_offsets_ptr=handle.send_offsets, ALIGNED=recv.aligned_with(dst))
         return op.finish(out)
 
     def _check_reverse(self, rows, handle) -> None:

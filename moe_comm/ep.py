@@ -325,7 +325,8 @@ class EPBuffer(OpBuffer):
                     EXPERTS_PER_RANK=p.experts_per_rank, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
                     **routing, **dch.put_args(), **sig, **common, **dch.trace_args(recv=False)),
                 dispatch_recv=Launch(
-                    dispatch_recv_kernel, dev, p.recv_grid, aligned=vector_aligned(self._x, self._scales, dch.data.local),
+                    dispatch_recv_kernel, dev, p.recv_grid,
+                    aligned=vector_aligned(self._x, self._scales, dch.data.local),
                     out_x_ptr=self._x.view(torch.int32), out_scales_ptr=scales.view(torch.int32), out_src_ptr=s.src,
                     out_counts_ptr=s.counts, row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, runs_ptr=s.runs,
                     stats_ptr=self._stats, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq,
@@ -367,7 +368,7 @@ class EPBuffer(OpBuffer):
                 xin, idx = (self._dummy.view(p.dtype) if p.fp8 else self._dummy), self._dummy
             if g.world_size > 1:
                 send = self._launches()[k]["dispatch_send"]
-                send(x_ptr=xin, idx_ptr=idx, num_tokens=T, ALIGNED=send.aligned_with(xin))
+                send.run(x_ptr=xin, idx_ptr=idx, num_tokens=T, ALIGNED=send.aligned_with(xin))
             elif not do_recv:  # world 1, split: the kernel runs at the receive; the send consumes its inputs
                 xin, idx = xin.clone(), idx.clone()
             op.sent((handle, k, xin, idx))
@@ -377,9 +378,10 @@ class EPBuffer(OpBuffer):
         launches = self._launches()[k]
         if g.world_size == 1:
             local = launches["dispatch_local"]
-            local(x_ptr=xin, idx_ptr=idx, num_tokens=handle.num_tokens, ALIGNED=local.aligned_with(xin))
+            local.run(x_ptr=xin, idx_ptr=idx, num_tokens=handle.num_tokens, ALIGNED=local.aligned_with(xin))
         else:
-            launches["dispatch_recv"](ALIGNED=launches["dispatch_recv"].aligned)
+            recv = launches["dispatch_recv"]
+            recv.run(ALIGNED=recv.aligned)
         s = self._sets[k]
         return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle))
 
@@ -407,7 +409,7 @@ class EPBuffer(OpBuffer):
             expert_out = expert_out.contiguous()
             if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
                 send = self._launches()[handle.call_index % 2]["combine_send"]
-                send(expert_out_ptr=expert_out.view(torch.int32), ALIGNED=send.aligned_with(expert_out))
+                send.run(expert_out_ptr=expert_out.view(torch.int32), ALIGNED=send.aligned_with(expert_out))
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None
@@ -423,6 +425,6 @@ class EPBuffer(OpBuffer):
         if out is None:
             out = torch.empty((T, p.hidden), dtype=p.dtype, device=g.device)
         recv = self._launches()[handle.call_index % 2]["combine_recv"]
-        recv(out_ptr=out if T > 0 else self._dummy.view(p.dtype), weights_ptr=topk_weights.contiguous() if T > 0
-             else self._dummy, expert_out_ptr=expert_out, num_tokens=T, ALIGNED=recv.aligned_with(out, expert_out))
+        recv.run(out_ptr=out if T > 0 else self._dummy.view(p.dtype), weights_ptr=topk_weights.contiguous() if T > 0
+                 else self._dummy, expert_out_ptr=expert_out, num_tokens=T, ALIGNED=recv.aligned_with(out, expert_out))
         return op.finish(out)

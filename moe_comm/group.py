@@ -46,7 +46,7 @@ class CommGroup:
         self.trace_calls = trace_calls(trace)   # flight-recorder records per channel; 0 = off
         self._dumped_epoch = -1                 # MOE_COMM_TRACE_DIR: the epoch last dumped on a GroupError
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
-        pin = self.device.type == "cuda"
+        self._cuda = pin = self.device.type == "cuda"   # read at every op call: torch.device.type costs ~0.4 us
         self.error_word = (torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=pin) if error_word is None
                            else error_word.zero_())
         self._error_host = self.error_word.numpy()   # the same host memory: ``check`` reads it at every call
@@ -179,7 +179,7 @@ class CommGroup:
         """
         if call is not None:
             call.result, call.finished = result, True
-        if self.device.type == "cuda":
+        if self._cuda:
             if torch.cuda.is_current_stream_capturing():
                 return result
             prev = self._last_event

@@ -127,6 +127,9 @@ class _CombineChannel:
 
     def __init__(self, channel: Channel):
         self.channel = channel
+        # What PhasedOp calls at every op call, bound here: an attribute found by __getattr__ costs a
+        # failed lookup first.
+        self.before_send, self.before_recv, self.launched = channel.before_send, channel.before_recv, channel.launched
 
     def __getattr__(self, name):
         return getattr(self.channel, name)
@@ -356,13 +359,13 @@ class PrefillBuffer(OpBuffer):
                 xin = self._dummy.view(self.dtype) if self.fp8_dispatch else self._dummy
                 idx, w = self._dummy, self._dummy.view(WEIGHT_DTYPE)
             send = self._zones[zone].launches["dispatch_send"]
-            send(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
+            send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
             op.sent(handle)
             if not do_recv:
                 return None
         handle = op.take()
         z = self._zones[handle.zone]
-        z.launches["dispatch_recv"]()
+        z.launches["dispatch_recv"].run()
         return op.finish(PrefillDispatchResult(z.recv_x, z.recv_scales, z.recv_idx, z.recv_weights, z.src_tokens,
                                                z.counts, handle))
 
@@ -413,7 +416,7 @@ class PrefillBuffer(OpBuffer):
             in_place = expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr() and not self.fp8_dispatch
             src = self._dummy if in_place else expert_out.contiguous().view(torch.int32)
             send = self._zones[handle.zone].launches["combine_send"]
-            send(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))
+            send.run(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))
             op.sent((handle, out))
             if not do_recv:
                 return None
@@ -427,5 +430,5 @@ class PrefillBuffer(OpBuffer):
         if out is None:
             out = torch.empty((T, self.hidden), dtype=self.dtype, device=g.device)
         recv = self._zones[handle.zone].launches["combine_recv"]
-        recv(out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T, ALIGNED=recv.aligned_with(out))
+        recv.run(out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T, ALIGNED=recv.aligned_with(out))
         return op.finish(out)
