@@ -115,11 +115,13 @@ class AllToAllvDynamic:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _words(self, t: torch.Tensor, rows_dims: int) -> torch.Tensor:
-        """View a [*rows, *row_shape] tensor as [*rows, row_words] words (no copy; ``flatten`` costs a third
-        of a ``view`` with a shape, and this runs at every call)."""
+        """View a [*rows, *row_shape] tensor as [*rows, row_words] words (no copy). This runs at every call:
+        a one-dimensional row is viewed as words directly, others are flattened first (``flatten`` costs a
+        third of a ``view`` with a shape)."""
         t = t.contiguous()
-        rows = t.flatten(rows_dims) if t.dim() > rows_dims else t.unsqueeze(-1)   # row_shape () : one element
-        return rows.view(self.plan.copy.word_dtype)
+        if t.dim() != rows_dims + 1:
+            t = t.flatten(rows_dims) if t.dim() > rows_dims else t.unsqueeze(-1)   # row_shape (): one element
+        return t.view(self.plan.copy.word_dtype)
 
     def _rows_or_dummy(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         """Words of ``t`` [rows, *row_shape]; a one-row scratch when there are no rows (never read)."""
