@@ -172,7 +172,8 @@ class EPBuffer(OpBuffer):
     # ---- planning --------------------------------------------------------------------------------
     @property
     def plan(self) -> EPPlan:
-        """Buffers and launch shapes (``moe_comm.planner.EPPlan``)."""
+        """Buffers and launch shapes (``moe_comm.planner.EPPlan``). The calls read ``_ep_plan`` (a property
+        costs a call, and they run at every step)."""
         return self._ep_plan
 
     @plan.setter
@@ -261,7 +262,7 @@ class EPBuffer(OpBuffer):
                              "two more dispatch calls) or its dispatch's phase='recv' has not run")
 
     def _check_dispatch_inputs(self, x, topk_idx) -> int:
-        p = self.plan
+        p = self._ep_plan
         check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden), DTYPE_FIX)
         T = x.shape[0]
         if T > p.max_tokens:
@@ -271,7 +272,7 @@ class EPBuffer(OpBuffer):
         return T
 
     def _check_combine_recv_inputs(self, T, topk_weights, out) -> None:
-        p = self.plan
+        p = self._ep_plan
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, self.group.device,
                          (torch.float32, torch.bfloat16, torch.float16, torch.float64), (T, p.topk))
@@ -283,7 +284,7 @@ class EPBuffer(OpBuffer):
     # ---- launches --------------------------------------------------------------------------------
     def _launches(self) -> tuple[dict, dict]:
         """The launches of metadata set 0 and set 1 for the plan in force (``moe_comm.launches``)."""
-        return self._launch_table.get(self.plan, self._build_launches)
+        return self._launch_table.get(self._ep_plan, self._build_launches)
 
     def _build_launches(self, p: EPPlan) -> tuple[dict, dict]:
         """For each metadata set: kernel name -> ``Launch`` of every kernel a call of this world size makes,
@@ -352,7 +353,7 @@ class EPBuffer(OpBuffer):
         See the class docstring. phase="recv" ignores ``x`` and ``topk_idx`` (those of the send are used).
         """
         self._ensure_allocated()
-        p, g, op = self.plan, self.group, self._dispatch_op
+        p, g, op = self._ep_plan, self.group, self._dispatch_op
         do_send, do_recv = op.begin(phase)
         if do_send:
             T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx))
@@ -396,7 +397,7 @@ class EPBuffer(OpBuffer):
             raise ClosedError("EPBuffer: used after close()")
         if self._calls == 0:
             raise RuntimeError("combine needs the handle of a dispatch on this EPBuffer; none has run yet")
-        p, g, op = self.plan, self.group, self._combine_op
+        p, g, op = self._ep_plan, self.group, self._combine_op
         do_send, do_recv = op.begin(phase)
         if do_send:
             def check():
