@@ -15,16 +15,22 @@ What a launch may bind, and why it stays right:
   which the kernels read on the device. So launches survive ``reset()`` and ``exclude()`` unchanged (the
   one epoch-dependent copy, ``PrefillBuffer``'s per-zone peer pointers, is re-derived in place at a new
   epoch);
-- values of the plan: an op's ``LaunchTable`` is rebuilt when its plan is replaced (tests and tuning set
-  a plan on an op that exists, sometimes after it has run);
+- values of the plan: ``EPBuffer``'s and ``AllToAllvDynamic``'s ``LaunchTable`` is rebuilt when the op's
+  plan is replaced (tests and tuning set a plan on an op that exists, sometimes after it has run);
+  ``PrefillBuffer`` builds its zones' launches when it allocates, its plan (which sizes the zones)
+  fixed from then on;
 - values of the group fixed when it is made: rank, world size, the transports (``Channel.put_args``), the
   flight recorder's setting (``group.trace_calls``, ``Channel.trace_args``);
 - the kernel's form, from ``MOE_COMM_INTERPRET`` and ``MOE_COMM_INTERPRET_ORDER`` as they are when the
-  table is built (an op's first call, or its first call with a new plan).
+  launches are built (an op's first call, or its first call with a new plan).
 
 Never a caller's tensor or anything derived from one (a view, a pointer, its alignment): a caller's tensor
 may die and its memory and Python id be reused by the next call's, so those are derived at every call.
 A closed op launches nothing (its calls raise ClosedError first).
+
+What a call still does itself (``bench/NOTES.md`` section 19): the phase state machine, the input checks,
+the handle and result, the views of its tensors and their alignment, the output allocation, the launch,
+and the end-of-call read of the error word (``CommGroup.finish_op``: the never-silent contract).
 """
 
 from __future__ import annotations
