@@ -15,9 +15,9 @@ import torch
 from .channel import Channel
 from .checks import check_tensor
 from .errors import op_id
-from .interpreter import kernel_for
+from .launches import Launch, LaunchTable
 from .phased import PhasedOp
-from .planner import next_pow2, plan_alltoallv, vector_aligned
+from .planner import AllToAllvPlan, next_pow2, plan_alltoallv
 from .triton_kernels.alltoallv import a2a_local_kernel, a2a_recv_kernel, a2a_send_kernel
 
 
@@ -91,6 +91,7 @@ class AllToAllvDynamic:
                            send_offsets=torch.zeros(world, dtype=torch.int64, device=dev)) for _ in range(2)]
         self._dropped = torch.zeros(1, dtype=torch.int64, device=dev)
         self._calls = 0         # forward calls begun (host count; picks the output set)
+        self._launch_table = LaunchTable()   # the launches of the plan in force (``_launches``)
 
     @property
     def buffer_bytes(self) -> int:
@@ -114,9 +115,13 @@ class AllToAllvDynamic:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _words(self, t: torch.Tensor, rows_dims: int) -> torch.Tensor:
-        """View a [*rows, *row_shape] tensor as [*rows, row_words] words (no copy)."""
+        """View a [*rows, *row_shape] tensor as [*rows, row_words] words (no copy). This runs at every call:
+        a one-dimensional row is viewed as words directly, others are flattened first (``flatten`` costs a
+        third of a ``view`` with a shape)."""
         t = t.contiguous()
-        return t.view(*t.shape[:rows_dims], -1).view(self.plan.copy.word_dtype)
+        if t.dim() != rows_dims + 1:
+            t = t.flatten(rows_dims) if t.dim() > rows_dims else t.unsqueeze(-1)   # row_shape (): one element
+        return t.view(self.plan.copy.word_dtype)
 
     def _rows_or_dummy(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         """Words of ``t`` [rows, *row_shape]; a one-row scratch when there are no rows (never read)."""
@@ -124,44 +129,34 @@ class AllToAllvDynamic:
             return self._words(t, 1)
         return torch.empty((1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=self.group.device)
 
-    def _common(self, forward: bool):
-        g, c = self.group, self.plan.copy
-        return dict(grp=g.state, rank=g.rank, max_rows=self.max_rows_per_peer,
-                    OP=op_id("alltoallv" if forward else "alltoallv.combine"), FORWARD=forward,
-                    ROW_WORDS=c.row_words, BLOCK_R=c.block_rows, BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
+    def _launches(self) -> dict:
+        """The launches of the plan in force (``moe_comm.launches``)."""
+        return self._launch_table.get(self.plan, self._build_launches)
 
-    def _phase_args(self, forward: bool):
-        """Arguments of the two-phase kernels beyond ``_common``."""
-        g = self.group
-        return dict(status_ptr=g.status.local, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size),
-                    **self._common(forward))
-
-    def _grid(self):
-        return (self.group.world_size, self.plan.copy.blocks_per_peer)
-
-    def _aligned(self, *tensors) -> bool:
-        """The copy loops may move 16-byte vectors (rows of whole vectors; symmetric buffers are aligned)."""
-        return self.plan.copy.vector_rows and vector_aligned(*tensors)
-
-    def _send(self, forward: bool, src, counts, kept_counts, kept_offsets, n_rows) -> None:
-        ch, dev = (self._fwd if forward else self._rev), self.group.device
-        kernel_for(a2a_send_kernel, dev)[self._grid()](
-            src, counts, kept_counts, kept_offsets, self._dropped, n_rows, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
-            seq_ptr=ch.send_seq, done_ptr=ch.done, ALIGNED=self._aligned(src), **self._phase_args(forward),
-            **ch.put_args(), **ch.trace_args(recv=False))
-
-    def _recv_phase(self, forward: bool, dst, handle) -> None:
-        ch, dev = (self._fwd if forward else self._rev), self.group.device
-        kernel_for(a2a_recv_kernel, dev)[self._grid()](
-            dst, handle.recv_counts, handle.send_counts, handle.send_offsets, ch.data.local, ch.ctrl.local,
-            ch.recv_seq, ch.done, ALIGNED=self._aligned(dst), **self._phase_args(forward), **ch.trace_args(recv=True),
-            **self.group.put_launch_args())
-
-    def _local(self, forward: bool, src, counts, handle, dst, n_rows) -> None:
-        """World 1: one kernel, straight from the input to the output."""
-        kernel_for(a2a_local_kernel, self.group.device)[self._grid()[1:]](
-            src, counts, handle.send_counts, handle.send_offsets, handle.recv_counts, dst, self._dropped, n_rows,
-            ALIGNED=self._aligned(src, dst), **self._common(forward))
+    def _build_launches(self, p: AllToAllvPlan) -> dict:
+        """Direction (True: forward, False: reverse) -> kernel name -> ``Launch`` of every kernel a call of
+        this world size makes, with every argument but the call's tensors, its sizes and their alignment;
+        "recv_words": the two output sets as words (the forward's destination)."""
+        g, dev, c = self.group, self.group.device, p.copy
+        launches = dict(recv_words=[self._words(r, 2) for r in self._recv])
+        for forward, ch in ((True, self._fwd), (False, self._rev)):
+            common = dict(grp=g.state, rank=g.rank, max_rows=self.max_rows_per_peer,
+                          OP=op_id("alltoallv" if forward else "alltoallv.combine"), FORWARD=forward,
+                          ROW_WORDS=c.row_words, BLOCK_R=c.block_rows, BLOCK_C=c.block_words, NBLK=c.blocks_per_peer)
+            if g.world_size == 1:  # one kernel per call, straight from the input to the output
+                launches[forward] = dict(local=Launch(a2a_local_kernel, dev, (c.blocks_per_peer,),
+                                                      aligned=c.vector_rows, dropped_ptr=self._dropped, **common))
+                continue
+            phase = dict(status_ptr=g.status.local, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), **common)
+            grid = (g.world_size, c.blocks_per_peer)
+            launches[forward] = dict(
+                send=Launch(a2a_send_kernel, dev, grid, aligned=c.vector_rows, dropped_ptr=self._dropped,
+                            data_ptrs_ptr=ch.data.peer_ptrs, ctrl_ptrs_ptr=ch.ctrl.peer_ptrs, seq_ptr=ch.send_seq,
+                            done_ptr=ch.done, **phase, **ch.put_args(), **ch.trace_args(recv=False)),
+                recv=Launch(a2a_recv_kernel, dev, grid, aligned=c.vector_rows, data_ptr=ch.data.local,
+                            ctrl_ptr=ch.ctrl.local, seq_ptr=ch.recv_seq, done_ptr=ch.done, **phase,
+                            **ch.trace_args(recv=True), **g.put_launch_args()))
+        return launches
 
     # ---- forward -------------------------------------------------------------------------------
     def __call__(self, send: torch.Tensor | None = None, send_counts: torch.Tensor | None = None, *,
@@ -173,20 +168,29 @@ class AllToAllvDynamic:
             op.before_send()
             k = self._calls % 2
             m = self._meta[k]
-            handle = A2AHandle(self._calls, send.shape[0], m["send_counts"], m["send_offsets"], m["recv_counts"],
+            n = send.shape[0]
+            handle = A2AHandle(self._calls, n, m["send_counts"], m["send_offsets"], m["recv_counts"],
                                owner=id(self), epoch=self.group.epoch)
             self._calls += 1
-            src, counts = self._rows_or_dummy(send, send.shape[0]), send_counts.contiguous()
+            launches, src, counts = self._launches(), self._rows_or_dummy(send, n), send_counts.contiguous()
             if self.group.world_size == 1:  # one kernel: rows straight into this call's output set
-                self._local(True, src, counts, handle, self._words(self._recv[k], 2), send.shape[0])
+                dst, local = launches["recv_words"][k], launches[True]["local"]
+                local.run(src_ptr=src, counts_ptr=counts, kept_counts_ptr=m["send_counts"],
+                          kept_offsets_ptr=m["send_offsets"], recv_counts_ptr=m["recv_counts"], dst_ptr=dst, n_rows=n,
+                          ALIGNED=local.aligned_with(src, dst))
             else:
-                self._send(True, src, counts, m["send_counts"], m["send_offsets"], send.shape[0])
+                send_ = launches[True]["send"]
+                send_.run(src_ptr=src, counts_ptr=counts, kept_counts_ptr=m["send_counts"],
+                          kept_offsets_ptr=m["send_offsets"], n_rows=n, ALIGNED=send_.aligned_with(src))
             op.sent((handle, k))
             if not do_recv:
                 return None
         handle, k = op.take()
         if self.group.world_size > 1:
-            self._recv_phase(True, self._words(self._recv[k], 2), handle)
+            launches = self._launches()
+            dst, recv = launches["recv_words"][k], launches[True]["recv"]
+            recv.run(dst_ptr=dst, recv_counts_ptr=handle.recv_counts, kept_counts_ptr=handle.send_counts,
+                     kept_offsets_ptr=handle.send_offsets, ALIGNED=recv.aligned_with(dst))
         return op.finish(A2AResult(self._recv[k], handle.recv_counts, handle))
 
     def _check_forward(self, send, send_counts) -> None:
@@ -206,17 +210,24 @@ class AllToAllvDynamic:
             op.validate(lambda: self._check_reverse(rows, handle))
             op.before_send()
             out = torch.empty((handle.num_rows, *self.row_shape), dtype=self.dtype, device=self.group.device)
-            dst = self._rows_or_dummy(out, handle.num_rows)
+            dst, src = self._rows_or_dummy(out, handle.num_rows), self._words(rows, 2)
             if self.group.world_size == 1:  # one kernel: rows straight back into ``out`` (the count the forward kept)
-                self._local(False, self._words(rows, 2), handle.send_counts, handle, dst, handle.num_rows)
+                local = self._launches()[False]["local"]
+                local.run(src_ptr=src, counts_ptr=handle.send_counts, kept_counts_ptr=handle.send_counts,
+                          kept_offsets_ptr=handle.send_offsets, recv_counts_ptr=handle.recv_counts, dst_ptr=dst,
+                          n_rows=handle.num_rows, ALIGNED=local.aligned_with(src, dst))
             else:
-                self._send(False, self._words(rows, 2), handle.recv_counts, handle.recv_counts, handle.send_offsets, 0)
+                send = self._launches()[False]["send"]
+                send.run(src_ptr=src, counts_ptr=handle.recv_counts, kept_counts_ptr=handle.recv_counts,
+                         kept_offsets_ptr=handle.send_offsets, n_rows=0, ALIGNED=send.aligned_with(src))
             op.sent((handle, out, dst))
             if not do_recv:
                 return None
         handle, out, dst = op.take()
         if self.group.world_size > 1:
-            self._recv_phase(False, dst, handle)
+            recv = self._launches()[False]["recv"]
+            recv.run(dst_ptr=dst, recv_counts_ptr=handle.recv_counts, kept_counts_ptr=handle.send_counts,
+                     kept_offsets_ptr=handle.send_offsets, ALIGNED=recv.aligned_with(dst))
         return op.finish(out)
 
     def _check_reverse(self, rows, handle) -> None:

@@ -18,7 +18,16 @@ def check_tensor(name: str, t, device: torch.device, dtypes, shape=None, dtype_f
     if t.dtype not in dtypes:
         fix = f"; to use {t.dtype}, " + dtype_fix.format(dtype=t.dtype) if dtype_fix else ""
         raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}{fix}")
-    if shape is not None and (t.dim() != len(shape) or any(
-            want is not None and have != want for have, want in zip(t.shape, shape))):
-        want = ", ".join("any" if s is None else str(s) for s in shape)
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({want})")
+    if shape is None:
+        return
+    have = t.shape
+    if have == shape:   # every size given and equal (one comparison: this runs at every op call)
+        return
+    if len(have) == len(shape):   # a loop, not any(...) over a generator
+        for size, want in zip(have, shape):
+            if want is not None and size != want:
+                break
+        else:
+            return
+    want = ", ".join("any" if s is None else str(s) for s in shape)
+    raise ValueError(f"{name} has shape {tuple(have)}, expected ({want})")

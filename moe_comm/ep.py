@@ -15,7 +15,7 @@ import torch
 from .channel import Channel
 from .checks import check_tensor
 from .errors import ClosedError, op_id
-from .interpreter import kernel_for
+from .launches import Launch, LaunchTable
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
 from .planner import VEC_BYTES, EPPlan, next_pow2, plan_ep, vector_aligned
@@ -167,11 +167,13 @@ class EPBuffer(OpBuffer):
         self._allocated = False
         self._closed = False
         self._calls = 0               # dispatch send phases begun (picks the metadata set)
+        self._launch_table = LaunchTable()   # the launches of the plan in force (``_launches``)
 
     # ---- planning --------------------------------------------------------------------------------
     @property
     def plan(self) -> EPPlan:
-        """Buffers and launch shapes (``moe_comm.planner.EPPlan``)."""
+        """Buffers and launch shapes (``moe_comm.planner.EPPlan``). The calls read ``_ep_plan`` (a property
+        costs a call, and they run at every step)."""
         return self._ep_plan
 
     @plan.setter
@@ -260,7 +262,7 @@ class EPBuffer(OpBuffer):
                              "two more dispatch calls) or its dispatch's phase='recv' has not run")
 
     def _check_dispatch_inputs(self, x, topk_idx) -> int:
-        p = self.plan
+        p = self._ep_plan
         check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden), DTYPE_FIX)
         T = x.shape[0]
         if T > p.max_tokens:
@@ -270,7 +272,7 @@ class EPBuffer(OpBuffer):
         return T
 
     def _check_combine_recv_inputs(self, T, topk_weights, out) -> None:
-        p = self.plan
+        p = self._ep_plan
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, self.group.device,
                          (torch.float32, torch.bfloat16, torch.float16, torch.float64), (T, p.topk))
@@ -279,21 +281,76 @@ class EPBuffer(OpBuffer):
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous (it is written in place)")
 
-    def _common(self):
-        p, g = self.plan, self.group
-        return dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
-                    TOPK_P2=next_pow2(p.topk))
+    # ---- launches --------------------------------------------------------------------------------
+    def _launches(self) -> tuple[dict, dict]:
+        """The launches of metadata set 0 and set 1 for the plan in force (``moe_comm.launches``)."""
+        return self._launch_table.get(self._ep_plan, self._build_launches)
 
-    def _recv_put_args(self):
-        """``PUT`` of the receive kernels: the put layout (``plan.put``), and the status broadcast of a
-        failed wait to the peers reached by puts (with, on CUDA, NVSHMEM's bitcode)."""
-        args = self.group.put_launch_args() if self.plan.put else {}
-        args["PUT"] = self.plan.put
+    def _recv_put_args(self, p: EPPlan) -> dict:
+        """``PUT`` of the receive kernels: the put layout (``p.put``), and the status broadcast of a failed
+        wait to the peers reached by puts (with, on CUDA, NVSHMEM's bitcode)."""
+        args = self.group.put_launch_args() if p.put else {}
+        args["PUT"] = p.put
         return args
 
-    def _signal_args(self):
-        g = self.group
-        return dict(grp=g.state, status_ptr=g.status.local, rank=g.rank)
+    def _build_launches(self, p: EPPlan) -> tuple[dict, dict]:
+        """For each metadata set: kernel name -> ``Launch`` of every kernel a call of this world size makes,
+        with every argument but the call's tensors, their sizes and their alignment."""
+        g, dev, dch, cch = self.group, self.group.device, self._dispatch_ch, self._combine_ch
+        sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank)
+        common = dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
+                      TOPK_P2=next_pow2(p.topk))
+        routing = dict(num_experts=self.num_experts, HIDDEN=p.hidden, X_WORDS=p.x_words, S_WORDS=p.scale_words,
+                       BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
+                       BINS=histogram_bins(p.num_experts), FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups,
+                       NBLK=p.send_programs, num_warps=p.send_warps)
+        rows = p.experts_per_rank * p.capacity
+        x_words = self._x if p.fp8 else self._x.view(torch.int32)
+        scales = self._scales if p.fp8 else self._dummy
+        sets = []
+        for s in self._sets:
+            combine_recv = Launch(
+                combine_recv_kernel, dev, p.reduce_grid, aligned=vector_aligned(cch.data.local), routed_ptr=s.routed,
+                row_of_ptr=s.row_of, slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptr=cch.data.local,
+                ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
+                **self._recv_put_args(p), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
+                HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **sig, **common,
+                **cch.trace_args(recv=True))
+            if g.world_size == 1:  # one kernel per call: no landing zone, no flags
+                sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
+                    dispatch_local_kernel, dev, p.local_grid, aligned=vector_aligned(x_words, self._scales),
+                    out_x_ptr=x_words, out_scales_ptr=scales, out_src_ptr=s.src, out_counts_ptr=s.counts,
+                    row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, routed_ptr=s.routed, stats_ptr=self._stats,
+                    excluded_ptr=self._excluded, grp=g.state, OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk,
+                    TOPK_P2=next_pow2(p.topk), **routing)))
+                continue
+            sets.append(dict(
+                combine_recv=combine_recv,
+                dispatch_send=Launch(
+                    dispatch_send_kernel, dev, p.send_grid, routed_ptr=s.routed, excluded_ptr=self._excluded,
+                    slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptrs_ptr=dch.data.peer_ptrs,
+                    ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, seq_ptr=dch.send_seq, done_ptr=dch.done, OP=op_id("dispatch"),
+                    EXPERTS_PER_RANK=p.experts_per_rank, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
+                    **routing, **dch.put_args(), **sig, **common, **dch.trace_args(recv=False)),
+                dispatch_recv=Launch(
+                    dispatch_recv_kernel, dev, p.recv_grid,
+                    aligned=vector_aligned(self._x, self._scales, dch.data.local),
+                    out_x_ptr=self._x.view(torch.int32), out_scales_ptr=scales.view(torch.int32), out_src_ptr=s.src,
+                    out_counts_ptr=s.counts, row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, runs_ptr=s.runs,
+                    stats_ptr=self._stats, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq,
+                    done_ptr=dch.done, OP=op_id("dispatch"), CAP=p.capacity, **self._recv_put_args(p),
+                    EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
+                    X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
+                    ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots,
+                    BW=p.recv_block_words, **sig, **common, **dch.trace_args(recv=True)),
+                combine_send=Launch(
+                    combine_send_kernel, dev, (p.recv_programs,), row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens,
+                    runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,
+                    seq_ptr=cch.send_seq, done_ptr=cch.done, ZONE_SLOTS=p.combine_zone_slots,
+                    EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity,
+                    ROWS=rows, X_WORDS=p.out_words, BS=p.block_slots, BW=p.out_block_words, NBLK=p.recv_programs,
+                    OP=op_id("combine"), **cch.put_args(), **sig, **common, **cch.trace_args(recv=False))))
+        return tuple(sets)
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None, *,
@@ -303,7 +360,7 @@ class EPBuffer(OpBuffer):
         See the class docstring. phase="recv" ignores ``x`` and ``topk_idx`` (those of the send are used).
         """
         self._ensure_allocated()
-        p, g, op = self.plan, self.group, self._dispatch_op
+        p, g, op = self._ep_plan, self.group, self._dispatch_op
         do_send, do_recv = op.begin(phase)
         if do_send:
             T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx))
@@ -318,56 +375,23 @@ class EPBuffer(OpBuffer):
             else:  # never read (T = 0), but the kernel needs valid pointers
                 xin, idx = (self._dummy.view(p.dtype) if p.fp8 else self._dummy), self._dummy
             if g.world_size > 1:
-                self._launch_send(xin, idx, s, T)
+                send = self._launches()[k]["dispatch_send"]
+                send.run(x_ptr=xin, idx_ptr=idx, num_tokens=T, ALIGNED=send.aligned_with(xin))
             elif not do_recv:  # world 1, split: the kernel runs at the receive; the send consumes its inputs
                 xin, idx = xin.clone(), idx.clone()
-            op.sent((handle, s, xin, idx))
+            op.sent((handle, k, xin, idx))
             if not do_recv:
                 return None
-        handle, s, xin, idx = op.take()
+        handle, k, xin, idx = op.take()
+        launches = self._launches()[k]
         if g.world_size == 1:
-            self._launch_local(xin, idx, s, handle.num_tokens)
+            local = launches["dispatch_local"]
+            local.run(x_ptr=xin, idx_ptr=idx, num_tokens=handle.num_tokens, ALIGNED=local.aligned_with(xin))
         else:
-            self._launch_recv(s)
+            recv = launches["dispatch_recv"]
+            recv.run(ALIGNED=recv.aligned)
+        s = self._sets[k]
         return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle))
-
-    def _launch_send(self, xin, idx, s, T) -> None:
-        p, g, ch = self.plan, self.group, self._dispatch_ch
-        kernel_for(dispatch_send_kernel, g.device)[p.send_grid](
-            xin, idx, s.routed, self._excluded, s.slot_key, s.id_base, ch.data.peer_ptrs, ch.ctrl.peer_ptrs,
-            seq_ptr=ch.send_seq,
-            done_ptr=ch.done, **ch.put_args(), num_tokens=T, num_experts=self.num_experts,
-            OP=op_id("dispatch"), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden, X_WORDS=p.x_words,
-            S_WORDS=p.scale_words, ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words,
-            BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=histogram_bins(p.num_experts),
-            FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=vector_aligned(xin),
-            num_warps=p.send_warps, **self._signal_args(), **self._common(), **ch.trace_args(recv=False))
-
-    def _launch_local(self, xin, idx, s, T) -> None:
-        """World 1: one kernel writes d.x and the metadata directly (no landing zone, no flags)."""
-        p, g = self.plan, self.group
-        out_x = self._x if p.fp8 else self._x.view(torch.int32)
-        kernel_for(dispatch_local_kernel, g.device)[p.local_grid](
-            xin, idx, out_x, self._scales if p.fp8 else self._dummy, s.src, s.counts, s.row_of, s.src_tokens,
-            s.routed, self._stats, self._excluded, g.state, T, self.num_experts,
-            OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), HIDDEN=p.hidden,
-            X_WORDS=p.x_words, S_WORDS=p.scale_words, BT=p.block_tokens, BW=p.send_block_words,
-            ROUTE_T=p.route_tokens, BINS=histogram_bins(p.num_experts), FP8=p.fp8,
-            FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs,
-            ALIGNED=vector_aligned(xin, out_x, self._scales), num_warps=p.send_warps)
-
-    def _launch_recv(self, s) -> None:
-        p, g, ch = self.plan, self.group, self._dispatch_ch
-        scales_words = self._scales.view(torch.int32) if p.fp8 else self._dummy
-        kernel_for(dispatch_recv_kernel, g.device)[p.recv_grid](
-            self._x.view(torch.int32), scales_words, s.src, s.counts, s.row_of, s.src_tokens, s.runs, self._stats,
-            ch.data.local, ch.ctrl.local, ch.recv_seq, ch.done, **self._signal_args(),
-            OP=op_id("dispatch"), CAP=p.capacity, **self._recv_put_args(),
-            EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
-            X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
-            ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots, BW=p.recv_block_words,
-            ALIGNED=vector_aligned(self._x, self._scales, ch.data.local), **self._common(), **ch.trace_args(recv=True))
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -380,7 +404,7 @@ class EPBuffer(OpBuffer):
             raise ClosedError("EPBuffer: used after close()")
         if self._calls == 0:
             raise RuntimeError("combine needs the handle of a dispatch on this EPBuffer; none has run yet")
-        p, g, op = self.plan, self.group, self._combine_op
+        p, g, op = self._ep_plan, self.group, self._combine_op
         do_send, do_recv = op.begin(phase)
         if do_send:
             def check():
@@ -392,20 +416,14 @@ class EPBuffer(OpBuffer):
             op.before_send()
             expert_out = expert_out.contiguous()
             if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
-                s, ch = self._sets[handle.call_index % 2], self._combine_ch
-                kernel_for(combine_send_kernel, g.device)[(p.recv_programs,)](
-                    expert_out.view(torch.int32), s.row_of, s.src_tokens, s.runs, ch.data.peer_ptrs,
-                    ch.ctrl.peer_ptrs, seq_ptr=ch.send_seq, done_ptr=ch.done, **ch.put_args(), **self._signal_args(),
-                    ZONE_SLOTS=p.combine_zone_slots, EXPERTS_PER_RANK=p.experts_per_rank,
-                    EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity,
-                    ROWS=p.experts_per_rank * p.capacity, X_WORDS=p.out_words, BS=p.block_slots,
-                    BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=vector_aligned(expert_out),
-                    OP=op_id("combine"), **self._common(), **ch.trace_args(recv=False))
+                send = self._launches()[handle.call_index % 2]["combine_send"]
+                send.run(expert_out_ptr=expert_out.view(torch.int32), ALIGNED=send.aligned_with(expert_out))
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None
         handle, expert_out, w0, out0 = op.pending
-        self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)  # before taking: lossless
+        if not do_send:   # given at this receive (phase="both": checked with the send's); before taking: lossless
+            self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
         topk_weights = w0 if topk_weights is None else topk_weights
         out = out0 if out is None else out
         if topk_weights is None:
@@ -414,12 +432,7 @@ class EPBuffer(OpBuffer):
         T = handle.num_tokens
         if out is None:
             out = torch.empty((T, p.hidden), dtype=p.dtype, device=g.device)
-        s, ch = self._sets[handle.call_index % 2], self._combine_ch
-        kernel_for(combine_recv_kernel, g.device)[p.reduce_grid](
-            out if T > 0 else self._dummy.view(p.dtype), topk_weights.contiguous() if T > 0 else self._dummy,
-            s.routed, expert_out, s.row_of, s.slot_key, s.id_base, ch.data.local, ch.ctrl.local, ch.recv_seq,
-            ch.done, **self._signal_args(), num_tokens=T, OP=op_id("combine"), ROWS=p.experts_per_rank * p.capacity,
-            **self._recv_put_args(), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
-            HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs,
-            ALIGNED=vector_aligned(out, expert_out, ch.data.local), **self._common(), **ch.trace_args(recv=True))
+        recv = self._launches()[handle.call_index % 2]["combine_recv"]
+        recv.run(out_ptr=out if T > 0 else self._dummy.view(p.dtype), weights_ptr=topk_weights.contiguous() if T > 0
+                 else self._dummy, expert_out_ptr=expert_out, num_tokens=T, ALIGNED=recv.aligned_with(out, expert_out))
         return op.finish(out)

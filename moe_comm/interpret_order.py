@@ -14,7 +14,9 @@ receiver looks, passes every CPU test. On a GPU programs run in any order and co
   ``RANDOM_DELAY_S``. Default 0 otherwise.
 
 Only launches made through ``moe_comm.interpreter.kernel_for`` are affected (our kernels; any other
-Triton kernel in the process runs as Triton runs it). The settings are read at each launch; nothing is
+Triton kernel in the process runs as Triton runs it). The settings are read when a launch's kernel is
+chosen: when an op builds its launches (its first call, and again after its plan is replaced:
+``moe_comm/launches.py``), and at each abort or drain launch. Set them before building the ops. Nothing is
 patched: the launch runs Triton's own ``GridExecutor`` over the kernel wrapped so that the first program
 the executor starts runs every program of the grid in the chosen order, and the executor's remaining
 calls do nothing.

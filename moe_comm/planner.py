@@ -72,7 +72,10 @@ def vector_aligned(*tensors) -> bool:
     starts mid-row may not be); None entries (absent optional buffers) are skipped. With row lengths
     multiples of 16 bytes this lets the copy loops declare 16-byte accesses (their ``ALIGNED``
     constexpr); otherwise they move narrower words, still exact."""
-    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors if t is not None)
+    for t in tensors:   # a loop, not all(...) over a generator: this runs at every launch
+        if t is not None and t.data_ptr() % VEC_BYTES:
+            return False
+    return True
 
 
 def plan_copy(row_bytes: int, max_rows: int, world: int, device: torch.device) -> CopyPlan:

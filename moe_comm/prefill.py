@@ -22,9 +22,10 @@ from .checks import check_tensor
 from .ep import EPBuffer
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
+from .launches import Launch
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
-from .planner import PrefillPlan, next_pow2, plan_prefill, vector_aligned
+from .planner import PrefillPlan, next_pow2, plan_prefill
 from .triton_kernels.prefill_combine import (prefill_combine_recv_kernel, prefill_combine_send_kernel,
                                              prefill_release_kernel)
 from .triton_kernels.prefill_dispatch import prefill_dispatch_recv_kernel, prefill_dispatch_send_kernel
@@ -116,7 +117,7 @@ class _Zone:
     counts: torch.Tensor       # int32 [L]
     peer_ptrs: torch.Tensor    # int64 [world]: this zone on every rank (0 where a peer is not mapped)
     words: torch.Tensor        # int32 [zone_words]: this rank's zone
-    launches: dict             # name -> (kernel with its grid, the arguments that never change)
+    launches: dict             # name -> ``Launch`` (``moe_comm.launches``) of every kernel that reads or writes it
 
 
 class _CombineChannel:
@@ -126,6 +127,9 @@ class _CombineChannel:
 
     def __init__(self, channel: Channel):
         self.channel = channel
+        # What PhasedOp calls at every op call, bound here: an attribute found by __getattr__ costs a
+        # failed lookup first.
+        self.before_send, self.before_recv, self.launched = channel.before_send, channel.before_recv, channel.launched
 
     def __getattr__(self, name):
         return getattr(self.channel, name)
@@ -262,8 +266,9 @@ class PrefillBuffer(OpBuffer):
         return torch.where(peers != 0, peers + z * self.plan.zone_words * 4, 0)
 
     def _build_launches(self, zone: _Zone) -> dict:
-        """Every launch of one zone: its kernel (for this device), grid and the arguments that never change,
-        built once: a call adds only its tensors and sizes (the host cost of an eager call)."""
+        """Every launch of one zone (``moe_comm.launches``): its kernel (for this device), grid and the
+        arguments that never change, built once when the buffer allocates (its plan, which sizes the zones,
+        is fixed by then): a call adds only its tensors, sizes and their alignment."""
         p, ep, g = self.plan, self.plan.ep, self.group
         dch, cch = self._dispatch_ch, self._combine_ch
         sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,
@@ -272,7 +277,7 @@ class PrefillBuffer(OpBuffer):
         slots = dict(shape, TOPK_P2=next_pow2(ep.topk))
 
         def launch(kernel, grid, **static):
-            return kernel_for(kernel, g.device)[grid], static
+            return Launch(kernel, g.device, grid, **static)
 
         return dict(
             dispatch_send=launch(
@@ -299,10 +304,6 @@ class PrefillBuffer(OpBuffer):
                 ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
                 OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset,
                 BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **slots, **sig))
-
-    def _launch(self, zone: int, name: str, **args) -> None:
-        kernel, static = self._zones[zone].launches[name]
-        kernel(**static, **args)
 
     def _in_flight_now(self) -> deque:
         """The in-flight handles of the group's current epoch. A new epoch (``reset()``, ``exclude()``)
@@ -357,14 +358,14 @@ class PrefillBuffer(OpBuffer):
             else:  # never read (T = 0), but the kernel needs valid pointers
                 xin = self._dummy.view(self.dtype) if self.fp8_dispatch else self._dummy
                 idx, w = self._dummy, self._dummy.view(WEIGHT_DTYPE)
-            self._launch(zone, "dispatch_send", x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T,
-                         ALIGNED=vector_aligned(xin))
+            send = self._zones[zone].launches["dispatch_send"]
+            send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
             op.sent(handle)
             if not do_recv:
                 return None
         handle = op.take()
-        self._launch(handle.zone, "dispatch_recv")
         z = self._zones[handle.zone]
+        z.launches["dispatch_recv"].run()
         return op.finish(PrefillDispatchResult(z.recv_x, z.recv_scales, z.recv_idx, z.recv_weights, z.src_tokens,
                                                z.counts, handle))
 
@@ -414,8 +415,8 @@ class PrefillBuffer(OpBuffer):
             op.before_send()
             in_place = expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr() and not self.fp8_dispatch
             src = self._dummy if in_place else expert_out.contiguous().view(torch.int32)
-            self._launch(handle.zone, "combine_send", expert_out_ptr=src, IN_PLACE=in_place,
-                         ALIGNED=vector_aligned(src))
+            send = self._zones[handle.zone].launches["combine_send"]
+            send.run(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))
             op.sent((handle, out))
             if not do_recv:
                 return None
@@ -428,6 +429,6 @@ class PrefillBuffer(OpBuffer):
         T, out = handle.num_tokens, out0 if out is None else out
         if out is None:
             out = torch.empty((T, self.hidden), dtype=self.dtype, device=g.device)
-        self._launch(handle.zone, "combine_recv", out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T,
-                     ALIGNED=vector_aligned(out))
+        recv = self._zones[handle.zone].launches["combine_recv"]
+        recv.run(out_ptr=out if T > 0 else self._dummy.view(self.dtype), num_tokens=T, ALIGNED=recv.aligned_with(out))
         return op.finish(out)

@@ -2,6 +2,7 @@
 process), buffer alternation over 150 round trips (500 under make test-long), bitwise reproducibility, validation, memory."""
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -478,23 +479,24 @@ def test_inputs_that_do_not_start_16_byte_aligned(world, fp8, monkeypatch):
     dispatch receive, which touches only the buffer's own aligned tensors, keeps it), and the results are
     exact. (The interpreter ignores alignment hints: that the compiled kernels are then right is
     tests/gpu/test_gpu_ep.py::test_inputs_not_16_byte_aligned_compiled.)"""
-    from moe_comm import ep as ep_module
+    from moe_comm import launches as launches_module
     from moe_comm.planner import vector_aligned
     launched = []
 
     def recording(fn, device):
-        kernel = ep_module_kernel_for(fn, device)
+        kernel = launches_kernel_for(fn, device)
+        signature = inspect.signature(fn.fn)
 
         class Grid:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    launched.append((fn.fn.__name__, kwargs.get("ALIGNED")))
+                    launched.append((fn.fn.__name__, signature.bind_partial(*args).arguments.get("ALIGNED")))
                     return kernel[grid](*args, **kwargs)
                 return launch
         return Grid()
 
-    ep_module_kernel_for = ep_module.kernel_for
-    monkeypatch.setattr(ep_module, "kernel_for", recording)
+    launches_kernel_for = launches_module.kernel_for
+    monkeypatch.setattr(launches_module, "kernel_for", recording)
     cfg = Config(4, 128, 5, 2, fp8=fp8)
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     eps = [EPBuffer(g, 4 * world, 128, 5, 2, fp8_dispatch=fp8) for g in groups]

@@ -1,7 +1,7 @@
 """Which error a call reports does not depend on the order its programs run in (docs/testing.md,
 "Which error is reported"): several bad counts name the lowest destination; with two peers dead a
 timeout names the lower one. Each case runs in grid order, reversed, and in a random order
-(MOE_COMM_INTERPRET_ORDER, read at each launch), with the GPU launch shapes where the CPU plan would
+(MOE_COMM_INTERPRET_ORDER, set before the ops are built), with the GPU launch shapes where the CPU plan would
 be a single program."""
 
 import pytest
