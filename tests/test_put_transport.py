@@ -280,23 +280,35 @@ def _two_nodes(heap):
     return [STORE if node[j] == node[heap.rank] else PUT for j in range(heap.world_size)]
 
 
+def _two_node_world(monkeypatch):
+    """A loopback world 3 with the transports of ``_two_nodes``, and the list the interpreted NVSHMEM
+    calls append their (event, pe) to."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(moe_comm.group, "choose_transports", _two_nodes)
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    return moe_comm.init(backend="loopback", world_size=3), events
+
+
+def _assert_fenced_and_ordered(events):
+    """Some launch mixed the transports and fenced; no flag unfenced, no signal before its payload, no
+    staging reused before a quiet."""
+    assert any(e == "fence_system" for e, _ in events) and any(e == "put_signal" for e, _ in events)
+    assert _unfenced_flags(events) == [], events[:40]
+    assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
+
+
 @pytest.mark.timeout(300)
 def test_mixed_transports_are_exact_and_fence_before_the_flags(monkeypatch):
     """Store peers and put peers in one launch (loopback world 3; ranks 0-1 one node, rank 2 another):
     dispatch and combine exact against the references (bf16 and fp8 cases: the packed rows and the
     combine's runs beside the store path's rows), and every send launch orders its stores and staging
     with a system-scope fence before any flag. Put forced everywhere, no launch needs it (checked above)."""
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(moe_comm.group, "choose_transports", _two_nodes)
-    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
-    events = []
-    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
-    groups = moe_comm.init(backend="loopback", world_size=3)
+    groups, events = _two_node_world(monkeypatch)
     assert [g.transports for g in groups] == [[STORE, STORE, PUT], [STORE, STORE, PUT], [PUT, PUT, STORE]]
     assert ep_cases.run_loopback_cases(groups, configs={0, 1}) == []
-    assert any(e == "fence_system" for e, _ in events) and any(e == "put_signal" for e, _ in events)
-    assert _unfenced_flags(events) == [], events[:40]
-    assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
+    _assert_fenced_and_ordered(events)
 
 
 @pytest.mark.timeout(300)
@@ -304,17 +316,10 @@ def test_mixed_transports_alltoallv_fences_before_the_flags(monkeypatch):
     """The same for AllToAllvDynamic (forward and reverse; loopback world 3, ranks 0-1 one node, rank 2
     another): exact against the reference, and the last program for each destination fences at system
     scope before its flag when the live ranks are reached by both transports."""
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(moe_comm.group, "choose_transports", _two_nodes)
-    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
-    events = []
-    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
-    groups = moe_comm.init(backend="loopback", world_size=3)
+    groups, events = _two_node_world(monkeypatch)
     cases = [(torch.float32, (64,), "random", 7), (torch.bfloat16, (3, 32), "full", 14)]
     assert a2a_cases.run_loopback_cases(groups, cases=cases) == []
-    assert any(e == "fence_system" for e, _ in events) and any(e == "put_signal" for e, _ in events)
-    assert _unfenced_flags(events) == [], events[:40]
-    assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
+    _assert_fenced_and_ordered(events)
 
 
 def test_the_ordering_check_finds_a_missing_fence():
