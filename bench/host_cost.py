@@ -14,8 +14,10 @@ Per call of one rank: at world 1 one ``phase="both"`` call; on a loopback world 
 holds every rank) every rank's ``phase="send"``, then every rank's ``phase="recv"``, each phase timed on
 its own and a rank's two phases added (one sample per rank and call). Dispatch and combine alternate (a
 PrefillBuffer dispatch must be answered by a combine before the next one). ``time.perf_counter_ns``;
-the garbage collector is off during the timed calls. p10 / p50 / p90 of the per-call times, and the
-machine's load average (a shared machine's load inflates every figure: compare runs of similar load).
+the garbage collector is off during the timed calls. p10 / p50 / p90 of the per-call times, the machine's
+load average, and the p50 of a fixed reference workload timed in the same loop (``_reference_work``): a
+shared VM's speed drifts, and every figure with it; ``p50/ref`` does not (compare runs by it, or count
+instructions with ``bench/host_instructions.py``).
 
 Since the kernels never run, outputs hold garbage and no device value changes: the figures say nothing
 about the kernels, only about the host. The inputs of every call are the same tensors (an eager engine
@@ -41,6 +43,7 @@ MEASURED = ("everything else of an eager call: phase state machine, input checks
 TARGET_US = 15.0   # issue 25: host time per eager call with launches stubbed, at world 1 and loopback world 8
 WORLDS = (1, 8)
 PERCENTILES = (0.1, 0.5, 0.9)
+REFERENCE_LOOPS = 40   # iterations of _reference_work: ~5-8 µs on the development machine, like an op call
 
 
 @contextlib.contextmanager
@@ -164,20 +167,37 @@ def _percentiles(samples_ns: list[int]) -> dict:
     return dict(p10_us=q[0], p50_us=q[1], p90_us=q[2], samples=len(samples_ns))
 
 
+def _reference_work(t: torch.Tensor) -> None:
+    """A fixed piece of host work like an op call's (Python calls, attribute reads, tensor metadata): timed
+    beside the ops, it says how fast the machine ran while they were measured. A shared VM's speed drifts
+    (on the 2-core development machine this work takes 1.0-1.5x its fastest time, in phases of 0.1-10 s),
+    and every op's figure drifts with it."""
+    for _ in range(REFERENCE_LOOPS):
+        if t.shape[0] < 0 or t.dtype is None or not t.is_contiguous():
+            raise AssertionError
+
+
 def measure(o, out) -> list[dict]:
     """Every op's dispatch and combine at every world of ``WORLDS``: p50 / p90 µs per call of one rank.
-    Writes one JSON line per (op, call, world, T) to ``out`` and returns them."""
+    Writes one JSON line per (op, call, world, T) to ``out`` and returns them.
+
+    Each op is timed in its own loop (its calls back to back, as the figures before this column was added);
+    each iteration of that loop also times ``_reference_work``, whose p50 is printed beside the op's and
+    divides it (``p50/ref``: a figure that does not drift with the machine's speed, comparable between runs)."""
     lines = []
     print(f"host cost per eager call, µs per call of one rank (stubbed: {STUBBED}; measured: {MEASURED})")
-    print(f"load average before: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
-    print(f"{'op':<18} {'call':<9} {'world':>5} {'T':>5} {'p10 µs':>8} {'p50 µs':>8} {'p90 µs':>8}  "
-          f"p50 <= {TARGET_US:g} µs")
+    print(f"load average before: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs); ref = a fixed piece of host "
+          f"work timed in the same loop as the op (the machine's speed meanwhile)")
+    print(f"{'op':<18} {'call':<9} {'world':>5} {'T':>5} {'p10 µs':>8} {'p50 µs':>8} {'p90 µs':>8} {'ref µs':>8} "
+          f"{'p50/ref':>8}  p50 <= {TARGET_US:g} µs")
+    clock = time.perf_counter_ns
     for world in WORLDS:
         for t in o.tokens:
             groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
+            probe = torch.empty(t, 1)
             with launches_stubbed():
                 for op, objs, calls in _ops(groups, o, t):
-                    samples = {name: [] for name, _ in calls}
+                    samples, reference = {name: [] for name, _ in calls}, []
                     gc.collect()
                     for i in range(o.warmup + o.iters):
                         if i == o.warmup:
@@ -186,17 +206,24 @@ def measure(o, out) -> list[dict]:
                             ns = call()
                             if i >= o.warmup:
                                 samples[name].extend(ns)
+                        t0 = clock()
+                        _reference_work(probe)
+                        if i >= o.warmup:
+                            reference.append(clock() - t0)
                     gc.enable()
                     for obj in objs:
                         obj.close()
+                    ref = _percentiles(reference)["p50_us"]
                     for name, _ in calls:
                         q = _percentiles(samples[name])
+                        q["p50_ref"] = q["p50_us"] / ref
                         lines.append(out.write(kind="host", op=op, call=name, world=world, tokens=t, hidden=o.hidden,
                                                experts=o.experts, topk=o.topk, dtype="bf16", heap="loopback",
                                                stubbed=STUBBED, measured=MEASURED, target_us=TARGET_US,
-                                               loadavg=os.getloadavg()[0], **q))
+                                               reference_p50_us=ref, loadavg=os.getloadavg()[0], **q))
                         print(f"{op:<18} {name:<9} {world:>5} {t:>5} {q['p10_us']:>8.1f} {q['p50_us']:>8.1f} "
-                              f"{q['p90_us']:>8.1f}  {'ok' if q['p50_us'] <= TARGET_US else 'over'}")
+                              f"{q['p90_us']:>8.1f} {ref:>8.1f} {q['p50_ref']:>8.2f}  "
+                              f"{'ok' if q['p50_us'] <= TARGET_US else 'over'}")
             for g in groups:
                 g.close()
     print(f"load average after: {os.getloadavg()[0]:.1f}")

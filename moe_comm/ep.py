@@ -370,10 +370,9 @@ class EPBuffer(OpBuffer):
             handle = EPHandle(self._calls, T, s.row_of, s.src_tokens, s.routed, id(self), g.epoch)
             self._calls += 1
             if T > 0:
-                xin = x.contiguous() if p.fp8 else x.contiguous().view(torch.int32)
-                idx = topk_idx.contiguous()
-            else:  # never read (T = 0), but the kernel needs valid pointers
-                xin, idx = (self._dummy.view(p.dtype) if p.fp8 else self._dummy), self._dummy
+                xin, idx = x.contiguous(), topk_idx.contiguous()   # the kernels read x's rows as words
+            else:  # never read (T = 0), but the kernel needs valid pointers (of x's dtype: one compiled variant)
+                xin, idx = self._dummy.view(p.dtype), self._dummy
             if g.world_size > 1:
                 send = self._launches()[k]["dispatch_send"]
                 send.run(x_ptr=xin, idx_ptr=idx, num_tokens=T, ALIGNED=send.aligned_with(xin))
@@ -417,7 +416,7 @@ class EPBuffer(OpBuffer):
             expert_out = expert_out.contiguous()
             if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
                 send = self._launches()[handle.call_index % 2]["combine_send"]
-                send.run(expert_out_ptr=expert_out.view(torch.int32), ALIGNED=send.aligned_with(expert_out))
+                send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None

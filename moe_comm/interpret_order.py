@@ -101,7 +101,9 @@ class OrderedKernel:
     def __getitem__(self, grid):
         return functools.partial(self.run, grid=grid)
 
-    def run(self, *args, grid, **kwargs):
+    def run(self, *args, grid, warmup=False, **kwargs):
+        if warmup:   # as Triton's InterpretedFunction.run: nothing to compile
+            return None
         from triton.runtime.interpreter import GridExecutor  # noqa: PLC0415
         k = self.kernel
         return GridExecutor(self._all_programs(k.rewrite()), k.arg_names, grid, k.pre_run_hooks)(*args, **kwargs)

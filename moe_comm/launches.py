@@ -56,7 +56,7 @@ class Launch:
         names = list(inspect.signature(kernel.fn).parameters)
         options = {k: v for k, v in static.items() if k not in names}
         self.per_call = tuple(n for n in names if n not in static)
-        self.run = _positional_call(kernel_for(kernel, device)[tuple(grid)], names, static, options)
+        self.run = _positional_call(kernel_for(kernel, device), tuple(grid), names, static, options)
         self.aligned = bool(aligned)
 
     def aligned_with(self, *tensors) -> bool:
@@ -65,25 +65,28 @@ class Launch:
         return self.aligned and vector_aligned(*tensors)
 
 
-def _positional_call(kernel, names, static, options):
-    """``run(*, <the parameters of names not in static>)``: ``kernel(<every parameter of names, in order>,
-    **options)``, the static values bound as closure variables.
+def _positional_call(kernel, grid, names, static, options):
+    """``run(*, <the parameters of names not in static>)``: ``kernel.run(<every parameter of names, in order>,
+    grid=grid, warmup=False, **options)``, the static values bound as closure variables.
 
-    Generated from source, as ``dataclasses`` makes ``__init__``: keyword arguments through Triton's
-    ``kernel[grid](...)`` cost ~2 us per launch for some 40 of them (a dict built, then copied by every
-    frame on the way), a generic binder ~1 us more than the launch; a plain function with the call's
-    few parameters that passes the rest positionally adds ~0.1 us."""
+    ``kernel.run`` is what ``kernel[grid](...)`` calls (Triton's ``JITFunction.__getitem__`` returns a lambda
+    that adds ``grid`` and ``warmup=False``; ``InterpretedFunction`` and ``OrderedKernel`` take the same
+    arguments); calling it directly saves that frame, which repacks every argument. It is looked up at each
+    call, so a launch follows a replaced ``run`` (``bench/host_cost.py`` stubs it). Generated from source,
+    as ``dataclasses`` makes ``__init__``: keyword arguments cost ~2 us per launch for some 40 of them (a
+    dict built, then copied by every frame on the way), a generic binder ~1 us more than the launch; a plain
+    function with the call's few parameters that passes the rest positionally adds ~0.1 us."""
     bound = [n for n in names if n in static]
     per_call = [n for n in names if n not in static]
     signature = f"*, {', '.join(per_call)}" if per_call else ""
-    call = ", ".join(names) + (", **_options" if options else "")
-    source = (f"def _bind(_kernel, _options, {', '.join(bound)}):\n"
+    call = ", ".join(names) + ", grid=_grid, warmup=False" + (", **_options" if options else "")
+    source = (f"def _bind(_kernel, _grid, _options, {', '.join(bound)}):\n"
               f"    def run({signature}):\n"
-              f"        _kernel({call})\n"
+              f"        _kernel.run({call})\n"
               f"    return run\n")
     namespace = {}
     exec(source, namespace)  # noqa: S102  (source made above from the kernel's own parameter names)
-    return namespace["_bind"](kernel, options, **{n: static[n] for n in bound})
+    return namespace["_bind"](kernel, grid, options, **{n: static[n] for n in bound})
 
 
 class LaunchTable:

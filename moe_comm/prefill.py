@@ -353,11 +353,10 @@ class PrefillBuffer(OpBuffer):
             self._next_zone += 1
             in_flight.append(handle)
             if T > 0:
-                xin = x.contiguous() if self.fp8_dispatch else x.contiguous().view(torch.int32)
+                xin = x.contiguous()   # the kernel reads its rows as words
                 idx, w = topk_idx.contiguous(), topk_weights.contiguous()
-            else:  # never read (T = 0), but the kernel needs valid pointers
-                xin = self._dummy.view(self.dtype) if self.fp8_dispatch else self._dummy
-                idx, w = self._dummy, self._dummy.view(WEIGHT_DTYPE)
+            else:  # never read (T = 0), but the kernel needs valid pointers (of x's dtype: one compiled variant)
+                xin, idx, w = self._dummy.view(self.dtype), self._dummy, self._dummy.view(WEIGHT_DTYPE)
             send = self._zones[zone].launches["dispatch_send"]
             send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
             op.sent(handle)
@@ -414,7 +413,7 @@ class PrefillBuffer(OpBuffer):
                 raise
             op.before_send()
             in_place = expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr() and not self.fp8_dispatch
-            src = self._dummy if in_place else expert_out.contiguous().view(torch.int32)
+            src = self._dummy.view(self.dtype) if in_place else expert_out.contiguous()   # read as words
             send = self._zones[handle.zone].launches["combine_send"]
             send.run(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))
             op.sent((handle, out))

@@ -87,6 +87,7 @@ def test_kernels_host_cost_prints_every_op_at_both_worlds(tmp_path):
     for r in lines:
         assert r["kind"] == "host" and r["stubbed"] and r["measured"] and r["env"]["commit"]
         assert 0 < r["p10_us"] <= r["p50_us"] <= r["p90_us"] and r["samples"] == 4 * r["world"]
+        assert r["reference_p50_us"] > 0 and r["p50_ref"] == pytest.approx(r["p50_us"] / r["reference_p50_us"])
         assert f"{r['op']:<18} {r['call']:<9} {r['world']:>5}" in proc.stdout
 
 

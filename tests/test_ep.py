@@ -487,13 +487,11 @@ def test_inputs_that_do_not_start_16_byte_aligned(world, fp8, monkeypatch):
         kernel = launches_kernel_for(fn, device)
         signature = inspect.signature(fn.fn)
 
-        class Grid:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launched.append((fn.fn.__name__, signature.bind_partial(*args).arguments.get("ALIGNED")))
-                    return kernel[grid](*args, **kwargs)
-                return launch
-        return Grid()
+        class Recording:   # what a Launch calls: run(*args, grid, warmup, **options)
+            def run(self, *args, grid, warmup, **kwargs):
+                launched.append((fn.fn.__name__, signature.bind_partial(*args).arguments.get("ALIGNED")))
+                return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        return Recording()
 
     launches_kernel_for = launches_module.kernel_for
     monkeypatch.setattr(launches_module, "kernel_for", recording)

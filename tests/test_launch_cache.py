@@ -95,13 +95,11 @@ def _recording(monkeypatch) -> list:
     def recording(fn, device):
         kernel = kernel_for(fn, device)
 
-        class Grid:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launched.append((fn.fn.__name__, tuple(grid)))
-                    return kernel[grid](*args, **kwargs)
-                return launch
-        return Grid()
+        class Recording:   # what a Launch calls: run(*args, grid, warmup, **options)
+            def run(self, *args, grid, warmup, **kwargs):
+                launched.append((fn.fn.__name__, tuple(grid)))
+                return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        return Recording()
 
     monkeypatch.setattr(launches, "kernel_for", recording)
     return launched

@@ -38,7 +38,7 @@ slot's row once, the floor, since the weights are applied here in a fixed k orde
 import triton
 import triton.language as tl
 
-from .copy import address, copy_rows, load_tile, store_tile
+from .copy import address, as_words, copy_rows, load_tile, store_tile
 from .quant import cast_rne
 from .transport import drain, flush, order_transports, put_peers, store_only
 from . import trace
@@ -152,14 +152,14 @@ def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: t
         pick = e[:, None] == tl.arange(0, EXPERTS_P2)[None, :]
         row = tl.sum(tl.where(pick, first[None, :] + rows_p[None, :] - end[None, :], 0), axis=1) + i
         has_row = ok & (row < CAP)
-        src = expert_out_ptr + (e.to(tl.int64) * CAP + tl.where(has_row, row, 0)) * X_WORDS
+        src = as_words(expert_out_ptr) + (e.to(tl.int64) * CAP + tl.where(has_row, row, 0)) * X_WORDS
         copy_rows(src, has_row, address(stage + i.to(tl.int64) * X_WORDS)[:, None], ok[:, None], X_WORDS, BW, 1,
                   1, ALIGNED)
 
 
 @triton.jit
 def combine_send_kernel(
-    expert_out_ptr,   # int32 words [ROWS, X_WORDS]: expert outputs, rows as in d.x ([L, CAP] flattened)
+    expert_out_ptr,   # [ROWS, HIDDEN] dtype: expert outputs, rows as in d.x ([L, CAP] flattened), copied as words
     row_of_ptr,       # int32 [WORLD * M, TOPK]: dispatch's row of slot (s, t, k); -1 not here, -2 dropped
     src_tokens_ptr,   # int32 [WORLD]: rows of every rank in that dispatch's landing zone (its tokens T: store)
     runs_ptr,         # int32 [WORLD, EXPERTS_PER_RANK + 1] (PUT only): the dispatch's rows per (source, local
@@ -205,7 +205,7 @@ def combine_send_kernel(
         code = tl.load(row_of_ptr + q * TOPK + k, mask=live_slot, other=-1)
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
-        src = expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
+        src = as_words(expert_out_ptr) + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
         # Slot (t, k) of rank s, in s's landing zone.
         zone_off = zone.to(tl.int64) * ZONE_SLOTS * X_WORDS
         landing = as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone_off

@@ -111,7 +111,7 @@ def _ep_configs() -> list[KernelConfig]:
                       CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
         label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
-            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
+            x_ptr="*bf16", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
             slot_key_ptr="*i32", id_base_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
             num_experts="i32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
@@ -126,7 +126,7 @@ def _ep_configs() -> list[KernelConfig]:
             ALIGNED=True)))
         p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
         out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
-            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
+            x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
             out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
             src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64", grp="*i64",
             num_tokens="i32", num_experts="i32"), dict(
@@ -146,7 +146,7 @@ def _ep_configs() -> list[KernelConfig]:
             HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
             ZONE_SLOTS=pw.combine_zone_slots, BINS=bins)))
     out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
-        expert_out_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
+        expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
         ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
         OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
         BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots,
@@ -182,7 +182,7 @@ def _prefill_configs() -> list[KernelConfig]:
         ep = p.ep
         out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel",
                                 f"DSV3 EP8 M{m} {'fp8' if fp8 else 'bf16'}", dict(
-            x_ptr="*bf16" if fp8 else "*i32", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
+            x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
             excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
             combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", num_experts="i32",
             **SIGNAL), dict(
@@ -196,7 +196,7 @@ def _prefill_configs() -> list[KernelConfig]:
         dict(world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
              EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words)))
     out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", f"DSV3 EP8 M{m} bf16", dict(
-        expert_out_ptr="*i32", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
+        expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
         done_ptr="*i32", **SIGNAL), dict(
         world, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
         BW=p.copy_words, NBLK=p.copy_programs, IN_PLACE=False, ALIGNED=True)))

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from . import trace
-from .copy import address, copy_rows, load_tile, store_tile
+from .copy import address, as_words, copy_rows, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
                       token_destinations)
@@ -104,7 +104,7 @@ def count_and_check(idx_ptr, routed_ptr, excluded_ptr, id_base_ptr, ctrl_ptrs_pt
 
 @triton.jit
 def dispatch_send_kernel(
-    x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
+    x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS])
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     routed_ptr,       # out int32 [M, TOPK]: 1 + the owner rank where slot (t, k) is routed (the combine's mask), else 0
     excluded_ptr,     # int64 [1]: slots whose expert's rank is excluded (accumulated)
@@ -207,7 +207,8 @@ def dispatch_send_kernel(
             store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED)
         else:
-            copy_rows(x_ptr + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2, ALIGNED)
+            copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
+                      ALIGNED)
 
     # 3. The last program publishes to every live rank, unless a program skipped its part because the
     #    group failed, and advances the send count.

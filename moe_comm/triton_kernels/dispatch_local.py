@@ -18,7 +18,7 @@ any capacity overflow. Programs (NBLK, col > 0) and those without tokens (T < NB
 import triton
 import triton.language as tl
 
-from .copy import address, load_tile, store_tile
+from .copy import address, as_words, load_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .sync import ERR_CAPACITY, record_error
@@ -26,7 +26,7 @@ from .sync import ERR_CAPACITY, record_error
 
 @triton.jit
 def dispatch_local_kernel(
-    x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
+    x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS])
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     out_x_ptr,        # out [EXPERTS * CAP, X_WORDS] int32 words (plain) or float8 [.., HIDDEN] (FP8): d.x
     out_scales_ptr,   # out float32 [EXPERTS * CAP, S_WORDS]: d.scales (FP8 only)
@@ -94,6 +94,6 @@ def dispatch_local_kernel(
                 store_tile(scale, col * FP8_GROUPS, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
                            FP8_GROUPS, TOPK, TOPK_P2, ALIGNED)
             else:
-                v = load_tile(x_ptr + t.to(tl.int64) * X_WORDS, read, col * BW, X_WORDS, BW, ALIGNED)
+                v = load_tile(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, col * BW, X_WORDS, BW, ALIGNED)
                 store_tile(v, col * BW, X_WORDS, address(out_x_ptr) + dst2 * (X_WORDS * 4), ok2, BW, TOPK, TOPK_P2,
                            ALIGNED)

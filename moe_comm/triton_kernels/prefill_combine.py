@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .combine import fill_nan
-from .copy import address, copy_rows, load_tile, row_pointers, store_tile
+from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_tile
 from .quant import cast_rne
 from .sync import S_EPOCH, arrive, as_ptr, flag_value, group_failed, live_ranks, publish_many, wait_flags
 
@@ -51,7 +51,7 @@ def prefill_release_kernel(ctrl_ptrs_ptr, recv_seq_ptr, grp, rank, WORLD: tl.con
 
 @triton.jit
 def prefill_combine_send_kernel(
-    expert_out_ptr,   # int32 words [R, OUT_WORDS]: one partial row per received token (rows as recv_x)
+    expert_out_ptr,   # [R, HIDDEN] dtype: one partial row per received token (rows as recv_x), copied as words
     zone_ptr,         # int32 words: this rank's zone (PrefillPlan layout)
     src_tokens_ptr,   # int32 [WORLD]: tokens of every source in the dispatch being answered
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's combine control words, int64 [2, WORLD, 2]
@@ -79,7 +79,7 @@ def prefill_combine_send_kernel(
                           mask=row_live[:, None] & (kk < TOPK)[None, :], other=-1)
             mine = tl.where(failed, False, row_live & (tl.max(ids, axis=1) >= 0))
             dst = address(zone_ptr + X_OFFSET + q.to(tl.int64) * OUT_WORDS)[:, None]
-            copy_rows(expert_out_ptr + q.to(tl.int64) * OUT_WORDS, mine, dst, mine[:, None], OUT_WORDS, BW, 1, 1,
+            copy_rows(as_words(expert_out_ptr) + q.to(tl.int64) * OUT_WORDS, mine, dst, mine[:, None], OUT_WORDS, BW, 1, 1,
                       ALIGNED)
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:

@@ -24,7 +24,7 @@ copied: the rows are already in place. A failed call leaves counts of zero (no s
 import triton
 import triton.language as tl
 
-from .copy import copy_rows, load_tile, store_tile
+from .copy import as_words, copy_rows, load_tile, store_tile
 from .dispatch import count_and_check
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, token_destinations
@@ -47,7 +47,7 @@ def wait_released(released_ptr, combine_seq_ptr, grp, status_ptr, op, rank, WORL
 
 @triton.jit
 def prefill_dispatch_send_kernel(
-    x_ptr,            # [T, HIDDEN]: int32 words [T, X_WORDS] (plain) or the dtype tensor (FP8)
+    x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS])
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     weights_ptr,      # [T, TOPK] float32 topk_weights
     routed_ptr,       # out int32 [M, TOPK]: 1 + the owner rank where slot (t, k) is routed (the combine's mask), else 0
@@ -113,7 +113,8 @@ def prefill_dispatch_send_kernel(
             store_tile(scale, col * FP8_GROUPS, S_WORDS, sdst, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
         else:
-            copy_rows(x_ptr + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2, ALIGNED)
+            copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
+                      ALIGNED)
 
     # The last program publishes to every live rank, unless a program skipped its part, and advances the
     # send count.
