@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .channel import Channel
-from .checks import check_tensor
+from .checks import check_tensor, check_words
 from .errors import op_id
 from .launches import Launch, LaunchTable
 from .phased import PhasedOp
@@ -45,10 +45,13 @@ class AllToAllvDynamic:
     """All-to-all-v with device-resident counts.
 
     ``a2a(send, send_counts)``:
-      send         [N, *row_shape] dtype on group.device; rows grouped by destination rank in rank order
+      send         [N, *row_shape] dtype on group.device; rows grouped by destination rank in rank order.
+                   Rows are copied as words of the plan's size (up to 4 bytes): a contiguous send off that
+                   boundary (a view at an odd element) raises ValueError (``send.clone()`` fixes it).
       send_counts  int32/int64 [world] on group.device; send_counts[j] <= max_rows_per_peer, sum <= N
       returns A2AResult(recv, recv_counts, handle); rows of ``recv`` past a count are unspecified.
-    ``a2a.combine(rows, handle)``: the reverse. rows [world, max_rows_per_peer, *row_shape];
+    ``a2a.combine(rows, handle)``: the reverse. rows [world, max_rows_per_peer, *row_shape] (on a word, as
+      send);
       rows[i, :recv_counts[i]] go back to rank i, into the positions its send rows had -> [N, *row_shape]
       (rows of the result that the forward did not send are unspecified).
 
@@ -200,6 +203,7 @@ class AllToAllvDynamic:
                      dtype_fix="build the op with AllToAllvDynamic(group, max_rows_per_peer, row_shape, dtype={dtype})")
         if send.dim() < 1 or tuple(send.shape[1:]) != self.row_shape:
             raise ValueError(f"send must be [N, *{self.row_shape}], got {tuple(send.shape)}")
+        check_words("send", send, self.plan.copy.word_dtype.itemsize)
 
     # ---- reverse -------------------------------------------------------------------------------
     def combine(self, rows: torch.Tensor | None = None, handle: A2AHandle | None = None, *,
@@ -242,6 +246,7 @@ class AllToAllvDynamic:
                              "valid until two more forward calls) or its recv phase has not run")
         world = self.group.world_size
         check_tensor("rows", rows, self.group.device, self.dtype, (world, self.max_rows_per_peer, *self.row_shape))
+        check_words("rows", rows, self.plan.copy.word_dtype.itemsize)
 
     def close(self) -> None:
         """Free the symmetric buffers (collective). Any later call raises ClosedError."""

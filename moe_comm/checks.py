@@ -30,6 +30,17 @@ def check_tensor(name: str, t, device: torch.device, dtypes, shape=None, dtype_f
     _explain(name, t, device, dtypes, shape, dtype_fix)
 
 
+def check_words(name: str, t, word_bytes: int = 4) -> None:
+    """Raise ValueError unless ``t`` starts on a ``word_bytes`` boundary: the kernels copy its rows as words
+    of that size (a view that starts at an odd element, e.g. ``flat[1:].view(T, H)`` of bf16, does not). A
+    non-contiguous ``t`` passes: the op copies it (``.contiguous()``) into a new, aligned tensor."""
+    off = t.data_ptr() % word_bytes
+    if off and t.is_contiguous():
+        raise ValueError(f"{name} starts {off} bytes past a {word_bytes}-byte boundary (a view at an odd element "
+                         f"offset): its rows are copied as {word_bytes}-byte words; pass {name}.clone() (a new "
+                         f"tensor starts aligned)")
+
+
 def _explain(name: str, t, device: torch.device, dtypes, shape, dtype_fix: str) -> None:
     """Raise the error ``check_tensor`` found, naming the fix."""
     if not isinstance(t, Tensor):

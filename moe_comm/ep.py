@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .channel import Channel
-from .checks import check_tensor
+from .checks import check_tensor, check_words
 from .errors import ClosedError, op_id
 from .launches import Launch, LaunchTable
 from .op_buffer import OpBuffer
@@ -103,7 +103,9 @@ class EPBuffer(OpBuffer):
 
     dispatch(x, topk_idx, *, phase="both") -> DispatchResult (None for phase="send")
         x         [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank (T = 0 still takes
-                  part: every rank calls every phase of every op)
+                  part: every rank calls every phase of every op). Its rows are copied as 4-byte words: a
+                  contiguous x that starts off a 4-byte boundary (a bf16 view at an odd element) raises
+                  ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first.
         topk_idx  [T, topk] int32/int64: expert ids; -1 = slot not routed. Ids outside [-1, num_experts)
                   are not routed either and raise InvalidIndexError (a ValueError) at the next check.
         Each token is read once and crosses to a rank at most once, however many of its experts live
@@ -112,7 +114,7 @@ class EPBuffer(OpBuffer):
 
     combine(expert_out, topk_weights, handle, *, out=None, phase="both") -> [T, hidden] dtype
         expert_out    [E_local, R, hidden] dtype: row i of expert e is the output for d.x[e, i] (only
-                      rows i < counts[e] are read)
+                      rows i < counts[e] are read); on a word boundary at world > 1, as x
         topk_weights  [T, topk] floating, the dispatch's T and topk
         handle        the DispatchResult.handle of the dispatch being answered
         out           optional [T, hidden] dtype contiguous tensor, written in place and returned
@@ -269,6 +271,8 @@ class EPBuffer(OpBuffer):
             raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {p.max_tokens}: build the EPBuffer "
                              f"with a larger max_tokens_per_rank, or split the batch")
         check_tensor("topk_idx", topk_idx, self.group.device, (torch.int32, torch.int64), (T, p.topk))
+        if not p.fp8:
+            check_words("x", x)
         return T
 
     def _check_combine_recv_inputs(self, T, topk_weights, out) -> None:
@@ -410,6 +414,8 @@ class EPBuffer(OpBuffer):
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (p.dtype,),
                              (p.experts_per_rank, p.capacity, p.hidden), DTYPE_FIX)
+                if g.world_size > 1:   # the send copies its rows as words (at world 1 the receive reads them)
+                    check_words("expert_out", expert_out)
                 self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
             op.validate(check)
             op.before_send()

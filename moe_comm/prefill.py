@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .channel import Channel
-from .checks import check_tensor
+from .checks import check_tensor, check_words
 from .ep import EPBuffer
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
@@ -152,7 +152,9 @@ class PrefillBuffer(OpBuffer):
     the dispatch of chunk i+1 may run before the combine of chunk i (``prefill_chunks.prefill_moe``).
 
     dispatch(x, topk_idx, topk_weights, *, phase="both") -> PrefillDispatchResult (None for phase="send")
-        x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank
+        x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank; copied as 4-byte
+                      words: a contiguous x off a 4-byte boundary (a bf16 view at an odd element) raises
+                      ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first
         topk_idx      [T, topk] int32/int64 expert ids; -1 = not routed. Ids outside [-1, num_experts) are
                       not routed and raise InvalidIndexError (a ValueError carrying the result) at the end
                       of the call; nothing is written for them.
@@ -165,7 +167,8 @@ class PrefillBuffer(OpBuffer):
         expert_out  [R, hidden] dtype: row q is this rank's partial output for received row q (its local
                     experts' outputs, weighted and summed, as a grouped-GEMM MoE kernel produces them);
                     only rows that hold a local expert are read. ``expert_out`` may be ``recv_x`` itself
-                    (bf16/fp16/fp32 dispatch, written in place): then nothing is copied.
+                    (bf16/fp16/fp32 dispatch, written in place): then nothing is copied. On a word
+                    boundary, as x.
         handle      the PrefillDispatchResult.handle of the latest dispatch
         out         optional [T, hidden] dtype contiguous tensor, written in place and returned
         y[t] = sum over the ranks d = 0..world-1 holding one of token t's experts (ascending d) of rank d's
@@ -328,6 +331,8 @@ class PrefillBuffer(OpBuffer):
                              f"{ep.max_tokens} tokens")
         check_tensor("topk_idx", topk_idx, dev, (torch.int32, torch.int64), (T, ep.topk))
         check_tensor("topk_weights", topk_weights, dev, (WEIGHT_DTYPE,), (T, ep.topk))
+        if not ep.fp8:
+            check_words("x", x)
         return T
 
     def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
@@ -404,6 +409,7 @@ class PrefillBuffer(OpBuffer):
             def check():
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (self.dtype,), (R, H))
+                check_words("expert_out", expert_out)
                 self._check_out(handle.num_tokens, out)
             try:
                 op.validate(check)

@@ -242,3 +242,16 @@ def run_loopback_cases(groups, configs=None) -> list[str]:
             if not torch.equal(ys[r], exp_y[r]):
                 errs.append(f"loopback rank{r} cfg{ci} {routing}: combine differs from the reference")
     return errs
+
+
+def offset_copy(t: torch.Tensor, offset: int = 4) -> torch.Tensor:
+    """A contiguous copy of ``t`` that starts ``offset`` bytes past a 16-byte boundary: a view into a larger
+    buffer, as a caller slicing a packed tensor would pass (4: word-aligned but not 16-byte aligned; 2, for
+    2-byte dtypes: not even on a 4-byte word). An empty ``t`` is cloned (it has no address to offset)."""
+    if t.numel() == 0:
+        return t.clone()
+    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8, device=t.device)
+    start = (-flat.data_ptr()) % 16 + offset
+    view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    return view

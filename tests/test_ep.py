@@ -16,7 +16,7 @@ from moe_comm import CapacityError, CommTimeoutError, EPBuffer, InvalidIndexErro
 from moe_comm.planner import deepep_low_latency_bytes, plan_ep
 from moe_comm.triton_kernels.routing import compute_routing
 
-from ep_cases import (Config, check_dispatch, expert_fn, expert_outputs, make_inputs, poison,
+from ep_cases import (Config, check_dispatch, expert_fn, expert_outputs, make_inputs, offset_copy, poison,
                       run_loopback_cases, run_shm_cases, snapshot)
 from budget import size
 from shm_files import own_shm_files
@@ -453,16 +453,6 @@ def test_buffer_bytes_counts_what_is_allocated(fp8, world):
 
 # ---- alignment ------------------------------------------------------------------------------------
 
-def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` that starts 4 bytes past a 16-byte boundary (a view into a larger
-    buffer, as a caller slicing a packed tensor would pass)."""
-    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % 16 + 4
-    view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-    view.copy_(t)
-    return view
-
-
 @pytest.mark.parametrize("hidden,topk,fp8,device", [(128, 2, False, "cpu"), (128, 2, True, "cuda"),
                                                     (7168, 8, True, "cuda"), (256, 5, False, "cuda")])
 def test_dispatch_landing_rows_are_whole_16_byte_vectors(hidden, topk, fp8, device):
@@ -499,13 +489,13 @@ def test_inputs_that_do_not_start_16_byte_aligned(world, fp8, monkeypatch):
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     eps = [EPBuffer(g, 4 * world, 128, 5, 2, fp8_dispatch=fp8) for g in groups]
     xs, idxs, ws = make_inputs(cfg, world, "random", 3)   # T = 5 (and 3 on rank 1)
-    xs = [_misaligned_like(x) for x in xs]
+    xs = [offset_copy(x) for x in xs]
     assert all(not vector_aligned(x) for x in xs) and all(x.numel() for x in xs)
-    outs = [_misaligned_like(torch.zeros(x.shape, dtype=x.dtype)) for x in xs]
+    outs = [offset_copy(torch.zeros(x.shape, dtype=x.dtype)) for x in xs]
     for ep, x, i in zip(eps, xs, idxs):
         assert ep.dispatch(x, i, phase="send") is None
     ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
-    eos = [_misaligned_like(expert_outputs(d, r, cfg)) for r, d in enumerate(ds)]
+    eos = [offset_copy(expert_outputs(d, r, cfg)) for r, d in enumerate(ds)]
     for ep, eo, w, d in zip(eps, eos, ws, ds):
         assert ep.combine(eo, w, d.handle, phase="send") is None
     ys = [ep.combine(out=o, phase="recv") for ep, o in zip(eps, outs)]

@@ -14,20 +14,10 @@ import moe_comm
 from moe_comm import AllToAllvDynamic, EPBuffer, launches
 from moe_comm.planner import plan_alltoallv, plan_ep
 
+from ep_cases import offset_copy
 from fault_cases import CAP_A2A, E_PER_RANK, H, K, M, ROW, check_rank, expert, step_inputs
 
 WORLD = 3
-
-
-def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` that starts 4 bytes past a 16-byte boundary (a view into a larger buffer)."""
-    if t.numel() == 0:
-        return t.clone()
-    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % 16 + 4
-    view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-    view.copy_(t)
-    return view
 
 
 def _step(eps, a2as, live, step, excluded=()) -> list[str]:
@@ -36,7 +26,7 @@ def _step(eps, a2as, live, step, excluded=()) -> list[str]:
     world = len(eps)
     xs, idxs, ws, sends, counts = step_inputs(7000 + step, world, E_PER_RANK * world, M, K, H, CAP_A2A, ROW)
     if step % 2:   # the same values in tensors that start 4 bytes off a 16-byte boundary
-        xs, sends = [_misaligned_like(x) for x in xs], [_misaligned_like(s) for s in sends]
+        xs, sends = [offset_copy(x) for x in xs], [offset_copy(s) for s in sends]
     for r in live:
         eps[r].dispatch(xs[r], idxs[r], phase="send")
     ds = {r: eps[r].dispatch(phase="recv") for r in live}
