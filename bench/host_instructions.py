@@ -54,6 +54,8 @@ def _child(world: int, op: str, iters: int) -> None:
             gc.disable()
             functools.reduce(pair, range(iters), None)   # the only code callgrind counts
             gc.enable()
+            return
+    raise ValueError(f"unknown op {op!r}: one of {OPS}")
 
 
 def count(world: int, op: str, iters: int) -> float:

@@ -91,6 +91,18 @@ def test_kernels_host_cost_prints_every_op_at_both_worlds(tmp_path):
         assert f"{r['op']:<18} {r['call']:<9} {r['world']:>5}" in proc.stdout
 
 
+@pytest.mark.parametrize("world,op", [(1, "EPBuffer"), (8, "PrefillBuffer")])
+def test_host_instructions_drives_the_calls_it_counts(world, op):
+    """bench/host_instructions.py's child (what runs under callgrind) makes the calls of ``op`` it says
+    it counts; here without valgrind (the count itself needs it: ~1.5 min per op and world)."""
+    proc = _run("bench/host_instructions.py", "--child", str(world), op, "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    wrong = _run("bench/host_instructions.py", "--child", str(world), op + "x", "3")
+    assert wrong.returncode != 0 and "unknown op" in wrong.stderr
+    import bench.host_instructions as hi   # noqa: PLC0415
+    assert hi.SIZES == dict(hidden=7168, experts=256, topk=8, tokens=16)   # kernels.py --host's sizes
+
+
 def test_summary_judges_targets(tmp_path):
     env = {"device": "test", "torch": "x", "triton": "y", "nvshmem4py": None, "commit": "abc"}
 
