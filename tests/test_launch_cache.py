@@ -12,7 +12,7 @@ import torch
 
 import moe_comm
 from moe_comm import AllToAllvDynamic, EPBuffer, launches
-from moe_comm.planner import plan_alltoallv, plan_ep
+from moe_comm.planner import SHAPES_ENV, plan_alltoallv, plan_ep
 
 from ep_cases import offset_copy
 from fault_cases import CAP_A2A, E_PER_RANK, H, K, M, ROW, check_rank, expert, step_inputs
@@ -99,6 +99,7 @@ def test_a_replaced_plan_is_launched(monkeypatch):
     """An op given another plan after it has run launches that plan's grids (its launches are rebuilt),
     and stays exact. Both ops take the GPU launch plan (many programs, run by the interpreter)."""
     launched = _recording(monkeypatch)
+    monkeypatch.delenv(SHAPES_ENV, raising=False)   # the ops start on the CPU shapes, whatever the run's mode
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
     eps = [EPBuffer(g, E_PER_RANK * 2, H, M, K) for g in groups]
     a2as = [AllToAllvDynamic(g, CAP_A2A, ROW, torch.float32) for g in groups]
