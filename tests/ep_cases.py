@@ -255,3 +255,23 @@ def offset_copy(t: torch.Tensor, offset: int = 4) -> torch.Tensor:
     view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
     view.copy_(t)
     return view
+
+
+def record_launches(monkeypatch, record) -> list:
+    """Make every ``moe_comm.launches.Launch`` built from now on append ``record(fn, args, grid)`` (``fn`` the
+    ``@triton.jit`` kernel, ``args`` its positional arguments) to the returned list when it runs, then
+    launch as it would have."""
+    from moe_comm import launches  # noqa: PLC0415
+    launched, kernel_for = [], launches.kernel_for
+
+    def recording(fn, device):
+        kernel = kernel_for(fn, device)
+
+        class Recording:   # what a Launch calls: run(*args, grid, warmup, **options)
+            def run(self, *args, grid, warmup, **kwargs):
+                launched.append(record(fn, args, grid))
+                return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        return Recording()
+
+    monkeypatch.setattr(launches, "kernel_for", recording)
+    return launched

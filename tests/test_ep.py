@@ -17,7 +17,7 @@ from moe_comm.planner import deepep_low_latency_bytes, plan_ep
 from moe_comm.triton_kernels.routing import compute_routing
 
 from ep_cases import (Config, check_dispatch, expert_fn, expert_outputs, make_inputs, offset_copy, poison,
-                      run_loopback_cases, run_shm_cases, snapshot)
+                      record_launches, run_loopback_cases, run_shm_cases, snapshot)
 from budget import size
 from shm_files import own_shm_files
 
@@ -469,22 +469,9 @@ def test_inputs_that_do_not_start_16_byte_aligned(world, fp8, monkeypatch):
     dispatch receive, which touches only the buffer's own aligned tensors, keeps it), and the results are
     exact. (The interpreter ignores alignment hints: that the compiled kernels are then right is
     tests/gpu/test_gpu_ep.py::test_inputs_not_16_byte_aligned_compiled.)"""
-    from moe_comm import launches as launches_module
     from moe_comm.planner import vector_aligned
-    launched = []
-
-    def recording(fn, device):
-        kernel = launches_kernel_for(fn, device)
-        signature = inspect.signature(fn.fn)
-
-        class Recording:   # what a Launch calls: run(*args, grid, warmup, **options)
-            def run(self, *args, grid, warmup, **kwargs):
-                launched.append((fn.fn.__name__, signature.bind_partial(*args).arguments.get("ALIGNED")))
-                return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
-        return Recording()
-
-    launches_kernel_for = launches_module.kernel_for
-    monkeypatch.setattr(launches_module, "kernel_for", recording)
+    launched = record_launches(monkeypatch, lambda fn, args, grid: (
+        fn.fn.__name__, inspect.signature(fn.fn).bind_partial(*args).arguments.get("ALIGNED")))
     cfg = Config(4, 128, 5, 2, fp8=fp8)
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     eps = [EPBuffer(g, 4 * world, 128, 5, 2, fp8_dispatch=fp8) for g in groups]

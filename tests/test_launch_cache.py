@@ -14,7 +14,7 @@ import moe_comm
 from moe_comm import AllToAllvDynamic, EPBuffer, launches
 from moe_comm.planner import SHAPES_ENV, plan_alltoallv, plan_ep
 
-from ep_cases import offset_copy
+from ep_cases import offset_copy, record_launches
 from fault_cases import CAP_A2A, E_PER_RANK, H, K, M, ROW, check_rank, expert, step_inputs
 
 WORLD = 3
@@ -78,27 +78,10 @@ def test_exact_with_new_inputs_across_reset_and_exclude(trace):
         g.close()
 
 
-def _recording(monkeypatch) -> list:
-    """Make every launch built from now on record (kernel name, grid) when it runs."""
-    launched, kernel_for = [], launches.kernel_for
-
-    def recording(fn, device):
-        kernel = kernel_for(fn, device)
-
-        class Recording:   # what a Launch calls: run(*args, grid, warmup, **options)
-            def run(self, *args, grid, warmup, **kwargs):
-                launched.append((fn.fn.__name__, tuple(grid)))
-                return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
-        return Recording()
-
-    monkeypatch.setattr(launches, "kernel_for", recording)
-    return launched
-
-
 def test_a_replaced_plan_is_launched(monkeypatch):
     """An op given another plan after it has run launches that plan's grids (its launches are rebuilt),
     and stays exact. Both ops take the GPU launch plan (many programs, run by the interpreter)."""
-    launched = _recording(monkeypatch)
+    launched = record_launches(monkeypatch, lambda fn, args, grid: (fn.fn.__name__, tuple(grid)))
     monkeypatch.delenv(SHAPES_ENV, raising=False)   # the ops start on the CPU shapes, whatever the run's mode
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
     eps = [EPBuffer(g, E_PER_RANK * 2, H, M, K) for g in groups]
