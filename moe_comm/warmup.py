@@ -104,7 +104,7 @@ class Variant:
     kernel: str       # its name
     args: tuple       # positional arguments: TensorArg for tensors, the value otherwise
     options: tuple    # launch options (num_warps, ...) as sorted (name, value) pairs
-    key: str          # Triton's specialization key (the same for the same variant)
+    key: str          # module.kernel:Triton's specialization key (the same for the same variant)
     label: str        # the first call that launched it (op, phase, rank, T)
 
     def compile(self) -> float:
@@ -193,7 +193,7 @@ class _Recorder:
         from triton.runtime.jit import compute_cache_key  # noqa: PLC0415
         _, kernel_key_cache, _, _, binder = fn.device_caches[driver.active.get_current_device()]
         _, specialization, opts = binder(*args, **options)
-        key = compute_cache_key(kernel_key_cache, specialization, opts)
+        key = f"{fn.fn.__module__}.{fn.fn.__name__}:{compute_cache_key(kernel_key_cache, specialization, opts)}"
         if key in self.variants:
             return
         spec = tuple(TensorArg(str(a.dtype).replace("torch.", ""), a.data_ptr() % SIXTEEN == 0)
@@ -528,7 +528,7 @@ def main(argv=None) -> int:
     if a.list:
         variants = list(record(cfg, a.arch).variants.values())
         for v in variants:
-            print(json.dumps(dict(kernel=v.kernel, module=v.module, label=v.label, key=v.key[:200])) if a.json
+            print(json.dumps(dict(kernel=v.kernel, module=v.module, label=v.label, key=v.key)) if a.json
                   else f"{v.kernel:<32} {v.label}")
         if not a.json:
             print(f"{len(variants)} variants")
