@@ -108,15 +108,22 @@ class Variant:
     label: str        # the first call that launched it (op, phase, rank, T)
 
     def compile(self) -> float:
-        """Compile into Triton's cache under the active driver; returns the seconds it took (a cache
-        hit takes milliseconds)."""
+        """Compile into Triton's cache under the active driver; returns the CPU seconds it took, this
+        process's and its children's (ptxas): unlike wall time, not inflated by a busy machine (a
+        cache hit takes milliseconds)."""
         from .jit_keys import settle_for  # noqa: PLC0415
         fn = getattr(importlib.import_module(self.module), self.kernel)
         settle_for(fn)   # the key every process computes (jit_keys)
         args = [a.make() if isinstance(a, TensorArg) else a for a in self.args]
-        t0 = time.perf_counter()
+        t0 = _cpu_s()
         fn.run(*args, grid=(1,), warmup=True, **dict(self.options))
-        return time.perf_counter() - t0
+        return _cpu_s() - t0
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (ptxas runs as one)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 # ---- the driver a compile asks for its target ------------------------------------------------------
@@ -149,12 +156,11 @@ def default_arch() -> int:
 
 @contextlib.contextmanager
 def target_driver(arch: int):
-    """Compile for ``arch``: the CUDA driver when it is this machine's GPU, else ``_TargetDriver``."""
+    """Compile for ``arch`` through ``_TargetDriver``, also on a GPU machine: its target is what the CUDA
+    driver reports for that GPU (GPUTarget("cuda", capability, 32)), and unlike the CUDA driver it does
+    not create a CUDA context in every compiling process."""
     from triton.runtime.driver import driver  # noqa: PLC0415
-    if torch.cuda.is_available() and arch == default_arch():
-        yield
-        return
-    previous = driver._active   # noqa: SLF001  (reset_active() would probe for a GPU driver, absent here)
+    previous = driver._active   # noqa: SLF001  (reset_active() would probe for a GPU driver, absent on a CPU)
     driver.set_active(_TargetDriver(arch))
     try:
         yield
@@ -173,7 +179,7 @@ class _Recorder:
 
     def __init__(self, compile_now: bool):
         self.variants: dict[str, Variant] = {}
-        self.compile_s: dict[str, float] = {}
+        self.compile_s: dict[str, float] = {}   # key -> CPU seconds of its compile (compile_now)
         self.compile_now = compile_now
         self.label = ""
 
@@ -203,9 +209,9 @@ class _Recorder:
         if self.compile_now:
             from .jit_keys import settle_for  # noqa: PLC0415
             settle_for(fn)
-            t0 = time.perf_counter()
+            t0 = _cpu_s()
             fn.run(*args, grid=(1,), warmup=True, **options)
-            self.compile_s[key] = time.perf_counter() - t0
+            self.compile_s[key] = _cpu_s() - t0
 
 
 @contextlib.contextmanager
@@ -399,7 +405,7 @@ def _compile_in_worker(variant: Variant, arch: int, cache_dir: str | None) -> tu
 
 
 def compile_variants(variants: list[Variant], arch: int, jobs: int, cache_dir: str | None = None) -> dict[str, float]:
-    """Compile every variant into the cache, ``jobs`` processes at a time; seconds per variant key."""
+    """Compile every variant into the cache, ``jobs`` processes at a time; CPU seconds per variant key."""
     if jobs <= 1 or len(variants) <= 1:
         return dict(_compile_in_worker(v, arch, cache_dir) for v in variants)
     import multiprocessing  # noqa: PLC0415
@@ -434,11 +440,13 @@ class WarmupReport:
     variants: int              # distinct kernel variants the configuration launches
     kernels: dict              # kernel name -> its variants
     compiled: int              # new entries in the cache (0: everything was there already)
-    record_s: float            # finding the variants (the ops driven on the CPU, nothing launched)
+    record_s: float            # finding the variants (the ops driven on the CPU, nothing launched), wall
     compile_s: float           # wall time of the parallel compile
-    compile_cpu_s: float       # the variants' compile times summed (one process would take about this)
-    slowest: list              # the five slowest variants: (kernel, label, seconds)
+    compile_cpu_s: float       # CPU seconds of the compiles summed (one process on an idle core takes about this)
+    slowest: list              # the five slowest variants: (kernel, label, CPU seconds)
     jobs: int
+    load_avg: float            # the machine's 1-minute load average when the compile ended (wall times stretch
+    #                            with it on a shared machine; CPU seconds do not)
 
 
 def warmup(cfg: WarmupConfig, arch: int | None = None, jobs: int | None = None,
@@ -461,13 +469,15 @@ def warmup(cfg: WarmupConfig, arch: int | None = None, jobs: int | None = None,
     for v in variants:
         kernels[v.kernel] = kernels.get(v.kernel, 0) + 1
     slow = sorted(variants, key=lambda v: -seconds[v.key])[:5]
-    return WarmupReport(config=_plain(cfg), arch=arch, cache_dir=where, variants=len(variants), kernels=kernels,
+    return WarmupReport(config=config_dict(cfg), arch=arch, cache_dir=where, variants=len(variants), kernels=kernels,
                         compiled=cached_kernels(where) - before, record_s=t1 - t0, compile_s=t2 - t1,
                         compile_cpu_s=sum(seconds.values()),
-                        slowest=[(v.kernel, v.label, round(seconds[v.key], 2)) for v in slow], jobs=jobs)
+                        slowest=[(v.kernel, v.label, round(seconds[v.key], 2)) for v in slow], jobs=jobs,
+                        load_avg=os.getloadavg()[0])
 
 
-def _plain(cfg: WarmupConfig) -> dict:
+def config_dict(cfg: WarmupConfig) -> dict:
+    """``cfg`` as plain JSON values (dtypes by name)."""
     return {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
             for k, v in dataclasses.asdict(cfg).items()}
 
@@ -539,7 +549,8 @@ def main(argv=None) -> int:
         return 0
     print(f"warmup: {rep.variants} kernel variants of {', '.join(cfg.ops)} at world {cfg.world} for sm_{rep.arch}: "
           f"{rep.compiled} compiled into {rep.cache_dir} (the rest were cached) in {rep.compile_s:.1f} s with "
-          f"{rep.jobs} processes ({rep.compile_cpu_s:.1f} s of compiling; finding them {rep.record_s:.1f} s)")
+          f"{rep.jobs} processes ({rep.compile_cpu_s:.1f} CPU s of compiling; finding them {rep.record_s:.1f} s; "
+          f"load average {rep.load_avg:.1f})")
     for kernel, n in sorted(rep.kernels.items()):
         print(f"  {kernel:<32} {n} variants")
     return 0
