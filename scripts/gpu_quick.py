@@ -64,16 +64,16 @@ DRY_LABEL = "dry run, CPU interpreter, not a GPU measurement"
 SITE = "/tmp/site"       # where the carried nvshmem4py wheel is installed (gpu.md)
 
 # Step 1: fast and representative (the whole "gpu and not slow" selection needed more than 300 s on an
-# H200): every op compiled on the loopback heap at world 2 (DeepSeek-V3 rows), an odd world and world 8,
-# misaligned inputs, CUDA-graph replay with new routing and counts, the graphs fault/recover/exclude
-# test; the nvshmem ones run when the nvshmem4py wheel is carried, else they skip.
+# H200; these took about 45 s on an H100 at cea8d5d, plus the graphs fault test): every op compiled on the
+# loopback heap at world 2 (DeepSeek-V3 rows) and an odd world (world 8 is step 2's), misaligned inputs,
+# CUDA-graph replay with new routing and counts, the graphs fault/recover/exclude test; the nvshmem ones
+# run when the nvshmem4py wheel is carried, else they skip.
 GPU_TESTS = (
     "tests/gpu/test_gpu_heap.py",
     "tests/gpu/test_gpu_ep.py::test_world1_nvshmem[small-bf16]",
     "tests/gpu/test_gpu_ep.py::test_world1_nvshmem[small-fp8]",
     "tests/gpu/test_gpu_ep.py::test_loopback_compiled[2-7168-bf16]",
     "tests/gpu/test_gpu_ep.py::test_loopback_compiled[2-7168-fp8]",
-    "tests/gpu/test_gpu_ep.py::test_loopback_compiled[8-256-bf16]",
     "tests/gpu/test_gpu_ep.py::test_inputs_not_16_byte_aligned_compiled[2-bf16]",
     "tests/gpu/test_gpu_ep.py::test_cuda_graph_replay_with_new_routing[2-bf16]",
     "tests/gpu/test_gpu_ep.py::test_cuda_graph_replay_with_new_routing[2-fp8]",
@@ -86,7 +86,7 @@ FAULT_SCRIPT = "bench/timeout_repeats.py"
 SANITIZER = "compute-sanitizer"
 # The smallest world-2 case (compiled in step 2 first, so the sanitizer steps find it in the cache).
 SANITIZER_CASE = ("tests/gpu/concurrent_ranks.py", "--world", "2", "--steps", "1", "--in-turn")
-KERNEL_ARGS = ("--tokens", "1,128", "--a2a-rows", "1,128", "--emulated-tokens", "1,128", "--iters", "30",
+KERNEL_ARGS = ("--tokens", "1,128", "--a2a-rows", "1,128", "--emulated-tokens", "1,128", "--iters", "20",
                "--warmup", "5")
 KERNEL_DRY_ARGS = ("--dry", "--tokens", "1", "--a2a-rows", "1", "--emulated-tokens", "1", "--iters", "1",
                    "--warmup", "0")
@@ -323,10 +323,10 @@ def judge_cold_start(d, log, rc, dry):
 
 
 STEPS = (
-    Step("gpu-tests", 80, "tests/gpu subset: every op compiled, worlds 2/3/8, graphs, faults", gpu_tests, judge_pytest),
-    Step("concurrent-ranks", 80, "8 ranks, one stream each, 1000 steps of every op, exact", concurrent_ranks,
+    Step("gpu-tests", 75, "tests/gpu subset: every op compiled, worlds 2/3/8, graphs, faults", gpu_tests, judge_pytest),
+    Step("concurrent-ranks", 75, "8 ranks, one stream each, 1000 steps of every op, exact", concurrent_ranks,
          judge_concurrent),
-    Step("faults", 60, "skipped send, timeouts 2/50 ms, 200 repeats: CommTimeoutError naming the peer", faults,
+    Step("faults", 75, "skipped send, timeouts 2/50 ms, 200 repeats: CommTimeoutError naming the peer", faults,
          judge_faults),
     Step("racecheck", 30, "compute-sanitizer racecheck, world-2 case", sanitizer("racecheck"), judge_sanitizer),
     Step("synccheck", 30, "compute-sanitizer synccheck, world-2 case", sanitizer("synccheck"), judge_sanitizer),
@@ -338,7 +338,7 @@ STEPS = (
     Step("ep-rank", 30, "one real rank of EP8, 7 emulated peers, T 1/128", ep_rank, judge_kernels),
     Step("prefill", 35, "PrefillBuffer T=4096, 8 emulated ranks: link GB/s, % of floor", prefill, judge_kernels),
     Step("decode", 50, "DeepSeek-V3 decode step, batch 1/64: fused vs sync-graphed", decode, judge_decode),
-    Step("cold-start", 60, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,
+    Step("cold-start", 80, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,
          judge_cold_start),
 )
 
