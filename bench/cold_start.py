@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     import tempfile  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
-    from bench.common import DRY_LABEL, environment  # noqa: PLC0415
+    from bench.common import DRY_LABEL, environment, printed_lines  # noqa: PLC0415
     if a.dry and torch.cuda.is_available():
         p.error("--dry is for machines without a GPU")
     if not a.dry and not torch.cuda.is_available():
@@ -142,15 +142,8 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    head = dict(bench="cold_start", config=config_dict(cfg), dry=a.dry, env=env_rec,
-                **({"label": DRY_LABEL} if a.dry else {}))
-
-    def emit(**fields):
-        line = json.dumps(dict(head, **fields))
-        print(line, flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(line + "\n")
+    emit = printed_lines(a.json, dict(bench="cold_start", config=config_dict(cfg), dry=a.dry, env=env_rec,
+                                      **({"label": DRY_LABEL} if a.dry else {})))
 
     cold = os.path.join(work, "cold")
     emit(kind="run", **run_case("cold", cold, config_args, env))

@@ -240,7 +240,8 @@ def kernels(trace: bool = False, baseline: bool = False):
         sections = ",".join(s for s in sections.split(",") if f'"{s}"' in src)
         args = [a for a in args if a != "--emulated-tokens" or "--emulated-tokens" in src]
         args = _drop_unknown_options(args, src)
-        env.update(PYTHONPATH=os.pathsep.join([SITE, ctx.baseline]), MOE_COMM_COMMIT=ctx.baseline_commit or "unknown")
+        env.update(PYTHONPATH=os.pathsep.join([SITE, ctx.baseline]), MOE_COMM_COMMIT=ctx.baseline_commit or "unknown",
+                   PYTHONDONTWRITEBYTECODE="1")   # nothing written into the other checkout
         return [([ctx.python, script, "--sections", sections, *args, "--out-dir", d, "--tag", tag], env, ctx.baseline)]
     return commands
 
@@ -312,7 +313,8 @@ def judge_decode(d, log, rc, dry):
 
 def cold_start(ctx: Context, d: str):
     args = ("--dry",) if ctx.dry else ()
-    return [_py(ctx, "bench/cold_start.py", *args, "--json", f"{d}/cold_start.jsonl", "--work-dir", f"{d}/caches")]
+    # the cache directories stay out of OUT (tens of MB of binaries): a new temporary directory
+    return [_py(ctx, "bench/cold_start.py", *args, "--json", f"{d}/cold_start.jsonl")]
 
 
 def judge_cold_start(d, log, rc, dry):

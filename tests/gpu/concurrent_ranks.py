@@ -29,9 +29,7 @@ with device, versions and commit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
 import sys
 import time
 
@@ -211,11 +209,6 @@ def prefill_step(w: World, step: int) -> list[str]:
 STEPS = dict(ep=ep_step, a2a=a2a_step, prefill=prefill_step)
 
 
-def environment(device: torch.device) -> dict:
-    from bench.common import environment as env  # noqa: PLC0415
-    return env(device)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=8)
@@ -230,18 +223,13 @@ def main(argv=None) -> int:
         p.error(f"--ops must be a subset of {OPS} and --world >= 2")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     concurrent = dev.type == "cuda" and not a.in_turn
-    env = environment(dev)
-    head = dict(check="concurrent_ranks", world=a.world, ops=ops, steps_target=a.steps, dry=dev.type != "cuda",
-                streams="one per rank" if concurrent else "one (ranks in turn)", config=dict(
-                    experts=CFG.experts_per_rank * a.world, hidden=CFG.hidden, max_tokens=CFG.max_tokens,
-                    topk=CFG.topk, a2a_rows=A2A_CAP), env=env)
-
-    def emit(**fields):
-        line = json.dumps(dict(head, **fields))
-        print(line, flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(line + "\n")
+    from bench.common import DRY_LABEL, environment, printed_lines  # noqa: PLC0415
+    dry = dev.type != "cuda"
+    emit = printed_lines(a.json, dict(
+        check="concurrent_ranks", world=a.world, ops=ops, steps_target=a.steps, dry=dry,
+        streams="one per rank" if concurrent else "one (ranks in turn)",
+        config=dict(experts=CFG.experts_per_rank * a.world, hidden=CFG.hidden, max_tokens=CFG.max_tokens,
+                    topk=CFG.topk, a2a_rows=A2A_CAP), env=environment(dev), **({"label": DRY_LABEL} if dry else {})))
 
     w = World(a.world, dev, ops, concurrent)
     t0, done, errs, failure = time.time(), 0, [], None
@@ -265,5 +253,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    random.seed(0)
     sys.exit(main())
