@@ -56,7 +56,7 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     verdicts = {v["step"]: v for v in _jsonl(out / "verdicts.jsonl")}
     assert tuple(verdicts) == STEPS
     fault_script = os.path.exists(os.path.join(REPO, "bench", "timeout_repeats.py"))
-    want = dict.fromkeys(STEPS, "pass") | {"kernels-baseline": "skipped",
+    want = dict.fromkeys(STEPS, "pass") | {"kernels-baseline": "skipped", "synccheck": "skipped",
                                             "faults": "pass" if fault_script else "missing"}
     assert {s: v["status"] for s, v in verdicts.items()} == want, verdicts
     for name, v in verdicts.items():
