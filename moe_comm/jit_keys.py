@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 
 MAX_ROUNDS = 16          # deeper than any call chain of our kernels; reaching it raises
 _ROOT = "moe_comm."
@@ -63,6 +64,13 @@ def settle() -> list[str]:
 
 def settle_for(fn) -> None:
     """Settle before ``fn`` (a compiled ``@triton.jit`` kernel) is first launched, if it is one of moe_comm's
-    and not settled yet. The check is one set lookup."""
-    if id(fn) not in _settled and fn.fn.__module__.startswith(_ROOT):
+    and not settled yet. The check is one set lookup. A failure to settle costs cache hits, never a
+    launch: it is warned about once and the keys stay as Triton computes them."""
+    if id(fn) in _settled or not fn.fn.__module__.startswith(_ROOT):
+        return
+    try:
         settle()
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"moe_comm: Triton cache keys not settled ({type(e).__name__}: {e}); a warm Triton cache "
+                      "may be missed", RuntimeWarning, stacklevel=2)
+        _settled.update(id(f) for f in _functions())

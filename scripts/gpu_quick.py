@@ -11,16 +11,16 @@ goes on with the next step):
    1 gpu-tests          a representative subset of tests/gpu (every op compiled, worlds 2-8, graphs, faults)
    2 concurrent-ranks   8 ranks on one GPU, one stream each, 1000 steps of every op, exact every step
    3 faults             bench/timeout_repeats.py: a skipped send, timeouts of 2 and 50 ms, 200 repeats
-   4 racecheck          compute-sanitizer racecheck on the smallest world-2 case
-   5 synccheck          compute-sanitizer synccheck on the same case
-   6 kernels            bench/kernels.py: floor, AllToAllvDynamic, dispatch bf16/fp8, combine (T 1, 128,
+   4 sanitizers         compute-sanitizer racecheck and synccheck (two processes at once) on the smallest
+                        world-2 case
+   5 kernels            bench/kernels.py: floor, AllToAllvDynamic, dispatch bf16/fp8, combine (T 1, 128,
                         world 1) and 8 emulated ranks (in turn, one stream each), tracing off
-   7 kernels-baseline   the same from $BASELINE (another checkout), rows labelled with its commit
-   8 kernels-trace      world-1 kernels with MOE_COMM_TRACE=1 (the flight recorder's cost)
-   9 ep-rank            one real rank of EP8, the other 7 emulated (bench/ep_rank.py), T 1 and 128
-  10 prefill            PrefillBuffer, 8 emulated ranks, T = 4096: link-side GB/s and % of the floor
-  11 decode             DeepSeek-V3 decode step, batch 1 and 64: fused against sync-graphed
-  12 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
+   6 kernels-baseline   the same from $BASELINE (another checkout), rows labelled with its commit
+   7 kernels-trace      world-1 kernels with MOE_COMM_TRACE=1 (the flight recorder's cost)
+   8 ep-rank            one real rank of EP8, the other 7 emulated (bench/ep_rank.py), T 1 and 128
+   9 prefill            PrefillBuffer, 8 emulated ranks, T = 4096: link-side GB/s and % of the floor
+  10 decode             DeepSeek-V3 decode step, batch 1 and 64: fused against sync-graphed
+  11 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
                         cache, warm cache, and after ``moe_comm warmup`` (bench/cold_start.py)
 
 Under OUT: ``NN-step/`` per step (its log, JSON lines, and ``verdict.json``: one line, written when the
@@ -124,6 +124,7 @@ class Step:
     what: str                            # one line: what it measures
     commands: object                     # (ctx, step_dir) -> list of (argv, extra env, cwd), or NotRun
     judge: object = None                 # (step_dir, log text, rc, dry) -> (ok, verdict words); default: exit status
+    parallel: bool = False               # start every command at once (each to its own log), same deadline
 
 
 @dataclass
@@ -201,26 +202,30 @@ def judge_faults(d, log, rc, dry):
     return rc == 0, f"{len(rows)} cases, exit {rc}" + ("" if rc == 0 else " (a wrong outcome)")
 
 
-def sanitizer(tool):
-    def commands(ctx: Context, d: str):
-        case = _py(ctx, *SANITIZER_CASE, f"--json={d}/case.jsonl")
-        if ctx.dry:   # no compute-sanitizer without a GPU: the case alone (once), so that it cannot rot
-            return [case] if tool == SANITIZER_TOOLS[0] else NotRun("skipped", f"dry run: the case ran at {SANITIZER_TOOLS[0]}")
-        if shutil.which(SANITIZER) is None:
-            return NotRun("missing", f"{SANITIZER} not on PATH")
-        return [([SANITIZER, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all", *case[0]],
-                 {}, None)]
-    return commands
+def sanitizers(ctx: Context, d: str):
+    """One process per tool, at once (two contexts on the one GPU): each under compute-sanitizer, each
+    writing its own case JSON lines."""
+    if ctx.dry:   # no compute-sanitizer without a GPU: the case alone, so that it cannot rot
+        return [_py(ctx, *SANITIZER_CASE, f"--json={d}/case-{SANITIZER_TOOLS[0]}.jsonl")]
+    if shutil.which(SANITIZER) is None:
+        return NotRun("missing", f"{SANITIZER} not on PATH")
+    return [([SANITIZER, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all", ctx.python,
+              *SANITIZER_CASE, f"--json={d}/case-{tool}.jsonl"], {}, None) for tool in SANITIZER_TOOLS]
 
 
-def judge_sanitizer(d, log, rc, dry):
-    summary = [line.strip() for line in log.splitlines() if "ERROR SUMMARY" in line]
-    case = [r for r in _jsonl(os.path.join(d, "case.jsonl")) if r.get("kind") == "result"]
-    exact = bool(case) and all(r["ok"] for r in case)
-    if dry:
-        return rc == 0 and exact, "the case without compute-sanitizer (no GPU): " + ("exact" if exact else "NOT exact")
-    words = (summary[-1] if summary else "no sanitizer summary") + ("; case exact" if exact else "; case NOT exact")
-    return rc == 0 and exact and bool(summary), words
+def judge_sanitizers(d, log, rc, dry):
+    summary = [line.strip().strip("= ") for line in log.splitlines() if "ERROR SUMMARY" in line]
+    words, ok = [], rc == 0
+    for tool in (SANITIZER_TOOLS[:1] if dry else SANITIZER_TOOLS):
+        case = [r for r in _jsonl(os.path.join(d, f"case-{tool}.jsonl")) if r.get("kind") == "result"]
+        exact = bool(case) and all(r["ok"] for r in case)
+        ok = ok and exact
+        words.append(f"{tool if not dry else 'the case without compute-sanitizer (no GPU)'}: "
+                     + ("exact" if exact else "NOT exact"))
+    if not dry:
+        ok = ok and len(summary) == len(SANITIZER_TOOLS) and all(" 0 errors" in x for x in summary)
+        words.append("; ".join(summary) or "no sanitizer summary")
+    return ok, "; ".join(words)
 
 
 def kernels(trace: bool = False, baseline: bool = False):
@@ -331,8 +336,8 @@ STEPS = (
          judge_concurrent),
     Step("faults", 75, "skipped send, timeouts 2/50 ms, 200 repeats: CommTimeoutError naming the peer", faults,
          judge_faults),
-    *(Step(tool, 30, f"compute-sanitizer {tool}, world-2 case", sanitizer(tool), judge_sanitizer)
-      for tool in SANITIZER_TOOLS),
+    Step("sanitizers", 45, "compute-sanitizer racecheck and synccheck at once, world-2 case", sanitizers,
+         judge_sanitizers, parallel=True),
     Step("kernels", 70, "floor; a2a, dispatch bf16/fp8, combine T 1/128 world 1 and 8 emulated ranks",
          kernels(), judge_kernels),
     Step("kernels-baseline", 60, "the same sections from $BASELINE (before/after on one device)",
@@ -365,19 +370,23 @@ def _jsonl_glob(d: str, pattern: str) -> list[dict]:
     return [r for p in sorted(glob.glob(os.path.join(d, pattern))) for r in _jsonl(p)]
 
 
-def run_command(argv, env, cwd, log, deadline: float) -> tuple[int | None, bool]:
-    """Run ``argv`` in its own process group, output appended to ``log``, until ``deadline`` (monotonic
-    clock). Returns (exit status, cut): at the deadline the group gets SIGTERM, then SIGKILL."""
+def start_command(argv, env, cwd, log) -> subprocess.Popen:
+    """``argv`` started in its own process group, output appended to ``log``."""
     with open(log, "a") as f:
         f.write(f"$ {' '.join(argv)}\n")
         f.flush()
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO,
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO,
                                 start_new_session=True)
-        try:
-            return proc.wait(timeout=max(0.0, deadline - time.monotonic())), False
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return None, True
+
+
+def finish_command(proc: subprocess.Popen, deadline: float) -> tuple[int | None, bool]:
+    """(exit status, cut) of a started command, waited for until ``deadline`` (monotonic clock): at the
+    deadline its process group gets SIGTERM, then SIGKILL."""
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic())), False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return None, True
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -401,18 +410,28 @@ def run_step(step: Step, index: int, ctx: Context, budget_s: float) -> Verdict:
     if isinstance(cmds, NotRun):
         v.status, v.verdict = cmds.status, cmds.why
         return v
-    log = os.path.join(d, "step.log")
     t0 = time.monotonic()
     deadline = t0 + budget_s
     rc, cut = 0, False
-    for argv, extra, cwd in cmds:
-        v.commands.append(" ".join(argv))
-        rc, cut = run_command(argv, dict(ctx.env, **extra), cwd, log, deadline)
-        if cut or rc != 0:
-            break
+    if step.parallel:   # every command at once, each with its own log, each until the deadline
+        logs = [os.path.join(d, f"step-{i}.log") for i in range(1, len(cmds) + 1)]
+        procs = [start_command(argv, dict(ctx.env, **extra), cwd, log) for (argv, extra, cwd), log in zip(cmds, logs)]
+        done = [finish_command(proc, deadline) for proc in procs]
+        cut = any(c for _, c in done)
+        rc = next((r for r, _ in done if r), 0) if not cut else None
+    else:               # one after another, until one fails or the deadline
+        logs = [os.path.join(d, "step.log")]
+        for argv, extra, cwd in cmds:
+            rc, cut = finish_command(start_command(argv, dict(ctx.env, **extra), cwd, logs[0]), deadline)
+            if cut or rc != 0:
+                break
+    v.commands = [" ".join(argv) for argv, _, _ in cmds]
     v.wall_s, v.rc = round(time.monotonic() - t0, 1), rc
-    with open(log) as f:
-        text = f.read()
+    text = ""
+    for log in logs:
+        if os.path.exists(log):
+            with open(log) as f:
+                text += f.read()
     ok, words = (step.judge or (lambda d_, t_, r_, y_: (r_ == 0, f"exit {r_}")))(d, text, rc, ctx.dry)
     if cut:
         v.status, v.verdict = "cut", f"cut at its budget of {budget_s:.0f} s; so far: {words}"

@@ -23,8 +23,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABEL = "dry run, CPU interpreter, not a GPU measurement"
-STEPS = ("gpu-tests", "concurrent-ranks", "faults", "racecheck", "synccheck", "kernels", "kernels-baseline",
-         "kernels-trace", "ep-rank", "prefill", "decode", "cold-start")
+STEPS = ("gpu-tests", "concurrent-ranks", "faults", "sanitizers", "kernels", "kernels-baseline", "kernels-trace",
+         "ep-rank", "prefill", "decode", "cold-start")
 
 
 def _load(name):
@@ -56,7 +56,7 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     verdicts = {v["step"]: v for v in _jsonl(out / "verdicts.jsonl")}
     assert tuple(verdicts) == STEPS
     fault_script = os.path.exists(os.path.join(REPO, "bench", "timeout_repeats.py"))
-    want = dict.fromkeys(STEPS, "pass") | {"kernels-baseline": "skipped", "synccheck": "skipped",
+    want = dict.fromkeys(STEPS, "pass") | {"kernels-baseline": "skipped",
                                             "faults": "pass" if fault_script else "missing"}
     assert {s: v["status"] for s, v in verdicts.items()} == want, verdicts
     for name, v in verdicts.items():
@@ -70,8 +70,8 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
                 assert row.get("dry", True) is True   # labelled where the row says
     assert "0 failed" in verdicts["gpu-tests"]["verdict"] and "skipped" in verdicts["gpu-tests"]["verdict"]
     assert "2/2 steps exact" in verdicts["concurrent-ranks"]["verdict"]
-    assert "without compute-sanitizer" in verdicts["racecheck"]["verdict"]
-    cold = [r for r in _jsonl(out / "12-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
+    assert "without compute-sanitizer" in verdicts["sanitizers"]["verdict"]
+    cold = [r for r in _jsonl(out / "11-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
     assert [r["case"] for r in cold] == ["cold", "warm", "after-warmup"] and all(r["label"] == LABEL for r in cold)
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"*** {LABEL} ***") and summary.rstrip().endswith(f"*** {LABEL} ***")
@@ -145,6 +145,17 @@ def test_a_step_past_its_budget_is_cut_and_the_run_goes_on(tmp_path):
     assert "| 2 | after | 20 | pending |" in summaries[1] and "| 2 | after | " in summaries[2]
     assert "| 3 | late | 20 | not-run |" in summaries[3]
     assert [v["status"] for v in _jsonl(tmp_path / "verdicts.jsonl")] == ["cut", "pass", "not-run"]
+
+
+def test_a_parallel_step_runs_its_commands_at_once(tmp_path):
+    ctx = _context(tmp_path)
+    cmd = ([sys.executable, "-c", "import time; time.sleep(3); print('slept')"], {}, None)
+    step = gpu_quick.Step("both", 20, "two at once", lambda c, d: [cmd, cmd], parallel=True)
+    t0 = time.monotonic()
+    (v,) = gpu_quick.run([step], ctx, total_s=60, scale=1.0)
+    assert v.status == "pass" and time.monotonic() - t0 < 5.5   # one after the other would take 6 s
+    for i in (1, 2):
+        assert "slept" in (tmp_path / "01-both" / f"step-{i}.log").read_text()
 
 
 def test_budgets_scale_with_the_total():
