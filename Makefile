@@ -42,7 +42,8 @@ gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(OUT)
 
 # A GPU loan of minutes: every claim in priority order, each step within its own budget, results written
-# under OUT as each step ends (GPU_QUICK_BUDGET_S=seconds scales the whole run; BASELINE=other checkout).
+# under OUT as each step ends (GPU_QUICK_BUDGET_S=seconds scales the whole run, GPU_QUICK_STEPS=a,b picks
+# steps; BASELINE=other checkout).
 # Without a GPU: the dry run (tiny shapes, interpreter, labelled).
 gpu-quick:
 	$(PYTHON) scripts/gpu_quick.py $(OUT)

@@ -34,7 +34,9 @@ labelled as not a GPU measurement (tests/test_gpu_quick.py runs it in CI so that
 
 Budgets: the default total is TOTAL_S (8 minutes with the machine's start outside it); each step's budget
 is its share of the total. ``--budget-s`` / ``GPU_QUICK_BUDGET_S`` sets the total and scales every
-step's budget with it; a step never gets more than what is left of the total. ``--steps`` runs a subset.
+step's budget with it; a step never gets more than what is left of the total, and none starts with less
+than MIN_STEP_S left. ``--steps`` / ``GPU_QUICK_STEPS`` runs a subset (for a loan shorter than the
+default total, picking steps keeps each one's full budget, where scaling cuts them all).
 
 Env: PYTHON (default this interpreter), BASELINE (+ BASELINE_COMMIT when that tree has no git metadata),
 MOE_COMM_COMMIT (the measured commit, when this copy's git metadata is not it: every row is labelled
@@ -531,7 +533,8 @@ def main(argv=None) -> int:
     p.add_argument("out", help="results folder (created)")
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_QUICK_BUDGET_S", TOTAL_S)),
                    help=f"the whole run's budget in seconds; every step's scales with it (default {TOTAL_S:.0f})")
-    p.add_argument("--steps", help="comma separated subset of the steps, in the listed order")
+    p.add_argument("--steps", default=os.environ.get("GPU_QUICK_STEPS") or None,
+                   help="comma separated subset of the steps, run in the listed order (env GPU_QUICK_STEPS)")
     a = p.parse_args(argv)
     names = [s.name for s in STEPS]
     chosen = a.steps.split(",") if a.steps else names
