@@ -32,11 +32,11 @@ Without a GPU the same steps run as a dry run: tiny shapes in Triton's interpret
 GPU tests collected and skipped, the sanitizer case run without compute-sanitizer; every number is
 labelled as not a GPU measurement (tests/test_gpu_quick.py runs it in CI so that it cannot rot).
 
-Budgets: the default total is TOTAL_S (8 minutes with the machine's start outside it); each step's budget
-is its share of the total. ``--budget-s`` / ``GPU_QUICK_BUDGET_S`` sets the total and scales every
+Budgets: the default total is TOTAL_S (under 8 minutes with the machine's start outside it); each step
+has its own budget (STEPS). ``--budget-s`` / ``GPU_QUICK_BUDGET_S`` sets the total and scales every
 step's budget with it; a step never gets more than what is left of the total, and none starts with less
-than MIN_STEP_S left. ``--steps`` / ``GPU_QUICK_STEPS`` runs a subset (for a loan shorter than the
-default total, picking steps keeps each one's full budget, where scaling cuts them all).
+than MIN_STEP_S left. ``--steps`` / ``GPU_QUICK_STEPS`` runs a subset, whose share of TOTAL_S is the
+share of its budgets: a short loan that picks steps keeps their budgets whole (``scale_for``).
 
 Env: PYTHON (default this interpreter), BASELINE (+ BASELINE_COMMIT when that tree has no git metadata),
 MOE_COMM_COMMIT (the measured commit, when this copy's git metadata is not it: every row is labelled
@@ -524,8 +524,12 @@ def make_context(out: str, python: str) -> Context:
                    nvshmem=nvshmem, env_record=rec)
 
 
-def scale_for(total_s: float) -> float:
-    return total_s / TOTAL_S
+def scale_for(total_s: float, chosen=STEPS) -> float:
+    """The factor on the chosen steps' budgets: ``total_s`` against their share of TOTAL_S (the budgets of
+    all steps, which sum to more than TOTAL_S since most steps end before their budget, take TOTAL_S;
+    a subset takes its part of it)."""
+    every, these = sum(s.budget_s for s in STEPS), sum(s.budget_s for s in chosen)
+    return total_s / (TOTAL_S * these / every)
 
 
 def main(argv=None) -> int:
@@ -553,7 +557,8 @@ def main(argv=None) -> int:
         print(f"*** {DRY_LABEL} ***")
     print(f"gpu-quick: {ctx.env_record['device']}, torch {ctx.env_record['torch']}, triton "
           f"{ctx.env_record['triton']}, commit {ctx.env_record['commit']}; budget {a.budget_s:.0f} s")
-    verdicts = run([s for s in STEPS if s.name in chosen], ctx, a.budget_s, scale_for(a.budget_s))
+    steps = [s for s in STEPS if s.name in chosen]
+    verdicts = run(steps, ctx, a.budget_s, scale_for(a.budget_s, steps))
     print(f"summary: {os.path.join(out, 'summary.md')}")
     return 0 if all(v.status in ("pass", "skipped", "missing") for v in verdicts) else 1
 

@@ -159,9 +159,13 @@ def test_a_parallel_step_runs_its_commands_at_once(tmp_path):
 
 
 def test_budgets_scale_with_the_total():
-    assert gpu_quick.scale_for(gpu_quick.TOTAL_S) == 1.0
+    assert gpu_quick.scale_for(gpu_quick.TOTAL_S) == pytest.approx(1.0)
     assert gpu_quick.scale_for(360) == pytest.approx(0.8)
     assert sum(s.budget_s for s in gpu_quick.STEPS) >= gpu_quick.TOTAL_S   # the total, not the sum, ends a run
+    # a subset gets its share of the total: half the budgets in half the time keep their size
+    half = [s for s in gpu_quick.STEPS if s.name in ("gpu-tests", "concurrent-ranks")]
+    share = sum(s.budget_s for s in half) / sum(s.budget_s for s in gpu_quick.STEPS)
+    assert gpu_quick.scale_for(gpu_quick.TOTAL_S * share, half) == pytest.approx(1.0)
 
 
 def _kernel_rows(device, commit, dispatch_p50, tag=""):
