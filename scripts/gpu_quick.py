@@ -192,16 +192,23 @@ def faults(ctx: Context, d: str):
     if not os.path.exists(os.path.join(REPO, FAULT_SCRIPT)):
         return NotRun("missing", f"{FAULT_SCRIPT} is not in this tree")
     out = f"{d}/faults.jsonl"
-    if ctx.dry:   # the same interface: one repeat, a timeout the interpreter can meet
+    if ctx.dry:   # the same interface: one repeat, the timeout its CPU test uses (small shapes there)
         return [_py(ctx, FAULT_SCRIPT, "--ops", "dispatch,combine,alltoallv,prefill", "--repeats", "1",
-                    "--timeouts-ms", "500", "--json", out)]
+                    "--timeouts-ms", "20", "--json", out)]
     return [_py(ctx, FAULT_SCRIPT, "--ops", "dispatch,combine,alltoallv,prefill", "--repeats", "200",
                 "--timeouts-ms", "2,50", "--json", out)]
 
 
 def judge_faults(d, log, rc, dry):
+    """bench/timeout_repeats.py's lines: one per (op, timeout) case, with ok / wrong / repeats / exact_rounds
+    / hang / pass (its exit status is 1 on any wrong outcome, hang or crash)."""
     rows = _jsonl(os.path.join(d, "faults.jsonl"))
-    return rc == 0, f"{len(rows)} cases, exit {rc}" + ("" if rc == 0 else " (a wrong outcome)")
+    total = lambda k: sum(int(r.get(k) or 0) for r in rows)  # noqa: E731
+    bad = [f"{r.get('op')} {r.get('timeout_ms')} ms" for r in rows if not r.get("pass")]
+    words = (f"{len(rows)} cases: {total('ok')}/{total('repeats')} timed-out receives named the peer, "
+             f"{total('wrong')} wrong, {sum(1 for r in rows if r.get('hang'))} hung; rounds after reset exact "
+             f"{total('exact_rounds')}" + (f"; FAILED {', '.join(bad)}" if bad else "") + f"; exit {rc}")
+    return rc == 0 and bool(rows) and not bad, words
 
 
 def sanitizers(ctx: Context, d: str):
@@ -336,7 +343,7 @@ STEPS = (
     Step("gpu-tests", 75, "tests/gpu subset: every op compiled, worlds 2/3/8, graphs, faults", gpu_tests, judge_pytest),
     Step("concurrent-ranks", 75, "8 ranks, one stream each, 1000 steps of every op, exact", concurrent_ranks,
          judge_concurrent),
-    Step("faults", 75, "skipped send, timeouts 2/50 ms, 200 repeats: CommTimeoutError naming the peer", faults,
+    Step("faults", 150, "skipped send, timeouts 2/50 ms, 200 repeats: CommTimeoutError naming the peer", faults,
          judge_faults),
     Step("sanitizers", 45, "compute-sanitizer racecheck and synccheck at once, world-2 case", sanitizers,
          judge_sanitizers, parallel=True),
