@@ -400,13 +400,13 @@ def published_runs(root: str = REPO) -> list[str]:
 def run_info(root: str, run: str) -> dict:
     """One run folder: its kernel rows (tracing off, this tree's), the environment they carry, the commit
     the tables name (run.json's, else the rows') and a short column label."""
-    kern = [r for r in _rows(os.path.join(root, run), "kernels-*.jsonl")
-            if r.get("env", {}).get("tag", "") in MAIN_TAGS]
-    env = next((r["env"] for r in kern if "env" in r), {})
     meta = {}
     if os.path.exists(os.path.join(root, run, "run.json")):
         with open(os.path.join(root, run, "run.json")) as f:
             meta = json.load(f)
+    tags = (meta["tag"],) if "tag" in meta else MAIN_TAGS   # run.json may name the rows shown (a before/after run)
+    kern = [r for r in _rows(os.path.join(root, run), "kernels-*.jsonl") if r.get("env", {}).get("tag", "") in tags]
+    env = next((r["env"] for r in kern if "env" in r), {})
     commit = str(meta.get("commit") or env.get("commit", "?"))
     device = str(env.get("device", "?")).replace("NVIDIA ", "")
     return dict(run=run, rows=kern, env=env, commit=commit, note=meta.get("note", ""),

@@ -13,7 +13,7 @@ export -f trep kb; export F; el start
 ( timeout 150 bash -c "kb $NEW /tmp/kw --iters 1 --warmup 0; kb $OLD /tmp/kw --iters 1 --warmup 0" > $L/precompile.log 2>&1; el precompile-done ) &
 wait; el phaseA-done; logs
 for i in 1 2; do
-  timeout 35 bash -c "kb $NEW /tmp/kn --iters 50 --warmup 5 --tag new-$i" > $L/kn$i.log 2>&1; el kn$i; cat /tmp/kn/*.jsonl > $OUT/kernels_new.jsonl
+  timeout 35 bash -c "kb $NEW /tmp/kn --iters 50 --warmup 5 --tag new-$i" > $L/kn$i.log 2>&1; el kn$i; cat /tmp/kn/*.jsonl > $OUT/kernels_new.jsonl   # committed as kernels-new.jsonl
   timeout 35 bash -c "kb $OLD /tmp/ko --iters 50 --warmup 5 --tag old-$i" > $L/ko$i.log 2>&1; el ko$i; cat /tmp/ko/*.jsonl > $OUT/kernels_old.jsonl
 done
 logs; el end; cat $OUT/timeline.txt
