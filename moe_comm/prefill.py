@@ -138,7 +138,7 @@ class _CombineChannel:
         ch, g = self.channel, self.channel.group
         ch.abort(op)
         kernel_for(prefill_release_kernel, g.device)[(1,)](
-            ch.ctrl.peer_ptrs, ch.recv_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
+            ch.ctrl.peer_ptrs, ch.send_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
 
 
 class PrefillBuffer(OpBuffer):
