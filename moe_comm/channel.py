@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .interpreter import kernel_for
@@ -22,6 +24,35 @@ def register_put_kernels() -> None:
     nvshmem_bitcode.install_module_init_hook()
     for name in PUT_KERNELS:
         nvshmem_bitcode.register_kernel(name)
+
+
+# The capture of a stream whose graph torch cannot name (a capture not begun by ``torch.cuda.CUDAGraph``,
+# or a torch without ``get_currently_capturing_graph``): such captures are told apart from eager launches
+# only, as before capture ids were used.
+UNIDENTIFIED_CAPTURE = "capture not begun by torch.cuda.CUDAGraph"
+
+
+def current_capture():
+    """The CUDA graph capture the current stream takes part in: None when it is not capturing; else a weak
+    reference to the ``torch.cuda.CUDAGraph`` being captured (``CUDAGraph.get_currently_capturing_graph``
+    looks it up by the stream's capture id, so a side stream joined into the capture gives the same one,
+    and two captures under way at once give two); ``UNIDENTIFIED_CAPTURE`` when torch cannot name it. Weak:
+    a channel does not keep a graph (and its memory pool) alive. Two values are the same capture when
+    they compare equal (live weak references compare as their graphs; a dead one equals only itself)."""
+    if not torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        return weakref.ref(torch.cuda.CUDAGraph.get_currently_capturing_graph())
+    except (AttributeError, RuntimeError, TypeError):
+        return UNIDENTIFIED_CAPTURE
+
+
+def waits_for_previous(same_stream: bool, previous_capture, capture) -> bool:
+    """Whether a launch must wait (``wait_event``) for the channel's previous launch: only on another
+    stream (one stream is in order already), and only within one capture sequence, or both eager
+    (``current_capture`` values): a captured launch cannot depend on an eager one nor on another capture's
+    (CUDA rejects the dependency and invalidates the capture); order those by the replay stream."""
+    return not same_stream and previous_capture == capture
 
 
 class Channel:
@@ -53,8 +84,9 @@ class Channel:
     after recv(i) too. A receive never reads the call number of another receive still running, a send
     never reuses one, and a receive never holds the SMs its own send needs. With the flags this is the
     back-pressure that keeps a sender from overwriting a zone a peer still reads. Never across a graph
-    capture boundary: a launch captured in a graph does not wait for an eager one, nor the reverse
-    (order those by the stream the graph is replayed on).
+    capture boundary: a launch captured in a graph does not wait for an eager one, nor the reverse, nor
+    for a launch of another capture (``current_capture``: captures are told apart by their graph, found
+    by the stream's capture id); order those by the stream the graph is replayed on.
     """
 
     def __init__(self, group, name: str, data_shape, data_dtype: torch.dtype, ctrl_words: int = 2,
@@ -82,7 +114,7 @@ class Channel:
             self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local,
                                   **group.put_launch_args())
         self._ordered = dev.type == "cuda"  # launches ordered by CUDA events (``after_previous``)
-        self._last_event = None  # (CUDA event after this channel's last launch, its stream, captured?)
+        self._last_event = None  # (CUDA event after this channel's last launch, its stream, its capture)
         self._drain_op = None    # op id of an aborted call whose receive side is still owed (``drain``)
         group.register(self)
 
@@ -108,10 +140,9 @@ class Channel:
         """Make the current stream wait for this channel's previous launch on this rank (CUDA only)."""
         if self._last_event is None:
             return
-        event, stream, captured = self._last_event
+        event, stream, capture = self._last_event
         current = torch.cuda.current_stream(self.group.device)
-        # Same stream: already in order. Never wait across a capture boundary.
-        if current != stream and captured == torch.cuda.is_current_stream_capturing():
+        if waits_for_previous(current == stream, capture, current_capture()):
             current.wait_event(event)
 
     def launched(self) -> None:
@@ -120,7 +151,7 @@ class Channel:
             return
         event, stream = torch.cuda.Event(), torch.cuda.current_stream(self.group.device)
         event.record(stream)
-        self._last_event = (event, stream, torch.cuda.is_current_stream_capturing())
+        self._last_event = (event, stream, current_capture())
 
     def before_send(self) -> None:
         """Order this send after the channel's previous launch, then finish the receive side of an

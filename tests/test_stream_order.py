@@ -129,3 +129,63 @@ def test_every_launch_waits_for_the_previous_launch_of_its_channel(monkeypatch):
     phase("R", "send", 8, [])
     phase("S", "recv", 8, [cuda.events])
     _exact_round(eps, 9)
+
+
+class _Graph:
+    """A stand-in for a ``torch.cuda.CUDAGraph`` being captured (weak-referencable, told apart by identity)."""
+
+
+def test_captures_are_told_apart_by_their_capture_not_by_a_flag(monkeypatch):
+    """Issue 33, item 7: a launch waits for the channel's previous launch only within the same capture
+    sequence (or both eager), found by the capture's graph (``current_capture``: torch's
+    ``CUDAGraph.get_currently_capturing_graph``, keyed by the stream's capture id), not by whether the
+    stream is capturing at all: two captures under way on two streams must not wait across each other
+    (CUDA rejects that dependency and invalidates the capture). A capture torch cannot name (not begun
+    by torch.cuda.CUDAGraph) is told apart from eager launches only. Checked on the channel's ordering
+    alone (``after_previous`` / ``launched``, no kernel) with the recording stand-ins; what CUDA does
+    with a cross-capture wait is for tests/gpu/test_gpu_capture.py."""
+    import moe_comm
+    from moe_comm.channel import UNIDENTIFIED_CAPTURE, current_capture
+    cuda = _Cuda(monkeypatch)
+    capture = {"graph": None}
+
+    def currently_capturing():
+        if capture["graph"] is None or capture["graph"] is UNIDENTIFIED_CAPTURE:
+            raise RuntimeError("The current stream is not capturing a torch.cuda.CUDAGraph")
+        return capture["graph"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capture["graph"] is not None)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", staticmethod(currently_capturing),
+                        raising=False)
+    g = moe_comm.init(backend="loopback", world_size=1, device="cpu")[0]
+    ch = Channel(g, "order", (2, 1), torch.int32)
+    ch._ordered = True
+
+    def launch(stream, graph=None):
+        """One launch of the channel on ``stream`` in capture ``graph``: the event ids it waited for."""
+        capture["graph"] = graph
+
+        def fn():
+            ch.after_previous()
+            ch.launched()
+        return [e for kind, _, e in cuda.run(stream, fn) if kind == "wait"]
+
+    one, two = _Graph(), _Graph()
+    assert current_capture() is None
+    capture["graph"] = one
+    first = current_capture()
+    assert first == current_capture()       # the same capture, asked again
+    capture["graph"] = two
+    assert first != current_capture()
+    assert launch("A", one) == []
+    assert launch("B", two) == []           # another capture under way: no wait (a flag said "both captured")
+    assert launch("C", two) == [2]          # the same capture on a side stream: in order
+    assert launch("A", one) == []           # back to the first capture
+    assert launch("D", None) == []          # eager after captured: no wait
+    assert launch("E", None) == [5]         # eager after eager on another stream
+    assert launch("F", UNIDENTIFIED_CAPTURE) == []
+    assert launch("G", UNIDENTIFIED_CAPTURE) == [7]   # unnamed captures: ordered among themselves, as before
+    assert launch("H", one) == []
+    del one                                 # a dead capture's graph is no one's: a new graph never matches it
+    assert launch("I", _Graph()) == []
+    ch.free()
+    g.close()
