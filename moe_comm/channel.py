@@ -13,14 +13,15 @@ from .trace.recorder import new_ring
 from .triton_kernels.sync import abort_kernel, drain_kernel
 
 # Kernels that carry NVSHMEM calls when launched with PUT: the send kernels (the put transport) and every
-# kernel that may record a group-wide error (its status broadcast to the peers reached by puts).
+# kernel that may record a group-wide error (its status broadcast to the peers reached by puts). Their
+# builds without PUT hold no NVSHMEM state and are left alone (``nvshmem_bitcode.holds_device_state``).
 PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel",
                "fail_group_kernel")
 
 
 def register_put_kernels() -> None:
-    """CUDA modules of the kernels that carry NVSHMEM calls get ``nvshmemx_cumodule_init`` on load."""
+    """CUDA modules of these kernels get ``nvshmemx_cumodule_init`` on load where they carry NVSHMEM calls."""
     nvshmem_bitcode.install_module_init_hook()
     for name in PUT_KERNELS:
         nvshmem_bitcode.register_kernel(name)
