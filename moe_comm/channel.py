@@ -204,6 +204,13 @@ class Channel:
         self._drain_op = None
 
     def free(self) -> None:
+        """Free the symmetric buffers (the op's ``close()``, collective). On CUDA, first wait (on the host)
+        for the channel's last launch: every launch waits for the one before, so no kernel of the op still
+        runs on these buffers, nor on the op's local ones (the op's own tensors, allocated on whatever
+        stream its first call ran, used by the phases on theirs), when their memory is handed back."""
+        if self._last_event is not None:
+            self._last_event[0].synchronize()
+            self._last_event = None
         self.group.unregister(self)
         if self.put:
             self.group.heap.free(self.stage_ctrl)
