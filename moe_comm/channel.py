@@ -72,7 +72,7 @@ class Channel:
               put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
               [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
               (``moe_comm/triton_kernels/transport.py``); None otherwise
-    trace     int64 [group.trace_calls, record words]: the flight recorder of this channel's calls
+    trace     int64 [group.trace_calls + 1, record words]: the flight recorder of this channel's calls
               (``moe_comm/trace/layout.py``; one unused row when tracing is off); ``row_bytes``: bytes
               of one row its records count (set by the op)
     wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source

@@ -148,7 +148,7 @@ def a2a_send_kernel(
             if any_flushed:
                 drain()
         tl.store(seq_ptr, call)
-    trace.send_end(trace_ptr, call, last_all, WORLD, TRACE_N, TRACE)
+    trace.send_end(trace_ptr, call, last_all, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -189,8 +189,7 @@ def a2a_recv_kernel(
         else:
             ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
         arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0
-    trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)
-    trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)
+    trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)   # (SEEN of an excluded source: 0)
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.
         cnt = tl.minimum(tl.maximum(tl.load(ctrl), 0), max_rows)   # published before the flag: a plain load
@@ -213,7 +212,7 @@ def a2a_recv_kernel(
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 w = tl.arange(0, WORLD_P2)
                 tl.store(recv_counts_ptr + w, 0, mask=w < WORLD)
-    trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)
+    trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit
