@@ -38,6 +38,9 @@ STALE_BIT = tl.constexpr(layout.STALE_BIT)
 PREP_BIT = tl.constexpr(layout.PREP_BIT)
 TAG_BITS = tl.constexpr(layout.TAG_BITS)
 ERR_PEER_WORD = tl.constexpr(3)   # errors.py error word: [3] peer, [4] value, [5] bound
+# One vector store each: the op and the send's start time (words 0-3), the receive's end words.
+assert layout.T_OP < 4 and layout.T_SEND_START < 4
+assert (layout.T_OUTCOME, layout.T_ERR_PEER, layout.T_ERR_BOUND) == tuple(layout.T_RECV_END + k for k in (1, 2, 4))
 
 INTERPRET = bool(triton.knobs.runtime.interpret)   # see sync.py: decided when the module is imported
 
