@@ -37,6 +37,9 @@ class _Cuda:
             def record(self, stream):
                 cuda.log.append(("record", stream.name, self.id))
 
+            def synchronize(self):
+                cuda.log.append(("synchronize", None, self.id))
+
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(cuda.stream))
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: cuda.capturing)
@@ -187,7 +190,8 @@ def test_captures_are_told_apart_by_their_capture_not_by_a_flag(monkeypatch):
     assert launch("H", one) == []
     del one                                 # a dead capture's graph is no one's: a new graph never matches it
     assert launch("I", _Graph()) == []
-    ch.free()
+    ch.free()                               # waits for the last launch before the buffers go
+    assert cuda.log[-1] == ("synchronize", None, cuda.events)
     g.close()
 
 
