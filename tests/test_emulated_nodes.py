@@ -4,11 +4,13 @@ mapped at all, and the only way across is the put emulation's wire (``moe_comm/h
 What these tests show: every cross-node peer pointer is 0 and no process maps a heap file of another node
 (``/proc/self/maps``); the put transport is chosen for those peers; dispatch/combine (bf16, fp8) and
 AllToAllvDynamic stay exact against the references when every cross-node byte travels as messages that a
-proxy thread of the receiving process applies asynchronously; a rank killed on the other node is named by
-a CommTimeoutError on every survivor within the timeout + 2 s, and ``exclude()`` / ``reset()`` work across
-the boundary; a group-wide error recorded on one node reaches the other as a put of the status record
-(the same named error on every rank, before the other node's own timeouts), and a dead receiver does
-not hold up that put's sender. What they cannot show: a real NIC's ordering, completion or bandwidth, or
+proxy thread of the receiving process applies asynchronously; a rank killed on the other node costs the
+ranks that put to it their process at their send's quiet, once the emulated NIC gives up (as NVSHMEM's
+quiet does), while a rank of its own node names it by a CommTimeoutError within the timeout + 2 s and
+``exclude()`` works; the wire's quiet is bounded by the emulated NIC, not the group timeout; a
+group-wide error recorded on one node reaches the other as a put of the status record (the same named
+error on every rank, before the other node's own timeouts), and a dead receiver does not hold up that
+put's sender. What they cannot show: a real NIC's ordering, completion, retry time or bandwidth, or
 NVSHMEM itself.
 """
 
