@@ -17,7 +17,7 @@ from .checks import check_tensor, check_words
 from .errors import op_id
 from .launches import Launch, LaunchTable
 from .phased import PhasedOp
-from .planner import AllToAllvPlan, next_pow2, plan_alltoallv
+from .planner import AllToAllvPlan, check_replaced_plan, next_pow2, plan_alltoallv
 from .triton_kernels.alltoallv import a2a_local_kernel, a2a_recv_kernel, a2a_send_kernel
 
 
@@ -97,6 +97,19 @@ class AllToAllvDynamic:
         self._launch_table = LaunchTable()   # the launches of the plan in force (``_launches``)
 
     @property
+    def plan(self) -> AllToAllvPlan:
+        """Buffers and launch shapes (``moe_comm.planner.AllToAllvPlan``). The buffers are allocated with the
+        op: a new plan may change only launch shapes (``planner.check_replaced_plan``); the launches follow
+        it. The calls read ``_a2a_plan`` (a property costs a call)."""
+        return self._a2a_plan
+
+    @plan.setter
+    def plan(self, p: AllToAllvPlan) -> None:
+        if hasattr(self, "_a2a_plan"):
+            check_replaced_plan("AllToAllvDynamic", self._a2a_plan, p)
+        self._a2a_plan = p
+
+    @property
     def buffer_bytes(self) -> int:
         return self.plan.symmetric_bytes + self.plan.output_bytes
 
@@ -124,17 +137,18 @@ class AllToAllvDynamic:
         t = t.contiguous()
         if t.dim() != rows_dims + 1:
             t = t.flatten(rows_dims) if t.dim() > rows_dims else t.unsqueeze(-1)   # row_shape (): one element
-        return t.view(self.plan.copy.word_dtype)
+        return t.view(self._a2a_plan.copy.word_dtype)
 
     def _rows_or_dummy(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         """Words of ``t`` [rows, *row_shape]; a one-row scratch when there are no rows (never read)."""
         if rows > 0:
             return self._words(t, 1)
-        return torch.empty((1, self.plan.copy.row_words), dtype=self.plan.copy.word_dtype, device=self.group.device)
+        c = self._a2a_plan.copy
+        return torch.empty((1, c.row_words), dtype=c.word_dtype, device=self.group.device)
 
     def _launches(self) -> dict:
         """The launches of the plan in force (``moe_comm.launches``)."""
-        return self._launch_table.get(self.plan, self._build_launches)
+        return self._launch_table.get(self._a2a_plan, self._build_launches)
 
     def _build_launches(self, p: AllToAllvPlan) -> dict:
         """Direction (True: forward, False: reverse) -> kernel name -> ``Launch`` of every kernel a call of
@@ -203,7 +217,7 @@ class AllToAllvDynamic:
                      dtype_fix="build the op with AllToAllvDynamic(group, max_rows_per_peer, row_shape, dtype={dtype})")
         if send.dim() < 1 or tuple(send.shape[1:]) != self.row_shape:
             raise ValueError(f"send must be [N, *{self.row_shape}], got {tuple(send.shape)}")
-        check_words("send", send, self.plan.copy.word_dtype.itemsize)
+        check_words("send", send, self._a2a_plan.copy.word_dtype.itemsize)
 
     # ---- reverse -------------------------------------------------------------------------------
     def combine(self, rows: torch.Tensor | None = None, handle: A2AHandle | None = None, *,
@@ -246,7 +260,7 @@ class AllToAllvDynamic:
                              "valid until two more forward calls) or its recv phase has not run")
         world = self.group.world_size
         check_tensor("rows", rows, self.group.device, self.dtype, (world, self.max_rows_per_peer, *self.row_shape))
-        check_words("rows", rows, self.plan.copy.word_dtype.itemsize)
+        check_words("rows", rows, self._a2a_plan.copy.word_dtype.itemsize)
 
     def close(self) -> None:
         """Free the symmetric buffers (collective). Any later call raises ClosedError."""

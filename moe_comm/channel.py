@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .interpreter import kernel_for
@@ -11,17 +13,47 @@ from .trace.recorder import new_ring
 from .triton_kernels.sync import abort_kernel, drain_kernel
 
 # Kernels that carry NVSHMEM calls when launched with PUT: the send kernels (the put transport) and every
-# kernel that may record a group-wide error (its status broadcast to the peers reached by puts).
+# kernel that may record a group-wide error (its status broadcast to the peers reached by puts). Their
+# builds without PUT hold no NVSHMEM state and are left alone (``nvshmem_bitcode.holds_device_state``).
 PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel",
                "fail_group_kernel")
 
 
 def register_put_kernels() -> None:
-    """CUDA modules of the kernels that carry NVSHMEM calls get ``nvshmemx_cumodule_init`` on load."""
+    """CUDA modules of these kernels get ``nvshmemx_cumodule_init`` on load where they carry NVSHMEM calls."""
     nvshmem_bitcode.install_module_init_hook()
     for name in PUT_KERNELS:
         nvshmem_bitcode.register_kernel(name)
+
+
+# The capture of a stream whose graph torch cannot name (a capture not begun by ``torch.cuda.CUDAGraph``,
+# or a torch without ``get_currently_capturing_graph``): such captures are told apart from eager launches
+# only, as before capture ids were used.
+UNIDENTIFIED_CAPTURE = "capture not begun by torch.cuda.CUDAGraph"
+
+
+def current_capture():
+    """The CUDA graph capture the current stream takes part in: None when it is not capturing; else a weak
+    reference to the ``torch.cuda.CUDAGraph`` being captured (``CUDAGraph.get_currently_capturing_graph``
+    looks it up by the stream's capture id, so a side stream joined into the capture gives the same one,
+    and two captures under way at once give two); ``UNIDENTIFIED_CAPTURE`` when torch cannot name it. Weak:
+    a channel does not keep a graph (and its memory pool) alive. Two values are the same capture when
+    they compare equal (live weak references compare as their graphs; a dead one equals only itself)."""
+    if not torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        return weakref.ref(torch.cuda.CUDAGraph.get_currently_capturing_graph())
+    except (AttributeError, RuntimeError, TypeError):
+        return UNIDENTIFIED_CAPTURE
+
+
+def waits_for_previous(same_stream: bool, previous_capture, capture) -> bool:
+    """Whether a launch must wait (``wait_event``) for the channel's previous launch: only on another
+    stream (one stream is in order already), and only within one capture sequence, or both eager
+    (``current_capture`` values): a captured launch cannot depend on an eager one nor on another capture's
+    (CUDA rejects the dependency and invalidates the capture); order those by the replay stream."""
+    return not same_stream and previous_capture == capture
 
 
 class Channel:
@@ -40,7 +72,7 @@ class Channel:
               put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
               [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
               (``moe_comm/triton_kernels/transport.py``); None otherwise
-    trace     int64 [group.trace_calls, record words]: the flight recorder of this channel's calls
+    trace     int64 [group.trace_calls + 1, record words]: the flight recorder of this channel's calls
               (``moe_comm/trace/layout.py``; one unused row when tracing is off); ``row_bytes``: bytes
               of one row its records count (set by the op)
     wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source
@@ -53,8 +85,9 @@ class Channel:
     after recv(i) too. A receive never reads the call number of another receive still running, a send
     never reuses one, and a receive never holds the SMs its own send needs. With the flags this is the
     back-pressure that keeps a sender from overwriting a zone a peer still reads. Never across a graph
-    capture boundary: a launch captured in a graph does not wait for an eager one, nor the reverse
-    (order those by the stream the graph is replayed on).
+    capture boundary: a launch captured in a graph does not wait for an eager one, nor the reverse, nor
+    for a launch of another capture (``current_capture``: captures are told apart by their graph, found
+    by the stream's capture id); order those by the stream the graph is replayed on.
     """
 
     def __init__(self, group, name: str, data_shape, data_dtype: torch.dtype, ctrl_words: int = 2,
@@ -82,7 +115,7 @@ class Channel:
             self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local,
                                   **group.put_launch_args())
         self._ordered = dev.type == "cuda"  # launches ordered by CUDA events (``after_previous``)
-        self._last_event = None  # (CUDA event after this channel's last launch, its stream, captured?)
+        self._last_event = None  # (CUDA event after this channel's last launch, its stream, its capture)
         self._drain_op = None    # op id of an aborted call whose receive side is still owed (``drain``)
         group.register(self)
 
@@ -108,10 +141,9 @@ class Channel:
         """Make the current stream wait for this channel's previous launch on this rank (CUDA only)."""
         if self._last_event is None:
             return
-        event, stream, captured = self._last_event
+        event, stream, capture = self._last_event
         current = torch.cuda.current_stream(self.group.device)
-        # Same stream: already in order. Never wait across a capture boundary.
-        if current != stream and captured == torch.cuda.is_current_stream_capturing():
+        if waits_for_previous(current == stream, capture, current_capture()):
             current.wait_event(event)
 
     def launched(self) -> None:
@@ -120,7 +152,7 @@ class Channel:
             return
         event, stream = torch.cuda.Event(), torch.cuda.current_stream(self.group.device)
         event.record(stream)
-        self._last_event = (event, stream, torch.cuda.is_current_stream_capturing())
+        self._last_event = (event, stream, current_capture())
 
     def before_send(self) -> None:
         """Order this send after the channel's previous launch, then finish the receive side of an
@@ -172,6 +204,13 @@ class Channel:
         self._drain_op = None
 
     def free(self) -> None:
+        """Free the symmetric buffers (the op's ``close()``, collective). On CUDA, first wait (on the host)
+        for the channel's last launch: every launch waits for the one before, so no kernel of the op still
+        runs on these buffers, nor on the op's local ones (the op's own tensors, allocated on whatever
+        stream its first call ran, used by the phases on theirs), when their memory is handed back."""
+        if self._last_event is not None:
+            self._last_event[0].synchronize()
+            self._last_event = None
         self.group.unregister(self)
         if self.put:
             self.group.heap.free(self.stage_ctrl)

@@ -18,7 +18,7 @@ from .errors import ClosedError, op_id
 from .launches import Launch, LaunchTable
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
-from .planner import VEC_BYTES, EPPlan, next_pow2, plan_ep, vector_aligned
+from .planner import VEC_BYTES, EPPlan, check_replaced_plan, next_pow2, plan_ep, vector_aligned
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
 from .triton_kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
 from .triton_kernels.dispatch_local import dispatch_local_kernel
@@ -181,7 +181,10 @@ class EPBuffer(OpBuffer):
     @plan.setter
     def plan(self, p: EPPlan) -> None:
         # A group that reaches a peer by puts needs the put layout (EPPlan.with_put), whoever sets the plan.
-        self._ep_plan = p.with_put() if self.group.uses_put and self.group.world_size > 1 and not p.put else p
+        p = p.with_put() if self.group.uses_put and self.group.world_size > 1 and not p.put else p
+        if getattr(self, "_allocated", False):   # buffers exist: only launch shapes may change
+            check_replaced_plan("EPBuffer", self._ep_plan, p)
+        self._ep_plan = p
 
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device) -> EPPlan:

@@ -17,8 +17,9 @@ What a launch may bind, and why it stays right:
   epoch);
 - values of the plan: ``EPBuffer``'s and ``AllToAllvDynamic``'s ``LaunchTable`` is rebuilt when the op's
   plan is replaced (tests and tuning set a plan on an op that exists, sometimes after it has run);
-  ``PrefillBuffer`` builds its zones' launches when it allocates, its plan (which sizes the zones)
-  fixed from then on;
+  ``PrefillBuffer`` rebuilds its zones' launches then. Once an op's buffers exist, a new plan must size
+  them alike (``planner.check_replaced_plan`` refuses one that does not, naming the fix): only launch
+  shapes may change, since setting a plan is local to a rank and reallocating is collective;
 - values of the group fixed when it is made: rank, world size, the transports (``Channel.put_args``), the
   flight recorder's setting (``group.trace_calls``, ``Channel.trace_args``);
 - the kernel's form, from ``MOE_COMM_INTERPRET`` and ``MOE_COMM_INTERPRET_ORDER`` as they are when the

@@ -19,15 +19,37 @@ Rules (the fault model, docs/faults.md):
   group-wide error is sticky until ``group.reset()``.
 - Launches: on CUDA every launch of an op (send, receive, abort) waits for its previous launch on this
   rank, whatever streams they are on (``Channel.after_previous``; never across a graph capture boundary).
+- Memory across streams: what the send phase leaves for the receive (``sent``/``take``) may have been
+  allocated, or given by the caller, on the send's stream and is read or written by the receive's
+  kernels on another: the receive records every such tensor for its stream (``record_for_current_stream``)
+  before launching, so the caching allocator does not hand its memory to another tensor until the
+  receive's work is done (a copy the op made, e.g. the world-1 dispatch's inputs, combine's contiguous
+  ``expert_out``, AllToAllvDynamic's reverse output, dies with the call). The op's own buffers live
+  until ``close()``, which waits for the last launch (``Channel.free``).
 - Input errors of a receive phase (``topk_weights``/``out`` given there) raise before its launch and keep
   the pending call: fix the input and call the receive phase again.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .errors import op_id
 
 PHASES = ("send", "recv", "both")
+
+
+def record_for_current_stream(items, device) -> None:
+    """``Tensor.record_stream`` of the current stream of CUDA ``device`` for every CUDA tensor among
+    ``items`` (others are skipped): the caching allocator then reuses such a tensor's memory only after
+    the work queued on this stream when the tensor is freed. A no-op for a tensor allocated on this
+    stream, or not by the caching allocator; nothing off CUDA."""
+    if device.type != "cuda":
+        return
+    stream = torch.cuda.current_stream(device)
+    for t in items:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
 
 
 class PhasedOp:
@@ -76,7 +98,8 @@ class PhasedOp:
             self.channel.before_send()
 
     def sent(self, pending) -> None:
-        """The send phase is launched; ``pending`` is what its receive phase needs."""
+        """The send phase is launched; ``pending`` is what its receive phase needs (a tuple, or one item):
+        the tensors among its items are recorded for the receive's stream by ``take``."""
         if self.channel is not None:
             self.channel.launched()
         self.pending = pending
@@ -88,6 +111,7 @@ class PhasedOp:
         if self.channel is not None:
             self.channel.before_recv()
         pending, self.pending = self.pending, None
+        record_for_current_stream(pending if isinstance(pending, tuple) else (pending,), self.group.device)
         return pending
 
     def finish(self, result):

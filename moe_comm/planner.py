@@ -109,6 +109,12 @@ class AllToAllvPlan:
     # Symmetric control words per channel: int64 [2 zones, world source ranks, 2] = (row count, flag).
     ctrl_shape: tuple
 
+    def buffer_layout(self) -> dict:
+        """What sizes the buffers allocated from this plan: every field but the copy's launch shapes."""
+        return dict(world=self.world, max_rows_per_peer=self.max_rows_per_peer, row_shape=self.row_shape,
+                    dtype=self.dtype, word_dtype=self.copy.word_dtype, row_words=self.copy.row_words,
+                    data_shape=self.data_shape, ctrl_shape=self.ctrl_shape)
+
     @property
     def row_bytes(self) -> int:
         return numel(self.row_shape) * elem_size(self.dtype)
@@ -213,6 +219,10 @@ class EPPlan:
     # rows put by put peers land as one run per peer, sorted by (expert, token, k).
     put: bool = False
 
+    def buffer_layout(self) -> dict:
+        """What sizes the buffers allocated from this plan: the fields above the launch shapes, and ``put``."""
+        return {f: getattr(self, f) for f in EP_LAYOUT_FIELDS}
+
     def with_put(self) -> "EPPlan":
         """This plan for a group that reaches some peer by puts (``group.uses_put``)."""
         return replace(self, put=True, row_words=route_row_words(self.x_words + self.scale_words, self.topk, True),
@@ -302,6 +312,10 @@ class EPPlan:
     @property
     def buffer_bytes(self) -> int:
         return self.symmetric_bytes + self.local_bytes
+
+
+EP_LAYOUT_FIELDS = ("world", "num_experts", "experts_per_rank", "hidden", "max_tokens", "topk", "dtype", "fp8",
+                    "capacity", "x_words", "scale_words", "row_words", "dispatch_ctrl_words", "out_words", "put")
 
 
 def route_row_words(payload_words: int, topk: int, put: bool) -> int:
@@ -418,6 +432,11 @@ class PrefillPlan:
     copy_programs: int    # grid of the combine's send
     zones: int = 1        # landing zones (1, or 2 for overlapped chunks)
 
+    def buffer_layout(self) -> dict:
+        """What sizes the buffers allocated from this plan: the decode plan's, the rows, the zone layout
+        and the number of zones (not the copy's launch shapes)."""
+        return dict(self.ep.buffer_layout(), rows=self.rows, x_offset=self.x_offset, zones=self.zones)
+
     @property
     def world(self) -> int:
         return self.ep.world
@@ -476,6 +495,22 @@ class PrefillPlan:
         """Bytes one rank's combine receive loads from other ranks' zones: one partial row per (token,
         remote rank holding one of its experts) pair, the floor."""
         return routed_pairs * 4 * self.ep.out_words
+
+
+def check_replaced_plan(owner: str, old, new) -> None:
+    """Refuse ``new`` as the plan of an op whose buffers were allocated from plan ``old`` unless both size
+    every buffer alike (``buffer_layout``): only launch shapes may change then. Setting a plan is local
+    to one rank, and resizing symmetric buffers is collective, so a layout change cannot follow it."""
+    if type(new) is not type(old):
+        raise TypeError(f"{owner}.plan must be a {type(old).__name__}, got {type(new).__name__}")
+    a, b = old.buffer_layout(), new.buffer_layout()
+    changed = [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
+    if changed:
+        raise ValueError(f"{owner}: the new plan sizes the buffers differently ({'; '.join(changed)}) from the "
+                         f"plan they were allocated for. Once an op's buffers exist a new plan may change only "
+                         f"launch shapes (reallocating symmetric buffers is collective; setting a plan is not). "
+                         f"Set such a plan before the op's first call (EPBuffer, PrefillBuffer allocate then), "
+                         f"or close() the op and build a new one with the sizes you want")
 
 
 PREFILL_ZONES = (1, 2)   # landing zones a PrefillBuffer may hold: in sequence, or overlapped chunks

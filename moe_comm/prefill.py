@@ -25,7 +25,7 @@ from .interpreter import kernel_for
 from .launches import Launch
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
-from .planner import PrefillPlan, next_pow2, plan_prefill
+from .planner import PrefillPlan, check_replaced_plan, next_pow2, plan_prefill
 from .triton_kernels.prefill_combine import (prefill_combine_recv_kernel, prefill_combine_send_kernel,
                                              prefill_release_kernel)
 from .triton_kernels.prefill_dispatch import prefill_dispatch_recv_kernel, prefill_dispatch_send_kernel
@@ -138,7 +138,7 @@ class _CombineChannel:
         ch, g = self.channel, self.channel.group
         ch.abort(op)
         kernel_for(prefill_release_kernel, g.device)[(1,)](
-            ch.ctrl.peer_ptrs, ch.recv_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
+            ch.ctrl.peer_ptrs, ch.send_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
 
 
 class PrefillBuffer(OpBuffer):
@@ -222,6 +222,22 @@ class PrefillBuffer(OpBuffer):
         self._next_zone = 0         # dispatches of this epoch (the zone of the next one: mod zones)
 
     # ---- planning --------------------------------------------------------------------------------
+    @property
+    def plan(self) -> PrefillPlan:
+        """Buffers and launch shapes (``moe_comm.planner.PrefillPlan``). Once the buffer has allocated (its
+        first call) a new plan may change only launch shapes (``planner.check_replaced_plan``), and every
+        zone's launches are rebuilt for it."""
+        return self._prefill_plan
+
+    @plan.setter
+    def plan(self, p: PrefillPlan) -> None:
+        if getattr(self, "_allocated", False):
+            check_replaced_plan("PrefillBuffer", self._prefill_plan, p)
+        self._prefill_plan = p
+        if getattr(self, "_allocated", False):
+            for zone in self._zones:
+                zone.launches = self._build_launches(zone)
+
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
               zones: int = 1) -> PrefillPlan:
@@ -270,8 +286,8 @@ class PrefillBuffer(OpBuffer):
 
     def _build_launches(self, zone: _Zone) -> dict:
         """Every launch of one zone (``moe_comm.launches``): its kernel (for this device), grid and the
-        arguments that never change, built once when the buffer allocates (its plan, which sizes the zones,
-        is fixed by then): a call adds only its tensors, sizes and their alignment."""
+        arguments that never change, built when the buffer allocates and again for a new plan (which sizes
+        the zones alike: ``plan``): a call adds only its tensors, sizes and their alignment."""
         p, ep, g = self.plan, self.plan.ep, self.group
         dch, cch = self._dispatch_ch, self._combine_ch
         sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,

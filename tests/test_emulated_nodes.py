@@ -4,11 +4,13 @@ mapped at all, and the only way across is the put emulation's wire (``moe_comm/h
 What these tests show: every cross-node peer pointer is 0 and no process maps a heap file of another node
 (``/proc/self/maps``); the put transport is chosen for those peers; dispatch/combine (bf16, fp8) and
 AllToAllvDynamic stay exact against the references when every cross-node byte travels as messages that a
-proxy thread of the receiving process applies asynchronously; a rank killed on the other node is named by
-a CommTimeoutError on every survivor within the timeout + 2 s, and ``exclude()`` / ``reset()`` work across
-the boundary; a group-wide error recorded on one node reaches the other as a put of the status record
-(the same named error on every rank, before the other node's own timeouts), and a dead receiver does
-not hold up that put's sender. What they cannot show: a real NIC's ordering, completion or bandwidth, or
+proxy thread of the receiving process applies asynchronously; a rank killed on the other node costs the
+ranks that put to it their process at their send's quiet, once the emulated NIC gives up (as NVSHMEM's
+quiet does), while a rank of its own node names it by a CommTimeoutError within the timeout + 2 s and
+``exclude()`` works; the wire's quiet is bounded by the emulated NIC, not the group timeout; a
+group-wide error recorded on one node reaches the other as a put of the status record (the same named
+error on every rank, before the other node's own timeouts), and a dead receiver does not hold up that
+put's sender. What they cannot show: a real NIC's ordering, completion, retry time or bandwidth, or
 NVSHMEM itself.
 """
 
@@ -89,9 +91,15 @@ def test_ops_are_exact_across_emulated_nodes(monkeypatch, world, per_node, which
     assert errs == [[]] * world
 
 
+NIC_GIVE_UP_S = 4.0   # the emulated NIC's retry time in the dead-rank tests (NVSHMEM's defaults: about 34 s)
+
+
 def _killed_on_the_other_node(group, victim):
-    """Rank ``victim`` (on another node than rank 0) dies after a good step; the survivors time out naming
-    it, exclude it, go on."""
+    """Rank ``victim`` (on another node than rank 0) dies after a good step. Every rank then makes the
+    next step: a rank that reaches the victim by puts quiets them at the end of its send, they are never
+    acknowledged, and when the emulated NIC gives up the rank's process ends (as with NVSHMEM: it never
+    gets to raise). A rank that reaches it by stores only (its own node) times out naming it, excludes
+    who does not come (the victim, and the put ranks stuck in that quiet) and goes on alone."""
     world, me = group.world_size, group.rank
     E = E_PER_RANK * world
     ep = EPBuffer(group, E, H, M, K)
@@ -109,24 +117,37 @@ def _killed_on_the_other_node(group, victim):
     except CommTimeoutError as e:
         named, took = e.peer, time.monotonic() - t0
     ep.close()
-    out = serve(group, 3, {}) if named is not None and group.exclude([named]) == [victim] else None
-    return named, took, out
+    excluded = group.exclude([named]) if named is not None else None
+    return named, took, excluded, serve(group, 3, {}) if excluded is not None else None
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, per_node", [(4, 2), (3, 1)])
-def test_killed_rank_on_the_other_node_is_named_and_excluded(monkeypatch, world, per_node):
+def test_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeypatch, capfd, world, per_node):
+    """What NVSHMEM does with a dead peer across nodes, on emulated nodes: every rank that put to the dead
+    rank (the other node's) ends at its send's quiet once the emulated NIC gives up (exit 255, the
+    message naming the dead rank, after NIC_GIVE_UP_S, not after the group timeout), never raising
+    CommTimeoutError; a rank on the dead rank's own node (stores only) names it within the timeout + 2 s,
+    excludes the rest and serves three exact steps alone. At 3 nodes of 1 rank nobody survives."""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    monkeypatch.setenv("MOE_COMM_WIRE_TRANSPORT_TIMEOUT_S", str(NIC_GIVE_UP_S))
     victim = world - 1
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_killed_on_the_other_node, world, victim, backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
     err = info.value
-    survivors = list(range(victim))
-    assert sorted(err.failures) == [victim], err.failures
-    for r in survivors:
-        named, took, out = err.results[r]
-        assert named == victim, err.results
-        assert took < TIMEOUT_S + 2, err.results
-        assert out["log"] == ["exact"] * 3 and out["mismatches"] == [] and out["live"] == survivors, out
+    put_ranks = [r for r in range(victim) if r // per_node != victim // per_node]
+    store_ranks = [r for r in range(victim) if r not in put_ranks]
+    assert sorted(err.failures) == sorted(put_ranks + [victim]), err.failures
+    assert "exit code 9" in err.failures[victim]
+    assert all("exit code 255" in err.failures[r] for r in put_ranks), err.failures
+    fatal = re.findall(r"rank (\d+)'s puts to rank (\d+) were not acknowledged after ([\d.]+) s", capfd.readouterr().err)
+    assert sorted((int(r), int(pe)) for r, pe, _ in fatal) == [(r, victim) for r in put_ranks], fatal
+    assert all(float(waited) >= NIC_GIVE_UP_S for _, _, waited in fatal), fatal
+    for r in store_ranks:
+        named, took, excluded, out = err.results[r]
+        assert named == victim and took < TIMEOUT_S + 2, err.results
+        assert sorted(excluded) == sorted(put_ranks + [victim]), excluded
+        assert out["log"] == ["exact"] * 3 and out["mismatches"] == [] and out["live"] == [r], out
 
 
 # ---- bytes on the wire: the put path at its floor -------------------------------------------------
@@ -232,10 +253,12 @@ def test_a_failure_found_on_one_node_reaches_the_other_by_puts(monkeypatch):
 
 
 def _dead_receiver(group):
-    """Rank 3 (node 1) dies after an exact call. Rank 0 starts the next call first, times out naming
-    rank 3 and broadcasts: a store to rank 1, puts to rank 2 and to the dead rank 3. Returns the error
-    fields, the seconds the failing call took, and the messages the recording rank sent rank 3 after
-    its send phase (the status put and its signal)."""
+    """Rank 3 (node 1) dies after an exact call. Rank 0 reaches a host barrier first (the others LATE_S
+    later), times out naming rank 3 and broadcasts from ``fail_group_kernel``: a store to rank 1, puts
+    to rank 2 and to the dead rank 3, none quieted. Returns the first call's mismatches, the error
+    fields, the seconds the failing barrier took, and the messages this rank sent rank 3 meanwhile (the
+    status put and its signal). (An op's send to the dead rank would end the sender at its quiet:
+    ``test_killed_rank_on_the_other_node_costs_its_put_peers_their_process``.)"""
     me = group.rank
     a2a = AllToAllvDynamic(group, 3, (8,), torch.float32)
     first = _a2a_round(group, a2a, 1)
@@ -244,13 +267,10 @@ def _dead_receiver(group):
         os._exit(9)
     if me != 0:
         time.sleep(LATE_S)
-    counts = a2a_cases.make_counts("random", group.world_size, 3, 2)
-    sends = a2a_cases.make_sends(counts, (8,), torch.float32, 2)
     t0, err = time.monotonic(), None
-    a2a(sends[me], counts[me], phase="send")
     before = group.heap.wire.stats[("messages", 3)]
     try:
-        a2a(phase="recv")
+        group.barrier()
     except GroupError as e:
         err = e
     return first, None if err is None else _fields(err), time.monotonic() - t0, \
@@ -269,6 +289,75 @@ def test_a_dead_receiver_does_not_hold_up_the_broadcast(monkeypatch):
     assert sorted(err.failures) == [3], err.failures
     out = err.results[:3]
     assert [o[0] for o in out] == [[]] * 3, out
-    assert [o[1] for o in out] == [("CommTimeoutError", "alltoallv", 0, 3, None, None)] * 3, out
+    assert [o[1] for o in out] == [("CommTimeoutError", "barrier", 0, 3, None, None)] * 3, out
     assert out[0][2] < STATUS_TIMEOUT_S + 2, out
     assert out[0][3] == 2, out      # the record's put and its signal, sent to the dead rank
+
+
+# ---- the wire's quiet: NVSHMEM's, not the group's timeout -------------------------------------------
+
+def _wire_pair(monkeypatch, transport_timeout_s):
+    """Two wires in this process (ranks 0 and 1) over a HashStore, rank 1's proxy applying into a local
+    buffer (allocation index 0); ``transport_failed`` records instead of ending the process."""
+    import ctypes
+    from torch.distributed import HashStore
+    from moe_comm.heap import wire as wire_mod
+    monkeypatch.setenv("MOE_COMM_WIRE_TRANSPORT_TIMEOUT_S", str(transport_timeout_s))
+    failed = []
+
+    def record(rank, pe, waited_s):
+        failed.append((rank, pe, waited_s))
+        raise RuntimeError("transport failed")
+    monkeypatch.setattr(wire_mod, "transport_failed", record, raising=False)
+    store, buf = HashStore(), (ctypes.c_int64 * 4)()
+    wires = [wire_mod.Wire(r, store, 0.2, lambda index: ctypes.addressof(buf)) for r in range(2)]
+    return wires, buf, failed
+
+
+def test_the_wire_quiet_waits_for_a_slow_receiver_past_the_group_timeout(monkeypatch):
+    """A receiver that acknowledges late (0.6 s, three times the group timeout of 0.2 s) but within the
+    emulated NIC's retries: the quiet waits for it, and every message lands (it used to give up at the
+    group timeout and drop the receiver's messages)."""
+    wires, buf, failed = _wire_pair(monkeypatch, 5.0)
+    deliver = wires[1]._deliver
+
+    def slow(conn):
+        time.sleep(0.6)
+        deliver(conn)
+    monkeypatch.setattr(wires[1], "_deliver", slow)
+    try:
+        wires[0].signal(1, 0, 8, 41, add=False)
+        t0 = time.monotonic()
+        wires[0].quiet()
+        took = time.monotonic() - t0
+        assert buf[1] == 41 and failed == [] and 0.3 < took < 5.0, (buf[1], failed, took)
+        wires[0].signal(1, 0, 8, 42, add=False)
+        wires[0].quiet()
+        assert buf[1] == 42
+    finally:
+        for w in wires:
+            w.close()
+
+
+def test_the_wire_quiet_to_a_dead_receiver_ends_like_nvshmem_at_the_transport_timeout(monkeypatch):
+    """A message to a receiver that is gone (its proxy closed) is never acknowledged: the quiet waits the
+    emulated NIC's retry time (1.5 s here; NVSHMEM's defaults give about 34 s), not the group timeout
+    (0.2 s), then fails the transport as NVSHMEM does (``transport_failed``: the process ends), naming
+    the receiver. It covers a message nothing quieted before (a status record's put), as NVSHMEM's quiet
+    covers every queue pair."""
+    wires, buf, failed = _wire_pair(monkeypatch, 1.5)
+    try:
+        wires[0].signal(1, 0, 0, 7, add=False)
+        wires[0].quiet()                       # alive: delivered, acknowledged
+        assert buf[0] == 7
+        wires[1].close()
+        time.sleep(0.3)
+        wires[0].signal(1, 0, 0, 8, add=False)   # e.g. a status record: sent, not quieted
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="transport failed"):
+            wires[0].quiet()
+        took = time.monotonic() - t0
+        assert [(r, pe) for r, pe, _ in failed] == [(0, 1)] and failed[0][2] >= 1.5, failed
+        assert 1.0 < took < 3.0, took
+    finally:
+        wires[0].close()

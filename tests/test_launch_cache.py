@@ -103,6 +103,63 @@ def test_a_replaced_plan_is_launched(monkeypatch):
     assert grids["a2a_send_kernel"] == {(2, gpu_a2a.copy.blocks_per_peer)}, grids
 
 
+def test_a_plan_that_resizes_allocated_buffers_is_refused_and_launch_shapes_follow(monkeypatch):
+    """Once an op's buffers exist, a plan that sizes them differently is refused at once with the fix
+    (setting a plan is local to one rank; reallocating symmetric buffers is collective), the op keeps its
+    plan and stays exact. A plan that changes only launch shapes is taken, PrefillBuffer's included (its
+    zones' launches are rebuilt: the new grids run). Before the first call of an EPBuffer any plan goes."""
+    from moe_comm import PrefillBuffer
+    from moe_comm.planner import plan_prefill
+    launched = record_launches(monkeypatch, lambda fn, args, grid: (fn.fn.__name__, tuple(grid)))
+    monkeypatch.delenv(SHAPES_ENV, raising=False)
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
+    eps = [EPBuffer(g, E_PER_RANK * 2, H, M, K) for g in groups]
+    a2as = [AllToAllvDynamic(g, CAP_A2A, ROW, torch.float32) for g in groups]
+    assert _step(eps, a2as, [0, 1], 0) == []
+    ep_plan, a2a_plan = eps[0].plan, a2as[0].plan
+    with pytest.raises(ValueError, match=rf"EPBuffer: the new plan sizes the buffers differently \(max_tokens {M} "
+                                         rf"-> {M + 3}.*close\(\) the op and build a new one"):
+        eps[0].plan = plan_ep(2, E_PER_RANK * 2, H, M + 3, K, torch.bfloat16, False, "cpu")
+    with pytest.raises(ValueError, match=rf"AllToAllvDynamic: .*max_rows_per_peer {CAP_A2A} -> {CAP_A2A + 1}"):
+        a2as[0].plan = plan_alltoallv(2, CAP_A2A + 1, ROW, torch.float32, torch.device("cpu"))
+    with pytest.raises(TypeError, match="AllToAllvDynamic.plan must be a AllToAllvPlan, got EPPlan"):
+        a2as[0].plan = ep_plan
+    assert eps[0].plan is ep_plan and a2as[0].plan is a2a_plan
+    assert _step(eps, a2as, [0, 1], 1) == []
+
+    fresh = EPBuffer(groups[0], E_PER_RANK * 2, H, M, K)   # no call yet: nothing allocated, any plan goes
+    fresh.plan = plan_ep(2, E_PER_RANK * 2, H, M + 3, K, torch.bfloat16, False, "cpu")
+    assert fresh.plan.max_tokens == M + 3
+
+    bufs = [PrefillBuffer(g, E_PER_RANK * 2, H, M, K) for g in groups]
+    for b in bufs:
+        b._ensure_allocated()
+    gpu = plan_prefill(2, E_PER_RANK * 2, H, M, K, torch.bfloat16, False, "cuda")
+    assert gpu.ep.send_grid != bufs[0].plan.ep.send_grid and gpu.copy_programs != bufs[0].plan.copy_programs
+    with pytest.raises(ValueError, match=r"PrefillBuffer: .*zones 1 -> 2"):
+        bufs[0].plan = plan_prefill(2, E_PER_RANK * 2, H, M, K, torch.bfloat16, False, "cpu", zones=2)
+    for b in bufs:
+        b.plan = gpu
+    launched.clear()
+    xs, idxs, ws, _, _ = step_inputs(99, 2, E_PER_RANK * 2, M, K, H, CAP_A2A, ROW)
+    ws = [torch.rand(i.shape) for i in idxs]
+    for b, x, i, w in zip(bufs, xs, idxs, ws):
+        b.dispatch(x, i, w, phase="send")
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    for b, d in zip(bufs, ds):
+        b.combine(d.recv_x, d.handle, phase="send")
+    ys = [b.combine(phase="recv") for b in bufs]
+    grids = {name: {grid for n, grid in launched if n == name} for name, _ in launched}
+    assert grids["prefill_dispatch_send_kernel"] == {gpu.ep.send_grid}, grids
+    assert grids["prefill_combine_send_kernel"] == {(gpu.copy_programs,)}, grids
+    for r in range(2):   # each expert returns its row: a token's sum is its row times the ranks it reached
+        reached = [len({int(e) // E_PER_RANK for e in row if e >= 0}) for row in idxs[r]]
+        expect = xs[r].float() * torch.tensor(reached, dtype=torch.float32)[:, None]
+        assert torch.equal(ys[r].float(), expect.bfloat16().float()), r
+    for g in groups:
+        g.check()
+
+
 def test_a_launch_takes_exactly_its_call_arguments():
     """A launch's call arguments are keyword-only, each kernel parameter is given once: a missing or an
     unknown one raises TypeError before anything is launched (no parameter can be left unset)."""

@@ -119,8 +119,11 @@ def test_bitcode_lookup_honours_the_override_and_says_what_is_missing(monkeypatc
     assert nb.bitcode_path() == str(f)
 
 
-def test_module_init_hook_joins_the_chain_and_only_touches_registered_kernels():
+def test_module_init_hook_joins_the_chain_and_only_touches_registered_kernels(tmp_path):
     calls = []
+    with_state, without = tmp_path / "k.cubin", tmp_path / "store_only.cubin"   # what the loaded modules hold
+    with_state.write_bytes(b"\x7fELF..." + nb.DEVICE_STATE + b"\0...")
+    without.write_bytes(b"\x7fELF...")
 
     def other(*args):
         calls.append(args[2])
@@ -134,13 +137,51 @@ def test_module_init_hook_joins_the_chain_and_only_touches_registered_kernels():
         chain(object(), None, "some_other_kernel", {}, "h")   # not ours: nothing to initialize
         assert calls == ["some_other_kernel"]
         nb.register_kernel("a_kernel_with_puts")
+        chain(object(), None, "a_kernel_with_puts", {"k.cubin": str(without)}, "h")   # its build without puts
         try:
             import nvshmem.core  # noqa: F401
         except ImportError:
             with pytest.raises(nb.NvshmemSetupError, match="module_init"):
-                chain(object(), None, "a_kernel_with_puts", {}, "h")
+                chain(object(), None, "a_kernel_with_puts", {"k.cubin": str(with_state)}, "h")
     finally:
         chain.remove(other)
         chain.remove(nb._module_init)
         nb._hook_installed = False
         nb._kernel_names.discard("a_kernel_with_puts")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.ptx
+def test_module_init_follows_what_the_module_holds_not_the_kernel_name(monkeypatch):
+    """Issue 33, item 3: ``nvshmemx_cumodule_init`` runs on a loaded module of a registered kernel only if
+    the module holds NVSHMEM's device state. ``fail_group_kernel`` (registered) compiled for sm_90 with
+    PUT (NVSHMEM calls, bitcode linked) and without (the bitcode offered all the same, the store-only
+    build a world-1 op or a store-only group beside a put group launches): the hook, called as Triton's
+    loader calls it with each build's real compile-cache files, initializes the first only, and an
+    unregistered kernel never. nvshmem4py's module_init is a recording stand-in (no GPU here: what
+    NVSHMEM does with the module is not run)."""
+    import sys
+    import types as pytypes
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from moe_comm.triton_kernels.sync import fail_group_kernel
+    opts = _bitcode_or_skip()
+    sig = dict(grp="*i64", code="i64", op="i64", rank="i32", peer="i32", bound="i64")
+    builds = {put: triton.compile(ASTSource(fail_group_kernel, dict(sig, WORLD="constexpr", WORLD_P2="constexpr",
+                                                                     PUT="constexpr"),
+                                            dict(WORLD=8, WORLD_P2=8, PUT=put)),
+                                  target=GPUTarget("cuda", 90, 32), options=opts)
+              for put in (True, False)}
+    assert nb.holds_device_state(builds[True].metadata_group)
+    assert not nb.holds_device_state(builds[False].metadata_group)
+    inited = []
+    core = pytypes.SimpleNamespace(NvshmemKernelObject=pytypes.SimpleNamespace(from_handle=lambda m: m),
+                                   module_init=inited.append)
+    monkeypatch.setitem(sys.modules, "nvshmem", pytypes.SimpleNamespace(core=core))
+    monkeypatch.setitem(sys.modules, "nvshmem.core", core)
+    monkeypatch.setattr(nb, "_kernel_names", {"fail_group_kernel"})
+    for put, ck in builds.items():
+        assert ck.name == "fail_group_kernel"
+        nb._module_init(f"module put={put}", None, ck.name, ck.metadata_group, ck.hash)
+    nb._module_init("module of another kernel", None, "other_kernel", builds[True].metadata_group, "h")
+    assert inited == ["module put=True"]

@@ -335,6 +335,41 @@ def test_two_zones_pipeline_exact_and_a_third_dispatch_is_refused():
 
 
 @pytest.mark.timeout(120)
+def test_two_zones_a_refused_combine_releases_its_own_call():
+    """zones=2, loopback world 2: dispatch 1; every rank refuses combine 1; dispatch 2; combine 2's send;
+    dispatch 3 (zone of call 1) waits for every rank's release of combine 1, which the refusal published:
+    no false CommTimeoutError, and every result is exact. (The release once carried the previous call's
+    number: dispatch 3 then waited for a release no rank published.)"""
+    cfg = CONFIGS[0]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=2.0)
+    bufs = [make_buffer(g, cfg, zones=2) for g in groups]
+    calls = [make_inputs(cfg, 2, "random", 60 + i) for i in range(3)]
+    exp = [expected(cfg, 2, *c) for c in calls]
+    _round(bufs, calls, 0, "send")
+    d1 = [b.dispatch(phase="recv") for b in bufs]
+    for b, d in zip(bufs, d1):
+        with pytest.raises(TypeError, match="expert_out has dtype torch.float32"):
+            b.combine(d.recv_x.float(), d.handle, phase="send")
+    _round(bufs, calls, 1, "send")
+    d2 = [b.dispatch(phase="recv") for b in bufs]
+    for r, (b, d) in enumerate(zip(bufs, d2)):
+        b.combine(expert_out(d, exp[1][0][r], r, cfg), d.handle, phase="send")
+    _round(bufs, calls, 2, "send")
+    d3 = [b.dispatch(phase="recv") for b in bufs]
+    assert [d.handle.zone for d in d3] == [0, 0]
+    for r, d in enumerate(d3):
+        assert check_dispatch(d, exp[2][0][r], cfg, f"call 3 rank{r}") == []
+    y2 = [b.combine(phase="recv") for b in bufs]
+    assert all(torch.equal(y, e) for y, e in zip(y2, exp[1][2]))
+    for r, (b, d) in enumerate(zip(bufs, d3)):
+        b.combine(expert_out(d, exp[2][0][r], r, cfg), d.handle, phase="send")
+    y3 = [b.combine(phase="recv") for b in bufs]
+    assert all(torch.equal(y, e) for y, e in zip(y3, exp[2][2]))
+    for g in groups:
+        g.check()
+
+
+@pytest.mark.timeout(120)
 def test_two_zones_fault_mid_pipeline_is_sticky_and_reset_starts_the_zones_over():
     """zones=2, loopback world 2, dispatches a and b in flight; rank 1 skips combine a: rank 0's combine
     raises CommTimeoutError naming it with NaN rows, every later call on both ranks raises (NaN rows for

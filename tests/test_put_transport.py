@@ -136,19 +136,21 @@ def test_a_put_outside_symmetric_memory_is_refused():
 # ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------
 
 def _unquieted_reuse(events):
-    """Puts to a rank that a call published to (put_signal or signal) with no quiet since: the next
+    """Puts to a rank that a call published staged data to (put_signal) with no quiet since: the next
     call's staging for that rank would be rewritten while the last call's puts may still read it.
-    The last event of the log must also leave no put in flight (reported as index len(events))."""
+    The last event of the log must also leave no put of staged bytes in flight (reported as index
+    len(events)). A signal alone (an abort's flag, a status tag, an empty run) reads no staging and
+    needs no quiet."""
     published, in_flight, bad = set(), False, []
     for i, (event, pe) in enumerate(events):
         if event in ("put", "put_signal") and pe in published:
             bad.append(i)
-        if event in ("put_signal", "signal"):
+        if event == "put_signal":
             published.add(pe)
         if event == "quiet":
             published.clear()
             in_flight = False
-        elif event in ("put", "put_signal", "signal"):
+        elif event in ("put", "put_signal"):
             in_flight = True
     return bad + ([len(events)] if in_flight else [])
 
@@ -217,18 +219,44 @@ def test_timeout_and_recovery_over_puts(put_forced):
                 assert torch.equal(res[r].recv[j, :n], exp[r][0][j, :n])
 
 
-def test_abort_reaches_put_peers(put_forced):
-    """A rank that cannot make a call publishes ABORT by an NVSHMEM signal: the peer raises
-    CommAbortedError instead of timing out."""
+def test_abort_reaches_put_peers(put_forced, monkeypatch):
+    """A rank that cannot make a call publishes ABORT by an NVSHMEM signal, and waits for nothing (no
+    quiet: the signal is delivered without one, reads no staging, and a quiet to a dead peer would end
+    the process when the NIC gives up, docs/faults.md): the peer raises CommAbortedError instead of
+    timing out."""
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
     eps = [EPBuffer(g, 8, 128, 3, 2) for g in groups]
     x = torch.randn(3, 128).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
     with pytest.raises(ValueError):
         eps[1].dispatch(x[:, :64], idx, phase="send")      # bad input on rank 1 only: it aborts the call
+    assert events == [("signal", 0)], events              # the abort: one signal to rank 0, no quiet
     eps[0].dispatch(x, idx, phase="send")
     with pytest.raises(CommAbortedError):
         eps[0].dispatch(phase="recv")
+
+
+def test_one_quiet_per_send_launch_after_every_flush(put_forced, monkeypatch):
+    """AllToAllvDynamic over puts (loopback world 3, every peer a put peer): each send launch flushes
+    every peer, then quiets once, at its end (each quiet waits on every queue pair of the rank, so one
+    per launch is what the staging's reuse needs; the receive launches put nothing and quiet nothing)."""
+    groups = moe_comm.init(backend="loopback", world_size=3, device="cpu", timeout_s=5.0)
+    ops = [AllToAllvDynamic(g, 4, (8,), torch.float32) for g in groups]
+    counts = [torch.tensor([1, 2, 0], dtype=torch.int32) for _ in groups]
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    for op, c in zip(ops, counts):
+        op(torch.randn(int(c.sum()), 8), c, phase="send")
+        assert [e for e, _ in events].count("quiet") == 1 and events[-1] == ("quiet", -1), events
+        assert sorted(pe for e, pe in events if e == "put_signal") == [0, 1, 2], events
+        events.clear()
+    for op in ops:
+        op(phase="recv")
+    assert events == []
 
 
 # ---- ordering on the put path: every signal to a rank after a fence that follows the puts to it -------
@@ -333,6 +361,7 @@ def test_the_reuse_check_finds_a_missing_quiet():
     assert _unquieted_reuse(one_call + [("quiet", -1)] + one_call + [("quiet", -1)]) == []
     assert _unquieted_reuse(one_call + one_call + [("quiet", -1)]) == [8, 10, 12, 14]
     assert _unquieted_reuse(one_call) == [8]
+    assert _unquieted_reuse([("signal", 1), ("signal", 2)]) == []   # an abort's flags: nothing staged
 
 
 @pytest.mark.timeout(300)

@@ -189,3 +189,108 @@ def test_slow_rank_and_dead_rank_are_named_from_the_dumps(tmp_path, monkeypatch)
     assert not [x for x in diag.never_published if x["rank"] != DEAD], diag.lines
     assert (f"NEVER PUBLISHED: rank {DEAD} never published alltoallv call {CALLS + 1} (channel a2a.fwd, "
             f"epoch 0): ranks 0, 1, 2 waited for it (receive: timeout)") in diag.lines
+
+
+# ---- consistent records (issue 33, item 4): a seqlock per half, rows prepared for the next call -------
+
+def test_a_dump_while_a_receive_waits_never_pairs_its_tag_with_an_older_calls_words(monkeypatch):
+    """A ring of two calls (three rows) on loopback world 2: calls 1-3, then call 4 reuses call 1's row.
+    Rank 1 does not come to call 4, and while rank 0's receive waits for it, dumps read rank 0's ring
+    (from inside the wait's polls: the interpreter runs them between two statements of the kernel; the
+    last one, during the wait for rank 1, is checked). The call-4 receive is there, running (no end, no
+    outcome), and its per-peer words are its own: its own flag seen in this call, nothing yet of rank 1,
+    not call 1's rows and times (they used to be reported under call 4's tag)."""
+    from moe_comm.interpreter import twin_module
+    groups, ops = _loopback_a2a(2, trace=2, timeout_s=1.0)
+    counts = [torch.tensor([1, 3]), torch.tensor([2, 4])]
+    for _ in range(3):
+        _round(ops, counts, back=False)
+    twin = twin_module("moe_comm.triton_kernels.sync")
+    now, dumps = twin.now_ns, []
+
+    def poll():
+        dumps[:] = [channel_records(ops[0]._fwd)]
+        return now()
+    monkeypatch.setattr(twin, "now_ns", poll)
+    ops[0](torch.randn(4, *ROW), counts[0], phase="send")
+    with pytest.raises(CommTimeoutError, match="peer rank 1"):
+        ops[0](phase="recv")
+    (rec,) = [r for r in dumps[0] if r.call == 4]
+    assert rec.recv_start is not None and rec.recv_end is None and rec.outcome is None
+    assert rec.seen[1] is None and rec.recv_rows[1] == 0 and rec.waited[1] == 0, rec
+    assert rec.seen[0] is not None and rec.seen[0] >= rec.recv_start and rec.recv_rows[0] == 1, rec
+    assert [r.call for r in dumps[0]] == [2, 3, 4]
+
+
+def test_rows_are_prepared_and_a_call_on_an_unprepared_row_reports_no_per_peer_words():
+    """After every phase the next call's row is prepared (tag PREP of that call, per-peer words 0) and
+    the phase's own tag carries DONE. A call whose row nobody prepared (the one after an aborted call;
+    the first after ``reset()``) is marked STALE: its header is reported, its per-peer words are not
+    (they may be an older call's)."""
+    groups, ops = _loopback_a2a(2, trace=2)
+    counts = [torch.tensor([1, 3]), torch.tensor([2, 4])]
+    _round(ops, counts, back=False)
+    ring, flag = ops[0]._fwd.trace, layout.split_tag
+    row, nxt = ring[1].tolist(), ring[2].tolist()
+    for t in (layout.T_SEND_TAG, layout.T_RECV_TAG):
+        assert row[t] == 1 | layout.DONE_BIT and nxt[t] == 2 | layout.PREP_BIT, (row, nxt)
+    assert nxt[layout.HEADER_WORDS:] == [0] * 8
+    for _ in range(2):
+        _round(ops, counts, back=False)           # calls 2, 3: row 1 prepared for call 4
+    recs = {r.call: r for r in channel_records(ops[0]._fwd)}
+    assert sorted(recs) == [2, 3] and recs[3].recv_rows == [1, 2] and recs[3].seen[1] is not None
+    for op in ops:                                # call 4 aborted on every rank: nothing traced
+        with pytest.raises(TypeError, match="dtype"):
+            op(torch.randn(4, *ROW).double(), torch.tensor([1, 3]), phase="send")
+    _round(ops, counts, back=False)               # call 5, on call 2's row, never prepared
+    recs = {r.call: r for r in channel_records(ops[0]._fwd)}
+    assert sorted(recs) == [5] and ops[0]._fwd.trace[2, layout.T_RECV_TAG] & layout.STALE_BIT
+    assert (recs[5].outcome, recs[5].recv_rows, recs[5].seen, recs[5].sent_rows) == ("ok", [], [], [])
+    for g in groups:
+        g.reset()
+    _round(ops, counts, back=False)               # epoch 1, call 1: row 1 was prepared for epoch 0
+    (after,) = [r for r in channel_records(ops[0]._fwd) if r.epoch == 1]
+    assert (after.call, after.outcome, after.recv_rows) == (1, "ok", [])
+    _round(ops, counts, back=False)               # call 2 was prepared by call 1
+    (two,) = [r for r in channel_records(ops[0]._fwd) if (r.epoch, r.call) == (1, 2)]
+    assert two.recv_rows == [1, 2] and two.sent_rows == [1, 3]
+
+
+class _Row:
+    """A ring row whose tag words read ``tags[k]`` at the k-th read (a writer publishing meanwhile)."""
+
+    def __init__(self, words, tags):
+        self.words, self.tags, self.reads = list(words), tags, {}
+
+    def __getitem__(self, t):
+        k = self.reads.get(t, 0)
+        self.reads[t] = k + 1
+        return self.tags.get(t, [self.words[t]])[min(k, len(self.tags.get(t, [0])) - 1)]
+
+    def tolist(self):
+        return list(self.words)
+
+
+def test_the_reader_keeps_a_half_only_when_its_tag_reads_alike_around_its_words():
+    """``consistent_row``: a half whose tag changes while its words are read (a phase beginning or ending
+    meanwhile) is given up after its retries; the other half is kept. ``decode_row``: end words only
+    under DONE, per-peer words not under STALE, a prepared row is no record."""
+    from moe_comm.trace.recorder import READ_TRIES, consistent_row
+    world, words = 2, [0] * layout.record_words(2)
+    words[layout.T_SEND_TAG], words[layout.T_RECV_TAG] = 7 | layout.DONE_BIT, 7
+    words[layout.T_SEND_END], words[layout.T_RECV_END], words[layout.T_OUTCOME] = 50, 60, 1
+    words[layout.HEADER_WORDS:layout.HEADER_WORDS + 2] = [3, 4]          # SENT_ROWS
+    moving = [7 | layout.DONE_BIT, 0] * READ_TRIES                         # never reads alike twice
+    got = consistent_row([_Row(words, {layout.T_SEND_TAG: moving})], 0)
+    assert got[layout.T_SEND_TAG] == 0 and got[layout.T_RECV_TAG] == 7
+    (rec,) = layout.decode_row(got, world, 4)
+    assert rec.send_start is None and rec.recv_start is not None
+    assert (rec.recv_end, rec.outcome) == (None, None)                    # no DONE: the end words are not read
+    (rec,) = layout.decode_row(words, world, 4)
+    assert (rec.send_end, rec.sent_rows) == (50, [3, 4])
+    stale = list(words)
+    stale[layout.T_SEND_TAG] |= layout.STALE_BIT
+    assert layout.decode_row(stale, world, 4)[0].sent_rows == []
+    prepared = list(words)
+    prepared[layout.T_SEND_TAG] = prepared[layout.T_RECV_TAG] = 8 | layout.PREP_BIT
+    assert layout.decode_row(prepared, world, 4) == []

@@ -120,6 +120,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import phased
 from ..checks import check_tensor
 from ..ep import EPBuffer
 from ..errors import MoECommError
@@ -374,6 +375,8 @@ class Buffer:
         handle = LowLatencyHandle((src_info, layout_range, M, hidden, E), self, ep, int(x.shape[0]), topk)
 
         def finish(d) -> None:
+            # Made at the send, written here (the hook may run on another stream): recorded for this one.
+            phased.record_for_current_stream((recv_count, src_info, layout_range, scales), dev)
             recv_count.copy_(d.counts)
             layout.src_info(d.src, M, out=src_info)
             layout.layout_range(d.src, d.counts, M, W, out=layout_range)

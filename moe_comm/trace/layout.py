@@ -7,6 +7,23 @@ too), a plain tensor on the CPU. The send and receive phases of a call may run o
 not at all (a rank that died), so each phase tags the words it writes with its own flag value
 (``protocol.flag(epoch, call)``): a phase's words are about ``call`` only if its tag says so.
 
+Each half (send, receive) of a row is a seqlock, so that a reader (a dump, after a hang too) never pairs
+one call's tag with another call's words (``triton_kernels/trace.py`` writes it):
+
+- the phase's first program reads the tag, sets it to 0 (invalid) and fences before it writes the
+  header words, then publishes the tag (a CTA barrier and a system-scope release): ``flag`` while the
+  phase runs, with STALE_BIT when the per-peer words were not prepared for this call;
+- the per-peer words (rows, SEEN, WAITED) start at 0: the phase of the call before, at its end, set the
+  next row's tag to ``flag(epoch, call + 1) | PREP_BIT`` (no record: the old one there is given up,
+  so a ring of N rows keeps the last N - 1 calls) and then cleared that row's per-peer words. A call
+  after one that did not trace (an aborted call, the first after a reset) finds its row unprepared:
+  STALE_BIT, and its per-peer words are not reported;
+- the last program writes the end words (end time, outcome, error), then publishes the tag again with
+  DONE_BIT: the end words are valid only under it.
+
+The host reads the tag, the words, then the tag again, and keeps a half only if both reads agree and
+name a record (``recorder.channel_records``).
+
 Times are nanoseconds of the device clock (``sync.now_ns``: %globaltimer on a GPU, CLOCK_MONOTONIC under
 Triton's interpreter). Durations on one rank are exact; times of different GPUs are not comparable.
 """
@@ -23,15 +40,16 @@ DEFAULT_CALLS = 64     # records per channel when tracing is on without a size
 T_OP = 0               # op id (errors.OPS index) of the channel
 T_SEND_TAG = 1         # flag(epoch, call) of the send phase that wrote words T_SEND_*; 0 never
 T_SEND_START = 2       # ns: the send kernel began (its program 0)
-T_SEND_END = 3         # ns: the send kernel's last program finished (after publishing); 0 while it runs
+T_SEND_END = 3         # ns: the send kernel's last program finished (after publishing); valid under DONE_BIT
 T_RECV_TAG = 4         # flag(epoch, call) of the receive phase that wrote words T_RECV_*, SEEN, RECV_ROWS
 T_RECV_START = 5       # ns: the receive kernel began (its program 0)
-T_RECV_END = 6         # ns: the receive kernel's last program finished; 0 while it runs (or hangs)
+T_RECV_END = 6         # ns: the receive kernel's last program finished; valid under DONE_BIT
 T_OUTCOME = 7          # error code in this rank's error word when the receive ended (errors.ERR_*; 0 ok)
 T_ERR_PEER = 8         # that error's peer word (the rank waited for, the expert, ...)
 T_ERR_VALUE = 9        # that error's value word (desync: the call the peer's flag showed)
 T_ERR_BOUND = 10       # that error's bound word (desync / timeout: the call this rank expected)
-HEADER_WORDS = 12      # (word 11 unused) then four words per peer, [world] each:
+HEADER_WORDS = 12      # (word 11 unused) then four words per peer, [world] each (SENT_ROWS: the send's,
+#                        the other three the receive's):
 
 
 def sent_rows_word(world: int) -> int:
@@ -60,6 +78,18 @@ def record_words(world: int) -> int:
     return HEADER_WORDS + 4 * world
 
 
+# Bits of a row's tag besides the flag (epoch << EPOCH_SHIFT | call; epochs stay below 2**19).
+DONE_BIT = 1 << 61     # the phase ended: its end words (end time; outcome and error) are valid
+STALE_BIT = 1 << 60    # the row was not prepared for this call: its per-peer words are not this call's
+PREP_BIT = 1 << 59     # no record: the row is cleared for the call in the low bits (per-peer words 0)
+TAG_BITS = DONE_BIT | STALE_BIT | PREP_BIT
+
+
+def is_record(tag: int) -> bool:
+    """Whether a half's tag names a call's record (not 0, not a prepared row)."""
+    return tag != 0 and not tag & PREP_BIT
+
+
 OUTCOMES = {0: "ok", 1: "timeout", 2: "data error (capacity)", 3: "data error (index)", 4: "abort",
             5: "desync"}
 
@@ -84,6 +114,8 @@ class TraceRecord:
     outcome: str | None = None       # OUTCOMES value; None without a finished receive
     error: list[int] | None = None   # [peer, value, bound] of the error word when outcome is not "ok"
     row_bytes: int = 0                                   # bytes of one row (the channel's)
+    # Per-peer words: empty where the phase's row was not prepared for the call (STALE_BIT); while a
+    # phase runs, a peer's words not written yet read 0 (SEEN: None).
     sent_rows: list[int] = field(default_factory=list)   # per peer: rows this rank's send addressed to it
     recv_rows: list[int] = field(default_factory=list)   # per source: rows this rank's receive took from it
     seen: list[int | None] = field(default_factory=list)  # per source: ns its flag was seen, None never
@@ -99,30 +131,35 @@ class TraceRecord:
 
 
 def decode_row(words: list[int], world: int, row_bytes: int) -> list[TraceRecord]:
-    """The calls one ring row (a list of int64) holds: one record when both phases of a call wrote it,
-    two when the send phase of a later call has already overwritten the send words, none when unused."""
-    tags = sorted({t for t in (words[T_SEND_TAG], words[T_RECV_TAG]) if t})
-    return [_decode(words, world, tag, row_bytes) for tag in tags]
+    """The calls one ring row (a list of int64, each half read consistently: ``recorder``) holds: one
+    record when both phases of a call wrote it, two when the send phase of a later call has already
+    overwritten the send words, none when unused or prepared for a call not made yet."""
+    calls = sorted({t & ~TAG_BITS for t in (words[T_SEND_TAG], words[T_RECV_TAG]) if is_record(t)})
+    return [_decode(words, world, call, row_bytes) for call in calls]
 
 
-def _decode(words: list[int], world: int, tag: int, row_bytes: int) -> TraceRecord:
-    send, recv = words[T_SEND_TAG] == tag, words[T_RECV_TAG] == tag
+def _decode(words: list[int], world: int, flag: int, row_bytes: int) -> TraceRecord:
+    send_tag, recv_tag = words[T_SEND_TAG], words[T_RECV_TAG]
+    send = is_record(send_tag) and send_tag & ~TAG_BITS == flag
+    recv = is_record(recv_tag) and recv_tag & ~TAG_BITS == flag
     op = words[T_OP]
-    rec = TraceRecord(OPS[op] if 0 <= op < len(OPS) else f"op#{op}", *split_tag(tag), row_bytes=row_bytes)
+    rec = TraceRecord(OPS[op] if 0 <= op < len(OPS) else f"op#{op}", *split_tag(flag), row_bytes=row_bytes)
     if send:
         rec.send_start = words[T_SEND_START]
-        rec.send_end = words[T_SEND_END] or None
-        s = sent_rows_word(world)
-        rec.sent_rows = words[s:s + world]
+        rec.send_end = words[T_SEND_END] if send_tag & DONE_BIT else None
+        if not send_tag & STALE_BIT:
+            s = sent_rows_word(world)
+            rec.sent_rows = words[s:s + world]
     if recv:
         rec.recv_start = words[T_RECV_START]
-        rec.recv_end = words[T_RECV_END] or None
-        if rec.recv_end is not None:
+        if recv_tag & DONE_BIT:
+            rec.recv_end = words[T_RECV_END]
             rec.outcome = OUTCOMES.get(words[T_OUTCOME], f"error code {words[T_OUTCOME]}")
             if words[T_OUTCOME]:
                 rec.error = words[T_ERR_PEER:T_ERR_BOUND + 1]
-        r, v, w = recv_rows_word(world), seen_word(world), waited_word(world)
-        rec.recv_rows = words[r:r + world]
-        rec.seen = [t or None for t in words[v:v + world]]
-        rec.waited = words[w:w + world]
+        if not recv_tag & STALE_BIT:
+            r, v, w = recv_rows_word(world), seen_word(world), waited_word(world)
+            rec.recv_rows = words[r:r + world]
+            rec.seen = [t or None for t in words[v:v + world]]
+            rec.waited = words[w:w + world]
     return rec

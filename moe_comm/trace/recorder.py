@@ -59,16 +59,39 @@ def status() -> dict:
 
 
 def new_ring(world: int, calls: int, device: torch.device) -> torch.Tensor:
-    """int64 [max(calls, 1), record_words(world)], zeros: pinned host memory on CUDA (the host reads it
-    without a device sync), a plain tensor on the CPU. One unused row when tracing is off."""
+    """int64 [calls + 1, record_words(world)], zeros: pinned host memory on CUDA (the host reads it
+    without a device sync), a plain tensor on the CPU. The extra row is the one prepared for the next
+    call (``layout``), so the ring holds the last ``calls`` calls. One unused row when tracing is off."""
     pin = device.type == "cuda"
-    return torch.zeros((max(calls, 1), layout.record_words(world)), dtype=torch.int64, pin_memory=pin)
+    return torch.zeros((calls + 1 if calls else 1, layout.record_words(world)), dtype=torch.int64, pin_memory=pin)
+
+
+READ_TRIES = 8          # reads of a row whose tags change meanwhile before its halves are given up
+TAG_WORDS = (layout.T_SEND_TAG, layout.T_RECV_TAG)
+
+
+def consistent_row(ring: torch.Tensor, i: int, tries: int = READ_TRIES) -> list[int]:
+    """Row ``i`` of a ring that kernels may be writing (a seqlock per half, ``layout``): each half's tag,
+    its words, its tag again, until both tags read alike; a half whose tag kept changing comes back
+    with tag 0 (no record). The reads are in program order, which x86 keeps for loads; a weaker host
+    (Arm) would need a load fence between them, which Python cannot issue."""
+    row = ring[i]
+    for _ in range(tries):
+        before = [int(row[t]) for t in TAG_WORDS]
+        words = row.tolist()
+        after = [int(row[t]) for t in TAG_WORDS]
+        if before == after:
+            break
+    for t, a, b in zip(TAG_WORDS, before, after):
+        words[t] = a if a == b == words[t] else 0
+    return words
 
 
 def channel_records(ch) -> list[layout.TraceRecord]:
-    """Every call a channel's ring holds, oldest first."""
+    """Every call a channel's ring holds, oldest first (each half of a row read consistently)."""
     world = ch.group.world_size
-    recs = [r for row in ch.trace.tolist() for r in layout.decode_row(row, world, ch.row_bytes)]
+    recs = [r for i in range(ch.trace.shape[0])
+            for r in layout.decode_row(consistent_row(ch.trace, i), world, ch.row_bytes)]
     return sorted(recs, key=lambda r: (r.epoch, r.call))
 
 

@@ -12,7 +12,8 @@ wait failed, no result is partial: the last program zeroes every receive count.
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): the rows for j go to this rank's staging for j; the last program for j puts them in one
-``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag. When the live
+``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag; the last program
+of the grid completes them all with one ``quiet`` (the staging is rewritten by the next send). When the live
 ranks are reached by both transports, the last program for j fences at system scope before its flag,
 whichever transport carries it (``transport.order_transports``, as the EP send kernels do).
 
@@ -30,7 +31,7 @@ from . import trace
 from .copy import address, copy_rows
 from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
                    live_ranks, record_error, wait_flags)
-from .transport import deliver, dest, order_transports, put_peers
+from .transport import deliver, dest, drain, order_transports, put_peers
 
 
 @triton.jit
@@ -138,10 +139,16 @@ def a2a_send_kernel(
         deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,
                 as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * row_bytes,
                 own_ctrl, ctrl, 8, own_ctrl + 1, peer, PUT)
-    last_all, _ = arrive(done_ptr + WORLD, WORLD * NBLK, 0)
+    # The programs that flushed a put peer's staging count themselves in (arrive's flag): the launch's
+    # last program completes those puts with one quiet, before the next send may rewrite the staging.
+    flushed = last & live & (skipped == 0) & put
+    last_all, any_flushed = arrive(done_ptr + WORLD, WORLD * NBLK, flushed)
     if last_all:
+        if PUT:
+            if any_flushed:
+                drain()
         tl.store(seq_ptr, call)
-    trace.send_end(trace_ptr, call, last_all, WORLD, TRACE_N, TRACE)
+    trace.send_end(trace_ptr, call, last_all, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -182,8 +189,7 @@ def a2a_recv_kernel(
         else:
             ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
         arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0
-    trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)
-    trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)
+    trace.add_waits(wait_ptr, seen, src, blk == 0, live, t_wait, WORLD, TRACE)   # (SEEN of an excluded source: 0)
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.
         cnt = tl.minimum(tl.maximum(tl.load(ctrl), 0), max_rows)   # published before the flag: a plain load
@@ -206,7 +212,7 @@ def a2a_recv_kernel(
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 w = tl.arange(0, WORLD_P2)
                 tl.store(recv_counts_ptr + w, 0, mask=w < WORLD)
-    trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)
+    trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit

@@ -239,7 +239,7 @@ def combine_send_kernel(
                               own_flag, flag, p)
                 drain()   # one wait for the runs to every peer, all in flight together
         tl.store(seq_ptr, call)
-    trace.send_end(trace_ptr, call, last, WORLD, TRACE_N, TRACE)
+    trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -356,4 +356,4 @@ def combine_recv_kernel(
             # program that reads no peer's rows does not wait, and cannot know (the error is raised).
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # adopted into this rank's word: raised
                 fill_nan(out_ptr, num_tokens, HIDDEN, BT, BH, ALIGNED)
-        trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)
+        trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)

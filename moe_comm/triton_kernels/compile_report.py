@@ -206,7 +206,7 @@ def _prefill_configs() -> list[KernelConfig]:
         world, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.out_words * 4,
         X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True)))
     out.append(KernelConfig("prefill_combine", "prefill_release_kernel", "EP8", dict(
-        ctrl_ptrs_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), world))
+        ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", grp="*i64", rank="i32"), world))
     return out
 
 

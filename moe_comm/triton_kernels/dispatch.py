@@ -232,7 +232,7 @@ def dispatch_send_kernel(
                               own_ctrl + CTRL_WORDS - 1, flag, p)
                 drain()   # one wait for the puts to every peer, all in flight together
         tl.store(seq_ptr, call)
-    trace.send_end(trace_ptr, call, last, WORLD, TRACE_N, TRACE)
+    trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit
@@ -356,4 +356,4 @@ def dispatch_recv_kernel(
         tl.store(seq_ptr, call)
         if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # the error is in this rank's word: raised
             tl.store(out_counts_ptr + e, 0, mask=e_live)
-    trace.recv_end(trace_ptr, grp, call, last, WORLD, TRACE_N, TRACE)
+    trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)

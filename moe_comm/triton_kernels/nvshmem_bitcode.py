@@ -10,9 +10,13 @@ Triton, and initialize every loaded module that calls NVSHMEM.
   ``MOE_COMM_NVSHMEM_UNVERIFIED=1`` lets an untried pair through, never a known-bad one).
 - ``launch_options(arch)``: the ``extern_libs`` a launch of a kernel with NVSHMEM calls needs.
 - ``install_module_init_hook()``: NVSHMEM needs ``nvshmemx_cumodule_init`` on every loaded CUDA module
-  that uses its device state, before the first launch. The hook joins Triton's
-  ``knobs.runtime.kernel_load_end_hook`` chain (other users' hooks keep running) and initializes only
-  modules of the kernels registered with ``register_kernel``.
+  that uses its device state, before the first launch, and only there (it looks the state up in the
+  module). The hook joins Triton's ``knobs.runtime.kernel_load_end_hook`` chain (other users' hooks keep
+  running) and initializes a module of a kernel registered with ``register_kernel`` if the module holds
+  NVSHMEM's device state (``holds_device_state``: its cubin defines ``nvshmemi_device_state_d``, which
+  the bitcode brings in with the first NVSHMEM call). So a kernel's build without the put path (``PUT``
+  False: a world-1 op under ``MOE_COMM_TRANSPORT=put``, or a store-only group beside a put group) loads
+  without NVSHMEM, whatever its name.
 """
 
 from __future__ import annotations
@@ -145,17 +149,31 @@ def launch_options(arch: int = 90) -> dict:
 
 
 # ---- module init ------------------------------------------------------------------------------------
+DEVICE_STATE = b"nvshmemi_device_state_d"   # NVSHMEM's device state: the global nvshmemx_cumodule_init sets
 _kernel_names: set[str] = set()
 _hook_installed = False
 
 
 def register_kernel(name: str) -> None:
-    """Kernels named here get ``nvshmemx_cumodule_init`` when Triton loads their module."""
+    """Modules of the kernels named here get ``nvshmemx_cumodule_init`` when Triton loads them, if they
+    hold NVSHMEM's device state (``holds_device_state``)."""
     _kernel_names.add(name)
 
 
+def holds_device_state(metadata_group: dict) -> bool:
+    """Whether a compiled kernel's module holds NVSHMEM's device state: its cubin (the ``*.cubin`` path of
+    Triton's ``metadata_group``, which Triton always keeps) names the global ``nvshmemi_device_state_d``.
+    A build that makes no NVSHMEM call does not (nothing of the bitcode is linked in), and initializing
+    it would fail: NVSHMEM looks the global up in the module."""
+    for file, path in metadata_group.items():
+        if file.endswith(".cubin"):
+            with open(path, "rb") as f:
+                return DEVICE_STATE in f.read()
+    return False
+
+
 def _module_init(module, function, name, metadata_group, hash_) -> None:  # Triton's InitHandleHook
-    if module is None or name not in _kernel_names:
+    if module is None or name not in _kernel_names or not holds_device_state(metadata_group or {}):
         return
     try:
         import nvshmem.core as nvc  # noqa: PLC0415

@@ -20,7 +20,8 @@ operations in this process: a put is a byte copy into the peer's copy (found thr
 the peer's word, ``fence`` and ``quiet`` do nothing (every interpreted put is complete when it
 returns). A peer on another emulated node (``MOE_COMM_RANKS_PER_NODE``) is not mapped: its puts and
 signals are messages on the wire (``moe_comm/heap/wire.py``), applied asynchronously by a proxy in the
-receiving process, and ``quiet`` waits until they are delivered. So CPU tests run the put transport's protocol (the order of payload, counts and signal)
+receiving process, and ``quiet`` waits until they are delivered, or ends the process when the emulated
+NIC gives up on one (a dead receiver), as NVSHMEM does. So CPU tests run the put transport's protocol (the order of payload, counts and signal)
 through the very calls the compiled kernels make; they cannot show RDMA timing.
 """
 
@@ -202,8 +203,9 @@ if INTERPRET:
 
     @triton.jit
     def quiet():
-        """Complete every put this thread issued (interpreted puts to mapped peers are complete already;
-        puts on the wire to another emulated node are delivered by then, or dropped after the timeout)."""
+        """Complete every put this rank issued (interpreted puts to mapped peers are complete already;
+        puts on the wire to another emulated node are delivered by then, or the emulated NIC gave up on
+        one and the process ended, as NVSHMEM's quiet does: ``heap/wire.py``)."""
         _order("quiet", -1)
         _quiet_wires()
 

@@ -43,10 +43,13 @@ def publish_released(ctrl_ptrs_ptr, call, grp, rank, WORLD: tl.constexpr, WORLD_
 
 
 @triton.jit
-def prefill_release_kernel(ctrl_ptrs_ptr, recv_seq_ptr, grp, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
-    """A combine this rank aborted (an input error, ``Channel.abort`` has advanced the counts) read no zone:
-    it releases them, so that when every rank aborted the call the next dispatch does not wait. Grid (1,)."""
-    publish_released(ctrl_ptrs_ptr, tl.load(recv_seq_ptr), grp, rank, WORLD, WORLD_P2)
+def prefill_release_kernel(ctrl_ptrs_ptr, send_seq_ptr, grp, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """A combine this rank aborted (an input error) read no zone: it releases them, so that when every rank
+    aborted the call the next dispatch does not wait. Run right after ``Channel.abort``, which advanced
+    the send count to the aborted call (the receive count still names the call before: its drain is owed
+    to the channel's next launch), so the release is of ``send_seq``'s call, the one the next dispatch
+    waits for once that drain ran. Grid (1,)."""
+    publish_released(ctrl_ptrs_ptr, tl.load(send_seq_ptr), grp, rank, WORLD, WORLD_P2)
 
 
 @triton.jit

@@ -434,7 +434,13 @@ def abort_kernel(
     seen): publish ABORT for the call to every live peer and advance the send count, without sending or
     waiting. Its receive side is ``drain_kernel``, run before the channel's next launch. If every rank
     aborted the call, nobody fails and the group stays usable; a peer that did make the call records
-    CommAbortedError when it waits for this rank. Grid (1,)."""
+    CommAbortedError when it waits for this rank. Grid (1,).
+
+    Peers reached by puts get the flag as an NVSHMEM signal, and nothing waits for it (no ``quiet``): a
+    signal is delivered without one (NVSHMEM posts it to the NIC at once; a quiet only waits for the
+    completion), it carries its value itself (no staging a later launch could rewrite), and nothing
+    here depends on its arrival (the peers' own waits do). A quiet would only add a wait that, for a
+    dead peer, ends when the NIC gives up, fatally (docs/faults.md)."""
     call = tl.load(send_seq_ptr) + 1
     w = tl.arange(0, WORLD_P2)
     peers = live_ranks(grp, WORLD, WORLD_P2) & (w != rank)
@@ -448,7 +454,6 @@ def abort_kernel(
         for p in range(WORLD):
             if (p != rank) & is_live(grp, p) & (tl.load(grp + STATE_WORDS + 2 * WORLD + p) == TRANSPORT_PUT):
                 nvshmem_device.signal_op(own, flag, nvshmem_device.SIGNAL_SET, p)
-        nvshmem_device.quiet()
     else:
         publish_many(ctrl + slot, flag, peers)
     tl.store(send_seq_ptr, call)

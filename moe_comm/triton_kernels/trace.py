@@ -3,7 +3,16 @@
 Layout and meaning of every word: ``moe_comm/trace/layout.py``. Every function here does nothing unless
 the kernel was compiled with ``TRACE`` (off: no extra store, no clock read). Each is called by one
 program of a launch (``first``/``last`` below), except the per-peer row counts, stored by the program
-that owns that peer. Wait statistics (``wait_ptr``, int64 [2, WORLD]: [0, j] cumulative ns this rank's
+that owns that peer.
+
+Each half of a record is a seqlock (``layout``): ``phase_begin`` reads the tag, invalidates it and fences
+before the header words change, then publishes the tag (``sync.publish``: a CTA barrier, then a
+system-scope release, which pinned host memory takes without atomics); ``send_end`` / ``recv_end``
+write the end words, then publish the tag with DONE_BIT, then prepare the next call's row (its tag
+PREP, a fence, its per-peer words 0). Their branches are on program ids and on words no program of
+the launch writes meanwhile (the tag is read before a CTA barrier, written after it; the end reads the
+tag its first program published before that program's ``arrive``), so they are block-uniform
+(``sync.py``'s docstring). Wait statistics (``wait_ptr``, int64 [2, WORLD]: [0, j] cumulative ns this rank's
 receive waited for source j's flag, [1, j] how many waits that got it) are accumulated by the program
 that recorded the source's SEEN word, so each call counts once per source.
 """
@@ -12,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..trace import layout
-from .sync import S_EPOCH, S_ERR_ADDR, as_ptr, flag_value, now_ns
+from .sync import S_EPOCH, S_ERR_ADDR, as_ptr, flag_value, now_ns, publish
 
 T_OP = tl.constexpr(layout.T_OP)
 T_SEND_TAG = tl.constexpr(layout.T_SEND_TAG)
@@ -24,7 +33,28 @@ T_RECV_END = tl.constexpr(layout.T_RECV_END)
 T_OUTCOME = tl.constexpr(layout.T_OUTCOME)
 T_ERR_PEER = tl.constexpr(layout.T_ERR_PEER)
 HEADER_WORDS = tl.constexpr(layout.HEADER_WORDS)
+DONE_BIT = tl.constexpr(layout.DONE_BIT)
+STALE_BIT = tl.constexpr(layout.STALE_BIT)
+PREP_BIT = tl.constexpr(layout.PREP_BIT)
+TAG_BITS = tl.constexpr(layout.TAG_BITS)
 ERR_PEER_WORD = tl.constexpr(3)   # errors.py error word: [3] peer, [4] value, [5] bound
+# One vector store each: the op and the send's start time (words 0-3), the receive's end words.
+assert layout.T_OP < 4 and layout.T_SEND_START < 4
+assert (layout.T_OUTCOME, layout.T_ERR_PEER, layout.T_ERR_BOUND) == tuple(layout.T_RECV_END + k for k in (1, 2, 4))
+
+INTERPRET = bool(triton.knobs.runtime.interpret)   # see sync.py: decided when the module is imported
+
+if INTERPRET:
+    @triton.jit
+    def fence_sys():
+        """Order this thread's earlier stores before its later ones for every observer (the host reading
+        the ring); the interpreter stores in program order."""
+        pass
+else:
+    @triton.jit
+    def fence_sys():
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit
@@ -52,43 +82,81 @@ def seen_ptr(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
 @triton.jit
 def phase_begin(trace_ptr, grp, call, op, first, RECV: tl.constexpr, WORLD: tl.constexpr,
                 TRACE_N: tl.constexpr, TRACE: tl.constexpr):
-    """Program ``first`` of a send (RECV False) or receive phase: tag the call's row, start time, end 0."""
+    """Program ``first`` of a send (RECV False) or receive phase: the call's half of its row, the start
+    time (and the op), under its tag; STALE_BIT if the row was not prepared for this call (its per-peer
+    words may be an older call's)."""
     if TRACE:
         if first:
             rec = record_of(trace_ptr, call, WORLD, TRACE_N)
-            tag = flag_value(tl.load(grp + S_EPOCH), call)
             if RECV:
-                tl.store(rec + T_RECV_END, 0)
-                tl.store(rec + T_RECV_START, now_ns())
-                tl.store(rec + T_RECV_TAG, tag)
+                tag_at = rec + T_RECV_TAG
             else:
-                tl.store(rec + T_OP, op)
-                tl.store(rec + T_SEND_END, 0)
-                tl.store(rec + T_SEND_START, now_ns())
-                tl.store(rec + T_SEND_TAG, tag)
+                tag_at = rec + T_SEND_TAG
+            tag = flag_value(tl.load(grp + S_EPOCH), call)
+            was = tl.load(tag_at)   # written by earlier launches only
+            stale = (was != 0) & (was != (tag | PREP_BIT))
+            tl.debug_barrier()      # every thread has read the tag before any writes it
+            tl.store(tag_at, 0)     # invalid first ...
+            fence_sys()             # ... before the header words change
+            if RECV:
+                tl.store(rec + T_RECV_START, now_ns())
+            else:   # T_OP and T_SEND_START, around the tag word: one store
+                f = tl.arange(0, 4)
+                tl.store(rec + f, tl.where(f == T_OP, op, now_ns()).to(tl.int64),
+                         mask=(f == T_OP) | (f == T_SEND_START))
+            publish(tag_at, tag | tl.where(stale, STALE_BIT, 0))
 
 
 @triton.jit
-def send_end(trace_ptr, call, last, WORLD: tl.constexpr, TRACE_N: tl.constexpr, TRACE: tl.constexpr):
-    """The last program of a send phase (after publishing): end time."""
-    if TRACE:
-        if last:
-            tl.store(record_of(trace_ptr, call, WORLD, TRACE_N) + T_SEND_END, now_ns())
+def prepare_next(trace_ptr, call, tag, RECV: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                 TRACE_N: tl.constexpr):
+    """The end of ``call``'s phase (its tag ``tag``): the next call's row of the half stops being a
+    record (tag PREP of call + 1), then its per-peer words are 0, so that call's words never mix with
+    an older call's. With one row there is no other row to give up: nothing (every record STALE)."""
+    if TRACE_N > 1:
+        nxt = record_of(trace_ptr, call + 1, WORLD, TRACE_N)
+        f = tl.arange(0, 4 * WORLD_P2)
+        if RECV:
+            tl.store(nxt + T_RECV_TAG, ((tag & ~TAG_BITS) + 1) | PREP_BIT)
+            fence_sys()
+            tl.store(nxt + HEADER_WORDS + WORLD + f, tl.zeros([4 * WORLD_P2], tl.int64), mask=f < 3 * WORLD)
+        else:
+            tl.store(nxt + T_SEND_TAG, ((tag & ~TAG_BITS) + 1) | PREP_BIT)
+            fence_sys()
+            tl.store(nxt + HEADER_WORDS + f, tl.zeros([4 * WORLD_P2], tl.int64), mask=f < WORLD)
 
 
 @triton.jit
-def recv_end(trace_ptr, grp, call, last, WORLD: tl.constexpr, TRACE_N: tl.constexpr, TRACE: tl.constexpr):
-    """The last program of a receive phase: the outcome (this rank's error word: code, peer, value,
-    bound), then the end time."""
+def send_end(trace_ptr, call, last, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, TRACE_N: tl.constexpr,
+             TRACE: tl.constexpr):
+    """The last program of a send phase (after publishing): end time, the tag with DONE_BIT, then the
+    next call's row prepared."""
     if TRACE:
         if last:
             rec = record_of(trace_ptr, call, WORLD, TRACE_N)
+            tag = tl.load(rec + T_SEND_TAG)   # published by the first program before its arrive
+            tl.store(rec + T_SEND_END, now_ns())
+            publish(rec + T_SEND_TAG, tag | DONE_BIT)
+            prepare_next(trace_ptr, call, tag, False, WORLD, WORLD_P2, TRACE_N)
+
+
+@triton.jit
+def recv_end(trace_ptr, grp, call, last, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, TRACE_N: tl.constexpr,
+             TRACE: tl.constexpr):
+    """The last program of a receive phase: the end time and the outcome (this rank's error word: code,
+    peer, value, bound), the tag with DONE_BIT, then the next call's row prepared."""
+    if TRACE:
+        if last:
+            rec = record_of(trace_ptr, call, WORLD, TRACE_N)
+            tag = tl.load(rec + T_RECV_TAG)   # published by the first program before its arrive
             err = as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64)
-            f = tl.arange(0, 4)
-            fields = tl.load(err + ERR_PEER_WORD + f, mask=f < 3, other=0, volatile=True)
-            tl.store(rec + T_ERR_PEER + f, fields, mask=f < 3)
-            tl.store(rec + T_OUTCOME, tl.load(err, volatile=True))
-            tl.store(rec + T_RECV_END, now_ns())
+            f = tl.arange(0, 8)   # T_RECV_END, T_OUTCOME, T_ERR_PEER, T_ERR_VALUE, T_ERR_BOUND
+            fields = tl.load(err + ERR_PEER_WORD + f - 2, mask=(f >= 2) & (f < 5), other=0, volatile=True)
+            code = tl.load(err, volatile=True)
+            end = tl.where(f == 0, now_ns(), tl.where(f == 1, code, fields))
+            tl.store(rec + T_RECV_END + f, end, mask=f < 5)
+            publish(rec + T_RECV_TAG, tag | DONE_BIT)
+            prepare_next(trace_ptr, call, tag, True, WORLD, WORLD_P2, TRACE_N)
 
 
 @triton.jit

@@ -8,7 +8,10 @@ for both. Where a store-path kernel publishes the flag, the put path instead cal
 the staged rows go to the peer's landing zone in one ``putmem_nbi``, NVSHMEM ``fence`` orders them
 before the staged control words, which travel in a ``putmem_signal_nbi`` whose signal *is* the flag
 (``SIGNAL_SET`` of the same value a store-path sender publishes). The receive kernels wait for the same
-flag word, with the same bounded acquire wait. The EP ops pack what they put (only the routed rows,
+flag word, with the same bounded acquire wait. One ``drain`` (``quiet``) per send launch, after the
+flushes to every peer, by the launch's last program: the staging is rewritten by the channel's next
+send, so its puts must have read it by then; nothing else waits for a put (docs/faults.md: a quiet
+to a dead peer ends only when the NIC gives up, and NVSHMEM then aborts). The EP ops pack what they put (only the routed rows,
 one run per peer: ``dispatch.py``, ``combine.py``), so their receives read a put peer's rows by the
 put layout. ``signal_op``, ``fence`` and ``quiet`` are issued by one thread per program
 (``nvshmem_device.py``).
@@ -81,11 +84,11 @@ def deliver(flag_ptr, flag, put, dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_
             PUT: tl.constexpr):
     """Publish ``flag`` for rank ``pe`` (one peer, scalar arguments): store transport, a release at
     ``flag_ptr`` in the peer's memory (``sync.publish``); put transport (``put``), ``flush`` of the
-    staged rows and control words with the flag as the signal."""
+    staged rows and control words with the flag as the signal (the launch ``drain``s once, after every
+    peer's)."""
     if PUT:
         if put:
             flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, pe)
-            drain()
         else:
             publish(flag_ptr, flag)
     else:
@@ -94,7 +97,9 @@ def deliver(flag_ptr, flag, put, dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_
 
 @triton.jit
 def drain():
-    """Complete this program's puts (``quiet``)."""
+    """Complete every put this rank issued (``quiet``: NVSHMEM waits on every queue pair, whichever
+    program posted to it). Once per send launch, after its last flush: the staging may be rewritten
+    after it."""
     quiet()
 
 
