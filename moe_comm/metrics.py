@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -51,9 +52,9 @@ logger = logging.getLogger(__name__)
 ENV_INTERVAL = "MOE_COMM_METRICS_INTERVAL_S"   # multiprocess mode: seconds between refreshes
 DEFAULT_INTERVAL_S = 5.0
 NS_PER_S = 1e9
-# Buckets of moe_comm_call_wait_seconds: GPU waits are microseconds, a straggler milliseconds, a timeout
-# (and the CPU interpreter) seconds.
-WAIT_BUCKETS_S = (1e-6, 4e-6, 1.6e-5, 6.4e-5, 2.56e-4, 1e-3, 4e-3, 1.6e-2, 6.4e-2, 0.256, 1.0, 4.0, 16.0)
+# Buckets of moe_comm_call_wait_seconds, one per decade: GPU waits are microseconds, a straggler
+# milliseconds, a timeout (and the CPU interpreter) seconds. Few, since every (op, peer) has them all.
+WAIT_BUCKETS_S = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 INSTALL_FIX = "pip install 'moe-comm[metrics]' (prometheus-client)"
 
 
@@ -201,6 +202,7 @@ class _GroupState:
     def __init__(self, group, copy=None):
         self.reads = DeviceReads(group, copy)
         self.pushed: dict = {}                               # (metric name, labels) -> cumulative value
+        self.children: dict = {}                             # (metric name, labels) -> labelled child
         self.cursors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # PhasedOp -> _Cursor
 
 
@@ -250,11 +252,18 @@ class Exporter:
                         logger.warning("moe_comm.metrics: refresh of %r failed", g, exc_info=True)
             self.refreshes += 1
 
+    def _child(self, st, name: str, labels: tuple):
+        """The labelled child of metric ``name`` (made once: ``labels()`` costs microseconds)."""
+        child = st.children.get((name, labels))
+        if child is None:
+            child = st.children[(name, labels)] = self.m[name].labels(*labels)
+        return child
+
     def _advance(self, st, name: str, labels: tuple, value, scale: float = 1.0, restart: bool = False) -> None:
         """Counter ``name`` follows a cumulative source now at ``value``: add its growth since the last push.
         A source that went down: with ``restart`` (its owner zeroed it) it counts again from zero, else
         the lower value is a read racing an update and is ignored until the source passes the last one."""
-        child = self.m[name].labels(*labels)
+        child = self._child(st, name, labels)
         last = st.pushed.get((name, labels), 0)
         if value > last:
             child.inc((value - last) / scale)
@@ -265,17 +274,18 @@ class Exporter:
         st.pushed[(name, labels)] = value
 
     def _refresh_group(self, g, st: _GroupState) -> None:
-        m, rank, world = self.m, str(g.rank), g.world_size
+        rank, world = str(g.rank), g.world_size
         st.reads.begin()
-        m["moe_comm_epoch"].labels(rank).set(g.epoch)
+        self._child(st, "moe_comm_epoch", (rank,)).set(g.epoch)
         self._advance(st, "moe_comm_resets_total", (rank,), g.epoch)
-        m["moe_comm_recorder_records"].labels(rank).set(g.trace_calls)
+        self._child(st, "moe_comm_recorder_records", (rank,)).set(g.trace_calls)
         for j in range(world):
-            m["moe_comm_peer_excluded"].labels(rank, str(j)).set(0 if g._live[j] else 1)
+            self._child(st, "moe_comm_peer_excluded", (rank, str(j))).set(0 if g._live[j] else 1)
         for (kind, op, peer), n in g.error_counts.items():
             self._advance(st, "moe_comm_errors_total", (rank, op, kind, peer), n)
         for op in _ops(g):
             self._refresh_op(g, st, op, rank)
+            time.sleep(0)   # let a waiting step thread have the GIL between ops
         st.reads.request()
 
     def _refresh_op(self, g, st: _GroupState, op: PhasedOp, rank: str) -> None:
@@ -314,35 +324,37 @@ class Exporter:
         if cur is None:
             cur = st.cursors[op] = _Cursor()
         rows = ch.trace.numpy().copy()   # host memory (pinned on CUDA): a snapshot, then decoded
-        row_bytes = ch.row_bytes
-        seen_at, waited_at = layout.seen_word(world), layout.waited_word(world)
-        recv_at, sent_at = layout.recv_rows_word(world), layout.sent_rows_word(world)
         tags = rows[:, layout.T_RECV_TAG]
         new = np.nonzero((tags > cur.recv_tag) & (rows[:, layout.T_RECV_END] != 0))[0]
-        recv = np.zeros(world, dtype=np.int64)
+        new = new[np.argsort(tags[new])]
         missed = 0
-        hist = self.m["moe_comm_call_wait_seconds"]
-        for i in new[np.argsort(tags[new])]:
-            epoch, call = layout.split_tag(int(tags[i]))
+        for tag in tags[new].tolist():   # calls of the same epoch are consecutive: a gap was overwritten
+            epoch, call = layout.split_tag(tag)
             missed += call - 1 - (cur.call if epoch == cur.epoch else 0)
-            cur.recv_tag, cur.epoch, cur.call = int(tags[i]), epoch, call
-            seen, waited = rows[i, seen_at:seen_at + world], rows[i, waited_at:waited_at + world]
-            recv += rows[i, recv_at:recv_at + world]
-            for j in range(world):
-                if j != me and (waited[j] or seen[j]):   # a source this receive waited for
-                    hist.labels(rank, name, str(j)).observe(int(waited[j]) / NS_PER_S)
-        tags = rows[:, layout.T_SEND_TAG]
-        new = np.nonzero((tags > cur.send_tag) & (rows[:, layout.T_SEND_END] != 0))[0]
-        sent = rows[new, sent_at:sent_at + world].sum(axis=0) if len(new) else np.zeros(world, dtype=np.int64)
-        if len(new):
-            cur.send_tag = int(tags[new].max())
+            cur.recv_tag, cur.epoch, cur.call = tag, epoch, call
+        at = layout.seen_word(world), layout.waited_word(world), layout.recv_rows_word(world)
+        seen, waited, recv = (rows[new, w:w + world] for w in at)
+        waited_for = (waited != 0) | (seen != 0)
         for j in range(world):
-            labels = (rank, name, str(j))
-            self.m["moe_comm_rows_sent_total"].labels(*labels).inc(int(sent[j]))
-            self.m["moe_comm_rows_received_total"].labels(*labels).inc(int(recv[j]))
-            self.m["moe_comm_bytes_sent_total"].labels(*labels).inc(int(sent[j]) * row_bytes)
-            self.m["moe_comm_bytes_received_total"].labels(*labels).inc(int(recv[j]) * row_bytes)
-        self.m["moe_comm_recorder_missed_calls_total"].labels(rank, name).inc(missed)
+            if j != me and waited_for[:, j].any():   # a peer is another rank
+                observe_many(self._child(st, "moe_comm_call_wait_seconds", (rank, name, str(j))),
+                             waited[waited_for[:, j], j] / NS_PER_S)
+        tags = rows[:, layout.T_SEND_TAG]
+        sent_new = np.nonzero((tags > cur.send_tag) & (rows[:, layout.T_SEND_END] != 0))[0]
+        if len(sent_new):
+            cur.send_tag = int(tags[sent_new].max())
+        w = layout.sent_rows_word(world)
+        for direction, counts in (("sent", rows[sent_new, w:w + world].sum(axis=0)), ("received", recv.sum(axis=0))):
+            for j, n in enumerate(counts.tolist()):
+                labels = (rank, name, str(j))
+                rows_total = self._child(st, f"moe_comm_rows_{direction}_total", labels)
+                bytes_total = self._child(st, f"moe_comm_bytes_{direction}_total", labels)
+                if n:
+                    rows_total.inc(n)
+                    bytes_total.inc(n * ch.row_bytes)
+        missed_total = self._child(st, "moe_comm_recorder_missed_calls_total", (rank, name))
+        if missed:
+            missed_total.inc(missed)
 
     # ---- exposition ----------------------------------------------------------------------------------
     def text(self) -> str:
@@ -386,6 +398,25 @@ class _Collector:
 
     def describe(self):
         return [family for metric in self.exporter.m.values() for family in metric.describe()]
+
+
+_BOUNDS = np.array(WAIT_BUCKETS_S + (float("inf"),))
+
+
+def observe_many(child, seconds: np.ndarray) -> None:
+    """``child.observe(v)`` for every v of ``seconds``, as one update per bucket: a prometheus_client
+    Histogram child keeps a count per bucket (``_buckets``: the first bound >= v counts v) and a sum
+    (``_sum``), which observe() updates one value at a time (~1-4 us each). A version of
+    prometheus_client without them gets observe() per value. tests/test_metrics.py compares the two."""
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    if buckets is None or total is None or len(buckets) != len(_BOUNDS):
+        for v in seconds.tolist():
+            child.observe(v)
+        return
+    counts = np.bincount(np.searchsorted(_BOUNDS, seconds, side="left"), minlength=len(_BOUNDS))
+    for i in np.nonzero(counts)[0].tolist():
+        buckets[i].inc(int(counts[i]))
+    total.inc(float(seconds.sum()))
 
 
 def _ops(group) -> list[PhasedOp]:
