@@ -320,3 +320,18 @@ def test_serving_adapters_reach_a_multiprocess_registry(tmp_path, monkeypatch):
         assert value(got, "moe_comm_calls_total", rank=r, op="dispatch") == 1
         for e, n in enumerate(counts[r]):
             assert value(got, "moe_comm_expert_rows_total", rank=r, op="dispatch", expert=r * 3 + e) == n
+
+
+def test_observe_many_equals_observe_one_value_at_a_time():
+    """``metrics.observe_many`` (one update per bucket) leaves a histogram exactly as observe() per value
+    does, bucket bounds included (a value equal to a bound counts in that bucket)."""
+    import numpy as np  # noqa: PLC0415
+    from prometheus_client import Histogram  # noqa: PLC0415
+
+    values = np.array([0.0, 1e-6, 2e-6, 1e-5, 3e-4, 1e-3, 0.5, 1.0, 10.0, 11.0, 3e-4])
+    one, many = (Histogram("h", "h", ["peer"], registry=None, buckets=metrics.WAIT_BUCKETS_S) for _ in range(2))
+    for v in values.tolist():
+        one.labels("1").observe(v)
+    metrics.observe_many(many.labels("1"), values)
+    assert [(s.name, s.labels, s.value) for f in one.collect() for s in f.samples if not s.name.endswith("_created")] \
+        == [(s.name, s.labels, s.value) for f in many.collect() for s in f.samples if not s.name.endswith("_created")]
