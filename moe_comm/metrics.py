@@ -170,10 +170,9 @@ class DeviceReads:
             self._stream = torch.cuda.Stream(g.device)
         for key, (t, base) in list(self._wanted.items()):
             old = self._copies.get(key)
-            if old is None:
-                host = torch.zeros(t.shape, dtype=t.dtype, pin_memory=self.cuda)
-            else:
-                host = old[2]
+            # The first copy of a counter allocates its pinned buffer (page-locked allocation: CUDA may
+            # serialize the device's streams there, once per counter); every later copy reuses it.
+            host = torch.zeros(t.shape, dtype=t.dtype, pin_memory=self.cuda) if old is None else old[2]
             b = base() if base is not None else 0
             if self.cuda:
                 with torch.cuda.stream(self._stream):
