@@ -116,6 +116,17 @@ def _prometheus():
     return prometheus_client
 
 
+def status() -> dict:
+    """For ``python -m moe_comm info``: whether the exporter can run here (prometheus_client installed)."""
+    try:
+        import prometheus_client  # noqa: F401, PLC0415
+    except ImportError:
+        return dict(available=False, detail=f"not available: {INSTALL_FIX}")
+    from importlib.metadata import version  # noqa: PLC0415
+    return dict(available=True, detail=f"prometheus_client {version('prometheus-client')}: "
+                                       f"moe_comm.metrics.serve(port); the vLLM/SGLang adapters register it")
+
+
 def multiprocess_mode() -> bool:
     """True if prometheus_client keeps values in files shared by processes (PROMETHEUS_MULTIPROC_DIR was
     set when it was imported): the server's registry then reads those files, not collectors."""

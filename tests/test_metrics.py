@@ -188,6 +188,9 @@ def test_errors_epochs_and_exclusions_are_counted_once():
             eps[0].dispatch(phase="recv")
         eps[1].dispatch(phase="recv")
     got = samples(exp.text())
+    for r in (0, 1):   # calls of both epochs: the reset zeroed the device's count, not the metric
+        assert value(got, "moe_comm_calls_total", rank=r, op="dispatch") == 3
+        assert value(got, "moe_comm_calls_total", rank=r, op="alltoallv") == 1
     assert value(got, "moe_comm_errors_total", rank=0, op="dispatch", kind="invalid_index", peer="") == 2
     assert value(got, "moe_comm_excluded_rows_total", rank=0, op="dispatch") == 2
     assert value(got, "moe_comm_excluded_rows_total", rank=1, op="dispatch") == 0
@@ -217,7 +220,7 @@ def test_device_counters_read_through_copies_lag_until_the_next_check():
     assert value(got, "moe_comm_calls_total", rank=1, op="dispatch") is None
 
 
-SLOW, DEAD, SLEEP_S, CALLS = 1, 2, 0.6, 2
+SLOW, DEAD, SLEEP_S, CALLS = 1, 2, 0.8, 2
 
 
 def _scrape(port: int) -> str:
@@ -263,7 +266,9 @@ def test_standalone_exporter_names_the_slow_and_the_dead_rank_over_http(monkeypa
         got = samples(info.value.results[r])
         slow = value(got, "moe_comm_wait_seconds_total", rank=r, op="alltoallv", peer=SLOW)
         other = value(got, "moe_comm_wait_seconds_total", rank=r, op="alltoallv", peer=DEAD)
-        assert slow > 0.5 * CALLS * SLEEP_S and slow > other, (slow, other)
+        # a quarter of the sleeps at least: a rank starved of CPU (2 cores, 3 interpreted ranks) reaches
+        # its wait late and waits less
+        assert slow > 0.25 * CALLS * SLEEP_S and slow > 2 * other, (slow, other)
         assert value(got, "moe_comm_call_wait_seconds_sum", rank=r, op="alltoallv", peer=SLOW) >= slow
     for r in (0, SLOW):
         got = samples(info.value.results[r])
