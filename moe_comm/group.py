@@ -403,7 +403,9 @@ class CommGroup:
                 agreed |= _mask_ranks(words, self.world_size)
             if self.rank in agreed:
                 self._excluded_self = True
-                raise ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+                err = ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+                self._count_error(err)
+                raise err
             if agreed == gone and all(_mask_ranks(w, self.world_size) == gone for w in got.values()):
                 break
             gone = agreed

@@ -5,7 +5,6 @@ answers over HTTP in a slow-rank and a dead-rank run; the serving adapters' regi
 registry a framework serves (prometheus_client's, as vLLM and SGLang build it: tests/vllm and
 tests/sglang run the frameworks' own code)."""
 
-import os
 import time
 import urllib.request
 
@@ -22,6 +21,8 @@ from moe_comm import (AllToAllvDynamic, CommTimeoutError, EPBuffer, InvalidIndex
                       metrics, reference)
 from moe_comm.serving import ep_group  # noqa: E402
 from moe_comm.trace.recorder import channel_records  # noqa: E402
+
+from fault_cases import slow_then_dead  # noqa: E402
 
 ROW = (8,)            # float32 AllToAllvDynamic rows: 32 bytes
 CAP = 4
@@ -233,20 +234,7 @@ def _exported_run(group):
     send; then rank DEAD dies before the next call, the others time out waiting for it; each survivor
     then scrapes its own /metrics over HTTP and returns the text."""
     server = metrics.serve(0, addr="127.0.0.1")
-    op = AllToAllvDynamic(group, CAP, ROW, torch.float32)
-    counts = torch.ones(group.world_size, dtype=torch.int32)
-    send = torch.randn(group.world_size, *ROW)
-    for _ in range(CALLS):
-        if group.rank == SLOW:
-            time.sleep(SLEEP_S)
-        op(send, counts)
-    group.barrier()
-    if group.rank == DEAD:
-        os._exit(1)
-    try:
-        op(send, counts)
-    except CommTimeoutError:
-        pass
+    slow_then_dead(group, SLOW, DEAD, SLEEP_S, CALLS)
     text = _scrape(server.port)
     server.close()
     return text

@@ -4,7 +4,6 @@ peers' dumps alone) and a desync with both call numbers."""
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ import moe_comm
 from moe_comm import AllToAllvDynamic, CommDesyncError, CommTimeoutError, EPBuffer, LaunchError
 from moe_comm.trace import analyze, layout
 from moe_comm.trace.recorder import channel_records, trace_calls
+
+from fault_cases import slow_then_dead
 
 ROW = (8,)          # float32 rows of the AllToAllvDynamic tests: 32 bytes
 CAP = 4
@@ -144,23 +145,7 @@ def _slow_then_dead(group, all_dir):
     """World 4: calls 1..CALLS with rank SLOW sleeping before each send; every rank dumps to
     ``all_dir``; then rank DEAD dies before call CALLS + 1 and the others wait for it (their
     CommTimeoutError dumps them to MOE_COMM_TRACE_DIR)."""
-    op = AllToAllvDynamic(group, CAP, ROW, torch.float32)
-    counts = torch.ones(group.world_size, dtype=torch.int32)
-    send = torch.randn(group.world_size, *ROW)
-    for _ in range(CALLS):
-        if group.rank == SLOW:
-            time.sleep(SLEEP_S)
-        op(send, counts, phase="send")
-        op(phase="recv")
-    group.dump_trace(all_dir)
-    group.barrier()
-    if group.rank == DEAD:
-        os._exit(1)
-    try:
-        op(send, counts)
-    except CommTimeoutError as e:
-        return str(e)
-    return "no error"
+    return slow_then_dead(group, SLOW, DEAD, SLEEP_S, CALLS, lambda: group.dump_trace(all_dir))
 
 
 def test_slow_rank_and_dead_rank_are_named_from_the_dumps(tmp_path, monkeypatch):
