@@ -221,7 +221,7 @@ def test_device_counters_read_through_copies_lag_until_the_next_check():
     assert value(got, "moe_comm_calls_total", rank=1, op="dispatch") is None
 
 
-SLOW, DEAD, SLEEP_S, CALLS = 1, 2, 0.8, 2
+SLOW, DEAD, SLEEP_S, CALLS = 1, 2, 1.2, 2
 
 
 def _scrape(port: int) -> str:
