@@ -139,30 +139,32 @@ def multiprocess_mode() -> bool:
 class DeviceReads:
     """Host copies of one group's device counters (see the module docstring).
 
-    ``read(key, tensor, base)`` -> (int64 NumPy array of ``tensor``, ``base()``) or None before the first
-    copy. Without copies (CPU) the array is the tensor's own memory and ``base()`` is read first. With
-    copies (CUDA; ``copy=True`` makes a CPU group copy too, for tests) both come from the last copy,
-    ``base()`` taken when the copy was enqueued: a reset (which synchronizes the device first) cannot
-    fall between them.
+    ``read(owner, name, tensor, base)`` -> (int64 NumPy array of ``tensor``, ``base()``) or None before
+    the first copy (``owner``: the op the counter belongs to, ``name`` the counter's). Without copies
+    (CPU) the array is the tensor's own memory and ``base()`` is read first. With copies (CUDA;
+    ``copy=True`` makes a CPU group copy too, for tests) both come from the last copy, ``base()`` taken
+    when the copy was enqueued: a reset (which synchronizes the device first) cannot fall between them.
     """
 
     def __init__(self, group, copy: bool | None = None):
         self._group = weakref.ref(group)
         self.cuda = group.device.type == "cuda"
         self.copy = self.cuda if copy is None else copy
-        self._wanted: dict = {}   # key -> (tensor, base): what the last refresh read (scraping thread)
-        self._copies: dict = {}   # key -> (host array, base at copy) (copying thread; replaced per key)
+        self._wanted: list = []   # (owner, name, tensor, base) the last refresh read (scraping thread)
+        # owner -> name -> (host array, base at copy, host tensor) (copying thread); an op that is gone
+        # takes its copies with it
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stream = None
 
     def begin(self) -> None:
-        self._wanted = {}
+        self._wanted = []
 
-    def read(self, key, tensor: torch.Tensor, base=None):
+    def read(self, owner, name: str, tensor: torch.Tensor, base=None):
         if not self.copy:
             b = base() if base is not None else 0
             return tensor.numpy(), b
-        self._wanted[key] = (tensor, base)
-        return self._copies.get(key)
+        self._wanted.append((owner, name, tensor, base))
+        return self._copies.get(owner, {}).get(name)
 
     def request(self) -> None:
         """Ask the next ``group.check()`` for fresh copies of what the last refresh read."""
@@ -179,8 +181,9 @@ class DeviceReads:
             return
         if self.cuda and self._stream is None:
             self._stream = torch.cuda.Stream(g.device)
-        for key, (t, base) in list(self._wanted.items()):
-            old = self._copies.get(key)
+        for owner, name, t, base in list(self._wanted):
+            copies = self._copies.setdefault(owner, {})
+            old = copies.get(name)
             # The first copy of a counter allocates its pinned buffer (page-locked allocation: CUDA may
             # serialize the device's streams there, once per counter); every later copy reuses it.
             host = torch.zeros(t.shape, dtype=t.dtype, pin_memory=self.cuda) if old is None else old[2]
@@ -191,7 +194,7 @@ class DeviceReads:
                 t.record_stream(self._stream)
             else:
                 host.copy_(t)
-            self._copies[key] = (host.numpy(), b, host)
+            copies[name] = (host.numpy(), b, host)
 
 
 # ---- the exporter ----------------------------------------------------------------------------------
@@ -211,7 +214,10 @@ class _GroupState:
 
     def __init__(self, group, copy=None):
         self.reads = DeviceReads(group, copy)
-        self.pushed: dict = {}                               # (metric name, labels) -> cumulative value
+        # Cumulative values last pushed, per source: the group itself (key None) or an op (two buffers of
+        # one group share labels: each adds its own growth). {(metric name, labels): value}
+        self.pushed: dict = {}
+        self.op_pushed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # PhasedOp -> {...}
         self.children: dict = {}                             # (metric name, labels) -> labelled child
         self.cursors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # PhasedOp -> _Cursor
 
@@ -269,19 +275,22 @@ class Exporter:
             child = st.children[(name, labels)] = self.m[name].labels(*labels)
         return child
 
-    def _advance(self, st, name: str, labels: tuple, value, scale: float = 1.0, restart: bool = False) -> None:
-        """Counter ``name`` follows a cumulative source now at ``value``: add its growth since the last push.
-        A source that went down: with ``restart`` (its owner zeroed it) it counts again from zero, else
-        the lower value is a read racing an update and is ignored until the source passes the last one."""
+    def _advance(self, st, name: str, labels: tuple, value, scale: float = 1.0, restart: bool = False,
+                 op: PhasedOp | None = None) -> None:
+        """Counter ``name`` follows a cumulative source (of ``op``, or of the group) now at ``value``: add
+        its growth since the last push. A source that went down: with ``restart`` (its owner zeroed it) it
+        counts again from zero, else the lower value is a read racing an update and is ignored until the
+        source passes the last one."""
         child = self._child(st, name, labels)
-        last = st.pushed.get((name, labels), 0)
+        pushed = st.pushed if op is None else st.op_pushed.setdefault(op, {})
+        last = pushed.get((name, labels), 0)
         if value > last:
             child.inc((value - last) / scale)
         elif value < last and restart:
             child.inc(value / scale)
         else:
             return
-        st.pushed[(name, labels)] = value
+        pushed[(name, labels)] = value
 
     def _refresh_group(self, g, st: _GroupState) -> None:
         rank, world = str(g.rank), g.world_size
@@ -300,30 +309,31 @@ class Exporter:
 
     def _refresh_op(self, g, st: _GroupState, op: PhasedOp, rank: str) -> None:
         ch, name, world = op.channel, op.name, g.world_size
-        got = st.reads.read((op, "calls"), ch.recv_seq, lambda: ch.calls_before_reset)
+        got = st.reads.read(op, "calls", ch.recv_seq, lambda: ch.calls_before_reset)
         if got is not None:
-            self._advance(st, "moe_comm_calls_total", (rank, name), got[1] + int(got[0][0]))
+            self._advance(st, "moe_comm_calls_total", (rank, name), got[1] + int(got[0][0]), op=op)
         for key, t in op.counters.items():
-            got = st.reads.read((op, key), t)
+            got = st.reads.read(op, key, t)
             if got is None:
                 continue
             if key == "expert_rows":
                 first = g.rank * t.shape[0]
                 for e, n in enumerate(got[0].tolist()):
-                    self._advance(st, "moe_comm_expert_rows_total", (rank, name, str(first + e)), n, restart=True)
+                    self._advance(st, "moe_comm_expert_rows_total", (rank, name, str(first + e)), n, restart=True,
+                                  op=op)
             elif key == "excluded_rows":
-                self._advance(st, "moe_comm_excluded_rows_total", (rank, name), int(got[0][0]), restart=True)
+                self._advance(st, "moe_comm_excluded_rows_total", (rank, name), int(got[0][0]), restart=True, op=op)
         if not g.trace_calls:
             return
-        got = st.reads.read((op, "waits"), ch.wait_stats)
+        got = st.reads.read(op, "waits", ch.wait_stats)
         if got is not None:
             ns, count = got[0].tolist()
             for j in range(world):
                 if j == g.rank:   # its own flag (a peer is another rank, as in the histogram)
                     continue
                 labels = (rank, name, str(j))
-                self._advance(st, "moe_comm_wait_seconds_total", labels, ns[j], scale=NS_PER_S)
-                self._advance(st, "moe_comm_waits_total", labels, count[j])
+                self._advance(st, "moe_comm_wait_seconds_total", labels, ns[j], scale=NS_PER_S, op=op)
+                self._advance(st, "moe_comm_waits_total", labels, count[j], op=op)
         self._read_ring(g, st, op, rank)
 
     def _read_ring(self, g, st: _GroupState, op: PhasedOp, rank: str) -> None:

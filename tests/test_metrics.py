@@ -53,7 +53,7 @@ def _a2a_round(ops, counts):
 def _ep_round(eps, idxs):
     """One dispatch and combine on every loopback rank; returns the dispatch results."""
     for ep, i in zip(eps, idxs):
-        ep.dispatch(torch.randn(i.shape[0], H).to(torch.bfloat16), i, phase="send")
+        ep.dispatch(torch.randn(i.shape[0], ep.hidden).to(torch.bfloat16), i, phase="send")
     ds = [ep.dispatch(phase="recv") for ep in eps]
     for ep, d, i in zip(eps, ds, idxs):
         ep.combine(d.x, torch.rand(i.shape[0], K), d.handle, phase="send")
@@ -134,18 +134,25 @@ def test_a_scrape_matches_the_recorded_calls_and_the_device_counters():
 
 def test_with_the_recorder_off_calls_errors_and_expert_load_still_count():
     """Recorder off: calls, expert load and the group's state are exported; the recorder's metrics
-    (rows, bytes, waits) have no series, and moe_comm_recorder_records says 0."""
+    (rows, bytes, waits) have no series, and moe_comm_recorder_records says 0. Two buffers of one group
+    (e.g. two layer shapes) add up under the same labels."""
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0, trace=0)
     exp = metrics.Exporter(groups)
     eps = [EPBuffer(g, E, H, M, K) for g in groups]
+    others = [EPBuffer(g, E, 2 * H, M, K) for g in groups]
     _ep_round(eps, [torch.tensor([[0, 5], [1, 2]]), torch.tensor([[4, 3]])])
+    exp.refresh()
+    for _ in range(2):
+        _ep_round(others, [torch.tensor([[3, 4]]), torch.tensor([[0, 1], [2, -1]])])
+        exp.refresh()
     got = samples(exp.text())
     for r in range(2):
         assert value(got, "moe_comm_recorder_records", rank=r) == 0
-        assert value(got, "moe_comm_calls_total", rank=r, op="dispatch") == 1
-        assert value(got, "moe_comm_calls_total", rank=r, op="combine") == 1
+        assert value(got, "moe_comm_calls_total", rank=r, op="dispatch") == 3
+        assert value(got, "moe_comm_calls_total", rank=r, op="combine") == 3
+        load = (eps[r].expert_token_counts + others[r].expert_token_counts).tolist()
         assert [value(got, "moe_comm_expert_rows_total", rank=r, op="dispatch", expert=r * 3 + e)
-                for e in range(3)] == eps[r].expert_token_counts.tolist() == ([1, 1, 1] if r == 0 else [1, 1, 1])
+                for e in range(3)] == load == ([3, 3, 3] if r == 0 else [3, 3, 1])
         assert value(got, "moe_comm_peer_excluded", rank=r, peer=1 - r) == 0
     recorder = {s.name for s in metrics.SPECS if s.recorder}
     assert not [k for k in got if any(k[0].startswith(n.removesuffix("_total")) for n in recorder)], got
