@@ -20,7 +20,9 @@ shared VM's speed drifts, and every figure with it; ``p50/ref`` does not (compar
 instructions with ``bench/host_instructions.py``).
 
 Since the kernels never run, outputs hold garbage and no device value changes: the figures say nothing
-about the kernels, only about the host. The inputs of every call are the same tensors (an eager engine
+about the kernels, only about the host. ``--metrics``: moe_comm.metrics' exporter serves /metrics on a
+free port of localhost and has refreshed once after the ops were built (``metrics_on``); nothing scrapes
+during the timed calls (what an eager call pays for the exporter when nobody scrapes). The inputs of every call are the same tensors (an eager engine
 passes tensors of the same shapes every step; buffers may cache what those determine).
 """
 
@@ -142,6 +144,16 @@ def _ops(groups, o, t: int):
     return built
 
 
+def metrics_on(server=None):
+    """``--metrics``: the standalone exporter serving (started once: pass its Server back in) and one
+    refresh of every live group, as a first scrape leaves them (on CUDA it asks the next check for copies:
+    the first warm-up call makes them). Returns the Server."""
+    if server is None:
+        server = moe_comm.metrics.serve(0, addr="127.0.0.1")
+    moe_comm.metrics.refresh()
+    return server
+
+
 def _percentiles(samples_ns: list[int]) -> dict:
     us = torch.tensor(samples_ns, dtype=torch.float64) / 1e3
     q = torch.quantile(us, torch.tensor(PERCENTILES, dtype=torch.float64)).tolist()
@@ -172,12 +184,15 @@ def measure(o, out) -> list[dict]:
     print(f"{'op':<18} {'call':<9} {'world':>5} {'T':>5} {'p10 µs':>8} {'p50 µs':>8} {'p90 µs':>8} {'ref µs':>8} "
           f"{'p50/ref':>8}  p50 <= {TARGET_US:g} µs")
     clock = time.perf_counter_ns
+    server = None
     for world in WORLDS:
         for t in o.tokens:
             groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
             probe = torch.empty(t, 1)
             with launches_stubbed():
                 for op, objs, calls in _ops(groups, o, t):
+                    if getattr(o, "metrics", False):
+                        server = metrics_on(server)
                     samples, reference = {name: [] for name, _ in calls}, []
                     gc.collect()
                     for i in range(o.warmup + o.iters):
@@ -200,6 +215,7 @@ def measure(o, out) -> list[dict]:
                         q["p50_ref"] = q["p50_us"] / ref
                         lines.append(out.write(kind="host", op=op, call=name, world=world, tokens=t, hidden=o.hidden,
                                                experts=o.experts, topk=o.topk, dtype="bf16", heap="loopback",
+                                               metrics=bool(getattr(o, "metrics", False)),
                                                stubbed=STUBBED, measured=MEASURED, target_us=TARGET_US,
                                                reference_p50_us=ref, loadavg=os.getloadavg()[0], **q))
                         print(f"{op:<18} {name:<9} {world:>5} {t:>5} {q['p10_us']:>8.1f} {q['p50_us']:>8.1f} "
@@ -208,4 +224,8 @@ def measure(o, out) -> list[dict]:
             for g in groups:
                 g.close()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if server is not None:
+        print(f"exporter: served on 127.0.0.1:{server.port}, refreshed once per op before its calls, not scraped "
+              f"during them")
+        server.close()
     return lines

@@ -29,8 +29,9 @@ WARMUP = 20
 SIZES = dict(hidden=7168, experts=256, topk=8, tokens=16)   # as kernels.py --host
 
 
-def _child(world: int, op: str, iters: int) -> None:
-    """Under callgrind: build every op as host_cost does, then run ``iters`` pairs of ``op`` inside reduce."""
+def _child(world: int, op: str, iters: int, metrics: bool = False) -> None:
+    """Under callgrind: build every op as host_cost does, then run ``iters`` pairs of ``op`` inside reduce
+    (``metrics``: with moe_comm.metrics' exporter on, as ``kernels.py --host --metrics``)."""
     import functools  # noqa: PLC0415
     import gc  # noqa: PLC0415
     import types  # noqa: PLC0415
@@ -45,6 +46,8 @@ def _child(world: int, op: str, iters: int) -> None:
         for name, _, calls in host_cost._ops(groups, o, SIZES["tokens"]):
             if name != op:
                 continue
+            if metrics:
+                host_cost.metrics_on()
 
             def pair(_acc, _i):
                 for _, call in calls:
@@ -58,13 +61,13 @@ def _child(world: int, op: str, iters: int) -> None:
     raise ValueError(f"unknown op {op!r}: one of {OPS}")
 
 
-def count(world: int, op: str, iters: int) -> float:
+def count(world: int, op: str, iters: int, metrics: bool = False) -> float:
     """Instructions per dispatch + combine pair of one rank."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
                f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__), "--child",
-               str(world), op, str(iters)]
+               str(world), op, str(iters), str(int(metrics))]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
         found = re.search(r"I\s+refs:\s*([\d,]+)", proc.stderr)
         if proc.returncode != 0 or not found:
@@ -73,13 +76,14 @@ def count(world: int, op: str, iters: int) -> float:
 
 
 def main() -> int:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         sys.path.insert(0, ROOT)
-        _child(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+        _child(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=100, help="pairs per rank counted (world 8: a fifth of them)")
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--metrics", action="store_true", help="moe_comm.metrics' exporter on (serving, not scraped)")
     o = p.parse_args()
     if shutil.which("valgrind") is None:
         p.error("needs valgrind on PATH (apt install valgrind); kernels.py --host times the same calls without it")
@@ -87,7 +91,7 @@ def main() -> int:
           f"hidden {SIZES['hidden']}, {SIZES['experts']} experts, top-{SIZES['topk']}, T = {SIZES['tokens']}, bf16)")
     print(f"{'op':<18} {'world 1':>9} {'world 8':>9}")
     for op in o.ops.split(","):
-        k = [count(w, op, o.iters if w == 1 else max(1, o.iters // 5)) / 1e3 for w in (1, 8)]
+        k = [count(w, op, o.iters if w == 1 else max(1, o.iters // 5), o.metrics) / 1e3 for w in (1, 8)]
         print(f"{op:<18} {k[0]:>9.1f} {k[1]:>9.1f}")
     return 0
 

@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", action="store_true",
                    help="only the host cost of an eager call of every op, Triton's launch stubbed (bench/host_cost.py; "
                         "CPU or GPU; sizes DeepSeek-V3, T 16, world 1 and loopback 8; --iters 1000, --warmup 20)")
+    p.add_argument("--metrics", action="store_true",
+                   help="with --host: moe_comm.metrics' exporter serving (not scraped) while the calls are timed")
     p.add_argument("--out-dir", help="where the .jsonl and .png go (default bench/results; --dry: a temp dir)")
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help=f"comma separated subset of {','.join(SECTIONS)} (default: all but ep_rank)")

@@ -4,7 +4,7 @@ Importing the package changes nothing in the process: kernels on CPU tensors run
 interpreter, chosen per launch (``moe_comm.interpreter``), and kernels on CUDA tensors are compiled.
 """
 
-from . import reference
+from . import metrics, reference
 from .alltoallv import A2AHandle, A2AResult, AllToAllvDynamic
 from .ep import DispatchResult, EPBuffer, EPHandle
 from .errors import (CapacityError, ClosedError, CommAbortedError, CommDesyncError, CommTimeoutError, ExcludedError,
@@ -37,5 +37,6 @@ __all__ = [
     "PrefillHandle",
     "init",
     "launch",
+    "metrics",
     "reference",
 ]

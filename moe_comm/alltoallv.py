@@ -93,6 +93,7 @@ class AllToAllvDynamic:
                            send_counts=torch.zeros(world, dtype=torch.int32, device=dev),
                            send_offsets=torch.zeros(world, dtype=torch.int64, device=dev)) for _ in range(2)]
         self._dropped = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._fwd_op.counters = dict(excluded_rows=self._dropped)
         self._calls = 0         # forward calls begun (host count; picks the output set)
         self._launch_table = LaunchTable()   # the launches of the plan in force (``_launches``)
 

@@ -78,6 +78,10 @@ class Channel:
     wait_stats int64 [2, world] on device: [0, j] cumulative ns this rank's receives waited for source
               j's flag, [1, j] how many waits got it (accumulated while tracing is on; ``reset()`` keeps
               both)
+    calls_before_reset
+              host int: ``recv_seq`` summed over the epochs before this one (``reset()`` adds it before
+              zeroing the counter), so that calls since the channel was made = this + recv_seq
+              (``moe_comm.metrics``; world 1 launches one kernel per call and counts none)
 
     Ordering on CUDA: every launch of the channel (send, receive, abort) waits
     (``torch.cuda.Stream.wait_event``) for the previous one on this rank, whatever streams they were
@@ -103,6 +107,7 @@ class Channel:
         self.done = torch.zeros(world + 2, dtype=torch.int32, device=dev)
         self.trace = new_ring(world, group.trace_calls, dev)
         self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
+        self.calls_before_reset = 0
         self.row_bytes = 0
         self.put = group.uses_put
         self.stage = self.stage_ctrl = None
@@ -196,6 +201,7 @@ class Channel:
 
     def reset(self) -> None:
         """Local part of ``group.reset()`` (the device is idle): counters and this rank's flags to zero."""
+        self.calls_before_reset += int(self.recv_seq)
         self.send_seq.zero_()
         self.recv_seq.zero_()
         self.done.zero_()

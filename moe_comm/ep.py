@@ -245,6 +245,7 @@ class EPBuffer(OpBuffer):
         self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
         self._combine_ch.row_bytes = p.out_words * 4                    # a row of expert_out
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
+        self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
         self._x = torch.empty((p.experts_per_rank, p.capacity, p.hidden), dtype=x_dtype, device=dev)

@@ -112,6 +112,16 @@ class LaunchError(MoECommError):
                          + ", ".join(map(str, sorted(failures))) + "\n" + "\n".join(lines))
 
 
+def error_kind(err: MoECommError) -> str:
+    """Short name of an error's kind, as the metrics label it (``moe_comm.metrics``): timeout, abort,
+    desync, excluded, capacity, invalid_index, or other."""
+    for cls, kind in ((CommTimeoutError, "timeout"), (CommAbortedError, "abort"), (CommDesyncError, "desync"),
+                      (ExcludedError, "excluded"), (CapacityError, "capacity"), (InvalidIndexError, "invalid_index")):
+        if isinstance(err, cls):
+            return kind
+    return "other"
+
+
 # ---- error word ---------------------------------------------------------------------------------
 # Word layout (int64 [ERR_WORDS]); the first error since the host last released the word wins:
 #   [0] code (ERR_*; 0 = no error), written last with a system-scope release

@@ -18,13 +18,20 @@ import torch
 
 from . import protocol
 from .errors import (ERR_DROPPED, ERR_NONE, ERR_TIMEOUT, ERR_WORDS, GROUP_CODES, OPS, ClosedError,
-                     CommTimeoutError, ExcludedError, GroupError, LaunchError, MoECommError, decode_error)
+                     CommTimeoutError, ExcludedError, GroupError, LaunchError, MoECommError, decode_error,
+                     error_kind)
 from .heap.base import Heap
 from .trace.recorder import ENV_TRACE_DIR, trace_calls, write_dump
 from .transport import choose_transports
 
 BACKENDS = ("auto", "nvshmem", "shm", "loopback")
 RAISED_GRACE_S = 1.0   # launch(): how long the other ranks may run on after one rank raised
+_GROUPS: list[weakref.ref] = []   # every CommGroup of this process (``live_groups``); replaced, never mutated
+
+
+def live_groups() -> list:
+    """The CommGroups of this process that are not closed (what ``moe_comm.metrics`` exports)."""
+    return [g for g in (r() for r in _GROUPS) if g is not None and not g.closed]
 
 
 class CommGroup:
@@ -61,7 +68,14 @@ class CommGroup:
         self.state = torch.zeros(protocol.state_words(self.world_size), dtype=torch.int64, device=self.device)
         self.transports = choose_transports(heap)   # per peer: protocol.TRANSPORT_STORE / TRANSPORT_PUT
         self._put_launch = None                     # put_launch_args(), built on first use
+        # Errors raised, for moe_comm.metrics: (kind, op, peer) -> count (a group-wide error once per epoch:
+        # ``_count_error``); replaced on update, so another thread may read it at any time.
+        self.error_counts: dict[tuple[str, str, str], int] = {}
+        self._counted: set = set()   # group-wide errors of this epoch already counted
+        self.on_check = None         # moe_comm.metrics on CUDA: the copy a scrape asked for, made at the next check
         self._write_state()
+        global _GROUPS
+        _GROUPS = [r for r in _GROUPS if r() is not None] + [weakref.ref(self)]
 
     @property
     def timeout_ns(self) -> int:
@@ -139,6 +153,8 @@ class CommGroup:
         ``reset()`` / ``exclude()``. If an error found the word taken, the next check says so.
         """
         self.ensure_open()
+        if self.on_check is not None:   # moe_comm.metrics: copies of device counters (no sync; see there)
+            self.on_check()
         word = self._error_host   # a NumPy view: a read of one word costs ~0.1 us, a tensor index ~1.5 us
         code = int(word[0])  # the code first: kernels publish it after the fields
         if code != ERR_NONE:
@@ -146,6 +162,7 @@ class CommGroup:
             err = decode_error(values, self.timeout_s)
             if values[ERR_DROPPED]:
                 err.args = (err.args[0] + " (further device errors were found while this one was pending)",)
+            self._count_error(err)
             if code not in GROUP_CODES:
                 self._release_error_word()
             else:
@@ -153,8 +170,21 @@ class CommGroup:
             raise err
         if int(word[ERR_DROPPED]):
             self._release_error_word()
-            raise MoECommError(f"rank {self.rank}: a device error was recorded while an earlier one was "
+            err = MoECommError(f"rank {self.rank}: a device error was recorded while an earlier one was "
                                f"being reported; its details were lost (see the op's outputs)")
+            self._count_error(err)
+            raise err
+
+    def _count_error(self, err: MoECommError) -> None:
+        """Count ``err`` in ``error_counts`` by (kind, op, peer): a data error each time it is raised (each
+        is a new record), a group-wide error once per epoch however often it is raised again."""
+        peer = getattr(err, "peer", None)
+        key = (error_kind(err), str(getattr(err, "op", "")), "" if peer is None else str(peer))
+        if isinstance(err, GroupError):
+            if key in self._counted:
+                return
+            self._counted.add(key)
+        self.error_counts = {**self.error_counts, key: self.error_counts.get(key, 0) + 1}
 
     # ---- flight recorder --------------------------------------------------------------------------
     def traced_channels(self) -> list:
@@ -254,6 +284,7 @@ class CommGroup:
         try:
             self.heap.barrier(self.live_ranks, poll=self._raise_if_failed)
         except CommTimeoutError as e:
+            self._count_error(e)
             self._fail_group(e)
             raise
         self._raise_if_failed()
@@ -289,6 +320,7 @@ class CommGroup:
             if self._live[j] and tags[j] == self.epoch + 1:
                 rec = self.status.local[w + j * protocol.REC_WORDS: w + (j + 1) * protocol.REC_WORDS].tolist()
                 err = decode_error(rec + [0, 0], self.timeout_s)
+                self._count_error(err)
                 self._dump_on_error(err)
                 raise err
 
@@ -298,7 +330,9 @@ class CommGroup:
         up to one timeout apart (one saw the failure at once, another only when its own wait expired)."""
         got, missing = self.heap.agree(self.live_ranks, [kind, *values])
         if missing:
-            raise CommTimeoutError(op, self.rank, missing[0], 2 * self.timeout_s)
+            err = CommTimeoutError(op, self.rank, missing[0], 2 * self.timeout_s)
+            self._count_error(err)
+            raise err
         odd = {j: v[0] for j, v in got.items() if v[0] != kind}
         if odd:
             raise GroupError(f"{op}: rank {self.rank} met ranks {sorted(odd)} in a different recovery call "
@@ -329,6 +363,7 @@ class CommGroup:
         self.status.local.zero_()
         self.error_word.zero_()
         self.epoch += 1
+        self._counted = set()
         self._last_event = None
         self._in_flight = []
         self._write_state()
@@ -368,7 +403,9 @@ class CommGroup:
                 agreed |= _mask_ranks(words, self.world_size)
             if self.rank in agreed:
                 self._excluded_self = True
-                raise ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+                err = ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+                self._count_error(err)
+                raise err
             if agreed == gone and all(_mask_ranks(w, self.world_size) == gone for w in got.values()):
                 break
             gone = agreed

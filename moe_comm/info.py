@@ -178,9 +178,10 @@ def nvshmem(vers: dict | None = None) -> dict:
 def collect() -> dict:
     vers, dev = versions(), devices()
     h = heaps(dev)
+    from .metrics import status as metrics_status  # noqa: PLC0415
     from .trace.recorder import status  # noqa: PLC0415
     return {"versions": vers, "devices": dev, "heaps": h, "transports": transports(h), "nvshmem": nvshmem(vers),
-            "tracing": status()}
+            "tracing": status(), "metrics": metrics_status()}
 
 
 def _yes(ok: bool) -> str:
@@ -211,7 +212,8 @@ def render(info: dict) -> str:
               f"  device bitcode   {_yes(n['device_bitcode']['found'])}  {n['device_bitcode']['detail']}",
               f"                        needed: {n['device_bitcode']['needed']}",
               f"  Triton pairing   {n['triton_pairing']}",
-              "", "tracing", f"  flight recorder  {info['tracing']['detail']}"]
+              "", "tracing", f"  flight recorder  {info['tracing']['detail']}",
+              f"  metrics          {info['metrics']['detail']} (docs/metrics.md)"]
     return "\n".join(lines)
 
 

@@ -58,6 +58,10 @@ class PhasedOp:
     def __init__(self, group, name: str, channel=None):
         self.group, self.name, self.channel = group, name, channel
         self.pending = None       # what the send phase left for the receive phase; None when idle
+        # Device counters of the op that moe_comm.metrics exports, set by the op: "expert_rows" int64
+        # [E_local] (slots received per local expert), "excluded_rows" int64 [1] (slots / rows addressed to
+        # excluded ranks, not sent). Read without a sync (on CUDA through copies: see moe_comm.metrics).
+        self.counters: dict[str, object] = {}
         self._call = None         # the group's record of the call in progress (data error attribution)
         self._closed = False
         group.register(self)

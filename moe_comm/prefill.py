@@ -257,6 +257,7 @@ class PrefillBuffer(OpBuffer):
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "prefill.combine", (1,), torch.int32, ctrl_words=p.combine_ctrl_words)
         self._dispatch_op = PhasedOp(g, "prefill.dispatch", self._dispatch_ch)
+        self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
         self._combine_op = PhasedOp(g, "prefill.combine", _CombineChannel(self._combine_ch))
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=g.device)
         self._zones = [self._zone(z) for z in range(p.zones)]

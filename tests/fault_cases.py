@@ -1,14 +1,41 @@
 """Shared by the serving-loop fault tests (test_fault_soak.py, test_exclude.py): one step's inputs for
 every rank (dispatch -> combine and an AllToAllvDynamic round trip) and the check of one rank's results
-against the references, with invalid ids unrouted and excluded ranks' experts and rows dropped."""
+against the references, with invalid ids unrouted and excluded ranks' experts and rows dropped. And the
+slow-rank / dead-rank run of the observability tests (test_trace.py, test_metrics.py)."""
 
 import os
 import threading
+import time
 
 import torch
 
-from moe_comm import AllToAllvDynamic, EPBuffer, GroupError, reference
+from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, GroupError, reference
 from moe_comm.recovery import recover
+
+
+def slow_then_dead(group, slow: int, dead: int, sleep_s: float, calls: int, before_death=None) -> str:
+    """AllToAllvDynamic calls 1..``calls`` (one 32-byte row to every rank) with rank ``slow`` sleeping
+    ``sleep_s`` before each send; ``before_death()`` if given, a barrier, then rank ``dead`` exits
+    (os._exit) and the others make call ``calls + 1``, whose wait for it times out. Returns the
+    survivors' CommTimeoutError text ("no error" if none came)."""
+    op = AllToAllvDynamic(group, 4, (8,), torch.float32)
+    counts = torch.ones(group.world_size, dtype=torch.int32)
+    send = torch.randn(group.world_size, 8)
+    for _ in range(calls):
+        if group.rank == slow:
+            time.sleep(sleep_s)
+        op(send, counts, phase="send")
+        op(phase="recv")
+    if before_death is not None:
+        before_death()
+    group.barrier()
+    if group.rank == dead:
+        os._exit(1)
+    try:
+        op(send, counts)
+    except CommTimeoutError as e:
+        return str(e)
+    return "no error"
 
 
 def step_inputs(seed, world, E, M, K, H, cap, row, fault=None):

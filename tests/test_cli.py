@@ -54,6 +54,8 @@ def test_info_says_whether_tracing_is_on(monkeypatch, tmp_path):
     t = info.collect()["tracing"]
     assert (t["on"], t["calls"], t["dump_dir"]) == (False, 0, None)
     assert "off (set MOE_COMM_TRACE=1" in info.render(info.collect())
+    assert info.collect()["metrics"]["available"]   # the test extra installs prometheus-client
+    assert "metrics          prometheus_client " in info.render(info.collect())
     monkeypatch.setenv("MOE_COMM_TRACE", "16")
     monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(tmp_path))
     t = info.collect()["tracing"]

@@ -4,7 +4,6 @@ peers' dumps alone) and a desync with both call numbers."""
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ import moe_comm
 from moe_comm import AllToAllvDynamic, CommDesyncError, CommTimeoutError, EPBuffer, LaunchError
 from moe_comm.trace import analyze, layout
 from moe_comm.trace.recorder import channel_records, trace_calls
+
+from fault_cases import slow_then_dead
 
 ROW = (8,)          # float32 rows of the AllToAllvDynamic tests: 32 bytes
 CAP = 4
@@ -144,23 +145,7 @@ def _slow_then_dead(group, all_dir):
     """World 4: calls 1..CALLS with rank SLOW sleeping before each send; every rank dumps to
     ``all_dir``; then rank DEAD dies before call CALLS + 1 and the others wait for it (their
     CommTimeoutError dumps them to MOE_COMM_TRACE_DIR)."""
-    op = AllToAllvDynamic(group, CAP, ROW, torch.float32)
-    counts = torch.ones(group.world_size, dtype=torch.int32)
-    send = torch.randn(group.world_size, *ROW)
-    for _ in range(CALLS):
-        if group.rank == SLOW:
-            time.sleep(SLEEP_S)
-        op(send, counts, phase="send")
-        op(phase="recv")
-    group.dump_trace(all_dir)
-    group.barrier()
-    if group.rank == DEAD:
-        os._exit(1)
-    try:
-        op(send, counts)
-    except CommTimeoutError as e:
-        return str(e)
-    return "no error"
+    return slow_then_dead(group, SLOW, DEAD, SLEEP_S, CALLS, lambda: group.dump_trace(all_dir))
 
 
 def test_slow_rank_and_dead_rank_are_named_from_the_dumps(tmp_path, monkeypatch):
@@ -294,3 +279,33 @@ def test_the_reader_keeps_a_half_only_when_its_tag_reads_alike_around_its_words(
     prepared = list(words)
     prepared[layout.T_SEND_TAG] = prepared[layout.T_RECV_TAG] = 8 | layout.PREP_BIT
     assert layout.decode_row(prepared, world, 4) == []
+
+def test_dumps_made_with_the_recorder_off_say_so_and_how_to_turn_it_on(tmp_path, monkeypatch, capsys):
+    """World 3, recorder off, rank 2 silent: ranks 0 and 1 time out and dump (MOE_COMM_TRACE_DIR), rank
+    2 dumps by hand. The analyzer says the recorder was off on every rank, how to turn it on, what
+    works without it, and the error each rank raised, instead of only "3 of 3 ranks dumped". A dump
+    of a version that did not write ``recorder_calls`` is recognised by its empty channels."""
+    monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(tmp_path))
+    groups, ops = _loopback_a2a(3, trace=0, timeout_s=0.3)
+    for op in ops[:2]:
+        op(torch.randn(2, *ROW), torch.tensor([1, 1, 0]), phase="send")
+    for op in ops[:2]:
+        with pytest.raises(CommTimeoutError):
+            op(phase="recv")
+    groups[2].dump_trace(tmp_path)
+    legacy = json.load(open(tmp_path / "trace-rank2.json"))
+    del legacy["recorder_calls"]
+    json.dump(legacy, open(tmp_path / "trace-rank2.json", "w"))
+    assert analyze.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "3 of 3 ranks dumped"
+    assert out[1].startswith("RECORDER OFF on ranks 0, 1, 2: their dumps hold no calls") and "MOE_COMM_TRACE=1" in out[1]
+    assert "docs/metrics.md" in out[1]
+    assert out[2].startswith("  rank 0 raised: alltoallv: rank 0 timed out after 0.3 s waiting for peer rank 2")
+    assert out[3].startswith("  rank 1 raised: alltoallv: rank ") and "waiting for peer rank 2" in out[3]
+    assert out[4].startswith("timeline: ") and len(out) == 5
+    traced, tops = _loopback_a2a(2, trace=4)
+    _round(tops, [torch.tensor([1, 1]), torch.tensor([1, 1])], back=False)
+    for g in traced:
+        g.dump_trace(tmp_path / "on")
+    assert not analyze.analyze(analyze.load_dumps(str(tmp_path / "on"))).recorder_off

@@ -8,12 +8,21 @@ adapter (moe_comm.serving.vllm) and the SGLang dispatcher (moe_comm.serving.sgla
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
-__all__ = ["check_group", "process_group", "recover", "shared_buffer", "use_group"]
+__all__ = ["check_group", "expose_metrics", "process_group", "recover", "shared_buffer", "use_group"]
+
+logger = logging.getLogger(__name__)
+
+ENV_METRICS = "MOE_COMM_METRICS"            # "0" / "off": the adapters export no metrics
+ENV_METRICS_PORT = "MOE_COMM_METRICS_PORT"  # P: each rank also serves moe_comm.metrics on port P + rank
 
 _GROUP = None
 _BUFFERS: dict[tuple, object] = {}
+_METRICS_EXPOSED = False
 
 
 def use_group(group) -> None:
@@ -31,7 +40,29 @@ def process_group(backend: str = "auto", timeout_s: float = 30.0):
     if _GROUP is None:
         import moe_comm  # noqa: PLC0415
         _GROUP = moe_comm.init(backend, timeout_s=float(timeout_s))
+    expose_metrics(_GROUP)
     return _GROUP
+
+
+def expose_metrics(group) -> None:
+    """Once per process: moe-comm's metrics where the serving framework's /metrics reads them
+    (``moe_comm.metrics.register``: prometheus_client's registry, or its multiprocess directory, which
+    vLLM and SGLang use), and with MOE_COMM_METRICS_PORT=P also on this rank's own port P + rank
+    (``moe_comm.metrics.serve``). MOE_COMM_METRICS=0 turns it off; without prometheus_client it logs
+    the fix and does nothing. docs/metrics.md."""
+    global _METRICS_EXPOSED
+    if _METRICS_EXPOSED or os.environ.get(ENV_METRICS, "1").strip().lower() in ("0", "off", "false", "no"):
+        return
+    _METRICS_EXPOSED = True
+    try:
+        from moe_comm import metrics  # noqa: PLC0415
+        how = metrics.register()
+        port = os.environ.get(ENV_METRICS_PORT)
+        if port:
+            metrics.serve(int(port) + group.rank)
+        logger.info("moe-comm: metrics registered (%s)%s", how, f", served on {int(port) + group.rank}" if port else "")
+    except ImportError as e:
+        logger.warning("moe-comm: no metrics exported: %s", e)
 
 
 def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,

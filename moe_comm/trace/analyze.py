@@ -44,6 +44,8 @@ class Diagnosis:
     caused_ns: dict = field(default_factory=dict)      # source -> total ns others waited for it
     slowest: int | None = None
     unfinished: list[dict] = field(default_factory=list)  # receives that began and never ended
+    recorder_off: list[int] = field(default_factory=list)  # ranks whose dump was made with the recorder off
+    errors: dict = field(default_factory=dict)         # rank -> the error its dump was made for (recorder off)
     lines: list[str] = field(default_factory=list)
 
 
@@ -76,6 +78,8 @@ def analyze(dumps: dict[int, dict]) -> Diagnosis:
         raise ValueError("no flight-recorder dumps found (files written by group.dump_trace)")
     world = max(d["world_size"] for d in dumps.values())
     diag = Diagnosis(world, sorted(dumps), [r for r in range(world) if r not in dumps])
+    diag.recorder_off = [r for r, d in sorted(dumps.items()) if _recorder_off(d)]
+    diag.errors = {r: dumps[r]["error"] for r in diag.recorder_off if dumps[r].get("error")}
     missing_flags = defaultdict(lambda: dict(waiters=set(), outcomes=set(), calls=set()))
     for rank, name, rec in _receives(dumps):
         if rec["outcome"] == "desync":
@@ -112,6 +116,14 @@ def analyze(dumps: dict[int, dict]) -> Diagnosis:
     return diag
 
 
+def _recorder_off(dump: dict) -> bool:
+    """The dump was made with the flight recorder off: it says so (``recorder_calls`` 0), or, from a
+    version that did not write that, no channel holds a record."""
+    if "recorder_calls" in dump:
+        return dump["recorder_calls"] == 0
+    return not any(ch["records"] for ch in dump["channels"])
+
+
 def _ranks(rs) -> str:
     rs = list(rs)
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
@@ -120,6 +132,15 @@ def _ranks(rs) -> str:
 def _words(diag: Diagnosis) -> list[str]:
     out = [f"{len(diag.ranks)} of {diag.world} ranks dumped"
            + (f"; no dump from {_ranks(diag.missing)} (dead, hung, or not dumping)" if diag.missing else "")]
+    if diag.recorder_off:
+        out.append(f"RECORDER OFF on {_ranks(diag.recorder_off)}: their dumps hold no calls, so no waits, "
+                   f"slowest rank or timeline from them. To record: MOE_COMM_TRACE=1 (or moe_comm.init(..., "
+                   f"trace=True)) before the group is made (moe_comm.launch's processes inherit it), then run "
+                   f"again. Without the recorder: the error each rank raised (below), and the metrics that need "
+                   f"none (moe_comm.metrics: errors by kind and peer, calls, expert load, epochs, excluded "
+                   f"ranks; docs/metrics.md)")
+    for rank, err in sorted(diag.errors.items()):
+        out.append(f"  rank {rank} raised: {err}")
     for x in diag.never_published:
         out.append(f"NEVER PUBLISHED: rank {x['rank']} never published {x['op']} call {x['call']} "
                    f"(channel {x['channel']}, epoch {x['epoch']}): {_ranks(x['waiters'])} waited for it "

@@ -113,6 +113,7 @@ def rank_dump(group, error: BaseException | None = None) -> dict:
             wait_ns=None if stats is None else stats[0], wait_count=None if stats is None else stats[1],
             records=[dataclasses.asdict(r) for r in channel_records(ch)]))
     return dict(format=FORMAT, rank=group.rank, world_size=group.world_size, epoch=group.epoch,
+                recorder_calls=group.trace_calls,   # records kept per channel; 0: the recorder was off
                 backend=group.backend, device=str(group.device), live=group.live_ranks,
                 clock="globaltimer" if group.device.type == "cuda" else "monotonic",
                 host_monotonic_ns=time.monotonic_ns(), error=None if error is None else str(error),

@@ -194,6 +194,68 @@ def test_plugin_off_keeps_sglang_dispatcher():
     assert names == [("StandardDispatcher", None)]
 
 
+def _metrics_rank(group):
+    """``_plugin_rank`` (SGLang's plugin loader and hooked factory, two layers of two steps), then the
+    refresher thread's next two refreshes (the second began after the steps)."""
+    import time  # noqa: PLC0415
+
+    from moe_comm import metrics  # noqa: PLC0415
+
+    _plugin_rank(group, True, False)
+    exp, deadline = metrics.exporter(), time.monotonic() + 60
+    done = exp.refreshes + 2
+    while exp.refreshes < done and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return exp.refreshes >= done
+
+
+def _asgi_get(app, path: str) -> str:
+    """GET ``path`` from an ASGI app, in this process (what uvicorn would do for a request)."""
+    import asyncio  # noqa: PLC0415
+
+    body = []
+
+    async def run():
+        scope = dict(type="http", method="GET", path=path, raw_path=path.encode(), root_path="", query_string=b"",
+                     headers=[], http_version="1.1", scheme="http", server=("test", 80), client=("test", 1))
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+
+        await app(scope, receive, send)
+
+    asyncio.run(run())
+    return b"".join(body).decode()
+
+
+@pytest.mark.timeout(600)
+def test_metrics_reach_sglangs_metrics_endpoint(monkeypatch):
+    """SGLang with --enable-metrics: its own set_prometheus_multiproc_dir() (before the ranks start, as its
+    server does), two shm ranks through the plugin, then the /metrics route its own
+    add_prometheus_middleware() mounts on an app, requested over ASGI: moe-comm's calls and expert load of
+    both ranks are there."""
+    from fastapi import FastAPI  # noqa: PLC0415
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+    from sglang.srt.utils import add_prometheus_middleware, set_prometheus_multiproc_dir  # noqa: PLC0415
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)   # restored (unset) after the test
+    set_prometheus_multiproc_dir()
+    monkeypatch.setenv("MOE_COMM_METRICS_INTERVAL_S", "0.2")
+    assert moe_comm.launch(_metrics_rank, 2, backend="shm", timeout_s=120) == [True, True]
+    app = FastAPI()
+    add_prometheus_middleware(app)
+    text = _asgi_get(app, "/metrics")
+    got = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    for r in ("0", "1"):
+        assert [s.value for s in got if s.name == "moe_comm_calls_total" and s.labels == dict(rank=r, op="dispatch")
+                and s.value >= 4], text[:3000]
+        assert sum(s.value for s in got if s.name == "moe_comm_expert_rows_total" and s.labels["rank"] == r) > 0
+
+
 def test_silent_peer_is_raised_by_name_and_stays():
     """Rank 1 never dispatches: rank 0's dispatch raises CommTimeoutError naming it, and so does every
     later dispatch (the group is failed until reset), instead of serving on with missing tokens."""

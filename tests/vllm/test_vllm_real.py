@@ -256,6 +256,53 @@ def test_plugin_and_modular_kernel_world2_shm(mode):
     assert max(e for r in errs for e in r) < 0.05, errs
 
 
+def _metrics_rank(group):
+    """``_plugin_rank`` (vLLM's own factory, hooked, then its modular kernel: two steps), then the refresher
+    thread's next two refreshes (the second began after the steps)."""
+    import time
+
+    from moe_comm import metrics
+
+    _plugin_rank(group)
+    exp, deadline = metrics.exporter(), time.monotonic() + 60
+    done = exp.refreshes + 2
+    while exp.refreshes < done and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return exp.refreshes >= done
+
+
+def test_metrics_reach_vllms_registry(tmp_path, monkeypatch):
+    """moe-comm's metrics are where vLLM's /metrics reads, ``vllm.v1.metrics.prometheus.get_prometheus_registry``:
+    in this process (no PROMETHEUS_MULTIPROC_DIR: prometheus_client's REGISTRY) once the adapter made its
+    group; across processes (PROMETHEUS_MULTIPROC_DIR set, as vLLM sets it for several API servers) from two
+    shm ranks that built the prepare/finalize through vLLM's factory and ran its kernel."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    from moe_comm.serving import ep_group
+
+    def scrape(registry, name, **labels):
+        """rank -> value of metric ``name`` with ``labels``, from the registry's exposition text."""
+        return {s.labels["rank"]: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in fam.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
+
+    def calls(registry):
+        return scrape(registry, "moe_comm_calls_total", op="dispatch")
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    adapter.use_group(g)
+    assert ep_group.process_group() is g
+    assert "0" in scrape(get_prometheus_registry(), "moe_comm_epoch")
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setenv("MOE_COMM_METRICS_INTERVAL_S", "0.2")
+    assert moe_comm.launch(_metrics_rank, 2, backend="shm", timeout_s=120) == [True, True]
+    got = calls(get_prometheus_registry())   # vLLM's multiprocess registry over the directory
+    assert got["0"] >= 2 and got["1"] >= 2, got
+
+
 def test_silent_peer_is_raised_by_name_and_stays():
     """Rank 1 never dispatches: rank 0's prepare raises CommTimeoutError naming it, and so does the next
     step's prepare (the group is failed until reset), so vLLM's worker stops instead of serving on."""
