@@ -490,14 +490,37 @@ def test_exact_size_output():
         b.combine(phase="recv")
 
 
-def test_groups_reaching_a_peer_by_puts_are_refused_with_the_alternative(monkeypatch):
-    """The combine loads its peers' partial rows, which needs every peer mapped: a group with put peers
-    (another node) is refused at construction, naming EPBuffer."""
+@pytest.mark.timeout(300)
+def test_every_peer_by_puts_is_exact(monkeypatch):
+    """MOE_COMM_TRANSPORT=put on a loopback world 3 (nodes of one rank: every row and partial row crosses by
+    puts, this rank's own included, through the put path of docs/prefill.md "Across nodes"): every case of
+    tests/prefill_cases.py equals the reference, and puts carried them."""
     monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
-    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
-    assert groups[0].uses_put
-    with pytest.raises(NotImplementedError, match="reaches some by NVSHMEM puts.*use EPBuffer"):
+    from moe_comm.interpreter import twin_module
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    original, puts = twin._copy_to_peer, []
+    monkeypatch.setattr(twin, "_copy_to_peer", lambda *a: (puts.append(1), original(*a)))
+    groups = moe_comm.init(backend="loopback", world_size=3, device="cpu", timeout_s=10)
+    assert groups[0].uses_put and make_buffer(groups[0], CONFIGS[0]).plan.put
+    assert run_loopback_cases(groups) == []
+    assert len(puts) > 0
+
+
+def test_loopback_nodes_of_several_ranks_over_puts_are_refused(monkeypatch):
+    """A loopback world whose nodes have several ranks and reach the others by puts cannot order the node
+    reduction (it waits within the send phase for the node's other ranks): refused at construction, naming
+    the alternatives; nodes that are not consecutive ranks are refused too."""
+    from moe_comm.protocol import TRANSPORT_PUT as P, TRANSPORT_STORE as S
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    monkeypatch.setattr(moe_comm.group, "choose_transports", lambda heap: [[S, S, P, P], [S, S, P, P],
+                                                                          [P, P, S, S], [P, P, S, S]][heap.rank])
+    groups = moe_comm.init(backend="loopback", world_size=4, device="cpu")
+    with pytest.raises(NotImplementedError, match="use the shm heap.*MOE_COMM_TRANSPORT=put"):
         PrefillBuffer(groups[0], 8, 128, 2, 2)
+    from moe_comm.topology import node_layout
+    with pytest.raises(NotImplementedError, match="consecutive ranks"):
+        node_layout([S, P, S, P], 0)
+    assert node_layout([P, P, S, S], 3).ranks_per_node == 2 and node_layout([P, P], 1).ranks_per_node == 1
 
 
 @pytest.mark.gpu
