@@ -154,7 +154,7 @@ def run_loopback_cases(groups) -> list[str]:
     return errs
 
 
-CHUNK_TOKENS = (11, 4)   # tokens per rank of the chunked case, M = 5: 3 chunks, the last one partial
+CHUNK_TOKENS = (11, 4, 7, 0)   # tokens per rank of the chunked case, M = 5: 3 chunks, the last one partial
 
 
 def run_chunked_case(group) -> list[str]:
@@ -165,12 +165,13 @@ def run_chunked_case(group) -> list[str]:
     g = torch.Generator().manual_seed(77)
     E, K = cfg.experts_per_rank * world, cfg.topk
     xs = [torch.randn(T, cfg.hidden, generator=g).to(cfg.dtype) for T in CHUNK_TOKENS[:world]]
-    idxs = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(x.shape[0])]) for x in xs]
+    idxs = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(x.shape[0])]) if x.shape[0]
+            else torch.zeros(0, K, dtype=torch.int64) for x in xs]
     ws = [torch.rand(x.shape[0], K, generator=g) for x in xs]
     big = max(CHUNK_TOKENS)
     exp_d = reference.prefill_dispatch(xs, idxs, ws, E, big)
     parts = [partial_rows(e["x"], None, r, cfg.dtype) for r, e in enumerate(exp_d)]
-    want = reference.prefill_combine(parts, idxs, E, big)[rank]
+    want = reference.prefill_combine(parts, idxs, E, big, ranks_per_node=ranks_per_node(group))[rank]
     errs = []
     for zones in (1, 2):
         buf = make_buffer(group, cfg, zones)

@@ -368,20 +368,23 @@ def _slow_puller(group):
     buf = prefill_cases.make_buffer(group, prefill_cases.CONFIGS[0])
     out = _prefill_round(group, buf, 90, slow=(1, SLOW_PULL_S))
     buf.close()
-    return out
+    return out + (prefill_cases.run_chunked_case(group),)
 
 
 @pytest.mark.timeout(600)
-def test_prefill_dispatch_returns_after_its_node_pulled_from_its_rows(monkeypatch):
+def test_prefill_dispatch_returns_after_its_node_pulled_from_its_rows_and_chunks_overlap(monkeypatch):
     """A rail's landing rows are its own output rows: no rank's dispatch returns before every rank of its
     node has loaded what it needs from them (the pull's node barrier). Rank 0 returns only after rank 1's
     delayed receive began, and rank 1's rows from rank 0 are exact although rank 0 wrote NaN over its
-    rows at once (without the barrier rank 0 returns ~1 s earlier and rank 1 loads NaN rows)."""
+    rows at once (without the barrier rank 0 returns ~1 s earlier and rank 1 loads NaN rows). Then the
+    chunked MoE layer (``prefill_chunks.prefill_moe``, 3 chunks of M, one zone and two overlapped) equals
+    one call of the reference across the nodes too (tests/prefill_cases.py ``run_chunked_case``)."""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     out = moe_comm.launch(_slow_puller, 4, backend="shm", timeout_s=30)
     assert [o[0] for o in out] == [[]] * 4, out
     assert out[0][1] > out[1][2], out          # rank 0's dispatch returned after rank 1's receive began
+    assert [o[3] for o in out] == [[]] * 4, out
 
 
 def _prefill_killed(group, victims):
@@ -436,3 +439,26 @@ def test_prefill_killed_rank_and_then_its_whole_node_are_named_and_excluded(monk
         assert errs == [] and [o[0] for o in out] == victims, err.results[r]
         for named, took, steps in out:
             assert took < PREFILL_NAMED_S and steps == [[]] * 3, err.results[r]
+
+
+def _doors(group):
+    import test_compat_deep_ep_internode
+    import test_sglang_dispatcher
+    import test_vllm_adapter
+    return dict(deep_ep=test_compat_deep_ep_internode.internode_rank(group),
+                vllm=test_vllm_adapter.standard_shm_rank(group, 3),
+                sglang=test_sglang_dispatcher.normal_shm_rank(group, 5), isolation=_isolation(group))
+
+
+@pytest.mark.timeout(900)
+def test_prefill_doors_across_emulated_nodes(monkeypatch):
+    """The high-throughput doors across 2 x 2 emulated nodes: DeepEP's normal mode through a
+    torch.distributed ProcessGroup in the style of DeepEP's tests/test_internode.py (its ``dispatch`` /
+    ``combine`` and ``internode_dispatch`` / ``internode_combine``, group-limited routing, layout with
+    ``num_tokens_per_rdma_rank``; tests/test_compat_deep_ep_internode.py), vLLM's Standard-format
+    prepare/finalize and SGLang's normal-mode dispatcher, each bitwise against the reference in the node
+    order; no process maps another node's memory."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    out = moe_comm.launch(_doors, 4, backend="shm", timeout_s=60)
+    assert out == [dict(deep_ep=[], vllm=[], sglang=[], isolation=[])] * 4, out
