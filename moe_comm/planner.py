@@ -460,6 +460,9 @@ class PrefillPlan:
     put: bool = False     # some peer is reached by puts: the path across nodes (docs/prefill.md)
     ranks_per_node: int = 0   # G: ranks of one node (the world without puts)
     node_programs: int = 1    # programs per source of the dispatch pull and the combine forward (grid x world)
+    pull_tokens: int = 1      # tokens per iteration of the dispatch pull (its copy tiles: pull_tokens x pull_words)
+    pull_words: int = 1       # words per iteration along a row there (on a GPU 8 x 512: a 16 KB tile, and the fp8
+    #                           scales' 8 x 64 words still 16-byte vectors at 4 warps)
 
     @property
     def world(self) -> int:
@@ -563,6 +566,7 @@ class PrefillPlan:
 
 
 PREFILL_ZONES = (1, 2)   # landing zones a PrefillBuffer may hold: in sequence, or overlapped chunks
+GPU_PULL_TOKENS = 8      # tokens per iteration of the dispatch pull on a GPU (see PrefillPlan.pull_tokens)
 
 
 def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
@@ -587,5 +591,10 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
     else:                      # the interpreter: one wide program
         words = min(next_pow2(ep.out_words), 4096)
         block_rows, programs = min(next_pow2(rows), max(1, 8192 // words)), 1
-    node_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS // world)) if gpu_shapes(device) else 1
-    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones), put, g, node_programs)
+    if gpu_shapes(device):
+        node_programs, pull_tokens = max(1, min(max_tokens, GPU_TARGET_PROGRAMS // world)), GPU_PULL_TOKENS
+        pull_words = min(next_pow2(ep.x_words), GPU_EP_COPY_WORDS // GPU_PULL_TOKENS)
+    else:
+        node_programs, pull_tokens, pull_words = 1, ep.block_tokens, ep.send_block_words
+    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones), put, g, node_programs, pull_tokens,
+                       pull_words)

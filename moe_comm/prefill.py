@@ -353,7 +353,7 @@ class PrefillBuffer(OpBuffer):
                 stamp_ptr=zone.stamp, ctrl_ptr=dch.ctrl.local, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, seq_ptr=dch.recv_seq,
                 done_ptr=dch.done, OP=op_id("prefill.dispatch"), CTRL_WORDS=p.dispatch_ctrl_words,
                 EXPERTS_PER_RANK=ep.experts_per_rank, X_WORDS=ep.x_words,
-                S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, BT=ep.block_tokens, BW=ep.send_block_words,
+                S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, BT=p.pull_tokens, BW=p.pull_words,
                 S_BW=next_pow2(max(1, ep.scale_words)), ALIGNED=ep.x_words % 4 == 0,
                 WORLD_P2=next_pow2(g.world_size), **route, **nodes, **slots, **sig)
             out["combine_forward"] = launch(

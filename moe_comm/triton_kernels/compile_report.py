@@ -203,7 +203,7 @@ def _prefill_configs() -> list[KernelConfig]:
                     **SIGNAL), dict(
                     w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
                     X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
-                    BT=ep.block_tokens, BW=ep.send_block_words, S_BW=next_pow2(max(1, ep.scale_words)),
+                    BT=p.pull_tokens, BW=p.pull_words, S_BW=next_pow2(max(1, ep.scale_words)),
                     ALIGNED=True, **route, **nodes), nvshmem=put))
         out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP{world} M{m}" + (
             " nodes of 8" if put else ""), dict(src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", **ctrl,

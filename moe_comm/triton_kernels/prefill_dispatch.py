@@ -35,7 +35,7 @@ call's flag) give this rank's ids and weights, and the rows with one of its expe
 import triton
 import triton.language as tl
 
-from .copy import address, as_words, copy_rows, load_tile, store_tile
+from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_tile
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
@@ -395,12 +395,14 @@ def prefill_dispatch_pull_kernel(
         tl.store((slot + R * TOPK).to(tl.pointer_type(tl.float32)), tl.where(here, wts, 0.0),
                  mask=t_live[:, None] & k_live)
         mine = (tl.max(here.to(tl.int32), axis=1) > 0) & (rail != rank)
-        copy_rows(rail_zone + X_OFFSET + q * X_WORDS, mine, address(own_zone + X_OFFSET + q * X_WORDS)[:, None],
-                  mine[:, None], X_WORDS, BW, 1, 1, ALIGNED)
+        # (the rail's rows by their address: a pointer loaded from memory is declared aligned by row_pointers)
+        copy_rows(row_pointers(address(rail_zone + X_OFFSET + q * X_WORDS), tl.int32, ALIGNED), mine,
+                  address(own_zone + X_OFFSET + q * X_WORDS)[:, None], mine[:, None], X_WORDS, BW, 1, 1, ALIGNED)
         if S_WORDS > 0:
-            copy_rows(rail_zone + X_OFFSET + R * X_WORDS + q * S_WORDS, mine,
-                      address(own_zone + X_OFFSET + R * X_WORDS + q * S_WORDS)[:, None], mine[:, None], S_WORDS,
-                      S_BW, 1, 1, ALIGNED & (S_WORDS % 4 == 0))
+            scales_aligned: tl.constexpr = ALIGNED & (S_WORDS % 4 == 0)
+            copy_rows(row_pointers(address(rail_zone + X_OFFSET + R * X_WORDS + q * S_WORDS), tl.int32, scales_aligned),
+                      mine, address(own_zone + X_OFFSET + R * X_WORDS + q * S_WORDS)[:, None], mine[:, None], S_WORDS,
+                      S_BW, 1, 1, scales_aligned)
     last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
     if last:
         call = tl.load(seq_ptr)
