@@ -33,9 +33,6 @@ class NodeLayout:
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
-    def local(self, rank: int) -> int:
-        return rank % self.ranks_per_node
-
     def ranks(self, node: int) -> range:
         g = self.ranks_per_node
         return range(node * g, node * g + g)
