@@ -91,12 +91,16 @@ def main(argv=None) -> int:
                   f"({r['device']}, commit {str(r['commit'])[:7]})")
     else:
         print("\nNo decode step prediction: pass --emulated-decode with the JSON lines of a GPU --emulate-ep run.")
+    prefill_validation, prefill_predictions = sm.prefill_validation_rows(o), sm.prefill_prediction_rows(o)
+    print()
+    print(sm.format_prefill(prefill_validation, prefill_predictions, o))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "scale_model.json"), "w") as f:
         json.dump(dict(constants=sm.constants(), msg_overhead_us=o,
                        local_costs=dict(source=costs.source, device=costs.device, commit=costs.commit,
                                         launch_us=costs.launch_us),
-                       validation=validation, predictions=predictions, decode_step=step_rows), f, indent=1)
+                       validation=validation, predictions=predictions, decode_step=step_rows,
+                       prefill_validation=prefill_validation, prefill_predictions=prefill_predictions), f, indent=1)
     plot(validation, predictions, os.path.join(a.out, "scale_model.png"))
     print(f"\nwrote {a.out}/scale_model.json" + (" and scale_model.png" if os.path.exists(
         os.path.join(a.out, "scale_model.png")) else ""))

@@ -2,6 +2,11 @@
 
     python bench/wire_bytes.py [--nodes 2] [--ranks-per-node 2] [--tokens 16] [--hidden 1024]
                                [--experts 32] [--topk 8] [--fp8] [--unrouted 0.0]
+                               [--prefill [--node-limit N]]
+
+``--prefill`` measures PrefillBuffer instead of EPBuffer (docs/prefill.md "Across nodes"; floor below),
+and ``--node-limit N`` routes each token's top-k experts among the experts of at most N nodes (DeepSeek-V3's
+node-limited routing), to show what the per-node path saves against one copy per destination rank.
 
 Runs one dispatch and one combine on emulated nodes (CPU, ``MOE_COMM_RANKS_PER_NODE``; every cross-node
 byte travels as a wire message, ``moe_comm/heap/wire.py``) with uniform random top-k routing, and prints,
@@ -15,6 +20,19 @@ their 21-byte headers (which the floor does not count). Floor, per rank:
   token on another node, plus the flag. The weights are applied on the token's rank, in a fixed k order
   (``EPBuffer.combine``: bitwise reproducible), so each slot's row must travel; summing a token's slots
   on the expert's rank first would need the weights there and change the order of the sum.
+
+PrefillBuffer (``--prefill``), per rank, only what crosses nodes (``prefill_floor_bytes``):
+
+- dispatch (sent by the token's rank): per other node holding a live owner of one of its experts, each
+  token once to the rank's rail there: its payload row (``x_words`` words, fp8 scales included) and its
+  routing row (``PrefillPlan.route_words``: K global ids, K weights, an int64 stamp); per such node with a
+  live rail, the rail's control words (the tokens and the node's per-expert counts: ``count_span + 1``
+  int64 words) and their 8-byte flag,
+  and an 8-byte bare flag to every other live rank of that node;
+- combine (sent by a rail): per source of another node it is the rail of, one output row per token that
+  came to its node (the node's partial rows already summed) plus the 8-byte ``ready``; an 8-byte bare
+  ``ready`` to every other live rank of another node; and the 8-byte ``released`` to every live rank of
+  another node.
 """
 
 from __future__ import annotations
@@ -33,11 +51,27 @@ from moe_comm.heap.shm import RANKS_PER_NODE_ENV  # noqa: E402
 from moe_comm.heap.wire import HEADER, SIGNAL_BYTES  # noqa: E402
 
 
+def node_limited(g: torch.Generator, tokens: int, experts: int, topk: int, nodes: int, limit: int) -> torch.Tensor:
+    """int64 [tokens, topk] distinct expert ids of each token among the experts of ``limit`` nodes chosen at
+    random (uniform; the experts spread evenly over ``nodes`` nodes): DeepSeek-V3's node-limited routing."""
+    per = experts // nodes
+    rows = []
+    for _ in range(tokens):
+        chosen = torch.randperm(nodes, generator=g)[:limit]
+        pool = torch.cat([torch.arange(int(n) * per, (int(n) + 1) * per) for n in chosen])
+        rows.append(pool[torch.randperm(pool.numel(), generator=g)[:topk]])
+    return torch.stack(rows).reshape(tokens, topk)
+
+
 def _inputs(args, world):
     g = torch.Generator().manual_seed(7)
     xs = [torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16) for _ in range(world)]
-    idx = [torch.stack([torch.randperm(args.experts, generator=g)[:args.topk] for _ in range(args.tokens)])
-           .reshape(args.tokens, args.topk) for _ in range(world)]
+    if getattr(args, "node_limit", 0):
+        idx = [node_limited(g, args.tokens, args.experts, args.topk, args.nodes, args.node_limit)
+               for _ in range(world)]
+    else:
+        idx = [torch.stack([torch.randperm(args.experts, generator=g)[:args.topk] for _ in range(args.tokens)])
+               .reshape(args.tokens, args.topk) for _ in range(world)]
     for i in idx:   # a share of the slots not routed (-1)
         i[torch.rand(i.shape, generator=g) < args.unrouted] = -1
     ws = [torch.rand(args.tokens, args.topk, generator=g) for _ in range(world)]
@@ -82,6 +116,83 @@ def _rank(group, args):
                 row_bytes=p.row_words * 4, out_row_bytes=p.out_words * 4)
 
 
+def _reach(idx: torch.Tensor, per_rank: int, ranks) -> int:
+    """Tokens of ``idx`` [T, K] with a valid expert on one of ``ranks``."""
+    owner = torch.where(idx >= 0, idx // per_rank, -1)
+    return int(torch.isin(owner, torch.tensor(list(ranks))).any(dim=1).sum())
+
+
+def prefill_floor_bytes(idx, rank, layout, experts, row_bytes, route_bytes, out_row_bytes, ctrl_bytes):
+    """Floor of rank ``rank``'s cross-node payload bytes in one PrefillBuffer call, every rank live (module
+    docstring): (dispatch, combine, rows_per_node, rows_per_rank), the last two the routed (token,
+    destination) pairs across nodes counted per node and per rank."""
+    world = layout.world
+    per_rank, live = experts // world, [True] * world
+    me = layout.node(rank)
+    dispatch = combine = rows_node = rows_rank = 0
+    for n in range(layout.nodes):
+        if n == me:
+            continue
+        rail = layout.rail(rank, n, live)
+        rows = _reach(idx[rank], per_rank, layout.ranks(n))
+        rows_node += rows
+        rows_rank += sum(_reach(idx[rank], per_rank, [d]) for d in layout.ranks(n))
+        dispatch += rows * (row_bytes + route_bytes) + ctrl_bytes + SIGNAL_BYTES
+        dispatch += SIGNAL_BYTES * sum(1 for p in layout.ranks(n) if live[p] and p != rail)
+    for s in range(world):
+        if layout.node(s) == me or not live[s]:
+            continue
+        if layout.rail(s, me, live) == rank:
+            combine += _reach(idx[s], per_rank, layout.ranks(me)) * out_row_bytes
+        combine += SIGNAL_BYTES + SIGNAL_BYTES   # ready (after the rows, or bare), released
+    return dispatch, combine, rows_node, rows_rank
+
+
+def _prefill_rank(group, args):
+    """One PrefillBuffer dispatch and combine: the wire's payload per op against ``prefill_floor_bytes``,
+    and whether the results equal the reference (node order, ``reference.prefill_combine``)."""
+    from moe_comm import reference  # noqa: PLC0415
+    from moe_comm.topology import node_layout  # noqa: PLC0415
+    world, me = group.world_size, group.rank
+    xs, idx, ws = _inputs(args, world)
+    buf = moe_comm.PrefillBuffer(group, args.experts, args.hidden, args.tokens, args.topk, fp8_dispatch=args.fp8)
+    p, wire = buf.plan, group.heap.wire
+    before = dict(wire.stats)
+    d = buf.dispatch(xs[me], idx[me], ws[me])
+    mid = dict(wire.stats)
+    exp = reference.prefill_dispatch(xs, idx, ws, args.experts, args.tokens, fp8=args.fp8)
+    v = exp[me]["valid"]
+    rows = torch.cat([torch.arange(s * args.tokens, s * args.tokens + int(n))
+                      for s, n in enumerate(exp[me]["src_tokens"].tolist())])
+    got = [t.clone() for t in (d.src_tokens, d.expert_counts, d.recv_topk_idx[rows], d.recv_topk_weights[rows],
+                               d.recv_x[v].view(torch.uint8))] + ([d.recv_scales[v].clone()] if args.fp8 else [])
+    part = (reference.dequantize_fp8(d.recv_x, d.recv_scales) if args.fp8 else d.recv_x.float()).to(torch.bfloat16)
+    y = buf.combine(part, d.handle)
+    after = dict(wire.stats)
+    layout = node_layout(group.transports, me)
+    parts = [(reference.dequantize_fp8(e["x"], e["scales"]) if args.fp8 else e["x"].float()).to(torch.bfloat16)
+             for e in exp]
+    want = reference.prefill_combine(parts, idx, args.experts, args.tokens, ranks_per_node=layout.ranks_per_node)[me]
+    fd, fc, rows_node, rows_rank = prefill_floor_bytes(
+        idx, me, layout, args.experts, 4 * (p.ep.x_words + p.ep.scale_words), 4 * p.route_words, 4 * p.ep.out_words,
+        8 * (p.count_span + 1))
+    buf.close()
+    e, v = exp[me], exp[me]["valid"]
+    ref = [e["src_tokens"], e["expert_counts"], e["topk_idx"][rows], e["topk_weights"][rows], e["x"][v].view(torch.uint8)]
+    if args.fp8:
+        ref.append(e["scales"][v])
+    wrong = [name for name, a, b in zip(("src_tokens", "expert_counts", "topk_idx", "topk_weights", "x", "scales"),
+                                        got, ref) if not torch.equal(a.cpu(), b)]
+    diff = lambda a, b, key: b.get(key, 0) - a.get(key, 0)  # noqa: E731
+    return dict(rank=me, dispatch_wrong=wrong, dispatch_wire=diff(before, mid, "payload"), dispatch_floor=fd,
+                dispatch_messages=diff(before, mid, "messages"), combine_wire=diff(mid, after, "payload"),
+                combine_floor=fc, combine_messages=diff(mid, after, "messages"),
+                headers=diff(before, after, "bytes") - diff(before, after, "payload"),
+                row_bytes=4 * (p.ep.x_words + p.ep.scale_words), route_bytes=4 * p.route_words,
+                out_row_bytes=4 * p.ep.out_words, rows_per_node=rows_node, rows_per_rank=rows_rank,
+                exact=not wrong and bool(torch.equal(y, want)))
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2)
@@ -92,6 +203,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--unrouted", type=float, default=0.0, help="share of slots set to -1 (not routed)")
+    ap.add_argument("--prefill", action="store_true", help="PrefillBuffer (one copy per node) instead of EPBuffer")
+    ap.add_argument("--node-limit", type=int, default=0, help="route each token within at most N nodes (0: any)")
     return ap.parse_args(argv)
 
 
@@ -99,7 +212,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     """One dispatch and one combine on ``args.nodes`` emulated nodes: per rank, the payload the wire
     carried and the floor, per op (see the module docstring), messages, header bytes."""
     os.environ[RANKS_PER_NODE_ENV] = str(args.ranks_per_node)
-    return moe_comm.launch(_rank, args.nodes * args.ranks_per_node, args, backend="shm", timeout_s=120)
+    return moe_comm.launch(_prefill_rank if args.prefill else _rank, args.nodes * args.ranks_per_node, args,
+                           backend="shm", timeout_s=120)
 
 
 def main(argv=None) -> int:
@@ -115,7 +229,12 @@ def main(argv=None) -> int:
               f"{r['dispatch_wire'] / max(1, r['dispatch_floor']):>5.2f} {r['dispatch_messages']:>5} "
               f"{r['combine_floor']:>14,} {r['combine_wire']:>10,} "
               f"{r['combine_wire'] / max(1, r['combine_floor']):>5.2f} {r['combine_messages']:>5} {r['headers']:>10,}")
-    print(json.dumps(dict(op="wire_bytes", args=vars(args), rows=rows)))
+    if args.prefill:
+        node, rank = sum(r["rows_per_node"] for r in rows), sum(r["rows_per_rank"] for r in rows)
+        print(f"PrefillBuffer rows across nodes: {node} (one per token and node) against {rank} with one copy per "
+              f"destination rank: {rank / max(1, node):.2f}x; results exact on every rank: "
+              f"{all(r['exact'] for r in rows)}")
+    print(json.dumps(dict(op="prefill_wire_bytes" if args.prefill else "wire_bytes", args=vars(args), rows=rows)))
     return 0
 
 

@@ -17,7 +17,9 @@ from .triton_kernels.sync import abort_kernel, drain_kernel
 # builds without PUT hold no NVSHMEM state and are left alone (``nvshmem_bitcode.holds_device_state``).
 PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel",
-               "fail_group_kernel")
+               "fail_group_kernel", "prefill_dispatch_send_kernel", "prefill_dispatch_recv_kernel",
+               "prefill_dispatch_pull_kernel", "prefill_combine_send_kernel", "prefill_combine_forward_kernel",
+               "prefill_combine_recv_kernel", "prefill_release_kernel")
 
 
 def register_put_kernels() -> None:

@@ -394,6 +394,41 @@ def deepep_low_latency_bytes(max_tokens: int, hidden: int, world: int, num_exper
     return (total + 128) // 128 * 128
 
 
+DEEPEP_V2_ALIGN = 2 << 20        # DeepEP V2 rounds its buffer to 2 MB (symmetric::kNumAlignmentBytes)
+DEEPEP_V2_TMA_ALIGN = 32         # and every field of a token to 32 bytes (ptx::kNumTMAAlignBytes)
+DEEPEP_V2_MAX_CHANNELS = 8 * 160  # ElasticBuffer::kNumMaxChannels (channels per SM x SMs)
+
+
+def deepep_v2_bytes(world: int, max_tokens: int, hidden: int, topk: int, fp8: bool = False,
+                    gpus_per_node: int = 8) -> int:
+    """Size of DeepEP V2's ``ElasticBuffer`` for EP (``ElasticBuffer.get_buffer_size_hint``; csrc/elastic/
+    buffer.hpp ``calculate_buffer_size``, DeepEP commit dd758ca), hybrid mode with multiple reduction
+    allowed (its defaults), ``gpus_per_node`` ranks per NVLink domain, for comparison.
+
+    A token of the dispatch layout is hidden * elem bytes, the fp8 scale packs (ceil(hidden / 32) words
+    with fp8), and K ids, K weights and (1 + K) ints of metadata, each part rounded up to 32 bytes; of the
+    combine layout, hidden bf16 values and K ids and weights. With one node (direct mode) the buffer
+    holds a send and a receive layout; across nodes (hybrid) the dispatch holds W x M tokens received over
+    NVLink, M to send and N x (M + channels) received over RDMA, the combine min(G, K) x N x M,
+    min(N, K) x M and N x (M + channels). The larger of the two, rounded up to 2 MB."""
+    def token(hidden_bytes, sf_bytes, meta):
+        a = DEEPEP_V2_TMA_ALIGN
+        return sum(-(-b // a) * a for b in (hidden_bytes, sf_bytes, meta * 4))
+
+    g = min(world, gpus_per_node)
+    n = world // g
+    d_tok = token(hidden * (1 if fp8 else 2), -(-hidden // 32) * 4 if fp8 else 0, 2 * topk + 1 + topk)
+    c_tok = token(hidden * 2, 0, 2 * topk)
+    ch = DEEPEP_V2_MAX_CHANNELS
+    if n == 1:
+        dispatch = d_tok * (world * max_tokens)                       # NVLink scale-up: no send buffer
+        combine = c_tok * (min(world, topk) * max_tokens)
+    else:
+        dispatch = d_tok * (g * n * max_tokens + max_tokens + n * (max_tokens + ch))
+        combine = c_tok * (min(g, topk) * n * max_tokens + min(n, topk) * max_tokens + n * (max_tokens + ch))
+    return -(-max(dispatch, combine) // DEEPEP_V2_ALIGN) * DEEPEP_V2_ALIGN
+
+
 # ---- PrefillBuffer (high-throughput dispatch / combine) -------------------------------------------
 
 @dataclass(frozen=True)
@@ -419,6 +454,11 @@ class PrefillPlan:
     fp8, Z = zones): symmetric  Z*(4*x_offset + R*max(p, H*b))   (the zones)
                      + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
               local  Z*(M*K*4 (the combine's mask) + W*4 + L*4) + L*8 + 8 + counters + scratch
+    With put peers (``put``; nodes of G = ``ranks_per_node`` ranks, N = W / G, docs/prefill.md "Across
+    nodes"): each zone adds the routing plane (R rows of 2K + 2 words: global ids, weights, int64 stamp)
+    after the rows; the combine channel's data is the node inbox, Z*N*M*H*b bytes; the dispatch control
+    words are G*L + 2 per (parity, source); each channel holds its staged control words (W rows) and a
+    one-word unused staging; locally, a stamp per zone and an arrival counter per send program.
     DeepSeek-V3 prefill (H=7168, K=8, 256 experts, bf16): EP16 with 4096 tokens per rank needs
     0.88 GiB (DeepEP V2: 1.13 GiB); EP8 with 8192 the same R and so the same 0.88 GiB; two zones of
     half the capacity (M = 2048, 4096 tokens in two overlapped chunks) the same 0.88 GiB again.
@@ -431,6 +471,12 @@ class PrefillPlan:
     copy_words: int       # words per iteration along a row there
     copy_programs: int    # grid of the combine's send
     zones: int = 1        # landing zones (1, or 2 for overlapped chunks)
+    put: bool = False     # some peer is reached by puts: the path across nodes (docs/prefill.md)
+    ranks_per_node: int = 0   # G: ranks of one node (the world without puts)
+    node_programs: int = 1    # programs per source of the dispatch pull and the combine forward (grid x world)
+    pull_tokens: int = 1      # tokens per iteration of the dispatch pull (its copy tiles: pull_tokens x pull_words)
+    pull_words: int = 1       # words per iteration along a row there (on a GPU 8 x 512: a 16 KB tile, and the fp8
+    #                           scales' 8 x 64 words still 16-byte vectors at 4 warps)
 
     def buffer_layout(self) -> dict:
         """What sizes the buffers allocated from this plan: the decode plan's, the rows, the zone layout
@@ -442,18 +488,54 @@ class PrefillPlan:
         return self.ep.world
 
     @property
+    def nodes(self) -> int:
+        """N: nodes of ``ranks_per_node`` ranks."""
+        return self.world // self.ranks_per_node
+
+    @property
     def scales_offset(self) -> int:
         return self.x_offset + self.rows * self.ep.x_words
 
     @property
+    def route_words(self) -> int:
+        """Words of a routing row (with puts): K global expert ids, K weights, an int64 stamp."""
+        return 2 * self.ep.topk + 2 if self.put else 0
+
+    @property
+    def route_offset(self) -> int:
+        """First word of the routing plane: after the rows, on a 16-byte boundary."""
+        p = self.ep
+        return -(-(self.x_offset + self.rows * max(p.x_words + p.scale_words, p.out_words)) // 4) * 4
+
+    @property
     def zone_words(self) -> int:
         p = self.ep
+        if self.put:
+            return self.route_offset + self.rows * self.route_words
         return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.out_words)
 
     @property
+    def count_span(self) -> int:
+        """Per-expert counts in one source's control words: a receiving rank's L, or with puts its node's
+        G*L (a rank reads its own at 1 + local index * L)."""
+        return self.ep.experts_per_rank * (self.ranks_per_node if self.put else 1)
+
+    @property
     def dispatch_ctrl_words(self) -> int:
-        """Per (zone, source) int64 control words: [tokens, L per-local-expert slot counts, flag]."""
-        return self.ep.experts_per_rank + 2
+        """Per (zone, source) int64 control words: [tokens, count_span per-expert slot counts, flag]; with
+        puts [tokens, counts, pulled, flag] (``pulled``: the source, a rank of this node, has read every
+        row it needs from this rank's zone)."""
+        return self.count_span + (3 if self.put else 2)
+
+    @property
+    def inbox_words(self) -> int:
+        """int32 words of one zone's node inbox (with puts): N x M output rows."""
+        return self.nodes * self.ep.max_tokens * self.ep.out_words if self.put else 0
+
+    @property
+    def combine_data_shape(self) -> tuple:
+        """The combine channel's data: the node inboxes [zones, inbox_words] with puts, else one word."""
+        return (self.zones, self.inbox_words) if self.put else (1,)
 
     @property
     def combine_ctrl_words(self) -> int:
@@ -468,14 +550,19 @@ class PrefillPlan:
     @property
     def symmetric_bytes(self) -> int:
         w = self.world
-        return 4 * self.zones * self.zone_words + 8 * (2 * w * self.dispatch_ctrl_words + 2 * w * self.combine_ctrl_words) + 4
+        data = 4 * self.zones * self.zone_words + 4 * math.prod(self.combine_data_shape)
+        ctrl = 8 * (2 * w * self.dispatch_ctrl_words + 2 * w * self.combine_ctrl_words)
+        staged = (2 * 4 + 8 * w * (self.dispatch_ctrl_words + self.combine_ctrl_words)) if self.put else 0
+        return data + ctrl + staged
 
     @property
     def local_bytes(self) -> int:
         p, w = self.ep, self.world
         per_zone = p.max_tokens * p.topk * 4 + w * 4 + p.experts_per_rank * 4   # mask, src_tokens, counts
+        if self.put:
+            per_zone += 8                                                       # the zone's stamp
         metadata = self.zones * per_zone + p.experts_per_rank * 8 + 8
-        counters = 2 * (8 + 8 + 4 * (w + 2))
+        counters = 2 * (8 + 8 + 4 * (w + 2)) + (4 * p.send_programs if self.put else 0)
         return metadata + counters + 4 * self.scratch_words
 
     @property
@@ -514,14 +601,21 @@ def check_replaced_plan(owner: str, old, new) -> None:
 
 
 PREFILL_ZONES = (1, 2)   # landing zones a PrefillBuffer may hold: in sequence, or overlapped chunks
+GPU_PULL_TOKENS = 8      # tokens per iteration of the dispatch pull on a GPU (see PrefillPlan.pull_tokens)
 
 
 def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-                 fp8: bool, device, zones: int = 1) -> PrefillPlan:
-    """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+                 fp8: bool, device, zones: int = 1, ranks_per_node: int | None = None) -> PrefillPlan:
+    """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes.
+    ``ranks_per_node``: G when some peers are reached by puts (nodes of G consecutive ranks; 1 when
+    every peer is a put peer), None when every peer is reached by stores."""
     if zones not in PREFILL_ZONES:
         raise ValueError(f"zones must be one of {PREFILL_ZONES} (2: the next chunk's dispatch overlaps this "
                          f"chunk's experts), got {zones!r}")
+    put = ranks_per_node is not None and world > 1
+    g = int(ranks_per_node) if put else world
+    if put and (g < 1 or world % g):
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the world ({world})")
     device = torch.device(device)
     ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device)
     rows = world * max_tokens
@@ -532,4 +626,10 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
     else:                      # the interpreter: one wide program
         words = min(next_pow2(ep.out_words), 4096)
         block_rows, programs = min(next_pow2(rows), max(1, 8192 // words)), 1
-    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones))
+    if gpu_shapes(device):
+        node_programs, pull_tokens = max(1, min(max_tokens, GPU_TARGET_PROGRAMS // world)), GPU_PULL_TOKENS
+        pull_words = min(next_pow2(ep.x_words), GPU_EP_COPY_WORDS // GPU_PULL_TOKENS)
+    else:
+        node_programs, pull_tokens, pull_words = 1, ep.block_tokens, ep.send_block_words
+    return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones), put, g, node_programs, pull_tokens,
+                       pull_words)

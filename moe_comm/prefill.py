@@ -26,9 +26,11 @@ from .launches import Launch
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
 from .planner import PrefillPlan, check_replaced_plan, next_pow2, plan_prefill
-from .triton_kernels.prefill_combine import (prefill_combine_recv_kernel, prefill_combine_send_kernel,
-                                             prefill_release_kernel)
-from .triton_kernels.prefill_dispatch import prefill_dispatch_recv_kernel, prefill_dispatch_send_kernel
+from .topology import node_layout
+from .triton_kernels.prefill_combine import (prefill_combine_forward_kernel, prefill_combine_recv_kernel,
+                                             prefill_combine_send_kernel, prefill_release_kernel)
+from .triton_kernels.prefill_dispatch import (prefill_dispatch_pull_kernel, prefill_dispatch_recv_kernel,
+                                              prefill_dispatch_send_kernel)
 from .triton_kernels.routing import histogram_bins
 
 WEIGHT_DTYPE = torch.float32
@@ -117,6 +119,9 @@ class _Zone:
     counts: torch.Tensor       # int32 [L]
     peer_ptrs: torch.Tensor    # int64 [world]: this zone on every rank (0 where a peer is not mapped)
     words: torch.Tensor        # int32 [zone_words]: this rank's zone
+    rows: torch.Tensor         # [R, hidden] dtype: the zone's combine layout (the partial rows over recv_x)
+    stamp: torch.Tensor        # int64 [1]: the flag of the zone's latest dispatch (its routing rows carry it)
+    inbox: torch.Tensor        # [N * M, hidden] dtype: the zone's node inbox (with puts; else a placeholder)
     launches: dict             # name -> ``Launch`` (``moe_comm.launches``) of every kernel that reads or writes it
 
 
@@ -125,8 +130,8 @@ class _CombineChannel:
     releases the zones (this rank reads none), so that when every rank aborted the call the next dispatch
     does not wait for it."""
 
-    def __init__(self, channel: Channel):
-        self.channel = channel
+    def __init__(self, channel: Channel, node_args: dict):
+        self.channel, self.node_args = channel, node_args   # node_args: PUT, G, G_P2 (and NVSHMEM's bitcode)
         # What PhasedOp calls at every op call, bound here: an attribute found by __getattr__ costs a
         # failed lookup first.
         self.before_send, self.before_recv, self.launched = channel.before_send, channel.before_recv, channel.launched
@@ -138,7 +143,8 @@ class _CombineChannel:
         ch, g = self.channel, self.channel.group
         ch.abort(op)
         kernel_for(prefill_release_kernel, g.device)[(1,)](
-            ch.ctrl.peer_ptrs, ch.send_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size))
+            ch.ctrl.peer_ptrs, ch.send_seq, g.state, g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size),
+            **self.node_args)
 
 
 class PrefillBuffer(OpBuffer):
@@ -196,17 +202,30 @@ class PrefillBuffer(OpBuffer):
     8*topk bytes each) plus control words: 0.88 GiB per rank at DeepSeek-V3 EP16 with 4096 tokens per
     rank in bf16 (DeepEP V2: 1.13 GiB), and the same with zones=2 and 2048 tokens per zone (4096 tokens
     in two overlapped chunks). ``PrefillBuffer.required_bytes(...)`` evaluates it without a group.
-    Not supported yet: groups that reach a peer by puts (``group.uses_put``).
+    Across nodes (a group that reaches some peers by NVSHMEM puts, ``group.uses_put``; docs/prefill.md
+    "Across nodes"): a token crosses to each other node holding one of its experts once, to this rank's
+    rail there, whose node's ranks load it over NVLink; the combine reduces inside each node first and
+    sums node by node in ascending order (the result differs from one node's only in rounding each other
+    node's partial sum to dtype once, ``reference.prefill_combine(..., ranks_per_node=G)``). Nodes must be
+    G consecutive ranks (NotImplementedError otherwise); a loopback group of several ranks per node with
+    put peers is refused (its node reduction waits inside the send phase for the node's other ranks).
+    The memory grows by a routing plane per zone and a node inbox of N x M rows per zone (``plan``).
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1):
-        if group.uses_put:
-            raise NotImplementedError("PrefillBuffer's combine loads partial rows from its peers' memory, so every "
-                                      "peer must be mapped here; this group reaches some by NVSHMEM puts (another "
-                                      "node): use EPBuffer there")
+        ranks_per_node = None
+        if group.uses_put and group.world_size > 1:
+            layout = node_layout(group.transports, group.rank)
+            if group.backend == "loopback" and layout.ranks_per_node > 1:
+                raise NotImplementedError(
+                    "PrefillBuffer on a loopback group whose nodes have several ranks and reach the other nodes "
+                    "by puts: its combine reduces inside each node within the send phase, waiting for the node's "
+                    "other ranks, which a loopback world runs one after another; use the shm heap "
+                    "(moe_comm.launch) or MOE_COMM_TRANSPORT=put (nodes of one rank)")
+            ranks_per_node = layout.ranks_per_node
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                               fp8_dispatch, group.device, zones)
+                               fp8_dispatch, group.device, zones, ranks_per_node)
         self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
         self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
@@ -235,15 +254,19 @@ class PrefillBuffer(OpBuffer):
             check_replaced_plan("PrefillBuffer", self._prefill_plan, p)
         self._prefill_plan = p
         if getattr(self, "_allocated", False):
+            if p.put and self._block_done.numel() < p.ep.send_programs:   # per-launch counters, zero between calls
+                self._block_done = torch.zeros(p.ep.send_programs, dtype=torch.int32, device=self.group.device)
             for zone in self._zones:
                 zone.launches = self._build_launches(zone)
 
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
-              zones: int = 1) -> PrefillPlan:
+              zones: int = 1, ranks_per_node: int | None = None) -> PrefillPlan:
+        """``ranks_per_node``: G of a group with put peers (``required_bytes(..., ranks_per_node=8)``: the
+        memory across nodes of 8 GPUs), None for one node."""
         EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
         return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device,
-                            zones)
+                            zones, ranks_per_node)
 
     @property
     def excluded_slots(self) -> torch.Tensor:
@@ -253,13 +276,19 @@ class PrefillBuffer(OpBuffer):
     # ---- buffers ---------------------------------------------------------------------------------
     def _allocate(self) -> None:
         p, g = self.plan, self.group
+        # The staging of the put path is the zone itself (docs/prefill.md "Across nodes"): the channels'
+        # own staging is one unused word, their staged control words are used.
         self._dispatch_ch = Channel(g, "prefill.dispatch", (p.zones, p.zone_words), torch.int32,
-                                    ctrl_words=p.dispatch_ctrl_words)
-        self._combine_ch = Channel(g, "prefill.combine", (1,), torch.int32, ctrl_words=p.combine_ctrl_words)
+                                    ctrl_words=p.dispatch_ctrl_words, stage_shape=(1,))
+        self._combine_ch = Channel(g, "prefill.combine", p.combine_data_shape, torch.int32,
+                                   ctrl_words=p.combine_ctrl_words, stage_shape=(1,))
+        self._node_args = dict(g.put_launch_args() if p.put else {"PUT": False}, G=p.ranks_per_node,
+                               G_P2=next_pow2(p.ranks_per_node))
         self._dispatch_op = PhasedOp(g, "prefill.dispatch", self._dispatch_ch)
         self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
-        self._combine_op = PhasedOp(g, "prefill.combine", _CombineChannel(self._combine_ch))
+        self._combine_op = PhasedOp(g, "prefill.combine", _CombineChannel(self._combine_ch, self._node_args))
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=g.device)
+        self._block_done = torch.zeros(p.ep.send_programs if p.put else 1, dtype=torch.int32, device=g.device)
         self._zones = [self._zone(z) for z in range(p.zones)]
         self._allocated = True
 
@@ -272,11 +301,15 @@ class PrefillBuffer(OpBuffer):
         x = words[p.x_offset:p.x_offset + R * ep.x_words].view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
         scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
                   .view(R, ep.scale_words) if ep.fp8 else None)
+        rows = words[p.x_offset:p.x_offset + R * ep.out_words].view(ep.dtype).view(R, H)
+        inbox = (self._combine_ch.data.local[z].view(ep.dtype).view(p.nodes * ep.max_tokens, H) if p.put
+                 else self._dummy.view(ep.dtype))
         zone = _Zone(x, scales, words[:R * K].view(R, K), words[R * K:2 * R * K].view(WEIGHT_DTYPE).view(R, K),
                      routed=torch.zeros((ep.max_tokens, K), dtype=torch.int32, device=dev),
                      src_tokens=torch.zeros(self.group.world_size, dtype=torch.int32, device=dev),
                      counts=torch.zeros(ep.experts_per_rank, dtype=torch.int32, device=dev),
-                     peer_ptrs=self._zone_peer_ptrs(z), words=words, launches={})
+                     peer_ptrs=self._zone_peer_ptrs(z), words=words, rows=rows,
+                     stamp=torch.zeros(1, dtype=torch.int64, device=dev), inbox=inbox, launches={})
         zone.launches = self._build_launches(zone)
         return zone
 
@@ -288,42 +321,69 @@ class PrefillBuffer(OpBuffer):
     def _build_launches(self, zone: _Zone) -> dict:
         """Every launch of one zone (``moe_comm.launches``): its kernel (for this device), grid and the
         arguments that never change, built when the buffer allocates and again for a new plan (which sizes
-        the zones alike: ``plan``): a call adds only its tensors, sizes and their alignment."""
+        the zones alike: ``plan``): a call adds only its tensors, sizes and their alignment. With puts: the
+        pull (receive phase) and the node reduction (``forward``, send phase) too."""
         p, ep, g = self.plan, self.plan.ep, self.group
         dch, cch = self._dispatch_ch, self._combine_ch
         sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size,
                    WORLD_P2=next_pow2(g.world_size))
         shape = dict(M=ep.max_tokens, TOPK=ep.topk)
         slots = dict(shape, TOPK_P2=next_pow2(ep.topk))
+        nodes = self._node_args
+        route = dict(ROUTE_OFFSET=p.route_offset if p.put else 0, RW=p.route_words)
+        stage_ctrl = dch.put_args()["stage_ctrl_ptr"]
 
         def launch(kernel, grid, **static):
             return Launch(kernel, g.device, grid, **static)
 
-        return dict(
+        out = dict(
             dispatch_send=launch(
                 prefill_dispatch_send_kernel, ep.send_grid, routed_ptr=zone.routed, excluded_ptr=self._excluded,
                 data_ptrs_ptr=zone.peer_ptrs, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, released_ptr=cch.ctrl.local,
-                combine_seq_ptr=cch.recv_seq, seq_ptr=dch.send_seq, done_ptr=dch.done, num_experts=self.num_experts,
+                combine_seq_ptr=cch.recv_seq, seq_ptr=dch.send_seq, done_ptr=dch.done, stamp_ptr=zone.stamp,
+                block_done_ptr=self._block_done, stage_ctrl_ptr=stage_ctrl, num_experts=self.num_experts,
                 OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
                 X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
                 BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
                 BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
-                NBLK=ep.send_programs, num_warps=ep.send_warps, **slots, **sig),
+                NBLK=ep.send_programs, num_warps=ep.send_warps, NODES=p.nodes, NODES_P2=next_pow2(p.nodes),
+                COUNT_SPAN=p.count_span, **route, **nodes, **slots, **sig),
             dispatch_recv=launch(
                 prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=zone.src_tokens, counts_ptr=zone.counts,
-                stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq, OP=op_id("prefill.dispatch"),
-                EXPERTS_PER_RANK=ep.experts_per_rank, EXPERTS_P2=next_pow2(ep.experts_per_rank),
-                CTRL_WORDS=p.dispatch_ctrl_words, **shape, **sig),
+                stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, seq_ptr=dch.recv_seq,
+                OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank,
+                EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, **nodes, **shape, **sig),
             combine_send=launch(
                 prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=zone.words,
                 src_tokens_ptr=zone.src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
                 done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
-                NBLK=p.copy_programs, **slots, **sig),
+                NBLK=p.copy_programs, **nodes, **slots, **sig),
             combine_recv=launch(
                 prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=zone.routed, data_ptrs_ptr=zone.peer_ptrs,
-                ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
-                OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset,
-                BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **slots, **sig))
+                inbox_ptr=zone.inbox, ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq,
+                done_ptr=cch.done, OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4,
+                X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **nodes,
+                **slots, **sig))
+        if p.put:
+            grid = (p.node_programs, g.world_size)
+            sig.pop("WORLD_P2")
+            out["dispatch_pull"] = launch(
+                prefill_dispatch_pull_kernel, grid, data_ptrs_ptr=zone.peer_ptrs, src_tokens_ptr=zone.src_tokens,
+                stamp_ptr=zone.stamp, ctrl_ptr=dch.ctrl.local, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, seq_ptr=dch.recv_seq,
+                done_ptr=dch.done, OP=op_id("prefill.dispatch"), CTRL_WORDS=p.dispatch_ctrl_words,
+                EXPERTS_PER_RANK=ep.experts_per_rank, X_WORDS=ep.x_words,
+                S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, BT=p.pull_tokens, BW=p.pull_words,
+                S_BW=next_pow2(max(1, ep.scale_words)), ALIGNED=ep.x_words % 4 == 0,
+                WORLD_P2=next_pow2(g.world_size), **route, **nodes, **slots, **sig)
+            out["combine_forward"] = launch(
+                prefill_combine_forward_kernel, grid, rows_ptr=zone.rows, zone_ptr=zone.words,
+                data_ptrs_ptr=zone.peer_ptrs, inbox_ptr=zone.inbox,
+                src_tokens_ptr=zone.src_tokens, stamp_ptr=zone.stamp, ctrl_ptr=cch.ctrl.local,
+                ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq, done_ptr=cch.done,
+                OP=op_id("prefill.combine"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
+                OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden,
+                ALIGNED=ep.out_words % 4 == 0, WORLD_P2=next_pow2(g.world_size), **route, **nodes, **slots, **sig)
+        return out
 
     def _in_flight_now(self) -> deque:
         """The in-flight handles of the group's current epoch. A new epoch (``reset()``, ``exclude()``)
@@ -387,6 +447,8 @@ class PrefillBuffer(OpBuffer):
         handle = op.take()
         z = self._zones[handle.zone]
         z.launches["dispatch_recv"].run()
+        if self.plan.put:   # the rows of the other nodes' sources, from their rails on this node
+            z.launches["dispatch_pull"].run()
         return op.finish(PrefillDispatchResult(z.recv_x, z.recv_scales, z.recv_idx, z.recv_weights, z.src_tokens,
                                                z.counts, handle))
 
@@ -439,6 +501,8 @@ class PrefillBuffer(OpBuffer):
             src = self._dummy.view(self.dtype) if in_place else expert_out.contiguous()   # read as words
             send = self._zones[handle.zone].launches["combine_send"]
             send.run(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))
+            if p.put:   # the node reduction of the tokens of the other nodes' sources this rank is the rail of
+                self._zones[handle.zone].launches["combine_forward"].run()
             op.sent((handle, out))
             if not do_recv:
                 return None

@@ -246,20 +246,35 @@ def prefill_owners(ids: list[int], num_experts: int, world: int, excluded=()) ->
 
 
 def prefill_combine(partials: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
-                    max_tokens_per_rank: int, excluded=()):
+                    max_tokens_per_rank: int, excluded=(), ranks_per_node: int | None = None):
     """PrefillBuffer.combine of every rank at once. partials[d] [R, H] on rank d (row s*M + t: rank d's
     partial output for token t of source s). Returns per source rank s y [T_s, H]: the sum over the ranks
-    d holding one of t's experts, ascending d, of partials[d][s*M + t] in float32, cast to their dtype."""
+    d holding one of t's experts, ascending d, of partials[d][s*M + t] in float32, cast to their dtype.
+
+    ``ranks_per_node`` = G (nodes of G consecutive ranks reached by puts, docs/prefill.md "Across
+    nodes"): the sum runs node by node in ascending node order, each node's term the float32 sum of its
+    ranks' rows (ascending d), rounded to the dtype for every node but s's own (its rail put it as one
+    row), left to right in float32, then cast. With one node, or nodes of one rank, the same bits as
+    without."""
     world, m = len(partials), max_tokens_per_rank
+    g = world if ranks_per_node is None else int(ranks_per_node)
+    dt = partials[0].dtype
     out = []
     for s in range(world):
         T, H = topk_idxs[s].shape[0], partials[0].shape[1]
         y = torch.zeros((T, H), dtype=torch.float32)
         if s not in excluded:
             for t, ids in enumerate(topk_idxs[s].tolist()):
-                for d in prefill_owners(ids, num_experts, world, excluded):
-                    y[t] = y[t] + partials[d][s * m + t].float().cpu()
-        out.append(y.to(partials[0].dtype))
+                owners = prefill_owners(ids, num_experts, world, excluded)
+                for node in range(world // g):
+                    part = torch.zeros(H, dtype=torch.float32)
+                    mine = [d for d in owners if d // g == node]
+                    for d in mine:
+                        part = part + partials[d][s * m + t].float().cpu()
+                    if node != s // g and mine:
+                        part = part.to(dt).float()
+                    y[t] = y[t] + part
+        out.append(y.to(dt))
     return out
 
 

@@ -51,8 +51,10 @@ NVLINK_H800_GBPS = 200.0
 NVLINK_EFFICIENCY = 155.0 / 200.0
 # ConnectX-7 400 Gb/s InfiniBand: 50 GB/s per NIC, one NIC per GPU.
 RDMA_CX7_GBPS = 50.0
-# Fraction reached: DeepEP's internode normal kernels report 43 GB/s of RDMA bottleneck bandwidth on
-# CX7 at EP16 -> 0.86 (the same README's larger EP32/EP64 figures count bytes forwarded over NVLink).
+# Fraction reached: 43 GB/s of 50, from DeepEP's EP16 internode normal figure read as RDMA-bound. The
+# prefill model below shows that row NVLink-bound (its "RDMA" metric counts the tokens of the own node
+# too), so 0.86 is an assumption there; DeepEP's EP32 and EP64 normal rows, RDMA-bound in that model,
+# come out within 3-5 % with it (``prefill_validation_rows``).
 RDMA_EFFICIENCY = 43.0 / 50.0
 # One-way latency of a GPU-initiated put plus its flag becoming visible to the polling receiver.
 # Estimates, not fitted: NVLink peer store ~1-2 us; IBGDA put across one IB switch ~3-5 us (wire
@@ -419,3 +421,160 @@ def decode_step_rows(records: list[dict], costs: LocalCosts, msg_overhead_us: fl
                          step_us=r["us_p50"] + r["layers"] * link, device=r.get("device"),
                          commit=r.get("commit")))
     return rows
+
+
+# ---- prefill (high-throughput) across nodes ------------------------------------------------------
+#
+# Throughput of one dispatch or combine of T = 4096 tokens per rank, where bandwidth dominates. Per rank,
+# with G GPUs per node, N nodes, E experts, top-K, each token's experts drawn uniformly from the experts of
+# g nodes chosen uniformly (DeepSeek-V3's group-limited routing; g = N is no limit):
+#
+#     t = latency + max(rdma_bytes / rdma_eff, nvlink_bytes / nvlink_eff) + messages * msg_overhead
+#
+# - rdma_bytes: the rows the rank sends to other nodes, one per (token, other node holding one of its
+#   experts) for a per-node design (DeepEP normal, this project's PrefillBuffer across nodes): T x
+#   nodes_off x the design's network row.
+# - nvlink_bytes: the rows every rank receives inside its node, one per (token, rank holding one of its
+#   experts) whoever forwarded it: T x ranks x row. DeepEP's own "NVL" figure of its test counts the same
+#   (its received rows).
+# - messages: the puts the rank issues; DeepEP moves chunks of tokens per RDMA write (none counted), this
+#   project one put per row and part (per_row_puts), each at the fitted per-message cost of the
+#   low-latency model above.
+# The figure reported is DeepEP's "RDMA bottleneck bandwidth": T x nodes (this node included) x its
+# payload row / t, with the payload row hidden x (1 + 4/128) bytes for fp8 and 2 x hidden for bf16, as
+# its tests/legacy/test_internode.py computes it (``num_rdma_token_sent * hidden * 2 * fp8_factor``).
+
+PREFILL_TOKENS = 4096
+PREFILL_WORLDS = (16, 32, 64)
+TOPK_GROUPS = 4          # DeepSeek-V3: a token's experts within at most 4 nodes (DeepEP's test: min(N, 4))
+# DeepEP docs/legacy.md, normal kernels, H800 + CX7 400 Gb/s, 4096 tokens, hidden 7168, top-4 groups, top-8,
+# fp8 dispatch, bf16 combine: (EP, dispatch GB/s, combine GB/s) of "RDMA bottleneck bandwidth".
+DEEPEP_NORMAL_PUBLISHED = ((16, 43, 43), (32, 58, 57), (64, 51, 50))
+
+
+def node_limited_reach(world: int, experts: int, topk: int, gpus_per_node: int, groups: int) -> tuple:
+    """(nodes, nodes_off, ranks): expected distinct nodes holding one of a token's experts (the token's
+    own node included), those other than its own, and distinct ranks, when its top-k experts are drawn
+    uniformly without replacement from the experts of ``groups`` nodes chosen uniformly among N."""
+    g = min(world, gpus_per_node)
+    nodes_total = world // g
+    groups = min(groups, nodes_total)
+    pool = experts * groups // nodes_total                       # experts of the chosen nodes
+    per_node, per_rank = experts // nodes_total, experts // world
+    node_hit = 1.0 - math.comb(pool - per_node, topk) / math.comb(pool, topk)
+    rank_hit = 1.0 - math.comb(pool - per_rank, topk) / math.comb(pool, topk)
+    nodes = groups * node_hit
+    return nodes, nodes * (1.0 - 1.0 / nodes_total), groups * g * rank_hit
+
+
+@dataclass(frozen=True)
+class PrefillDesign:
+    """How a high-throughput implementation moves a token across nodes."""
+
+    name: str
+    op: str               # "dispatch" | "combine"
+    dtype: str            # "fp8" | "bf16"
+    row_bytes: int        # bytes of one row over the network (payload, and what travels with it)
+    nvlink_row_bytes: int  # bytes of one row received inside the node
+    puts_per_row: int     # network messages per row (0: chunked, not counted)
+
+
+def deepep_normal(op: str, hidden: int = HIDDEN) -> PrefillDesign:
+    """DeepEP's normal internode kernels: fp8 dispatch (payload and scales, plus K ids, K weights and its
+    source metadata), bf16 combine; chunked RDMA writes."""
+    meta = (2 * TOPK + 1 + TOPK) * 4
+    if op == "dispatch":
+        return PrefillDesign("DeepEP-normal", op, "fp8", fp8_row_bytes(hidden) + meta, fp8_row_bytes(hidden) + meta, 0)
+    return PrefillDesign("DeepEP-normal", op, "bf16", hidden * BF16_BYTES, hidden * BF16_BYTES, 0)
+
+
+def moe_comm_prefill(op: str, dtype: str, hidden: int = HIDDEN, topk: int = TOPK) -> PrefillDesign:
+    """This project's PrefillBuffer across nodes (docs/prefill.md "Across nodes"): per (token, other node)
+    one put of the payload row (fp8: and one of its scales) and one of its routing row (K ids, K weights,
+    an 8-byte stamp); the combine one put of a bf16 row per (token, node). The bytes per row are those the
+    emulated nodes' wire measured equal to the floor (bench/wire_bytes.py --prefill)."""
+    route = (2 * topk + 2) * 4
+    if op == "dispatch":
+        payload = fp8_row_bytes(hidden) if dtype == "fp8" else hidden * BF16_BYTES
+        return PrefillDesign("moe-comm", op, dtype, payload + route, payload, 3 if dtype == "fp8" else 2)
+    return PrefillDesign("moe-comm", op, "bf16", hidden * BF16_BYTES, hidden * BF16_BYTES, 1)
+
+
+@dataclass
+class PrefillBreakdown:
+    rdma_us: float
+    nvlink_us: float
+    messages: float
+    msg_overhead_us: float
+    total_us: float
+    bottleneck_gbps: float   # DeepEP's RDMA bottleneck bandwidth (see above)
+
+
+def prefill_throughput(design: PrefillDesign, fabric: Fabric, world: int, tokens: int, msg_overhead_us: float,
+                       groups: int = TOPK_GROUPS, experts: int = EXPERTS, topk: int = TOPK,
+                       hidden: int = HIDDEN) -> PrefillBreakdown:
+    """One op of one rank (the model above)."""
+    nodes, nodes_off, ranks = node_limited_reach(world, experts, topk, fabric.gpus_per_node, groups)
+    rdma = tokens * nodes_off * design.row_bytes / (fabric.rdma_eff * 1e3)
+    nvl = tokens * ranks * design.nvlink_row_bytes / (fabric.nvlink_eff * 1e3)
+    msgs = tokens * nodes_off * design.puts_per_row
+    over = msgs * msg_overhead_us
+    total = LATENCY_RDMA_US + max(rdma, nvl) + over
+    logical = tokens * nodes * (hidden * (1 + 4 / FP8_GROUP) if design.dtype == "fp8" else hidden * BF16_BYTES)
+    return PrefillBreakdown(rdma, nvl, msgs, over, total, logical / (total * 1e3))
+
+
+def prefill_validation_rows(msg_overhead_us: float) -> list[dict]:
+    """DeepEP's published normal internode rows, modelled (error = model / published - 1). Nothing here is
+    fitted to them: the efficiencies are the intranode NVLink figure and 86 % of the NIC (the constants
+    above), the per-message cost is not charged (DeepEP writes chunks)."""
+    rows = []
+    for world, *published in DEEPEP_NORMAL_PUBLISHED:
+        for op, pub in zip(("dispatch", "combine"), published):
+            b = prefill_throughput(deepep_normal(op), H800_CX7, world, PREFILL_TOKENS, msg_overhead_us)
+            err = b.bottleneck_gbps / pub - 1.0
+            rows.append(dict(peer="DeepEP-normal", fabric=H800_CX7.name, world=world, op=op, tokens=PREFILL_TOKENS,
+                             published_gbps=pub, model_gbps=b.bottleneck_gbps, error=err,
+                             within_target=abs(err) <= TARGET_ERROR, parts=asdict(b)))
+    return rows
+
+
+def prefill_prediction_rows(msg_overhead_us: float, worlds=PREFILL_WORLDS, groups: int = TOPK_GROUPS) -> list[dict]:
+    """This project's PrefillBuffer across nodes on H100 + CX7 (400 Gb/s), DeepEP's metric, labelled
+    ``prediction``; DeepEP normal on the same fabric beside it."""
+    rows = []
+    for world in worlds:
+        for op, dtype in (("dispatch", "fp8"), ("dispatch", "bf16"), ("combine", "bf16")):
+            for d in (moe_comm_prefill(op, dtype), deepep_normal(op) if dtype == deepep_normal(op).dtype else None):
+                if d is None:
+                    continue
+                b = prefill_throughput(d, H100_CX7, world, PREFILL_TOKENS, msg_overhead_us, groups)
+                rows.append(dict(kind="prediction", design=d.name, fabric=H100_CX7.name, world=world,
+                                 tokens=PREFILL_TOKENS, op=op, dtype=dtype, groups=groups,
+                                 gbps=b.bottleneck_gbps, model_us=b.total_us, parts=asdict(b)))
+    return rows
+
+
+def format_prefill(validation: list[dict], predictions: list[dict], msg_overhead_us: float) -> str:
+    """The prefill validation and prediction tables."""
+    out = [f"Prefill validation (DeepEP normal internode, H800 + CX7, T = {PREFILL_TOKENS}, top-{TOPK} within "
+           f"{TOPK_GROUPS} nodes; GB/s as DeepEP reports it; target +-{TARGET_ERROR:.0%})",
+           f"{'EP':>4} {'op':<9}{'published':>10}{'model':>8}{'error':>8}  {'rdma us':>8}{'nvlink us':>10}"]
+    for r in validation:
+        p = r["parts"]
+        out.append(f"{r['world']:>4} {r['op']:<9}{r['published_gbps']:>8.0f}GB{r['model_gbps']:>7.1f}{r['error']:>+8.1%}"
+                   f"  {p['rdma_us']:>8.0f}{p['nvlink_us']:>10.0f}" + ("" if r["within_target"] else "  MISS"))
+    out.append(f"PREDICTION (not measured): H100 + CX7, T = {PREFILL_TOKENS}, GB/s per rank as DeepEP reports it "
+               f"(per-put cost {msg_overhead_us * 1e3:.1f} ns from the low-latency fit)")
+    out.append(f"{'EP':>4} {'op':<9}{'dtype':<6}{'moe-comm':>10}{'DeepEP':>9}  {'rdma us':>8}{'nvlink us':>10}"
+               f"{'puts':>8}{'put us':>8}")
+    deep = {(r["world"], r["op"]): r["gbps"] for r in predictions if r["design"] == "DeepEP-normal"}
+    for r in predictions:
+        if r["design"] != "moe-comm":
+            continue
+        p = r["parts"]
+        d = deep.get((r["world"], r["op"])) if r["dtype"] == ("fp8" if r["op"] == "dispatch" else "bf16") else None
+        out.append(f"{r['world']:>4} {r['op']:<9}{r['dtype']:<6}{r['gbps']:>8.1f}GB" +
+                   (f"{d:>7.1f}GB" if d is not None else f"{'':>9}") +
+                   f"  {p['rdma_us']:>8.0f}{p['nvlink_us']:>10.0f}{p['messages']:>8.0f}{p['msg_overhead_us']:>8.0f}")
+    return "\n".join(out)

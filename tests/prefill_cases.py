@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moe_comm import PrefillBuffer, reference
+from moe_comm.topology import node_layout
 
 from ep_cases import Config, make_inputs
 
@@ -75,12 +76,21 @@ def check_dispatch(d, exp: dict, cfg: Config, tag: str) -> list[str]:
     return errs
 
 
-def expected(cfg: Config, world: int, xs, idxs, ws):
-    """(reference dispatch per rank, reference partial rows per rank, reference combine per rank)."""
+def ranks_per_node(group):
+    """G of a group with put peers (nodes of G ranks: the combine's order, reference.prefill_combine), or
+    None for one node."""
+    if not group.uses_put or group.world_size == 1:
+        return None
+    return node_layout(group.transports, group.rank).ranks_per_node
+
+
+def expected(cfg: Config, world: int, xs, idxs, ws, nodes=None, excluded=()):
+    """(reference dispatch per rank, reference partial rows per rank, reference combine per rank); ``nodes``:
+    ranks per node of a group with put peers (``ranks_per_node``)."""
     E = cfg.experts_per_rank * world
-    exp_d = reference.prefill_dispatch(xs, idxs, ws, E, cfg.max_tokens, fp8=cfg.fp8)
+    exp_d = reference.prefill_dispatch(xs, idxs, ws, E, cfg.max_tokens, fp8=cfg.fp8, excluded=excluded)
     parts = [partial_rows(e["x"], e["scales"], r, cfg.dtype) for r, e in enumerate(exp_d)]
-    return exp_d, parts, reference.prefill_combine(parts, idxs, E, cfg.max_tokens)
+    return exp_d, parts, reference.prefill_combine(parts, idxs, E, cfg.max_tokens, excluded, nodes)
 
 
 def expert_out(d, exp: dict, rank: int, cfg: Config) -> torch.Tensor:
@@ -99,8 +109,9 @@ def run_shm_cases(group) -> list[str]:
         buf = bufs.setdefault(ci, make_buffer(group, cfg))
         seed = 1000 * world + i
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
-        exp_d, _, exp_y = expected(cfg, world, xs, idxs, ws)
+        exp_d, _, exp_y = expected(cfg, world, xs, idxs, ws, ranks_per_node(group))
         tag = f"rank{rank} cfg{ci} {routing} seed{seed}"
+        group.barrier()   # every peer has read this zone's partial rows of the previous call: poison after
         poison(buf)
         group.barrier()   # peers write this zone as soon as every combine released it: poison first
         d = buf.dispatch(xs[rank], idxs[rank], ws[rank])
@@ -116,7 +127,7 @@ def run_shm_cases(group) -> list[str]:
 def round_trip(bufs, cfg: Config, xs, idxs, ws, tag: str) -> list[str]:
     """One checked dispatch -> combine on a loopback world, phase by phase."""
     world = len(bufs)
-    exp_d, _, exp_y = expected(cfg, world, xs, idxs, ws)
+    exp_d, _, exp_y = expected(cfg, world, xs, idxs, ws, ranks_per_node(bufs[0].group))
     for b in bufs:
         poison(b)
     for b, x, i, w in zip(bufs, xs, idxs, ws):
@@ -143,7 +154,7 @@ def run_loopback_cases(groups) -> list[str]:
     return errs
 
 
-CHUNK_TOKENS = (11, 4)   # tokens per rank of the chunked case, M = 5: 3 chunks, the last one partial
+CHUNK_TOKENS = (11, 4, 7, 0)   # tokens per rank of the chunked case, M = 5: 3 chunks, the last one partial
 
 
 def run_chunked_case(group) -> list[str]:
@@ -154,12 +165,13 @@ def run_chunked_case(group) -> list[str]:
     g = torch.Generator().manual_seed(77)
     E, K = cfg.experts_per_rank * world, cfg.topk
     xs = [torch.randn(T, cfg.hidden, generator=g).to(cfg.dtype) for T in CHUNK_TOKENS[:world]]
-    idxs = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(x.shape[0])]) for x in xs]
+    idxs = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(x.shape[0])]) if x.shape[0]
+            else torch.zeros(0, K, dtype=torch.int64) for x in xs]
     ws = [torch.rand(x.shape[0], K, generator=g) for x in xs]
     big = max(CHUNK_TOKENS)
     exp_d = reference.prefill_dispatch(xs, idxs, ws, E, big)
     parts = [partial_rows(e["x"], None, r, cfg.dtype) for r, e in enumerate(exp_d)]
-    want = reference.prefill_combine(parts, idxs, E, big)[rank]
+    want = reference.prefill_combine(parts, idxs, E, big, ranks_per_node=ranks_per_node(group))[rank]
     errs = []
     for zones in (1, 2):
         buf = make_buffer(group, cfg, zones)

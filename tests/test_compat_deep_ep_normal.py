@@ -121,7 +121,7 @@ def test_what_does_not_map_raises_by_name():
             buf.dispatch(x, **kw, **layout)
     with pytest.raises(NotImplementedError, match="pre-quantized fp8"):
         buf.dispatch((x, torch.ones(x.shape[0], 1)), **layout)
-    with pytest.raises(NotImplementedError, match="internode"):
+    with pytest.raises(ValueError, match="needs topk_idx"):   # internode_dispatch is dispatch (any group)
         buf.internode_dispatch(x)
     with pytest.raises(ValueError, match="needs topk_idx and num_tokens_per_expert"):
         buf.dispatch(x, topk_idx=idx)

@@ -26,11 +26,14 @@ from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, GroupError, L
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV, session_prefix
 
 import a2a_cases
+import budget
 import ep_cases
 import test_compat_deep_ep
 from fault_cases import E_PER_RANK, H, K, M, expert, serve, step_inputs
 
 TIMEOUT_S = 1.5
+PREFILL_TIMEOUT_S = 5.0   # the interpreted prefill kernels of one step take seconds on a loaded 2-core machine
+PREFILL_NAMED_S = PREFILL_TIMEOUT_S + 4   # a failing step: its send phase (1-2 s interpreted), the bounded wait
 
 
 def _maps_of_other_nodes(group) -> list[str]:
@@ -361,3 +364,190 @@ def test_the_wire_quiet_to_a_dead_receiver_ends_like_nvshmem_at_the_transport_ti
         assert 1.0 < took < 3.0, took
     finally:
         wires[0].close()
+
+
+# ---- prefill across nodes: one copy per destination node ----------------------------------------------
+
+def _prefill_wire(group, variants):
+    """PrefillBuffer's dispatch and combine once per variant (bench/wire_bytes.py: wire bytes, floor,
+    exactness), and for the node-limited variants EPBuffer's too (one copy per destination rank)."""
+    import wire_bytes
+    out = []
+    for args in variants:
+        row = wire_bytes._prefill_rank(group, args)
+        if args.node_limit:
+            row["ep_dispatch_wire"] = wire_bytes._rank(group, args)["dispatch_wire"]
+        out.append(row)
+    return out + [_isolation(group)]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("nodes, per_node", budget.size([(2, 2)], [(2, 2), (2, 3), (3, 2)]))
+def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node):
+    """PrefillBuffer across emulated nodes (docs/prefill.md "Across nodes"): on every rank, the bytes the
+    wire carries between nodes equal the per-node floor (bench/wire_bytes.py ``prefill_floor_bytes``: one
+    payload row plus its routing words per (token, destination node), one output row per (token, node)
+    back, and the control words), ratio 1.00, bf16 and fp8 (odd sizes, unrouted slots), with results
+    equal to the reference in the node order; with node-limited routing (each token's experts on one
+    node of 2, two of 3) it carries fewer rows than one copy per destination rank, which EPBuffer's put
+    path, measured on the same inputs, sends. 2x2 in ``make test``; 2x3 and 3x2 under MOE_COMM_LONG_TESTS."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    import wire_bytes
+    world = nodes * per_node
+    common = ["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--tokens", "7", "--hidden", "256",
+              "--experts", str(2 * world), "--topk", "3", "--prefill"]
+    variants = [wire_bytes.parse(common + ["--unrouted", "0.25"]), wire_bytes.parse(common + ["--fp8"]),
+                wire_bytes.parse(common + ["--node-limit", str(nodes - 1)])]
+    out = moe_comm.launch(_prefill_wire, world, variants, backend="shm", timeout_s=120)
+    assert [o[-1] for o in out] == [[]] * world           # no mapping of another node, puts to it
+    for v, args in enumerate(variants):
+        rows = [o[v] for o in out]
+        for r in rows:
+            assert r["exact"], (v, r)
+            assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, (v, r)
+            assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], (v, r)
+        if args.node_limit:
+            per_node_rows, per_rank_rows = (sum(r[k] for r in rows) for k in ("rows_per_node", "rows_per_rank"))
+            assert per_rank_rows > per_node_rows > 0, rows
+            payload = rows[0]["row_bytes"] + rows[0]["route_bytes"]
+            assert sum(r["ep_dispatch_wire"] for r in rows) > sum(r["dispatch_wire"] for r in rows), rows
+            assert per_node_rows * payload < sum(r["dispatch_wire"] for r in rows) < per_rank_rows * payload, rows
+
+
+def _prefill_round(group, buf, seed, excluded=(), slow=None, poison=True):
+    """One checked PrefillBuffer dispatch -> combine on a launched group: every rank rebuilds every rank's
+    inputs from ``seed`` and checks its own results against the reference (excluded ranks unrouted, the
+    node order). ``slow`` = (rank, seconds): that rank pauses between its dispatch's send and receive.
+    ``poison``: poison the zone first, between two host barriers (a step that must fail in its kernels,
+    not in a barrier, passes False). Returns (mismatches, monotonic time this rank's dispatch returned,
+    time its receive began)."""
+    import prefill_cases
+    cfg, world, me = prefill_cases.CONFIGS[0], group.world_size, group.rank
+    xs, idxs, ws = ep_cases.make_inputs(cfg, world, "random", seed)
+    exp_d, _, exp_y = prefill_cases.expected(cfg, world, xs, idxs, ws, prefill_cases.ranks_per_node(group), excluded)
+    if poison:
+        group.barrier()   # (every peer has read this rank's partial rows of the previous round)
+        prefill_cases.poison(buf)
+        group.barrier()
+    buf.dispatch(xs[me], idxs[me], ws[me], phase="send")
+    if slow is not None and slow[0] == me:
+        time.sleep(slow[1])
+    began = time.monotonic()
+    d = buf.dispatch(phase="recv")
+    returned = time.monotonic()
+    errs = prefill_cases.check_dispatch(d, exp_d[me], cfg, f"rank{me} seed{seed}")
+    part = prefill_cases.expert_out(d, exp_d[me], me, cfg)
+    d.recv_x.fill_(float("nan"))      # the experts' in-place writes: this rank's zone rows are its own now
+    y = buf.combine(part, d.handle)
+    if not torch.equal(y, exp_y[me]):
+        errs.append(f"rank{me} seed{seed}: combine differs")
+    return errs, returned, began
+
+
+SLOW_PULL_S = 1.0
+
+
+def _slow_puller(group):
+    """Rank 1 (node 0) pauses before its dispatch's receive, where it loads the rows of source 2 (node 1)
+    from rank 0, that source's rail on node 0; rank 0 overwrites its rows as soon as its own dispatch
+    returns."""
+    import prefill_cases
+    buf = prefill_cases.make_buffer(group, prefill_cases.CONFIGS[0])
+    out = _prefill_round(group, buf, 90, slow=(1, SLOW_PULL_S))
+    buf.close()
+    return out + (prefill_cases.run_chunked_case(group),)
+
+
+@pytest.mark.timeout(600)
+def test_prefill_dispatch_returns_after_its_node_pulled_from_its_rows_and_chunks_overlap(monkeypatch):
+    """A rail's landing rows are its own output rows: no rank's dispatch returns before every rank of its
+    node has loaded what it needs from them (the pull's node barrier). Rank 0 returns only after rank 1's
+    delayed receive began, and rank 1's rows from rank 0 are exact although rank 0 wrote NaN over its
+    rows at once (without the barrier rank 0 returns ~1 s earlier and rank 1 loads NaN rows). Then the
+    chunked MoE layer (``prefill_chunks.prefill_moe``, 3 chunks of M, one zone and two overlapped) equals
+    one call of the reference across the nodes too (tests/prefill_cases.py ``run_chunked_case``)."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    out = moe_comm.launch(_slow_puller, 4, backend="shm", timeout_s=30)
+    assert [o[0] for o in out] == [[]] * 4, out
+    assert out[0][1] > out[1][2], out          # rank 0's dispatch returned after rank 1's receive began
+    assert [o[3] for o in out] == [[]] * 4, out
+
+
+def _prefill_killed(group, victims):
+    """A good PrefillBuffer step; then ``victims[0]`` dies, the survivors' next step names it, they exclude
+    it and make three exact steps; then the same for ``victims[1]``. Per victim: (the rank named, seconds
+    the failing step took, mismatches of the three steps after exclude). A later victim that saw a wrong
+    result before its turn returns it instead of dying."""
+    import prefill_cases
+    me, out, excluded = group.rank, [], []
+    buf = prefill_cases.make_buffer(group, prefill_cases.CONFIGS[0])
+    errs = _prefill_round(group, buf, 100)[0]
+    for i, victim in enumerate(victims):
+        if me == victim:
+            good = errs == [] and all(o[0] == victims[j] and o[1] < PREFILL_NAMED_S and o[2] == [[]] * 3
+                                      for j, o in enumerate(out))
+            if not good:   # a later victim reports what it saw before (it returns nothing once dead)
+                return errs, out
+            os._exit(9)
+        if group.heap.node[me] != group.heap.node[victim]:
+            time.sleep(LATE_S)   # the victim's node mates wait first: theirs is the first timeout
+        t0 = time.monotonic()
+        try:
+            _prefill_round(group, buf, 101 + 10 * i, tuple(excluded), poison=False)
+            named, took = None, None
+        except CommTimeoutError as e:
+            named, took = e.peer, time.monotonic() - t0
+        if named is None or group.exclude([named]) != sorted(excluded + [victim]):
+            return errs, out + [(named, took, None)]
+        excluded.append(victim)
+        steps = [_prefill_round(group, buf, 102 + 10 * i + s, tuple(excluded))[0] for s in range(3)]
+        out.append((named, took, steps))
+    return errs, out
+
+
+@pytest.mark.timeout(900)
+def test_prefill_killed_rank_and_then_its_whole_node_are_named_and_excluded(monkeypatch):
+    """PrefillBuffer across emulated nodes (2 x 2): rank 3 (node 1) dies after a good step; every survivor
+    (rank 2 on its node, ranks 0-1 on the other) names it by CommTimeoutError within the timeout + 4 s (rank
+    2 starts the step first, so its own wait decides: the rows of rank 1, whose rail on node 1 was rank 3,
+    are missing too, but the wait for its node's ranks names the dead rail itself);
+    after exclude([3]) three steps are exact among the survivors (rank 1's rail on node 1 is now rank 2).
+    Then rank 2 dies too (having seen all of that right, or it would report instead of dying): named by
+    ranks 0-1, excluded (node 1 has no live rank), three exact steps."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_prefill_killed, 4, [3, 2], backend="shm", timeout_s=PREFILL_TIMEOUT_S, grace_s=600)
+    err = info.value
+    assert sorted(err.failures) == [2, 3], err.failures
+    for r, victims in ((0, [3, 2]), (1, [3, 2])):
+        errs, out = err.results[r]
+        assert errs == [] and [o[0] for o in out] == victims, err.results[r]
+        for named, took, steps in out:
+            assert took < PREFILL_NAMED_S and steps == [[]] * 3, err.results[r]
+
+
+def _doors(group):
+    import test_compat_deep_ep_internode
+    import test_sglang_dispatcher
+    import test_vllm_adapter
+    return dict(deep_ep=test_compat_deep_ep_internode.internode_rank(group),
+                vllm=test_vllm_adapter.standard_shm_rank(group, 3),
+                sglang=test_sglang_dispatcher.normal_shm_rank(group, 5), isolation=_isolation(group))
+
+
+@pytest.mark.timeout(900)
+def test_prefill_doors_across_emulated_nodes(monkeypatch):
+    """The high-throughput doors across 2 x 2 emulated nodes: DeepEP's normal mode through a
+    torch.distributed ProcessGroup in the style of DeepEP's tests/test_internode.py (its ``dispatch`` /
+    ``combine`` and ``internode_dispatch`` / ``internode_combine``, group-limited routing, layout with
+    ``num_tokens_per_rdma_rank``; tests/test_compat_deep_ep_internode.py), vLLM's Standard-format
+    prepare/finalize and SGLang's normal-mode dispatcher, each bitwise against the reference in the node
+    order; no process maps another node's memory."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    out = moe_comm.launch(_doors, 4, backend="shm", timeout_s=60)
+    assert out == [dict(deep_ep=[], vllm=[], sglang=[], isolation=[])] * 4, out

@@ -9,8 +9,9 @@ import torch
 
 import moe_comm
 from moe_comm import CommAbortedError, CommTimeoutError, EPBuffer, InvalidIndexError, PrefillBuffer, reference
-from moe_comm.planner import plan_prefill
+from moe_comm.planner import deepep_v2_bytes, plan_prefill
 
+import budget
 from ep_cases import Config, make_inputs
 from shm_files import own_shm_files
 from prefill_cases import (CONFIGS, check_dispatch, expected, expert_out, make_buffer, poison, round_trip,
@@ -106,6 +107,13 @@ def test_memory_at_deepseek_v3():
     buf._allocate()   # what the first dispatch does: the plan's symmetric bytes are what it allocates
     held = buf._dispatch_ch.symmetric_bytes + buf._combine_ch.symmetric_bytes
     assert held == buf.plan.symmetric_bytes
+    # Across nodes (4 nodes of 8, docs/prefill.md "Across nodes"): the routing plane and the node inbox
+    # added, EP32 with 4096 tokens per rank still within DeepEP V2's buffer, whose EP16 figure is the 1.13
+    # GiB above by its own formula
+    assert abs(deepep_v2_bytes(16, 4096, 7168, 8) - DEEPEP_V2_EP16_4096_BYTES) < 0.01 * GIB
+    ep32 = PrefillBuffer.required_bytes(32, 256, 7168, 4096, 8, ranks_per_node=8)
+    assert PrefillBuffer.required_bytes(32, 256, 7168, 4096, 8) < ep32 <= deepep_v2_bytes(32, 4096, 7168, 8)
+    assert PrefillBuffer.required_bytes(32, 256, 7168, 2048, 8, zones=2, ranks_per_node=8) == pytest.approx(ep32, rel=1e-3)
     buf2 = PrefillBuffer(moe_comm.init(backend="loopback", device="cpu")[0], 8, 128, 3, 2, zones=2)
     buf2._allocate()
     assert buf2._dispatch_ch.symmetric_bytes + buf2._combine_ch.symmetric_bytes == buf2.plan.symmetric_bytes
@@ -525,14 +533,42 @@ def test_exact_size_output():
         b.combine(phase="recv")
 
 
-def test_groups_reaching_a_peer_by_puts_are_refused_with_the_alternative(monkeypatch):
-    """The combine loads its peers' partial rows, which needs every peer mapped: a group with put peers
-    (another node) is refused at construction, naming EPBuffer."""
+@pytest.mark.timeout(300)
+def test_every_peer_by_puts_is_exact(monkeypatch):
+    """MOE_COMM_TRANSPORT=put on a loopback world 2 (3 under MOE_COMM_LONG_TESTS; nodes of one rank: every
+    row and partial row crosses by puts, this rank's own included, through the put path of docs/prefill.md
+    "Across nodes"): every case of tests/prefill_cases.py equals the reference, puts carried them, and the
+    put plan's symmetric bytes are what the buffer holds."""
     monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
-    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
-    assert groups[0].uses_put
-    with pytest.raises(NotImplementedError, match="reaches some by NVSHMEM puts.*use EPBuffer"):
+    from moe_comm.interpreter import twin_module
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    original, puts = twin._copy_to_peer, []
+    monkeypatch.setattr(twin, "_copy_to_peer", lambda *a: (puts.append(1), original(*a)))
+    groups = moe_comm.init(backend="loopback", world_size=budget.size(2, 3), device="cpu", timeout_s=10)
+    assert groups[0].uses_put and make_buffer(groups[0], CONFIGS[0]).plan.put
+    assert run_loopback_cases(groups) == []
+    assert len(puts) > 0
+    bufs = [make_buffer(g, CONFIGS[1], zones=2) for g in groups]   # what the put plan says is what it holds
+    for b in bufs:
+        b._allocate()
+    assert all(b._dispatch_ch.symmetric_bytes + b._combine_ch.symmetric_bytes == b.plan.symmetric_bytes for b in bufs)
+
+
+def test_loopback_nodes_of_several_ranks_over_puts_are_refused(monkeypatch):
+    """A loopback world whose nodes have several ranks and reach the others by puts cannot order the node
+    reduction (it waits within the send phase for the node's other ranks): refused at construction, naming
+    the alternatives; nodes that are not consecutive ranks are refused too."""
+    from moe_comm.protocol import TRANSPORT_PUT as P, TRANSPORT_STORE as S
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    monkeypatch.setattr(moe_comm.group, "choose_transports", lambda heap: [[S, S, P, P], [S, S, P, P],
+                                                                          [P, P, S, S], [P, P, S, S]][heap.rank])
+    groups = moe_comm.init(backend="loopback", world_size=4, device="cpu")
+    with pytest.raises(NotImplementedError, match="use the shm heap.*MOE_COMM_TRANSPORT=put"):
         PrefillBuffer(groups[0], 8, 128, 2, 2)
+    from moe_comm.topology import node_layout
+    with pytest.raises(NotImplementedError, match="consecutive ranks"):
+        node_layout([S, P, S, P], 0)
+    assert node_layout([P, P, S, S], 3).ranks_per_node == 2 and node_layout([P, P], 1).ranks_per_node == 1
 
 
 @pytest.mark.gpu

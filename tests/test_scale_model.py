@@ -113,3 +113,39 @@ def test_decode_step_adds_the_modelled_link_per_layer(costs):
     link = sum(sm.link_us(sm.op_latency(sm.moe_comm_design(op, "bf16"), sm.H100_CX7, 8, 128, 0.0, costs.launch_us, o))
                for op in ("dispatch", "combine"))
     assert row["kind"] == "prediction" and row["step_us"] == pytest.approx(1000.0 + link) and link > 0
+
+
+# ---- prefill across nodes -------------------------------------------------------------------------
+
+def test_node_limited_reach():
+    # no limit (groups = N): the distinct nodes of uniform routing; half the nodes at EP16 are the own one
+    nodes, off, ranks = sm.node_limited_reach(16, 256, 8, 8, 2)
+    assert nodes == pytest.approx(2 * (1 - math.comb(128, 8) / math.comb(256, 8))) and off == pytest.approx(nodes / 2)
+    assert ranks == pytest.approx(sm.distinct_ranks(16, 256, 8))
+    # DeepSeek-V3 at EP64: 4 of 8 nodes, 128 candidate experts; the own node is one of the 4 half the time
+    nodes, off, ranks = sm.node_limited_reach(64, 256, 8, 8, 4)
+    hit = 1 - math.comb(96, 8) / math.comb(128, 8)
+    assert nodes == pytest.approx(4 * hit) and off == pytest.approx(4 * hit * 7 / 8) and ranks < 8
+
+
+def test_prefill_validation_against_deepep_normal(costs, capsys):
+    """DeepEP's normal internode figures (H800 + CX7, written out here) modelled within 25 % each, with
+    nothing fitted to them; EP16 is NVLink-bound in the model (its RDMA figure counts the tokens of the own
+    node), EP32/64 network-bound."""
+    o = sm.fit_msg_overhead(costs)
+    rows = sm.prefill_validation_rows(o)
+    published = {(16, "dispatch"): 43, (16, "combine"): 43, (32, "dispatch"): 58, (32, "combine"): 57,
+                 (64, "dispatch"): 51, (64, "combine"): 50}
+    assert {(r["world"], r["op"]): r["published_gbps"] for r in rows} == published
+    quoted = {(16, "dispatch"): 0.083, (16, "combine"): 0.100, (32, "dispatch"): -0.027, (32, "combine"): 0.005,
+              (64, "dispatch"): -0.051, (64, "combine"): -0.018}
+    for r in rows:
+        assert r["within_target"] and abs(r["error"]) <= sm.TARGET_ERROR, r
+        assert r["error"] == pytest.approx(quoted[(r["world"], r["op"])], abs=0.0015), r
+        p = r["parts"]
+        assert (p["nvlink_us"] > p["rdma_us"]) == (r["world"] == 16), r
+    preds = sm.prefill_prediction_rows(o)
+    assert {(r["world"], r["op"], r["dtype"]) for r in preds if r["design"] == "moe-comm"} == {
+        (w, op, dt) for w in sm.PREFILL_WORLDS for op, dt in (("dispatch", "fp8"), ("dispatch", "bf16"), ("combine", "bf16"))}
+    assert all(r["kind"] == "prediction" and r["gbps"] > 0 for r in preds)
+    print(sm.format_prefill(rows, preds, o))

@@ -140,13 +140,37 @@ def normal_experts(rank, local, out):
                            topk_weights=out.topk_weights)
 
 
-def _normal_expected(world, xs, idxs, ws, m, align=1):
+def _normal_expected(world, xs, idxs, ws, m, align=1, nodes=None):
     disp = reference.prefill_dispatch(xs, idxs, ws, E, m)
     local = E // world
     partials = [normal_experts(r, local, SimpleNamespace(hidden_states=d["x"], topk_ids=d["topk_idx"].long(),
                                                          topk_weights=d["topk_weights"])).hidden_states
                 for r, d in enumerate(disp)]
-    return disp, reference.prefill_combine(partials, idxs, E, m)
+    return disp, reference.prefill_combine(partials, idxs, E, m, ranks_per_node=nodes)
+
+
+def normal_shm_rank(group, seed=0, align=2):
+    """One rank of a launched group (emulated nodes: tests/test_emulated_nodes.py) through the normal-mode
+    dispatcher, two steps (uneven and empty ranks): the DeepEP normal-mode outputs and the combine
+    bitwise against the reference in the node order; returns the mismatches."""
+    from prefill_cases import ranks_per_node
+    world, rank = group.world_size, group.rank
+    d = PrefillBufferDispatcher(PrefillBuffer(group, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16), align)
+    errs = []
+    for step in range(2):
+        xs, idxs, ws = make_inputs(world, [MAXT, 0, 3, 1][:world], E, TOPK, HIDDEN, seed + step)
+        want_disp, want_y = _normal_expected(world, xs, idxs, ws, MAXT, align, ranks_per_node(group))
+        d.dispatch_a(xs[rank], _topk(idxs[rank], ws[rank]))
+        out, want = d.dispatch_b(), want_disp[rank]
+        v = want["valid"]
+        if not (torch.equal(out.hidden_states, want["x"][v]) and torch.equal(out.topk_ids, want["topk_idx"][v].long())
+                and torch.equal(out.topk_weights, want["topk_weights"][v]) and out.num_recv_tokens_per_expert ==
+                [-(-c // align) * align for c in want["expert_counts"].tolist()]):
+            errs.append(f"rank {rank} step {step}: dispatch")
+        d.combine_a(normal_experts(rank, E // world, out))
+        if not torch.equal(d.combine_b(), want_y[rank]):
+            errs.append(f"rank {rank} step {step}: combine")
+    return errs
 
 
 def _run_normal(dispatchers, xs, idxs, ws, align=1):

@@ -181,13 +181,14 @@ def standard_experts(x, ids, weights, unreduced=False):
     return acc.to(x.dtype)
 
 
-def _prefill_expected(world, xs, idxs, ws):
-    """What each rank's prepare must return (global ids) and its finalize output, from moe_comm.reference."""
+def _prefill_expected(world, xs, idxs, ws, nodes=None):
+    """What each rank's prepare must return (global ids) and its finalize output, from moe_comm.reference
+    (``nodes``: ranks per node of a group spanning nodes, the combine's order)."""
     disp = reference.prefill_dispatch(xs, idxs, ws, E, MAXT)
     L = E // world
     ids = [torch.where(d["topk_idx"] >= 0, d["topk_idx"].long() + r * L, -1) for r, d in enumerate(disp)]
     partials = [standard_experts(d["x"], i, d["topk_weights"]) for d, i in zip(disp, ids)]
-    return disp, ids, reference.prefill_combine(partials, idxs, E, MAXT)
+    return disp, ids, reference.prefill_combine(partials, idxs, E, MAXT, ranks_per_node=nodes)
 
 
 def _check_prepared(res, want_disp, want_ids, rank):
@@ -251,13 +252,16 @@ def test_standard_format_all_tokens_to_one_expert_and_unreduced_outputs():
         assert close(outs[r], reference_moe(xs[r], idxs[r], ws[r])), f"rank {r}"
 
 
-def _standard_shm_rank(group, seed):
+def standard_shm_rank(group, seed):
+    """Two prepare -> experts -> finalize steps of one rank of a launched group (emulated nodes too:
+    tests/test_emulated_nodes.py); returns the mismatches."""
+    from prefill_cases import ranks_per_node
     world, rank = group.world_size, group.rank
     pf = PrefillBufferPrepareFinalize(PrefillBuffer(group, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
     errs = []
     for step in range(2):
-        xs, idxs, ws = make_inputs(world, [MAXT, 0, 3][:world], E, TOPK, HIDDEN, seed + step)
-        want_disp, want_ids, want_y = _prefill_expected(world, xs, idxs, ws)
+        xs, idxs, ws = make_inputs(world, [MAXT, 0, 3, 1][:world], E, TOPK, HIDDEN, seed + step)
+        want_disp, want_ids, want_y = _prefill_expected(world, xs, idxs, ws, ranks_per_node(group))
         res = pf.prepare(xs[rank], ws[rank], idxs[rank], E, None, False, UNQUANTIZED)
         _check_prepared(res, want_disp[rank], want_ids[rank], rank)
         out = torch.full_like(xs[rank], float("nan"))
@@ -269,7 +273,7 @@ def _standard_shm_rank(group, seed):
 
 @pytest.mark.timeout(300)
 def test_standard_format_equals_reference_shm_world2():
-    errs = moe_comm.launch(_standard_shm_rank, 2, 0, backend="shm", timeout_s=120)
+    errs = moe_comm.launch(standard_shm_rank, 2, 0, backend="shm", timeout_s=120)
     assert [e for r in errs for e in r] == []
 
 

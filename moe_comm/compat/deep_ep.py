@@ -29,12 +29,17 @@ low_latency_combine(x, topk_idx, topk_weights, handle, *, zero_copy=False, async
     returns (combined_x [T, H] bfloat16, event, hook): combined_x[t] = sum over the token's routed slots k,
     ascending, of topk_weights[t, k] * its expert's row, in float32, then rounded (bitwise reproducible).
 
-Normal mode (one node; ``num_nvl_bytes`` is the budget of its PrefillBuffer, one per (H, E, K), made at
-the first call with the largest capacity M, tokens per rank per call, whose
-``PrefillBuffer.required_bytes`` fits; a call with more tokens raises ValueError naming the size to ask):
+Normal mode (``num_nvl_bytes`` is the budget of its PrefillBuffer, one per (H, E, K), made at the first
+call with the largest capacity M, tokens per rank per call, whose ``PrefillBuffer.required_bytes`` fits;
+a call with more tokens raises ValueError naming the size to ask). Intranode and internode alike: on a
+group whose ranks span nodes (peers reached by NVSHMEM puts; on the CPU, emulated nodes) the PrefillBuffer
+sends each token once per destination node and forwards it inside the node (docs/prefill.md "Across
+nodes"), the normal mode's internode path; ``internode_dispatch`` / ``internode_combine`` are the same
+calls, as DeepEP's ``dispatch`` / ``combine`` call them on such a group:
 
-get_dispatch_layout(topk_idx, E, ...) -> (num_tokens_per_rank int32 [W], None, num_tokens_per_expert
-    int32 [E], is_token_in_rank bool [T, W], event), computed on the device.
+get_dispatch_layout(topk_idx, E, ...) -> (num_tokens_per_rank int32 [W], num_tokens_per_rdma_rank int32
+    [N] (tokens with an expert on each node; None on one node), num_tokens_per_expert int32 [E],
+    is_token_in_rank bool [T, W], event), computed on the device.
 dispatch(x, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=, topk_idx=, topk_weights=,
          expert_alignment=1, ...) -> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
          handle, event)
@@ -51,15 +56,17 @@ dispatch(x, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=, top
 combine(x, handle, ...) -> (combined_x [T, H] bfloat16, None, event)
     x           [N, H] bfloat16: row i answers recv_x[i] (the token's local experts, weighted and summed)
     combined_x[t] = sum over the ranks holding one of token t's experts, ascending, of their rows for t, in
-    float32, rounded once (bitwise reproducible; DeepEP sums unweighted too, in its own order).
+    float32, rounded once (bitwise reproducible; DeepEP sums unweighted too, in its own order). Across
+    nodes each other node's share is summed on that node first and rounded to bf16 once
+    (``reference.prefill_combine(..., ranks_per_node=G)``), as DeepEP's internode combine reduces in its
+    forwarder.
 
 Where the normal mode does not map (NotImplementedError, naming the reason): a cached dispatch
 (``handle=``: one PrefillBuffer dispatch is answered by one combine, no layout is kept to replay), fp8 input
 as a (data, scales) tuple (the PrefillBuffer quantizes bf16 itself, and only that), ``num_worst_tokens``
 (the padded capturable receive: the PrefillBuffer's own rank-major output is that, used directly),
 ``topk_weights`` and ``bias`` in combine (reducing per-slot weights back is DeepEP's backward pass),
-internode dispatch/combine (the combine loads partial rows from peers' memory: one node only), and a
-loopback group of several ranks (the normal API has no receive hook to run phases). Every dispatch must be
+and a loopback group of several ranks (the normal API has no receive hook to run phases). Every dispatch must be
 answered by its combine before the next normal-mode dispatch with the same sizes (RuntimeError otherwise).
 
 Low-latency hooks (``return_recv_hook=True``): the call runs the op's send phase and returns at once;
@@ -127,6 +134,7 @@ from ..errors import MoECommError
 from ..group import CommGroup
 from ..planner import FP8_GROUP, plan_ep
 from ..prefill import PrefillBuffer
+from ..topology import node_layout
 from . import deep_ep_layout as layout
 
 topk_idx_t = torch.int64          # DeepEP's expert-id dtype (int32 is accepted too)
@@ -501,8 +509,10 @@ class Buffer:
         if key not in self._prefill:
             W, left = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used
 
+            nodes = _ranks_per_node(self.comm_group)
+
             def need(m):
-                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE)
+                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, ranks_per_node=nodes)
             if need(1) > left:
                 raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
                                  f"hidden={hidden}, num_experts={num_experts}, topk={topk}: {need(1)} bytes hold one "
@@ -538,8 +548,10 @@ class Buffer:
         _check_divisible(E, W)
         check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (None, None))
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = layout.dispatch_layout(topk_idx, E, W)
+        g = _ranks_per_node(self.comm_group)
+        per_node = None if g is None else layout.tokens_per_node(is_token_in_rank, g)
         event = (_event_after(self.comm_group.device, (topk_idx,)) if async_finish else EventOverlap())
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+        return num_tokens_per_rank, per_node, num_tokens_per_expert, is_token_in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -600,12 +612,22 @@ class Buffer:
         event = _event_after(self.comm_group.device, (x, y)) if async_finish else EventOverlap()
         return y, None, event
 
-    def _internode(self, *args, **kwargs):
-        raise _unsupported("DeepEP's internode (RDMA) normal mode", "the PrefillBuffer's combine loads partial rows "
-                           "from its peers' memory, so every peer must be mapped (one node); across nodes use "
-                           "low_latency_dispatch/low_latency_combine")
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                           is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment: int = 1, config=None, previous_event=None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """DeepEP's internode dispatch (what its ``dispatch`` calls on a group spanning nodes): ``dispatch``,
+        which sends across nodes once per node on such a group (module docstring)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
+                             previous_event, async_finish, allocate_on_comm_stream)
 
-    internode_dispatch = internode_combine = _internode
+    def internode_combine(self, x: torch.Tensor, handle: "NormalHandle", topk_weights=None, bias=None,
+                          config=None, previous_event=None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False):
+        """DeepEP's internode combine: ``combine`` (module docstring)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> "Config":
@@ -625,6 +647,13 @@ class Buffer:
 
     def get_local_buffer_tensor(self, *args, **kwargs):
         raise _unsupported("get_local_buffer_tensor()", "the symmetric buffers are internal to moe_comm.EPBuffer")
+
+
+def _ranks_per_node(group: CommGroup) -> int | None:
+    """G of a group whose ranks span nodes (some peers reached by puts), None on one node."""
+    if not group.uses_put or group.world_size == 1:
+        return None
+    return node_layout(group.transports, group.rank).ranks_per_node
 
 
 def _check_divisible(num_experts: int, num_ranks: int) -> None:

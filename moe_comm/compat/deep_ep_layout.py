@@ -56,6 +56,13 @@ def column_major_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -
     return out.copy_(scales)
 
 
+def tokens_per_node(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """int32 [N]: tokens with an expert on a rank of each node of ``ranks_per_node`` consecutive ranks
+    (DeepEP's ``num_tokens_per_rdma_rank``), from ``is_token_in_rank`` bool [T, W]."""
+    T, W = is_token_in_rank.shape
+    return is_token_in_rank.view(T, W // ranks_per_node, ranks_per_node).any(dim=2).sum(dim=0).to(torch.int32)
+
+
 def split_range(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(begin, count) int64 tensors of a ``layout_range`` tensor."""
     return torch.bitwise_right_shift(layout, RANGE_SHIFT), torch.bitwise_and(layout, (1 << RANGE_SHIFT) - 1)

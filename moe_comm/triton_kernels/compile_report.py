@@ -167,8 +167,9 @@ def _ep_configs() -> list[KernelConfig]:
 
 
 def _prefill_configs() -> list[KernelConfig]:
-    """PrefillBuffer at DeepSeek-V3 prefill (256 experts, hidden 7168, top-8, 4096 tokens per rank), EP8,
-    bf16 and fp8 dispatch, with the planner's GPU launch shapes."""
+    """PrefillBuffer at DeepSeek-V3 prefill (256 experts, hidden 7168, top-8, 4096 tokens per rank), EP8 on
+    one node, bf16 and fp8 dispatch, with the planner's GPU launch shapes; and across nodes (the put path,
+    NVSHMEM calls: docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16 and fp8."""
     import torch  # noqa: PLC0415
 
     from ..errors import op_id  # noqa: PLC0415
@@ -176,37 +177,61 @@ def _prefill_configs() -> list[KernelConfig]:
     from .routing import histogram_bins  # noqa: PLC0415
 
     out, m = [], 4096
-    world = dict(WORLD=8, WORLD_P2=8)
-    for fp8 in (False, True):
-        p = plan_prefill(8, 256, 7168, m, 8, torch.bfloat16, fp8, "cuda")
-        ep = p.ep
-        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel",
-                                f"DSV3 EP8 M{m} {'fp8' if fp8 else 'bf16'}", dict(
-            x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
-            excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
-            combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", num_experts="i32",
-            **SIGNAL), dict(
-            world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
-            HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
-            CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
-            BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=ep.fp8_block_groups, NBLK=ep.send_programs,
-            ALIGNED=True), num_warps=ep.send_warps))
-    out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP8 M{m}", dict(
-        src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", ctrl_ptr="*i64", seq_ptr="*i64", **SIGNAL),
-        dict(world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
-             EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words)))
-    out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", f"DSV3 EP8 M{m} bf16", dict(
-        expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
-        done_ptr="*i32", **SIGNAL), dict(
-        world, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
-        BW=p.copy_words, NBLK=p.copy_programs, IN_PLACE=False, ALIGNED=True)))
-    out.append(KernelConfig("prefill_combine", "prefill_combine_recv_kernel", f"DSV3 EP8 M{m} bf16", dict(
-        out_ptr="*bf16", routed_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64",
-        seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
-        world, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.out_words * 4,
-        X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True)))
-    out.append(KernelConfig("prefill_combine", "prefill_release_kernel", "EP8", dict(
-        ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", grp="*i64", rank="i32"), world))
+    ctrl = dict(ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64")
+    for world, put in ((8, False), (32, True)):
+        w = dict(WORLD=world, WORLD_P2=next_pow2(world))
+        for fp8 in (False, True):
+            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, fp8, "cuda", ranks_per_node=8 if put else None)
+            ep = p.ep
+            nodes = dict(PUT=put, G=p.ranks_per_node, G_P2=next_pow2(p.ranks_per_node))
+            route = dict(ROUTE_OFFSET=p.route_offset if put else 0, RW=p.route_words)
+            label = f"DSV3 EP{world} M{m} {'fp8' if fp8 else 'bf16'}" + (" nodes of 8" if put else "")
+            out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel", label, dict(
+                x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
+                excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
+                combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64", block_done_ptr="*i32",
+                stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", **SIGNAL), dict(
+                w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
+                HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
+                CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words,
+                ROUTE_T=ep.route_tokens, BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=ep.fp8_block_groups,
+                NBLK=ep.send_programs, ALIGNED=True, NODES=p.nodes, NODES_P2=next_pow2(p.nodes),
+                COUNT_SPAN=p.count_span, **route, **nodes), nvshmem=put, num_warps=ep.send_warps))
+            if put:
+                out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_pull_kernel", label, dict(
+                    data_ptrs_ptr="*i64", src_tokens_ptr="*i32", stamp_ptr="*i64", done_ptr="*i32", **ctrl,
+                    **SIGNAL), dict(
+                    w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
+                    X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
+                    BT=p.pull_tokens, BW=p.pull_words, S_BW=next_pow2(max(1, ep.scale_words)),
+                    ALIGNED=True, **route, **nodes), nvshmem=put))
+        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP{world} M{m}" + (
+            " nodes of 8" if put else ""), dict(src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", **ctrl,
+                                                 **SIGNAL), dict(
+            w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
+            EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, **nodes), nvshmem=put))
+        label = f"DSV3 EP{world} M{m} bf16" + (" nodes of 8" if put else "")
+        out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", label, dict(
+            expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
+            done_ptr="*i32", **SIGNAL), dict(
+            w, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
+            BW=p.copy_words, NBLK=p.copy_programs, IN_PLACE=False, ALIGNED=True, **nodes), nvshmem=put))
+        if put:
+            out.append(KernelConfig("prefill_combine", "prefill_combine_forward_kernel", label, dict(
+                rows_ptr="*bf16", zone_ptr="*i32", data_ptrs_ptr="*i64", inbox_ptr="*bf16", src_tokens_ptr="*i32",
+                stamp_ptr="*i64", done_ptr="*i32", **ctrl, **SIGNAL), dict(
+                w, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
+                HIDDEN=7168, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden,
+                ALIGNED=True, **route, **nodes), nvshmem=put))
+        out.append(KernelConfig("prefill_combine", "prefill_combine_recv_kernel", label, dict(
+            out_ptr="*bf16", routed_ptr="*i32", data_ptrs_ptr="*i64", inbox_ptr="*bf16", done_ptr="*i32",
+            num_tokens="i32", **ctrl, **SIGNAL), dict(
+            w, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.out_words * 4,
+            X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True,
+            **nodes), nvshmem=put))
+        out.append(KernelConfig("prefill_combine", "prefill_release_kernel", f"EP{world}" + (
+            " nodes of 8" if put else ""), dict(ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", grp="*i64", rank="i32"),
+            dict(w, **nodes), nvshmem=put))
     return out
 
 
@@ -256,7 +281,9 @@ def all_configs(put: bool = True) -> list[KernelConfig]:
     """Every kernel configuration; with ``put``, also the put-transport variants (NVSHMEM calls), which
     need NVSHMEM's device bitcode (``nvshmem_bitcode.py``)."""
     base = _a2a_configs() + _ep_configs() + _prefill_configs() + _copy_configs() + _extra_configs()
-    return base + trace_configs(base) + (put_configs(base) if put else [])
+    own_put = [c for c in base if c.nvshmem]   # configs that are put variants by themselves (prefill across nodes)
+    base = [c for c in base if not c.nvshmem]
+    return base + trace_configs(base) + (put_configs(base) + own_put if put else [])
 
 
 def _copy_configs() -> list[KernelConfig]:
