@@ -552,29 +552,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """A rank process must not outlive the process that launched it (SIGTERM or SIGKILL included): ask
-    Linux to SIGKILL it when its parent dies, and, where that is unavailable or the parent died before
-    the request, watch the parent id from a daemon thread."""
+def _die_with_parent(launcher_pid: int) -> None:
+    """A rank process must not outlive the process that launched it (SIGTERM or SIGKILL included). Its
+    parent is the launcher (``spawn``) or the fork server (``forkserver``, which ends when the launcher
+    does): ask Linux to SIGKILL it when that parent dies, and, where that is unavailable or the parent
+    died before the request, watch both from a daemon thread."""
     try:
         import ctypes  # noqa: PLC0415
         import signal  # noqa: PLC0415
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    parent = os.getppid()
+
+    def launcher_alive():
+        try:
+            os.kill(launcher_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
     def watch():
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent and launcher_alive():
             time.sleep(0.5)
         os._exit(1)
 
-    if os.getppid() != parent_pid:
+    if parent == 1 or not launcher_alive():
         os._exit(1)
     threading.Thread(target=watch, name="moe_comm-parent-watch", daemon=True).start()
 
 
-def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, conn, parent_pid):
+def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, conn, parent_pid, environ):
     _die_with_parent(parent_pid)
+    os.environ.clear()   # the launcher's environment at launch(), not the fork server's at its start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       MOE_COMM_SESSION=session, TORCHELASTIC_USE_AGENT_STORE="True")  # store: launch()'s
@@ -588,8 +601,22 @@ def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, co
     conn.close()
 
 
+# Rank processes are forked from a server that imported these once (``start_method="forkserver"``): torch's
+# import alone costs about 3 s of CPU per process. Each rank is still a new process, forked before any
+# group, heap or CUDA context exists, so nothing of one launch reaches the next; the environment is the
+# launcher's at launch() (passed along), and moe_comm itself is imported by each rank.
+FORKSERVER_PRELOAD = ("torch", "triton")
+
+
+def _process_context(start_method: str):
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))   # no effect once the server runs
+    return ctx
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 30.0,
-           start_method: str = "spawn", grace_s: float | None = None):
+           start_method: str = "forkserver", grace_s: float | None = None):
     """Run ``fn(group, *args)`` in ``world_size`` new processes, each with a ready CommGroup.
 
     Returns the per-rank return values in rank order. When a rank raises, the other ranks are stopped
@@ -607,7 +634,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     timeout_s = _check_timeout(timeout_s)
     died_grace_s = 2 * timeout_s + 15 if grace_s is None else grace_s
     raised_grace_s = RAISED_GRACE_S if grace_s is None else grace_s
-    ctx = mp.get_context(start_method)
+    ctx = _process_context(start_method)
     from .heap.shm import new_session  # noqa: PLC0415
     port, session = _free_port(), new_session()
     from .heap.control import launcher_store  # noqa: PLC0415
@@ -617,7 +644,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, name=f"moe_comm-rank{r}", daemon=True,
                         args=(fn, r, world_size, port, session, backend, timeout_s, args, send_end,
-                              os.getpid()))
+                              os.getpid(), dict(os.environ)))
         p.start()
         send_end.close()
         procs.append(p)

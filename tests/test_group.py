@@ -169,3 +169,48 @@ def test_leak_check_sees_only_this_processs_sessions():
         for path in (other, own):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+# ---- rank processes: forked from a server that imported torch once; nothing of one launch reaches the next --
+
+LEFTOVER_ENV = "MOE_COMM_TEST_LAUNCH_ENV"
+
+
+def _leave_state_then_die(group, marker):
+    """What a faulty launch leaves behind in a rank process: a module global, heap files, a group whose
+    peer died; then rank 1 is killed and the others time out on it."""
+    import moe_comm.group as group_module
+    group_module._test_leftover = marker
+    group.heap.alloc("leftover", (4,), torch.int64)
+    if group.rank == 1:
+        os._exit(3)
+    group.barrier()          # CommTimeoutError naming rank 1
+
+
+def _fresh_state(group):
+    import sys
+    import moe_comm.group as group_module
+    group.barrier()
+    return (os.getpid(), os.getppid(), getattr(group_module, "_test_leftover", None), group.live_ranks,
+            os.environ.get(LEFTOVER_ENV), "torch" in sys.modules)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_leaves_nothing_to_the_next_launch(monkeypatch):
+    """Ranks are forked from the fork server (``start_method="forkserver"``, torch imported there once), so
+    each launch's ranks are new processes: after a launch whose rank 1 was killed and whose other ranks
+    failed, the next launch's ranks are other processes, with no module state of the old ones, every rank
+    live, no shared-memory file left, and the launcher's environment as of this launch (set after the
+    server started), not the server's."""
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_leave_state_then_die, 3, "poisoned", backend="shm", timeout_s=2)
+    assert "exit code 3" in info.value.failures[1]
+    assert own_shm_files() == []
+    monkeypatch.setenv(LEFTOVER_ENV, "this launch")
+    first = moe_comm.launch(_fresh_state, 3, backend="shm", timeout_s=20)
+    second = moe_comm.launch(_fresh_state, 3, backend="shm", timeout_s=20)
+    for out in (first, second):
+        assert [o[2:] for o in out] == [(None, [0, 1, 2], "this launch", True)] * 3, out
+        assert all(o[1] != os.getpid() for o in out)         # the fork server's children
+    assert not {o[0] for o in first} & {o[0] for o in second}
+    assert own_shm_files() == []
