@@ -584,14 +584,17 @@ def _die_with_parent(launcher_pid: int) -> None:
     threading.Thread(target=watch, name="moe_comm-parent-watch", daemon=True).start()
 
 
-def _rank_main(fn, rank, world_size, port, session, backend, timeout_s, args, conn, parent_pid, environ):
+def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, parent_pid, environ):
+    """One rank: the launcher's environment first, then ``work`` (the pickled ``(fn, args)``) is loaded, so
+    that the modules it imports see that environment (a fork server's children start with the server's)."""
     _die_with_parent(parent_pid)
-    os.environ.clear()   # the launcher's environment at launch(), not the fork server's at its start
+    os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       MOE_COMM_SESSION=session, TORCHELASTIC_USE_AGENT_STORE="True")  # store: launch()'s
     try:
+        fn, args = pickle.loads(work)
         with init(backend, timeout_s=timeout_s) as group:
             result = fn(group, *args)
         msg = ("ok", pickle.dumps(result))
@@ -640,10 +643,11 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     from .heap.control import launcher_store  # noqa: PLC0415
     store = launcher_store(port, world_size)  # hosted here, so it outlives any rank (heap/control.py)
     procs, conns = [], []
+    work = pickle.dumps((fn, args))
     for r in range(world_size):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, name=f"moe_comm-rank{r}", daemon=True,
-                        args=(fn, r, world_size, port, session, backend, timeout_s, args, send_end,
+                        args=(work, r, world_size, port, session, backend, timeout_s, send_end,
                               os.getpid(), dict(os.environ)))
         p.start()
         send_end.close()

@@ -214,3 +214,15 @@ def test_a_killed_rank_leaves_nothing_to_the_next_launch(monkeypatch):
         assert all(o[1] != os.getpid() for o in out)         # the fork server's children
     assert not {o[0] for o in first} & {o[0] for o in second}
     assert own_shm_files() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_ranks_function_is_loaded_under_the_launchers_environment(monkeypatch):
+    """A module imported to load the rank's function reads the launcher's environment (prometheus_client
+    picks its multiprocess mode from PROMETHEUS_MULTIPROC_DIR at import): the function is unpickled after
+    the environment is set, not by the fork server's child before it."""
+    import env_probe
+    monkeypatch.delenv(LEFTOVER_ENV, raising=False)
+    assert moe_comm.launch(_fresh_state, 1, backend="shm", timeout_s=20)[0][4] is None   # the server runs
+    monkeypatch.setenv(LEFTOVER_ENV, "at import")
+    assert moe_comm.launch(env_probe.imported_env, 2, backend="shm", timeout_s=20) == ["at import"] * 2
