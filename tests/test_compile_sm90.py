@@ -41,6 +41,13 @@ def _bitcode_problem():
     return None
 
 
+# Kernels of one program that move no payload, only counts and flags, once per call: a few spilled words
+# there cost a few local-memory accesses per call, not per row. prefill_dispatch_recv_kernel (the node's
+# per-expert counts of every source) spills 36 bytes with Triton 3.6 and 32 with 3.9.
+ONE_PROGRAM_CONTROL_KERNELS = {"prefill_dispatch_recv_kernel"}
+CONTROL_SPILL_BYTES = 64
+
+
 @pytest.fixture(scope="module")
 def report():
     args = [] if _bitcode_problem() is None else ["--no-put"]
@@ -63,7 +70,8 @@ def test_every_kernel_compiles_for_sm90_without_real_spills(report):
         assert r["registers"] is not None and r["registers"] <= 255, r
         # A few bytes of spill are harmless; a kernel that spills more has lost its shape. (The put
         # variants, which call NVSHMEM, have their own bound: see the bitcode test.)
-        bound = PUT_SPILL_BYTES if r["nvshmem"] else TRACE_SPILL_BYTES if r["trace"] else 16
+        bound = PUT_SPILL_BYTES if r["nvshmem"] else TRACE_SPILL_BYTES if r["trace"] else \
+            CONTROL_SPILL_BYTES if r["kernel"] in ONE_PROGRAM_CONTROL_KERNELS else 16
         assert r["spill_store_bytes"] <= bound and r["spill_load_bytes"] <= bound, r
 
 
