@@ -76,9 +76,9 @@ def count(world: int, op: str, iters: int, metrics: bool = False) -> float:
 
 
 def main() -> int:
-    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--child":   # --child WORLD OP ITERS [METRICS]
         sys.path.insert(0, ROOT)
-        _child(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")
+        _child(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["1"])
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=100, help="pairs per rank counted (world 8: a fifth of them)")

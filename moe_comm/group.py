@@ -9,6 +9,7 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -584,10 +585,15 @@ def _die_with_parent(launcher_pid: int) -> None:
     threading.Thread(target=watch, name="moe_comm-parent-watch", daemon=True).start()
 
 
-def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, parent_pid, environ):
-    """One rank: the launcher's environment first, then ``work`` (the pickled ``(fn, args)``) is loaded, so
-    that the modules it imports see that environment (a fork server's children start with the server's)."""
+def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, parent_pid, environ, fds):
+    """One rank: the launcher's stdout/stderr and environment first, then ``work`` (the pickled
+    ``(fn, args)``) is loaded, so that the modules it imports see that environment (a fork server's
+    children start with the server's)."""
     _die_with_parent(parent_pid)
+    for target, fd in zip((1, 2), fds):
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -609,6 +615,22 @@ def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, 
 # group, heap or CUDA context exists, so nothing of one launch reaches the next; the environment is the
 # launcher's at launch() (passed along), and moe_comm itself is imported by each rank.
 FORKSERVER_PRELOAD = ("torch", "triton")
+
+
+class _LauncherFd:
+    """One of the launcher's file descriptors (stdout, stderr), handed to a rank as it starts: a fork
+    server's child would otherwise write to the server's, not to where the launcher's output goes now."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):   # pickled while the process starts: multiprocessing passes the descriptor on
+        from multiprocessing import reduction  # noqa: PLC0415
+        return _detach_fd, (reduction.DupFd(self.fd),)
+
+
+def _detach_fd(dup) -> int:
+    return dup.detach()
 
 
 def _process_context(start_method: str):
@@ -648,7 +670,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, name=f"moe_comm-rank{r}", daemon=True,
                         args=(work, r, world_size, port, session, backend, timeout_s, send_end,
-                              os.getpid(), dict(os.environ)))
+                              os.getpid(), dict(os.environ), (_LauncherFd(1), _LauncherFd(2))))
         p.start()
         send_end.close()
         procs.append(p)

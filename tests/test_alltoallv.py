@@ -66,7 +66,7 @@ def _consecutive(group, calls):
 
 @pytest.mark.timeout(300)
 def test_back_to_back_and_many_calls_shm():
-    errs = moe_comm.launch(_consecutive, 2, size(80, 200), backend="shm", timeout_s=60)
+    errs = moe_comm.launch(_consecutive, 2, size(40, 200), backend="shm", timeout_s=60)
     assert errs == [[], []]
 
 

@@ -31,6 +31,15 @@ WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel", "drain_kernel", "prefill_d
            "prefill_combine_forward_kernel"}
 
 
+# Kernels that run only on the put path (prefill across nodes): where NVSHMEM's bitcode is unusable (an
+# unverified Triton/NVSHMEM pair, where the put transport itself is refused) they cannot be built.
+PUT_ONLY_KERNELS = {"prefill_dispatch_pull_kernel", "prefill_combine_forward_kernel"}
+
+
+def _buildable(kernels: set) -> set:
+    return kernels - PUT_ONLY_KERNELS if _bitcode_problem() is not None else kernels
+
+
 def _bitcode_problem():
     """Why the put-transport variants cannot be compiled here (NVSHMEM's bitcode), or None."""
     from moe_comm.triton_kernels import nvshmem_bitcode
@@ -65,6 +74,7 @@ def test_every_kernel_compiles_for_sm90_without_real_spills(report):
     for name in OP_MODULES:
         mod = importlib.import_module(name if "." in name else f"moe_comm.triton_kernels.{name}")
         declared |= {k for k in dir(mod) if k.endswith("_kernel") and hasattr(getattr(mod, k), "arg_names")}
+    declared = _buildable(declared)
     assert declared and declared <= compiled, f"not compiled: {sorted(declared - compiled)}"
     for r in report:
         assert r["registers"] is not None and r["registers"] <= 255, r
@@ -96,7 +106,7 @@ def test_every_payload_copy_moves_16_byte_vectors(report):
     column block of 8 groups stores as one 4-byte word per destination."""
     rows = [r for r in report if r["kernel"] in PAYLOAD_KERNELS or
             (r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"])]
-    assert {r["kernel"] for r in rows} >= PAYLOAD_KERNELS
+    assert {r["kernel"] for r in rows} >= _buildable(PAYLOAD_KERNELS)
     for r in rows:
         assert r["payload_stores"] >= 1 and r["payload_loads"] >= 1, r
         assert r["payload_v4_loads"] == r["payload_loads"], r
@@ -124,9 +134,9 @@ def test_every_publish_follows_a_cta_barrier_and_every_acquire_precedes_its_read
     by_kernel = {}
     for r in report:
         by_kernel.setdefault(r["kernel"], []).append(r)
-    for k in SIGNALLING:
+    for k in _buildable(SIGNALLING):
         assert all(r["publishes"] >= 1 and r["barriers"] >= 1 for r in by_kernel[k]), by_kernel[k]
-    for k in WAITING:
+    for k in _buildable(WAITING):
         assert all(r["acquires"] >= 1 for r in by_kernel[k]), by_kernel[k]
 
 
@@ -140,7 +150,7 @@ def test_every_publish_is_a_release_store(report):
         by_kernel.setdefault(r["kernel"], []).append(r)
         if not r["nvshmem"]:
             assert r["release_exchanges"] == 0, r
-    for k in SIGNALLING | WAITING | {"fail_group_kernel"}:  # flags; error records (word and status tags)
+    for k in _buildable(SIGNALLING | WAITING | {"fail_group_kernel"}):  # flags; error records (word and status tags)
         assert all(r["release_stores"] >= 1 for r in by_kernel[k]), by_kernel[k]
 
 
@@ -163,7 +173,8 @@ def test_the_fp8_quantizer_is_float32_and_correctly_rounded(report):
     float32's rate), and its one division is div.rn (Triton's ``/`` is the approximate div.full, which
     would leave the interpreter's and torch's codes). No kernel uses float64 at all."""
     fp8 = [r for r in report if r["kernel"] in FP8_SENDS and "fp8" in r["label"]]
-    assert len(fp8) == 4, [(r["kernel"], r["label"]) for r in report]   # EP8, EP1, prefill EP8 and across nodes
+    want = 4 if _bitcode_problem() is None else 3   # EP8, EP1, prefill EP8 and across nodes (a put build)
+    assert len(fp8) == want, [(r["kernel"], r["label"]) for r in report]
     for r in fp8:
         assert r["approx_divs"] == 0, (r["kernel"], r["label"], r["approx_divs"])
     for r in report:

@@ -23,7 +23,7 @@ from shm_files import own_shm_files
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROUND_TRIPS = size(150, 500)
+ROUND_TRIPS = size(75, 500)
 
 
 def _round_trip(eps, xs, idxs, ws, outs=None):

@@ -31,7 +31,7 @@ from budget import size
 from fault_cases import check_rank, expert, step_inputs
 from shm_files import own_shm_files
 
-WORLD, STEPS, TIMEOUT_S = 3, size(70, 300), 2.0
+WORLD, STEPS, TIMEOUT_S = 3, size(40, 300), 2.0
 E, H, M, K = 6, 64, 2, 2           # 2 experts per rank; capacity world * M = 6 rows per expert
 CAP_A2A, ROW = 3, (8,)
 KINDS = ("none", "host_error", "capacity", "invalid_id", "a2a_lie", "skip", "late")
