@@ -102,27 +102,17 @@ NIC_GIVE_UP_S = 4.0   # the emulated NIC's retry time in the dead-rank tests (NV
 FATAL = re.compile(r"rank (\d+)'s puts to rank (\d+) were not acknowledged after ([\d.]+) s")  # wire.transport_failed
 
 
-def _stderr_to(path: str) -> None:
-    """Append this rank's stderr (fd 2) to ``path``. Rank processes are forked from a server that keeps the
-    stderr of the test that started it, so a later test's capfd would not see what its ranks print."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _fatal_ends(stderr: str) -> list[tuple[int, int, float]]:
+    """(rank, peer, seconds waited) of every transport_failed message in the ranks' ``stderr``."""
+    return sorted((int(r), int(pe), float(s)) for r, pe, s in FATAL.findall(stderr))
 
 
-def _fatal_ends(path) -> list[tuple[int, int, float]]:
-    """(rank, peer, seconds waited) of every transport_failed message the ranks wrote to ``path``."""
-    text = path.read_text() if path.exists() else ""
-    return sorted((int(r), int(pe), float(s)) for r, pe, s in FATAL.findall(text))
-
-
-def _killed_on_the_other_node(group, victim, stderr_path):
+def _killed_on_the_other_node(group, victim):
     """Rank ``victim`` (on another node than rank 0) dies after a good step. Every rank then makes the
     next step: a rank that reaches the victim by puts quiets them at the end of its send, they are never
     acknowledged, and when the emulated NIC gives up the rank's process ends (as with NVSHMEM: it never
     gets to raise). A rank that reaches it by stores only (its own node) times out naming it, excludes
     who does not come (the victim, and the put ranks stuck in that quiet) and goes on alone."""
-    _stderr_to(stderr_path)
     world, me = group.world_size, group.rank
     E = E_PER_RANK * world
     ep = EPBuffer(group, E, H, M, K)
@@ -146,7 +136,7 @@ def _killed_on_the_other_node(group, victim, stderr_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, per_node", [(4, 2), (3, 1)])
-def test_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeypatch, tmp_path, world, per_node):
+def test_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeypatch, capfd, world, per_node):
     """What NVSHMEM does with a dead peer across nodes, on emulated nodes: every rank that put to the dead
     rank (the other node's) ends at its send's quiet once the emulated NIC gives up (exit 255, the
     message naming the dead rank, after NIC_GIVE_UP_S, not after the group timeout), never raising
@@ -156,15 +146,14 @@ def test_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeyp
     monkeypatch.setenv("MOE_COMM_WIRE_TRANSPORT_TIMEOUT_S", str(NIC_GIVE_UP_S))
     victim = world - 1
     with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_killed_on_the_other_node, world, victim, str(tmp_path / "stderr"), backend="shm",
-                        timeout_s=TIMEOUT_S, grace_s=300)
+        moe_comm.launch(_killed_on_the_other_node, world, victim, backend="shm", timeout_s=TIMEOUT_S, grace_s=300)
     err = info.value
     put_ranks = [r for r in range(victim) if r // per_node != victim // per_node]
     store_ranks = [r for r in range(victim) if r not in put_ranks]
     assert sorted(err.failures) == sorted(put_ranks + [victim]), err.failures
     assert "exit code 9" in err.failures[victim]
     assert all("exit code 255" in err.failures[r] for r in put_ranks), err.failures
-    fatal = _fatal_ends(tmp_path / "stderr")
+    fatal = _fatal_ends(capfd.readouterr().err)
     assert [(r, pe) for r, pe, _ in fatal] == [(r, victim) for r in put_ranks], fatal
     assert all(float(waited) >= NIC_GIVE_UP_S for _, _, waited in fatal), fatal
     for r in store_ranks:
@@ -510,15 +499,14 @@ def _prefill_step_after_fault(group, buf, seed, excluded, late):
         return e.peer, time.monotonic() - t0
 
 
-def _prefill_killed_on_the_other_node(group, victim, stderr_path):
+def _prefill_killed_on_the_other_node(group, victim):
     """A good PrefillBuffer step; then ``victim`` dies and every other rank makes the next step: a rank
-    that reaches the victim by puts (its rail on the victim's node: the rank of its local index there)
+    of another node puts to it (its rows when the victim is its rail there, else the bare flag) and
     quiets them, they are never acknowledged, and its process ends when the emulated NIC gives up; a
     rank of the victim's node names it by CommTimeoutError, excludes who does not come and makes three
     exact steps. Returns (mismatches of the good step, the rank named, seconds, the ranks excluded, the
     mismatches of the three steps)."""
     import prefill_cases
-    _stderr_to(stderr_path)
     me = group.rank
     buf = prefill_cases.make_buffer(group, prefill_cases.CONFIGS[0])
     errs = _prefill_round(group, buf, 100)[0]
@@ -538,7 +526,7 @@ PREFILL_NIC_GIVE_UP_S = 2 * PREFILL_NAMED_S
 
 
 @pytest.mark.timeout(600)
-def test_prefill_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeypatch, tmp_path):
+def test_prefill_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeypatch, capfd):
     """What NVSHMEM does with a dead peer across nodes, in prefill as in decode (2 x 2 emulated nodes,
     rank 3 killed after a good step): ranks 0 and 1 (node 0) put to it in their next send (rank 1 its
     rows, rank 3 being its rail on node 1; rank 0 the bare flag every other rank of a node gets), their
@@ -550,13 +538,13 @@ def test_prefill_killed_rank_on_the_other_node_costs_its_put_peers_their_process
     monkeypatch.setenv("MOE_COMM_WIRE_TRANSPORT_TIMEOUT_S", str(PREFILL_NIC_GIVE_UP_S))
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_prefill_killed_on_the_other_node, 4, 3, str(tmp_path / "stderr"), backend="shm",
-                        timeout_s=PREFILL_TIMEOUT_S, grace_s=300)
+        moe_comm.launch(_prefill_killed_on_the_other_node, 4, 3, backend="shm", timeout_s=PREFILL_TIMEOUT_S,
+                        grace_s=300)
     err = info.value
     assert sorted(err.failures) == [0, 1, 3], err.failures
     assert "exit code 9" in err.failures[3]
     assert all("exit code 255" in err.failures[r] for r in (0, 1)), err.failures
-    fatal = _fatal_ends(tmp_path / "stderr")
+    fatal = _fatal_ends(capfd.readouterr().err)
     assert [(r, pe) for r, pe, _ in fatal] == [(0, 3), (1, 3)], fatal
     assert all(float(waited) >= PREFILL_NIC_GIVE_UP_S for _, _, waited in fatal), fatal
     errs, named, took, excluded, steps = err.results[2]
