@@ -23,16 +23,19 @@ class Config:
     max_tokens: int
     topk: int
     dtype: torch.dtype = torch.bfloat16
-    fp8: bool = False
+    fp8: bool | str = False   # fp8_dispatch: False, True or a format of moe_comm.fp8
 
 
-# Experts per rank 4..16 (5: not a power of two), hidden 128/256, topk 1/2/4, odd capacities.
+# Experts per rank 3..16 (3, 5: not a power of two), hidden 128/256/512, topk 1/2/3/4, odd capacities;
+# every fp8 format (moe_comm.fp8): float32 amax/448 scales, power-of-two float32, packed UE8M0.
 CONFIGS = (
     Config(4, 128, 7, 2),
     Config(8, 256, 5, 4, fp8=True),
     Config(16, 128, 3, 1),
     Config(4, 256, 4, 4, dtype=torch.float16),
     Config(5, 128, 3, 2, dtype=torch.float32),
+    Config(4, 512, 3, 3, fp8="e4m3-ue8m0"),
+    Config(3, 256, 3, 2, fp8="e4m3-pow2"),
 )
 # random: distinct experts, some -1; skewed: every token's k=0 goes to expert 0; one_rank: all of a
 # token's experts live on one rank; dup: token 0 lists one expert twice (the rows keep k order);
@@ -81,7 +84,7 @@ def poison(ep) -> None:
     if ep._allocated:
         if ep._x.dtype == torch.float8_e4m3fn:
             ep._x.view(torch.uint8).fill_(0x7F)  # NaN
-            ep._scales.fill_(float("nan"))
+            ep._scales.view(torch.int32).fill_(-1)   # NaN as float32; UE8M0 bytes 0xFF (NaN in UE8M0)
         else:
             ep._x.fill_(float("nan"))
         for s in ep._sets:
@@ -108,7 +111,9 @@ def expert_outputs(d, rank: int, cfg: Config) -> torch.Tensor:
 
 def fp8_error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Largest |dequantized - x| e4m3 rounding allows: half an ulp (2**-4 relative) in the normal
-    range, half the subnormal step (2**-10 * scale) below it."""
+    range, half the subnormal step (2**-10 * scale) below it (packed UE8M0 scales unpacked first)."""
+    if scales.dtype == torch.int32:
+        scales = reference.unpack_ue8m0(scales)
     s = scales.repeat_interleave(128, dim=-1)
     return x.float().abs() * 2.0 ** -4 + s * 2.0 ** -10
 
