@@ -231,22 +231,28 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
 
 # ---- PrefillBuffer dispatch / combine ------------------------------------------------------------
 
-def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+def prefill_dispatch(xs: list, topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
                      num_experts: int, max_tokens_per_rank: int, fp8: bool | str = False, excluded=()):
-    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r], topk_weights[r] [T_r, K].
+    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H], or pre-quantized (codes [T_r, H]
+    float8_e4m3fn, scales [T_r, S]): their rows land as they are, ``fp8`` unused; topk_idxs[r],
+    topk_weights[r] [T_r, K].
 
     Returns per receiving rank a dict (R = world * M): valid bool [R] (row s*M + t holds token t of source s,
-    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8, a format of ``moe_comm.fp8``;
-    zero rows where not valid) and scales (``quantize_fp8``'s, [R, ...]) or None; topk_idx int32 [R, K]
-    (local ids, -1 elsewhere and past a source's tokens); topk_weights float32 [R, K] (0 where topk_idx is -1); src_tokens int32 [world];
-    expert_counts int32 [L]. Ids outside [0, num_experts) and experts of excluded ranks are not routed; an
-    excluded rank sends and receives nothing."""
+    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8, a format of ``moe_comm.fp8``,
+    or with pre-quantized xs; zero rows where not valid) and scales ([R, ...]: ``quantize_fp8``'s, or the
+    given ones) or None; topk_idx int32 [R, K] (local ids, -1 elsewhere and past a source's tokens);
+    topk_weights float32 [R, K] (0 where topk_idx is -1); src_tokens int32 [world]; expert_counts int32 [L].
+    Ids outside [0, num_experts) and experts of excluded ranks are not routed; an excluded rank sends and
+    receives nothing."""
     world, m = len(xs), max_tokens_per_rank
     local, R = num_experts // world, world * m
+    given = isinstance(xs[0], tuple)   # pre-quantized: (codes, scales) per rank
+    data = [x[0] if given else x for x in xs]
     out = []
     for r in range(world):
-        H, K, dt = xs[r].shape[1], topk_idxs[r].shape[1], xs[r].dtype
+        H, K, dt = data[r].shape[1], topk_idxs[r].shape[1], data[r].dtype
         x = torch.zeros((R, H), dtype=dt)
+        scales = torch.zeros((R, xs[r][1].shape[1]), dtype=xs[r][1].dtype) if given else None
         idx = torch.full((R, K), -1, dtype=torch.int32)
         w = torch.zeros((R, K), dtype=torch.float32)
         valid = torch.zeros(R, dtype=torch.bool)
@@ -255,7 +261,7 @@ def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk
         for s in range(world):
             if s in excluded or r in excluded:
                 continue
-            src_tokens[s] = xs[s].shape[0]
+            src_tokens[s] = data[s].shape[0]
             for t, ids in enumerate(topk_idxs[s].tolist()):
                 for k, e in enumerate(ids):
                     if routed(e, num_experts, world, excluded) and e // local == r:
@@ -264,9 +270,10 @@ def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk
                         counts[e % local] += 1
                         valid[s * m + t] = True
                 if valid[s * m + t]:
-                    x[s * m + t] = xs[s][t].cpu()
-        scales = None
-        if fp8:
+                    x[s * m + t] = data[s][t].cpu()
+                    if given:
+                        scales[s * m + t] = xs[s][1][t].cpu()
+        if fp8 and not given:
             x, scales = quantize_fp8(x, fmt=fp8)
         out.append(dict(valid=valid, x=x, scales=scales, topk_idx=idx, topk_weights=w, src_tokens=src_tokens,
                         expert_counts=counts))

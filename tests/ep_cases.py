@@ -37,6 +37,7 @@ CONFIGS = (
     Config(4, 512, 3, 3, fp8="e4m3-ue8m0"),
     Config(3, 256, 3, 2, fp8="e4m3-pow2"),
 )
+FORMAT_CONFIGS = {i for i, c in enumerate(CONFIGS) if c.fp8}   # every fp8 format
 # random: distinct experts, some -1; skewed: every token's k=0 goes to expert 0; one_rank: all of a
 # token's experts live on one rank; dup: token 0 lists one expert twice (the rows keep k order);
 # none: nothing routed.
@@ -165,12 +166,15 @@ def _make_buffer(group, cfg: Config):
                     dtype=cfg.dtype, fp8_dispatch=cfg.fp8)
 
 
-def run_shm_cases(group) -> list[str]:
+def run_shm_cases(group, configs=None) -> list[str]:
     """Every case on one rank of a launched group: dispatch, then combine, some split in two phases;
-    one case per config also runs twice (phase='both', then split) and must give identical bits."""
+    one case per config also runs twice (phase='both', then split) and must give identical bits.
+    ``configs``: indices into CONFIGS to run (default all)."""
     world, rank = group.world_size, group.rank
     errs, bufs = [], {}
     for ci, cfg, routing, seed in case_list(world):
+        if configs is not None and ci not in configs:
+            continue
         if ci not in bufs:
             bufs[ci] = _make_buffer(group, cfg)
         ep = bufs[ci]
