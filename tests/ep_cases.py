@@ -160,7 +160,7 @@ def case_list(world: int):
             yield ci, cfg, routing, seed
 
 
-def _make_buffer(group, cfg: Config):
+def make_buffer(group, cfg: Config):
     from moe_comm import EPBuffer
     return EPBuffer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.max_tokens, cfg.topk,
                     dtype=cfg.dtype, fp8_dispatch=cfg.fp8)
@@ -176,7 +176,7 @@ def run_shm_cases(group, configs=None) -> list[str]:
         if configs is not None and ci not in configs:
             continue
         if ci not in bufs:
-            bufs[ci] = _make_buffer(group, cfg)
+            bufs[ci] = make_buffer(group, cfg)
         ep = bufs[ci]
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
         E = cfg.experts_per_rank * world
@@ -228,28 +228,35 @@ def run_loopback_cases(groups, configs=None) -> list[str]:
         if configs is not None and ci not in configs:
             continue
         if ci not in bufs:
-            bufs[ci] = [_make_buffer(g, cfg) for g in groups]
-        eps = bufs[ci]
-        xs, idxs, ws = make_inputs(cfg, world, routing, seed)
-        E = cfg.experts_per_rank * world
-        exp_d = reference.dispatch(xs, idxs, E, cfg.max_tokens, fp8=cfg.fp8)
-        for ep in eps:
-            poison(ep)
-        for r, ep in enumerate(eps):
-            ep.dispatch(xs[r], idxs[r], phase="send")
-        ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
-        for r in range(world):
-            errs += check_dispatch(r, ds[r], exp_d[r], xs, cfg, f"loopback rank{r} cfg{ci} {routing}")
-        eos = [expert_outputs(ds[r], r, cfg) for r in range(world)]
-        for r, ep in enumerate(eps):
-            ep.combine(eos[r], ws[r], ds[r].handle, phase="send")
-        ys = [ep.combine(phase="recv") for ep in eps]
-        exp_eo = [expert_fn(exp_d[r]["x"], exp_d[r]["scales"], r * cfg.experts_per_rank, cfg.dtype)
-                  for r in range(world)]
-        exp_y = reference.combine(exp_eo, ws, idxs, E, cfg.max_tokens)
-        for r in range(world):
-            if not torch.equal(ys[r], exp_y[r]):
-                errs.append(f"loopback rank{r} cfg{ci} {routing}: combine differs from the reference")
+            bufs[ci] = [make_buffer(g, cfg) for g in groups]
+        errs += loopback_case(bufs[ci], cfg, routing, seed, f"loopback cfg{ci} {routing}")
+    return errs
+
+
+def loopback_case(eps, cfg: Config, routing: str, seed: int, tag: str) -> list[str]:
+    """One checked dispatch -> combine of ``cfg``'s inputs on a loopback world's EPBuffers ``eps``."""
+    world = len(eps)
+    errs = []
+    xs, idxs, ws = make_inputs(cfg, world, routing, seed)
+    E = cfg.experts_per_rank * world
+    exp_d = reference.dispatch(xs, idxs, E, cfg.max_tokens, fp8=cfg.fp8)
+    for ep in eps:
+        poison(ep)
+    for r, ep in enumerate(eps):
+        ep.dispatch(xs[r], idxs[r], phase="send")
+    ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
+    for r in range(world):
+        errs += check_dispatch(r, ds[r], exp_d[r], xs, cfg, f"{tag} rank{r}")
+    eos = [expert_outputs(ds[r], r, cfg) for r in range(world)]
+    for r, ep in enumerate(eps):
+        ep.combine(eos[r], ws[r], ds[r].handle, phase="send")
+    ys = [ep.combine(phase="recv") for ep in eps]
+    exp_eo = [expert_fn(exp_d[r]["x"], exp_d[r]["scales"], r * cfg.experts_per_rank, cfg.dtype)
+              for r in range(world)]
+    exp_y = reference.combine(exp_eo, ws, idxs, E, cfg.max_tokens)
+    for r in range(world):
+        if not torch.equal(ys[r], exp_y[r]):
+            errs.append(f"{tag} rank{r}: combine differs from the reference")
     return errs
 
 

@@ -95,28 +95,35 @@ def _a2a_configs() -> list[KernelConfig]:
     return out
 
 
+# The dispatch payload formats compiled (fp8_dispatch value, label): bf16, and every fp8 scale format
+# (``moe_comm.fp8``); labels of fp8 formats contain "fp8".
+FORMATS = ((False, "bf16"), ("e4m3", "fp8"), ("e4m3-pow2", "fp8-pow2"), ("e4m3-ue8m0", "fp8-ue8m0"))
+
+
 def _ep_configs() -> list[KernelConfig]:
     """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
-    EP8 and EP1, bf16 and fp8, with the planner's GPU launch shapes; the routing kernel; the abort kernel."""
+    EP8 and EP1, bf16 and every fp8 format, with the planner's GPU launch shapes; the routing kernel; the
+    abort kernel."""
     import torch  # noqa: PLC0415
 
     from ..planner import next_pow2, plan_ep  # noqa: PLC0415
     from .routing import histogram_bins  # noqa: PLC0415
 
     out, bins = [], histogram_bins(256)
-    for fp8 in (False, True):
-        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+    for fmt, name in FORMATS:
+        fp8 = bool(fmt)
+        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fmt, "cuda")
         common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
                       X_WORDS=p.x_words, S_WORDS=p.scale_words, ROW_WORDS=p.row_words,
                       CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
-        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
+        label = f"DSV3 EP8 {name}"
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
             x_ptr="*bf16", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
             slot_key_ptr="*i32", id_base_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
             num_experts="i32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=True, PUT=False),
-            num_warps=p.send_warps))
+            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, SCALE=p.scale_mode, S_BLOCK=p.scale_block_words,
+            NBLK=p.send_programs, ALIGNED=True, PUT=False), num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
             row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", data_ptr="*i32",
@@ -124,16 +131,17 @@ def _ep_configs() -> list[KernelConfig]:
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
             ALIGNED=True)))
-        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
-        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
+        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fmt, "cuda")
+        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {name}", dict(
             x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
-            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
+            out_scales_ptr="*i32" if p1.scale_dtype == torch.int32 else "*fp32", out_src_ptr="*i32",
+            out_counts_ptr="*i32", row_of_ptr="*i32",
             src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64", grp="*i64",
             num_tokens="i32", num_experts="i32"), dict(
             OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
             BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
-            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs, ALIGNED=True),
-            num_warps=p1.send_warps))
+            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, SCALE=p1.scale_mode, S_BLOCK=p1.scale_block_words,
+            NBLK=p1.send_programs, ALIGNED=True), num_warps=p1.send_warps))
     p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
     rows = p.experts_per_rank * p.capacity
     for world in (8, 1):
@@ -168,7 +176,8 @@ def _ep_configs() -> list[KernelConfig]:
 
 def _prefill_configs() -> list[KernelConfig]:
     """PrefillBuffer at DeepSeek-V3 prefill (256 experts, hidden 7168, top-8, 4096 tokens per rank), EP8,
-    bf16 and fp8 dispatch, with the planner's GPU launch shapes."""
+    bf16 and every fp8 format quantized on the way, and pre-quantized fp8 input (float32 and packed UE8M0
+    scales), with the planner's GPU launch shapes."""
     import torch  # noqa: PLC0415
 
     from ..errors import op_id  # noqa: PLC0415
@@ -177,20 +186,23 @@ def _prefill_configs() -> list[KernelConfig]:
 
     out, m = [], 4096
     world = dict(WORLD=8, WORLD_P2=8)
-    for fp8 in (False, True):
-        p = plan_prefill(8, 256, 7168, m, 8, torch.bfloat16, fp8, "cuda")
+    sends = [(fmt, name, False) for fmt, name in FORMATS] + [("e4m3", "fp8 prequantized", True),
+                                                              ("e4m3-ue8m0", "fp8-ue8m0 prequantized", True)]
+    for fmt, name, prequant in sends:
+        p = plan_prefill(8, 256, 7168, m, 8, torch.bfloat16, fmt, "cuda")
         ep = p.ep
-        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel",
-                                f"DSV3 EP8 M{m} {'fp8' if fp8 else 'bf16'}", dict(
-            x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
+        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel", f"DSV3 EP8 M{m} {name}", dict(
+            x_ptr="*u8" if prequant else "*bf16", scales_ptr="*i32", idx_ptr="*i64", weights_ptr="*fp32",
+            routed_ptr="*i32",
             excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
             combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", num_experts="i32",
             **SIGNAL), dict(
             world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
             HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
             CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
-            BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=ep.fp8_block_groups, NBLK=ep.send_programs,
-            ALIGNED=True), num_warps=ep.send_warps))
+            BINS=histogram_bins(256), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups, SCALE=ep.scale_mode,
+            S_BLOCK=ep.scale_block_words, PREQUANT=prequant, NBLK=ep.send_programs, ALIGNED=True),
+            num_warps=ep.send_warps))
     out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP8 M{m}", dict(
         src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", ctrl_ptr="*i64", seq_ptr="*i64", **SIGNAL),
         dict(world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
@@ -207,6 +219,8 @@ def _prefill_configs() -> list[KernelConfig]:
         X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True)))
     out.append(KernelConfig("prefill_combine", "prefill_release_kernel", "EP8", dict(
         ctrl_ptrs_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), world))
+    out.append(KernelConfig("capacity", "check_capacity_kernel", "DeepEP num_worst_tokens", dict(
+        count_ptr="*i64", grp="*i64", rank="i32", bound="i32"), dict(OP=op_id("deep_ep.dispatch")), num_warps=1))
     return out
 
 
