@@ -171,8 +171,9 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts:
     fp8: the EPBuffer's ``fp8_dispatch`` (a format of ``moe_comm.fp8``, or False).
 
     Returns per receiving rank a dict: x [E_local, R, H] (dtype, or float8_e4m3fn with fp8) and scales
-    [E_local, R, H/128] float32 (int32 [E_local, R, H/512] with "e4m3-ue8m0") or None, rows past a count zero; counts int32 [E_local]; src int32
-    [E_local, R] = s * max_tokens_per_rank + t per valid row, -1 past a count (R = world * M).
+    [E_local, R, H/128] float32 (int32 [E_local, R, H/512] with "e4m3-ue8m0") or None, rows past a count
+    zero; counts int32 [E_local]; src int32 [E_local, R] = s * max_tokens_per_rank + t per valid row, -1
+    past a count (R = world * M).
     """
     world = len(xs)
     local, cap, m = num_experts // world, world * max_tokens_per_rank, max_tokens_per_rank

@@ -20,7 +20,7 @@ import moe_comm
 from moe_comm import EPBuffer, PrefillBuffer, fp8, reference
 
 from ep_cases import FORMAT_CONFIGS, Config, make_inputs, run_shm_cases
-from prefill_cases import check_dispatch, make_buffer, partial_rows, poison
+from prefill_cases import check_dispatch, make_buffer, partial_rows, poison, round_trip
 from shm_files import own_shm_files
 
 H = 512   # one UE8M0 word per row: the smallest hidden every format takes
@@ -58,25 +58,8 @@ def prequantized(xs, fmt: str, seed: int, column_major: bool = False):
 
 def _prequant_round(bufs, cfg, seed, column_major=False):
     """One checked dispatch -> combine of pre-quantized tokens on a loopback world, phase by phase."""
-    world = len(bufs)
-    xs, idxs, ws = make_inputs(cfg, world, "random", seed)
-    pre = prequantized(xs, cfg.fp8, seed, column_major)
-    E = cfg.experts_per_rank * world
-    exp_d = reference.prefill_dispatch(pre, idxs, ws, E, cfg.max_tokens)
-    parts = [partial_rows(e["x"], e["scales"], r, cfg.dtype) for r, e in enumerate(exp_d)]
-    exp_y = reference.prefill_combine(parts, idxs, E, cfg.max_tokens)
-    for b in bufs:
-        poison(b)
-    for b, p, i, w in zip(bufs, pre, idxs, ws):
-        assert b.dispatch(p, i, w, phase="send") is None
-    ds = [b.dispatch(phase="recv") for b in bufs]
-    errs = [e for r, d in enumerate(ds) for e in check_dispatch(d, exp_d[r], cfg, f"seed{seed} rank{r}")]
-    for r, (b, d) in enumerate(zip(bufs, ds)):
-        eo = partial_rows(d.recv_x, d.recv_scales, r, cfg.dtype)
-        eo[~exp_d[r]["valid"]] = float("nan")
-        assert b.combine(eo, d.handle, phase="send") is None
-    ys = [b.combine(phase="recv") for b in bufs]
-    return errs + [f"seed{seed} rank{r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
+    xs, idxs, ws = make_inputs(cfg, len(bufs), "random", seed)
+    return round_trip(bufs, cfg, prequantized(xs, cfg.fp8, seed, column_major), idxs, ws, f"seed{seed}")
 
 
 @pytest.mark.timeout(120)

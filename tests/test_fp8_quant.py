@@ -6,7 +6,8 @@ subnormal boundaries, zeros of both signs, single nonzero groups, group maxima a
 for the power-of-two scales group maxima within a few ulps of 448 * 2**k (where amax / 448 crosses a
 power of two). Also: the reference is DeepEP's low-latency formulas (computed here once more in NumPy
 float32, the UE8M0 packing as DeepEP's byte layout), and controls show these inputs tell those formulas
-apart from the near misses (x / scale, torch's 448 / amax; a float32 log2, the exponent rounded down). The sm_90 PTX of the dispatch kernels holds no float64 (tests/test_compile_sm90.py).
+apart from the near misses (x / scale, torch's 448 / amax; a float32 log2, the exponent rounded down).
+The sm_90 PTX of the dispatch kernels holds no float64 (tests/test_compile_sm90.py).
 """
 
 import numpy as np

@@ -92,13 +92,13 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
 - ``group``: a moe_comm ``CommGroup`` (any backend), or torch.distributed's default (world) group, for
   which one CommGroup per process is made with ``moe_comm.init("auto")`` (NVSHMEM heap on CUDA, shared
   memory on CPU) and shared by every Buffer. Subgroups are not supported.
-- ``num_rdma_bytes`` is a budget for the symmetric memory of the buffers this Buffer creates (one pair
-  per (M, H, E, K, format), format = bf16 or one of the fp8 scale formats, made at the first call that
-  uses it); a call that would exceed it raises ValueError. ``get_low_latency_rdma_size_hint`` is
-  moe-comm's own figure: bf16 and one fp8 format (any of the three), top-k up to 11 (DeepEP's limit); a
-  Buffer that dispatches in several fp8 formats needs the hint's fp8 share once more per format. ``num_qps_per_rank`` is checked and has no effect (peers are reached by load/store,
-  there are no RDMA queue pairs). ``clean_low_latency_buffer`` checks its arguments and does nothing
-  (flags carry call numbers: nothing needs zeroing).
+- ``num_rdma_bytes`` is a budget for the symmetric memory of the buffers this Buffer creates (one pair per (M,
+  H, E, K, format), format = bf16 or one of the fp8 scale formats, made at the first call that uses it); a
+  call that would exceed it raises ValueError. ``get_low_latency_rdma_size_hint`` is moe-comm's own figure:
+  bf16 and one fp8 format (any of the three), top-k up to 11 (DeepEP's limit); a Buffer that dispatches in
+  several fp8 formats needs the hint's fp8 share once more per format. ``num_qps_per_rank`` is checked and has
+  no effect (peers are reached by load/store, there are no RDMA queue pairs). ``clean_low_latency_buffer``
+  checks its arguments and does nothing (flags carry call numbers: nothing needs zeroing).
 - ``recv_x`` (the fp8 data included) is not allocated per call: it is the buffer's receive tensor,
   valid until two more dispatches with the same sizes and format have received (two buffers
   alternate); ``.clone()`` it to keep it longer. recv_count, the fp8 scales and the handle's tensors are
@@ -350,8 +350,8 @@ class Buffer:
                 hint = self.get_low_latency_rdma_size_hint(M, hidden, self.group_size, E)
                 raise ValueError(
                     f"num_rdma_bytes={self.num_rdma_bytes} is too small: this call (M={M}, hidden={hidden}, "
-                    f"num_experts={E}, topk={topk}, format {fmt or 'bf16'}) needs {need} more symmetric bytes on top of "
-                    f"the {self._symmetric_bytes} in use; build the Buffer with num_rdma_bytes="
+                    f"num_experts={E}, topk={topk}, format {fmt or 'bf16'}) needs {need} more symmetric bytes on "
+                    f"top of the {self._symmetric_bytes} in use; build the Buffer with num_rdma_bytes="
                     f"Buffer.get_low_latency_rdma_size_hint({M}, {hidden}, {self.group_size}, {E}) (= {hint})"
                     + ("" if topk <= HINT_MAX_TOPK else f" or more: the hint assumes topk <= {HINT_MAX_TOPK}"))
             self._symmetric_bytes += need
@@ -543,8 +543,8 @@ class Buffer:
             if need(1) > left:
                 raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
                                  f"hidden={hidden}, num_experts={num_experts}, topk={topk}: {need(1)} bytes hold one "
-                                 f"token per rank ({self._nvl_bytes_used} in use by the buffers of other sizes or input "
-                                 f"formats, one each, bf16 or fp8); size it with moe_comm."
+                                 f"token per rank ({self._nvl_bytes_used} in use by the buffers of other sizes or "
+                                 f"input formats, one each, bf16 or fp8); size it with moe_comm."
                                  f"PrefillBuffer.required_bytes({W}, {num_experts}, {hidden}, tokens_per_rank, {topk})")
             lo, hi = 1, 2
             while hi < NORMAL_MAX_TOKENS and need(hi) <= left:

@@ -37,8 +37,9 @@ def process_group(backend: str = "auto", timeout_s: float = 30.0):
 def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                   dtype: torch.dtype, fp8_dispatch: bool | str, prefill: bool = False):
     """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes and
-    fp8 format (``fp8_dispatch``: False, True or a format of ``moe_comm.fp8``), built on first request (collective: every rank asks for the same shapes in the same order, as every
-    rank builds the same layers)."""
+    fp8 format (``fp8_dispatch``: False, True or a format of ``moe_comm.fp8``), built on first request
+    (collective: every rank asks for the same shapes in the same order, as every rank builds the same
+    layers)."""
     from moe_comm.ep import EPBuffer  # noqa: PLC0415
     from moe_comm.prefill import PrefillBuffer  # noqa: PLC0415
 
