@@ -275,6 +275,10 @@ class EPBuffer(OpBuffer):
 
     def _check_dispatch_inputs(self, x, topk_idx) -> int:
         p = self._ep_plan
+        if isinstance(x, tuple):
+            raise TypeError(f"x is a tuple (pre-quantized codes and scales?): EPBuffer.dispatch takes {p.dtype} x and "
+                            f"quantizes it itself (fp8_dispatch); pass x unquantized, or dispatch pre-quantized "
+                            f"tokens with moe_comm.PrefillBuffer")
         check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden), DTYPE_FIX)
         T = x.shape[0]
         if T > p.max_tokens:

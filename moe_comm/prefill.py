@@ -376,7 +376,7 @@ class PrefillBuffer(OpBuffer):
                              f"{ep.hidden // max(1, ep.scale_words)}]): {fix}")
         check_tensor("x[1] (the scales)", scales, dev, (ep.scale_dtype,), want)
 
-    def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+    def dispatch(self, x: torch.Tensor | tuple | None = None, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, *, phase: str = "both") -> PrefillDispatchResult | None:
         """Send this rank's tokens, once per rank holding one of their experts, into those ranks' zones; see
         the class docstring. phase="recv" takes no tensors."""

@@ -121,8 +121,9 @@ def test_bad_formats_are_refused_at_construction(cls):
 
 
 def test_bad_prequantized_input_raises_on_every_rank_before_any_send_then_exact():
-    """Every rank passes the same bad pre-quantized x: each raises before sending (naming the fix), nobody
-    waits, and the next call is exact on every rank."""
+    """Every rank passes the same bad pre-quantized x (scales of another format, codes not fp8, a 3-tuple,
+    a buffer without fp8, an EPBuffer): each raises before sending (naming the fix), nobody waits, and the
+    next call is exact on every rank."""
     world, cfg = 2, Config(3, H, 3, 2, fp8=fp8.E4M3_UE8M0)
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=5.0)
     bufs = [make_buffer(g, cfg) for g in groups]
@@ -139,6 +140,10 @@ def test_bad_prequantized_input_raises_on_every_rank_before_any_send_then_exact(
         for b, p, i, w in zip(targets, inputs, idxs, ws):
             with pytest.raises(kind, match=match):
                 b.dispatch(p, i, w, phase="send")
+    eps = [EPBuffer(g, 3 * world, H, 3, 2, fp8_dispatch=fp8.E4M3_UE8M0) for g in groups]
+    for ep, p, i in zip(eps, good, idxs):
+        with pytest.raises(TypeError, match="pre-quantized tokens with moe_comm.PrefillBuffer"):
+            ep.dispatch(p, i, phase="send")
     for g in groups:
         g.check()
     assert _prequant_round(bufs, cfg, 4) == []
