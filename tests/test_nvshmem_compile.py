@@ -45,12 +45,15 @@ def test_every_binding_call_links_into_an_sm90a_cubin():
     compiled = triton.compile(ASTSource(_every_call, dict(dst="*i32", src="*i32", sig="*i64", nbytes="i64",
                                                           pe="i32"), {}),
                               target=GPUTarget("cuda", 90, 32), options=opts)
-    ptx = compiled.asm["ptx"]
+    ptx, llir, ttir = compiled.asm["ptx"], compiled.asm["llir"], compiled.asm["ttir"]
     assert len(compiled.asm["cubin"]) > 0
-    # Linked: every called NVSHMEM function was inlined from the bitcode (LLVM leaves a ``%<name>.exit``
-    # block label, or a ``.func`` if it kept the call), none is left external.
+    # Linked: the kernel calls every NVSHMEM function (an extern call of that symbol in the Triton IR), and
+    # after linking none is left a declaration in the LLVM IR (each was defined from the bitcode, then
+    # inlined or kept; whether LLVM leaves a ``%<name>.exit`` label in the PTX differs between versions),
+    # nor an external function in the PTX.
     for name in nv.C_FUNCTIONS:
-        assert re.search(rf"(%{name}\.exit|\.func\s+(\([^)]*\)\s*)?{name}\b)", ptx), f"{name} not linked"
+        assert re.search(rf'symbol = "{name}"', ttir), f"{name} not called"
+        assert not re.search(rf"^declare [^\n]*@{name}\(", llir, re.M), f"{name} not linked"
     assert not [line for line in ptx.splitlines() if ".extern" in line and "nvshmem" in line]
     # The module holds NVSHMEM's device state: it needs nvshmemx_cumodule_init before its first launch.
     assert "nvshmemi_device_state_d" in ptx
@@ -64,8 +67,10 @@ def _one_thread_calls(sig, pe):
 
 
 # The thread-index read of ``nvshmem_device._first_thread`` (inline asm: Triton's own reads are not
-# between "begin inline asm" markers) and the predicate "not thread 0" set from it.
-_TID_GUARD = re.compile(r"// begin inline asm\s+mov\.u32 (%r\d+), %tid\.x;\s+// end inline asm.*?"
+# between "begin inline asm" markers; Triton 3.9 puts a ``.loc`` line inside them) and the predicate
+# "not thread 0" set from it.
+_TID_GUARD = re.compile(r"// begin inline asm\s+(?:\.loc[^\n]*\s+)*"
+                        r"mov\.u32 (%r\d+), %tid\.x;\s+// end inline asm.*?"
                         r"setp\.ne\.b32\s+(%p\d+), \1, 0;", re.S)
 
 
@@ -95,6 +100,9 @@ def test_pairing_accepts_the_verified_pair_and_refuses_the_known_bad_one(monkeyp
         nb.check_pairing("3.6.0", "3.8.0")
     with pytest.raises(nb.NvshmemSetupError, match="not been verified"):
         nb.check_pairing("3.6.0", "3.5.1")
+    assert "3.4.5" in nb.check_pairing("3.9.0", "3.4.5")
+    with pytest.raises(nb.NvshmemSetupError, match="not been verified: it compiles and links, but"):
+        nb.check_pairing("3.9.0", "3.7.2")   # torch 2.15.0's pin: refused with the reason
     monkeypatch.setenv(nb.ENV_UNVERIFIED, "1")
     assert "unverified" in nb.check_pairing("3.6.0", "3.5.1")
     with pytest.raises(nb.NvshmemSetupError, match="cannot parse"):  # the override never admits a known-bad pair

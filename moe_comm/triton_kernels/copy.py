@@ -9,10 +9,14 @@ same row on every rank of a list.
 
 16-byte accesses: a row address whose alignment comes from a value loaded from memory (a peer's base)
 or a run-time offset cannot be proven aligned by the compiler, which then moves 4 bytes (or 1) at a
-time. With ``ALIGNED`` the row addresses are declared 16-byte aligned (``tl.multiple_of``) and the
-column mask is constant over whole blocks, so every access is a 16-byte vector. The caller passes
-ALIGNED only when it holds (``planner.vector_aligned`` on the host: every row length in bytes and every base a
-multiple of 16); otherwise the same code runs with narrower accesses. The interpreter ignores hints.
+time. With ``ALIGNED`` every tile of pointers says so itself (``row_tile``: ``tl.multiple_of`` on the
+``[R, C]`` tile the load or store uses) and the column mask is constant over whole blocks, so every access
+is a 16-byte vector. The hint sits on the tile, not on the row addresses: a hint lives on the operation
+that made its value, and Triton 3.9 folds ``int_to_ptr(ptr_to_int(p))`` (a row address made by
+``address`` and turned back by ``row_pointers``) into ``p``, dropping a hint placed there. The caller
+passes ALIGNED only when it holds (``planner.vector_aligned`` on the host: every row length in bytes and
+every base a multiple of 16); otherwise the same code runs with narrower accesses. The interpreter
+ignores hints.
 """
 
 import triton
@@ -31,6 +35,18 @@ def row_pointers(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     if ALIGNED:
         ptrs = tl.multiple_of(ptrs, VEC_BYTES)
     return ptrs
+
+
+@triton.jit
+def row_tile(rows, C: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointers ``[R, C]`` to elements ``[0, C)`` of the rows starting at pointers ``rows`` [R]. With
+    ALIGNED (every row start 16-byte aligned) the tile is declared so: along a row, its C contiguous
+    elements start at a multiple of 16 bytes; down a column, nothing beyond 1 is claimed (the compiler's
+    own figure there is the element size; only the contiguous axis decides the vector width)."""
+    tile = rows[:, None] + tl.arange(0, C)[None, :]
+    if ALIGNED:
+        tile = tl.multiple_of(tile, [1, VEC_BYTES])
+    return tile
 
 
 @triton.jit
@@ -67,19 +83,16 @@ def store_tile(v, col, ncols, dst, write, C: tl.constexpr, NDST: tl.constexpr, N
             rows, use = tl.reshape(dst, (dst.shape[0],)), tl.reshape(write, (write.shape[0],))
         else:
             rows, use = pick(dst, d, NDST_P2), pick(write.to(tl.int32), d, NDST_P2) != 0
-        ptrs = row_pointers(rows, v.dtype, ALIGNED)
-        tl.store(ptrs[:, None] + col + c[None, :], v, mask=use[:, None] & c_live)
+        tl.store(row_tile(row_pointers(rows, v.dtype, ALIGNED), C, ALIGNED) + col, v, mask=use[:, None] & c_live)
 
 
 @triton.jit
 def load_tile(src, read, col, ncols, BW: tl.constexpr, ALIGNED: tl.constexpr):
     """Elements ``col + [0, BW)`` (those below ``ncols``) of the rows starting at pointers ``src`` [R],
     where ``read`` [R]; 0 elsewhere. Returns [R, BW] of src's element type."""
-    if ALIGNED:
-        src = tl.multiple_of(src, VEC_BYTES)
     c = tl.arange(0, BW)
     m = read[:, None] & ((col + c < ncols) | (ncols % BW == 0))[None, :]
-    return tl.load(src[:, None] + col + c[None, :], mask=m, other=0)
+    return tl.load(row_tile(src, BW, ALIGNED) + col, mask=m, other=0)
 
 
 @triton.jit

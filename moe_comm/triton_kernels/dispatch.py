@@ -326,7 +326,9 @@ def dispatch_recv_kernel(
         q = src * M + t
         if PUT:   # a put source's row t holds token tok (clamped: no value steers a store out of bounds);
             #       only its received rows' slots are written (the combine answers a put source by runs)
-            tok = tl.load(src_row + META + TOPK, mask=slot_live & (t < n_tokens) & packed, other=0)
+            # (tl.where, not ``& packed``: Triton's interpreter broadcasts a scalar comparison as integers,
+            # and from 3.9 on refuses a mask that is not boolean)
+            tok = tl.load(src_row + META + TOPK, mask=tl.where(packed, slot_live & (t < n_tokens), False), other=0)
             q = tl.where(packed, src * M + tl.minimum(tl.maximum(tok, 0), M - 1), q)
             slot_live = tl.where(packed, slot_live & (t < n_tokens), slot_live)
         word = tl.load(src_row + META + k, mask=slot_live & (t < n_tokens), other=-1)

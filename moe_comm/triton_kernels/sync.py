@@ -93,6 +93,11 @@ if INTERPRET:
         release at system scope, ordered after this thread's earlier stores (``publish``: after a CTA
         barrier, every thread's)."""
         # The interpreter has no inline PTX; its atomics are as ordered as any store on the CPU.
+        # Interpreted, a module constexpr plus a tensor (``code + tl.zeros(...)`` with ``code`` =
+        # ERR_TIMEOUT) is a constexpr holding a tensor (``constexpr.__add__``); Triton 3.6's ops unwrapped
+        # it, Triton 3.9's refuse it ("cannot convert [1] ... to tensor"), so it is unwrapped here.
+        if isinstance(value, tl.constexpr):
+            value = value.value
         tl.atomic_xchg(ptrs, value, mask=mask, sem="release", scope="sys")
 else:
     @triton.jit
