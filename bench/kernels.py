@@ -9,9 +9,10 @@
    empty Triton kernel (one launch). An op that must move B bytes cannot beat B / bandwidth + 1 launch.
 2. AllToAllvDynamic (world 1, rows of ``hidden`` bf16) vs torch.ops.symm_mem.all_to_all_vdev (separate
    process: torch brings its own NVSHMEM) and NCCL all_to_all_single with host-read splits.
-3. EPBuffer dispatch / combine (bf16 and fp8 dispatch; EP=1) vs a pure-torch permute / unpermute. Each
-   op is one call (phase="both") on whichever heap; the dispatch split into its phases is timed on a line
-   of its own (impl ``moe_comm_split_phases``: at world 1 its send copies x and topk_idx, NOTES 20).
+3. EPBuffer dispatch / combine (bf16, fp8 and, when hidden % 512 == 0, fp8 with packed UE8M0 scales
+   (dtype "fp8-ue8m0"); EP=1) vs a pure-torch permute / unpermute. Each op is one call (phase="both") on
+   whichever heap; the dispatch split into its phases is timed on a line of its own (impl
+   ``moe_comm_split_phases``: at world 1 its send copies x and topk_idx, NOTES 20).
 4. ep_emulated: the multi-rank path (send kernel + receive kernel per rank) on one GPU: a loopback world
    of --emulated-world ranks (GPU 8), every rank's phases run one after another on this GPU (replayed
    from a CUDA graph). It times the kernels of the EP>1 path at DeepSeek-V3 shapes, not a network: the
@@ -197,11 +198,16 @@ def bench_a2a(o, out, floor, group):
         op.close()
 
 
-def ep_bytes(op: str, t: int, h: int, k: int, fp8: bool) -> int:
+# Dispatch formats of the EP=1 section: (fp8_dispatch, the lines' dtype, scale bytes per 128 columns).
+EP_FORMATS = ((False, "bf16", 0), ("e4m3", "fp8", 4), ("e4m3-ue8m0", "fp8-ue8m0", 1))
+
+
+def ep_bytes(op: str, t: int, h: int, k: int, fp8, scale_bytes: int = 4) -> int:
     """Least bytes an EP=1 op must move (payload only): dispatch reads x [T, H] and writes T*K rows
-    (fp8: H bytes + H/128 float32 scales each); combine reads T*K expert rows and writes y [T, H]."""
+    (fp8: H bytes + H/128 scales of ``scale_bytes`` each: 4 float32, 1 packed UE8M0); combine reads T*K
+    expert rows and writes y [T, H]."""
     if op == "dispatch":
-        return t * h * 2 + t * k * ((h + 4 * (h // 128)) if fp8 else 2 * h)
+        return t * h * 2 + t * k * ((h + scale_bytes * (h // 128)) if fp8 else 2 * h)
     return t * k * h * 2 + t * h * 2
 
 
@@ -221,7 +227,9 @@ def bench_ep(o, out, floor, group):
         return
     h, e, k = o.hidden, o.experts, o.topk
     gen = torch.Generator().manual_seed(0)
-    for fp8 in (False, True):
+    for fp8, dtype, scale_bytes in EP_FORMATS:
+        if fp8 == "e4m3-ue8m0" and h % 512:
+            continue   # packed UE8M0 takes whole words of four 128-column groups
         for t in o.tokens:
             cap = o.max_tokens or max(1, t)
             ep = EPBuffer(group, e, h, cap, k, dtype=torch.bfloat16, fp8_dispatch=fp8)
@@ -232,16 +240,15 @@ def bench_ep(o, out, floor, group):
             group.check()
             want = torch.bincount(idx.reshape(-1).cpu(), minlength=e).to(torch.int32)
             assert torch.equal(d.counts.cpu(), want), "dispatch counts differ from the routing"
-            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, dtype="fp8" if fp8 else "bf16",
-                         heap=group.backend)
+            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, dtype=dtype, heap=group.backend)
             td = time_us(lambda i: drive(ep.dispatch, group, x, idx), o.device, o.iters, o.warmup)
-            result(out, floor, "dispatch", "moe_comm", ep_bytes("dispatch", t, h, k, fp8), td, phases="both", **sizes)
+            dbytes = ep_bytes("dispatch", t, h, k, fp8, scale_bytes)
+            result(out, floor, "dispatch", "moe_comm", dbytes, td, phases="both", **sizes)
             # The same dispatch split into phases (what a loopback world is driven with): at world 1 its
             # send copies x and topk_idx so that the caller may reuse them, 3 launches instead of 1.
             tsplit = time_us(lambda i: ep.dispatch(x, idx, phase="send") or ep.dispatch(phase="recv"), o.device,
                              o.iters, o.warmup)
-            result(out, floor, "dispatch", "moe_comm_split_phases", ep_bytes("dispatch", t, h, k, fp8), tsplit,
-                   phases="split", **sizes)
+            result(out, floor, "dispatch", "moe_comm_split_phases", dbytes, tsplit, phases="split", **sizes)
             d = drive(ep.dispatch, group, x, idx)
             expert_out = d.x.to(torch.bfloat16)  # rows past the counts are never read
             tc = time_us(lambda i: drive(ep.combine, group, expert_out, w, d.handle), o.device, o.iters, o.warmup)

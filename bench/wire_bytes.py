@@ -1,7 +1,7 @@
 """Bytes on the network per dispatch and combine, measured by the emulated nodes' wire, next to the floor.
 
     python bench/wire_bytes.py [--nodes 2] [--ranks-per-node 2] [--tokens 16] [--hidden 1024]
-                               [--experts 32] [--topk 8] [--fp8] [--unrouted 0.0]
+                               [--experts 32] [--topk 8] [--fp8 [FORMAT]] [--unrouted 0.0]
                                [--prefill [--node-limit N]]
 
 ``--prefill`` measures PrefillBuffer instead of EPBuffer (docs/prefill.md "Across nodes"; floor below),
@@ -13,9 +13,11 @@ byte travels as a wire message, ``moe_comm/heap/wire.py``) with uniform random t
 per rank and op, the payload the wire carried between nodes against the floor, then the messages and
 their 21-byte headers (which the floor does not count). Floor, per rank:
 
-- dispatch: each token row (``EPPlan.row_words`` words: payload, scales, K routing words and the token
-  index, padded to 16 bytes) once per destination rank on another node that holds one of the token's
-  experts, plus that rank's control words (rows, per-expert counts, run base) and the flag;
+- dispatch: each token row (``row_bytes``: payload, scales, K routing words and the token index, padded
+  to 16 bytes; the payload H * 2 bytes in bf16, H fp8 bytes with --fp8, whose scales take 4 bytes per
+  128 columns in float32 formats and 1 byte per 128 columns as packed UE8M0, ``moe_comm.fp8``) once per
+  destination rank on another node that holds one of the token's experts, plus that rank's control
+  words (rows, per-expert counts, run base) and the flag;
 - combine (sent by the rank holding the experts): one expert-output row per routed slot (t, k) of a
   token on another node, plus the flag. The weights are applied on the token's rank, in a fixed k order
   (``EPBuffer.combine``: bitwise reproducible), so each slot's row must travel; summing a token's slots
@@ -50,6 +52,10 @@ import moe_comm  # noqa: E402
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV  # noqa: E402
 from moe_comm.heap.wire import HEADER, SIGNAL_BYTES  # noqa: E402
 
+GROUP = 128             # columns per fp8 scale
+VECTOR = 16             # rows are padded to whole 16-byte vectors
+SCALE_BYTES = {"e4m3": 4, "e4m3-pow2": 4, "e4m3-ue8m0": 1}   # bytes of one 128-column group's scale
+
 
 def node_limited(g: torch.Generator, tokens: int, experts: int, topk: int, nodes: int, limit: int) -> torch.Tensor:
     """int64 [tokens, topk] distinct expert ids of each token among the experts of ``limit`` nodes chosen at
@@ -76,6 +82,13 @@ def _inputs(args, world):
         i[torch.rand(i.shape, generator=g) < args.unrouted] = -1
     ws = [torch.rand(args.tokens, args.topk, generator=g) for _ in range(world)]
     return xs, idx, ws
+
+
+def row_bytes(fmt, hidden: int, topk: int) -> int:
+    """Bytes of one dispatched token row at the floor, from the format alone (the module docstring): payload
+    (bf16 or fp8 codes), scales, K routing words and the token index word, padded to 16 bytes."""
+    payload = hidden * 2 if not fmt else hidden + hidden // GROUP * SCALE_BYTES[fmt]
+    return -(-(payload + 4 * topk + 4) // VECTOR) * VECTOR
 
 
 def floor_bytes(idx, rank, world, per_node, experts, row_bytes, out_row_bytes, ctrl_bytes):
@@ -105,8 +118,8 @@ def _rank(group, args):
     ep.combine(d.x.float().to(torch.bfloat16) if not args.fp8 else torch.ones(d.x.shape, dtype=torch.bfloat16),
                ws[me], d.handle)
     after = dict(wire.stats)
-    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, p.row_words * 4, p.out_words * 4,
-                         p.dispatch_ctrl_words * 8)
+    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts,
+                         row_bytes(args.fp8, args.hidden, args.topk), p.out_words * 4, p.dispatch_ctrl_words * 8)
     ep.close()
     diff = lambda a, b, key: b.get(key, 0) - a.get(key, 0)  # noqa: E731
     return dict(rank=me, dispatch_wire=diff(before, mid, "payload"), dispatch_floor=fd,
@@ -201,7 +214,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--fp8", nargs="?", const="e4m3", default=False, choices=sorted(SCALE_BYTES),
+                    help="dispatch fp8 in this format (moe_comm.fp8; default e4m3)")
     ap.add_argument("--unrouted", type=float, default=0.0, help="share of slots set to -1 (not routed)")
     ap.add_argument("--prefill", action="store_true", help="PrefillBuffer (one copy per node) instead of EPBuffer")
     ap.add_argument("--node-limit", type=int, default=0, help="route each token within at most N nodes (0: any)")
@@ -220,7 +234,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     rows = measure(args)
     print(f"{args.nodes} nodes x {args.ranks_per_node} ranks, T={args.tokens}, hidden={args.hidden}, "
-          f"E={args.experts}, top-{args.topk}, {'fp8' if args.fp8 else 'bf16'} dispatch; "
+          f"E={args.experts}, top-{args.topk}, {args.fp8 or 'bf16'} dispatch; "
           f"payload bytes (wire headers: {HEADER.size} B per message, counted apart)")
     print(f"{'rank':>4} {'dispatch floor':>15} {'wire':>10} {'x':>5} {'msgs':>5} "
           f"{'combine floor':>14} {'wire':>10} {'x':>5} {'msgs':>5} {'headers B':>10}")

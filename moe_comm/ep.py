@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fp8 as formats
 from .channel import Channel
 from .checks import check_tensor, check_words
 from .errors import ClosedError, op_id
@@ -54,8 +55,10 @@ class DispatchResult:
     x       [E_local, R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Rows x[e, :counts[e]] hold
             the tokens routed to local expert e, packed and sorted by (source rank, token index, k);
             rows past counts[e] are unspecified. Overwritten by the next dispatch's receive phase.
-    scales  [E_local, R, hidden // 128] float32 with fp8_dispatch (x[e, i] ~= x8 * scale per 128
-            columns), else None. Same validity as x.
+    scales  with fp8_dispatch (x[e, i] ~= x8 * scale per 128 columns; ``moe_comm.fp8``): float32
+            [E_local, R, hidden // 128] ("e4m3": amax / 448; "e4m3-pow2": powers of two), or int32
+            [E_local, R, hidden // 512] ("e4m3-ue8m0": the exponents e + 127 of the power-of-two scales,
+            byte j of word i for group 4i + j, DeepEP's packing); else None. Same validity as x.
     counts  int32 [E_local] on the device: valid rows per local expert (never read by the library).
     src     int32 [E_local, R]: source_rank * max_tokens_per_rank + token_index of each valid row.
     handle  EPHandle for ``combine``. counts, src and handle alternate between two sets: they stay
@@ -109,8 +112,14 @@ class EPBuffer(OpBuffer):
         topk_idx  [T, topk] int32/int64: expert ids; -1 = slot not routed. Ids outside [-1, num_experts)
                   are not routed either and raise InvalidIndexError (a ValueError) at the next check.
         Each token is read once and crosses to a rank at most once, however many of its experts live
-        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per
-        128 columns: DeepEP's format, see reference.quantize_fp8). See DispatchResult for the outputs.
+        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one scale per 128 columns,
+        in the format fp8_dispatch names: DeepEP's formats, bit for bit, see ``moe_comm.fp8`` and
+        reference.quantize_fp8). See DispatchResult for the outputs.
+
+    fp8_dispatch: False (send dtype), True or "e4m3" (float32 scales amax / 448: DeepEP's use_fp8),
+    "e4m3-pow2" (float32 scales rounded up to powers of two: DeepEP's round_scale), "e4m3-ue8m0" (those
+    powers of two as UE8M0 exponents packed four per int32: DeepEP's use_ue8m0; hidden % 512 == 0). The
+    buffer keeps the normalized value in ``fp8_dispatch`` (False or the format string).
 
     combine(expert_out, topk_weights, handle, *, out=None, phase="both") -> [T, hidden] dtype
         expert_out    [E_local, R, hidden] dtype: row i of expert e is the output for d.x[e, i] (only
@@ -150,19 +159,21 @@ class EPBuffer(OpBuffer):
 
     Memory (``buffer_bytes``, from ``moe_comm.planner.EPPlan``; W world, M max_tokens_per_rank):
     symmetric 2*W*M*(p + 4*topk) bytes of dispatch landing zone + 2*M*topk*H*elem of combine landing
-    zone, local E_local*W*M*p for d.x (p = payload bytes per token: H*elem, or H + H/32 with fp8), plus
+    zone, local E_local*W*M*p for d.x (p = payload bytes per token: H*elem, or H + H/32 with fp8, H + H/128
+    with packed UE8M0), plus
     small metadata. DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128
     tokens per rank, EP8): 0.49 GiB per GPU in bf16, 0.27 GiB with fp8, against 1.78 GiB for DeepEP's
     low-latency buffer. ``EPBuffer.required_bytes(...)`` evaluates it without a group or allocation.
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool | str = False):
         self.group = group
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                fp8_dispatch, group.device)
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
-        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
+        self.max_tokens_per_rank, self.dtype = int(max_tokens_per_rank), dtype
+        self.fp8_dispatch = self.plan.fp8_format or False   # False, or the format (``moe_comm.fp8``)
         self.num_local_experts = self.plan.experts_per_rank
         self._stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=group.device)
         self._excluded = torch.zeros(1, dtype=torch.int64, device=group.device)
@@ -198,14 +209,13 @@ class EPBuffer(OpBuffer):
                              f"extra ones selected by no token, or a world size that divides {num_experts}")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
-        if fp8_dispatch and hidden % 128:
-            raise ValueError(f"fp8_dispatch needs hidden % 128 == 0 (one scale per 128 columns), got {hidden}")
+        formats.check_hidden(formats.parse(fp8_dispatch), hidden)
         if hidden * torch.empty((), dtype=dtype).element_size() % VEC_BYTES:
             raise ValueError(f"hidden * element size must be a multiple of {VEC_BYTES} bytes (rows move as 16-byte "
                              f"vectors), got hidden={hidden} {dtype}")
         if (num_experts // world) * max_tokens_per_rank * topk >= 2 ** 31:
             raise ValueError("experts per rank * max_tokens_per_rank * topk must stay below 2**31")
-        return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
+        return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)
 
     @property
     def dispatch_wait_stats(self) -> torch.Tensor:
@@ -249,7 +259,7 @@ class EPBuffer(OpBuffer):
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
         x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
         self._x = torch.empty((p.experts_per_rank, p.capacity, p.hidden), dtype=x_dtype, device=dev)
-        self._scales = (torch.empty((p.experts_per_rank, p.capacity, p.scale_words), dtype=torch.float32,
+        self._scales = (torch.empty((p.experts_per_rank, p.capacity, p.scale_words), dtype=p.scale_dtype,
                                     device=dev) if p.fp8 else None)
         self._sets = [_Set(p, dev), _Set(p, dev)]
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
@@ -269,6 +279,10 @@ class EPBuffer(OpBuffer):
 
     def _check_dispatch_inputs(self, x, topk_idx) -> int:
         p = self._ep_plan
+        if isinstance(x, tuple):
+            raise TypeError(f"x is a tuple (pre-quantized codes and scales?): EPBuffer.dispatch takes {p.dtype} x and "
+                            f"quantizes it itself (fp8_dispatch); pass x unquantized, or dispatch pre-quantized "
+                            f"tokens with moe_comm.PrefillBuffer")
         check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden), DTYPE_FIX)
         T = x.shape[0]
         if T > p.max_tokens:
@@ -311,7 +325,7 @@ class EPBuffer(OpBuffer):
         routing = dict(num_experts=self.num_experts, HIDDEN=p.hidden, X_WORDS=p.x_words, S_WORDS=p.scale_words,
                        BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
                        BINS=histogram_bins(p.num_experts), FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups,
-                       NBLK=p.send_programs, num_warps=p.send_warps)
+                       SCALE=p.scale_mode, S_BLOCK=p.scale_block_words, NBLK=p.send_programs, num_warps=p.send_warps)
         rows = p.experts_per_rank * p.capacity
         x_words = self._x if p.fp8 else self._x.view(torch.int32)
         scales = self._scales if p.fp8 else self._dummy

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from . import fp8 as formats
 from .protocol import VEC_BYTES
 
 SHAPES_ENV = "MOE_COMM_LAUNCH_SHAPES"
@@ -159,7 +160,8 @@ class EPPlan:
     """Buffers and launch shapes of one EPBuffer, from its static sizes only (nothing is allocated here).
 
     Memory (bytes, per rank; W world, M max_tokens_per_rank, K topk, L experts per rank, H hidden,
-    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8):
+    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8, H + H/128
+    with packed UE8M0 scales):
 
       symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token),
                                                             rounded up to 16 bytes
@@ -185,10 +187,11 @@ class EPPlan:
     max_tokens: int           # M: max_tokens_per_rank
     topk: int
     dtype: torch.dtype        # token / expert-output dtype
-    fp8: bool                 # dispatch payload quantized to float8_e4m3fn + float32 scale per 128 columns
+    fp8: bool                 # dispatch payload quantized to float8_e4m3fn + one scale per 128 columns
     capacity: int             # rows per local expert in d.x: W * M (every token of every rank, once)
     x_words: int              # 32-bit words of one dispatched payload row (dtype row, or fp8 bytes / 4)
-    scale_words: int          # float32 scales per dispatched row (H / 128 with fp8, else 0)
+    scale_words: int          # 4-byte scale words per dispatched row (H / 128 float32, H / 512 packed UE8M0
+    #                           int32 with fp8_format "e4m3-ue8m0", else 0)
     row_words: int            # dispatch landing row: payload, scales, K int32 routing words, padded to
     #                           whole 16-byte vectors (every row starts 16-byte aligned)
     dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
@@ -218,6 +221,23 @@ class EPPlan:
     # more, the run base of the combine (below), and the combine landing zone a second half where the
     # rows put by put peers land as one run per peer, sorted by (expert, token, k).
     put: bool = False
+    fp8_format: str | None = None   # the fp8 format (``moe_comm.fp8``: how the scales are made), None without fp8
+
+    @property
+    def scale_mode(self) -> int:
+        """The quantizer's SCALE constexpr (``triton_kernels/quant.py``)."""
+        return formats.scale_mode(self.fp8_format)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """dtype of d.scales: float32, or int32 (packed UE8M0)."""
+        return formats.scale_dtype(self.fp8_format)
+
+    @property
+    def scale_block_words(self) -> int:
+        """Scale words of one fp8 column block (``fp8_block_groups`` groups): one per group, or one per four
+        with packed UE8M0."""
+        return self.fp8_block_groups * self.scale_words // max(1, self.hidden // FP8_GROUP)
 
     def buffer_layout(self) -> dict:
         """What sizes the buffers allocated from this plan: the fields above the launch shapes, and ``put``."""
@@ -325,12 +345,15 @@ def route_row_words(payload_words: int, topk: int, put: bool) -> int:
 
 
 def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-            fp8: bool, device) -> EPPlan:
-    """Plan an EPBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+            fp8: bool | str, device) -> EPPlan:
+    """Plan an EPBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes;
+    ``fp8`` is the buffer's ``fp8_dispatch`` (False, True or a format of ``moe_comm.fp8``)."""
     device = torch.device(device)
+    fmt = formats.parse(fp8)
+    fp8 = fmt is not None
     L, b = num_experts // world, elem_size(dtype)
     x_words = hidden // 4 if fp8 else hidden * b // 4
-    scale_words = hidden // FP8_GROUP if fp8 else 0
+    scale_words = formats.scale_columns(fmt, hidden)
     groups = hidden // FP8_GROUP
     pow2_groups = groups & -groups if groups else 1  # largest power of two dividing the group count
     slots = next_pow2(topk)
@@ -363,7 +386,11 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))
         send_programs = recv_programs = reduce_programs = 1
         send_warps = 4
-    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
+    # A column block holds whole scale words: packed UE8M0 (hidden % 512 == 0, so 4 | pow2_groups) needs
+    # blocks of at least four groups.
+    if fmt == formats.E4M3_UE8M0:
+        fp8_block_groups = max(fp8_block_groups, formats.UE8M0_PER_WORD)
+    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8, fp8_format=fmt,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
                   row_words=route_row_words(x_words + scale_words, topk, False), dispatch_ctrl_words=L + 2,
                   out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
@@ -441,7 +468,8 @@ class PrefillPlan:
       words [0, R*K)                        recv_topk_idx      int32 [R, K]: local expert ids, -1 elsewhere
       words [R*K, 2*R*K)                    recv_topk_weights  float32 [R, K]: the slot's weight, 0 elsewhere
       words [x_offset, + R*x_words)         recv_x             [R, H] dtype, or float8_e4m3fn with fp8
-      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8
+      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8 (int32 [R, H/512]
+                                                               with packed UE8M0)
       words [x_offset, + R*out_words)       partial rows of the combine (one per received token), written
                                             over recv_x by the combine's send phase
     x_offset = 2*R*K rounded up to a 16-byte vector. ``zones`` such zones (1 or 2, symmetric int32 words
@@ -451,7 +479,7 @@ class PrefillPlan:
     reading the zones of the calls it answered.
 
     Memory (bytes, per rank; b element size of ``dtype``, p = payload bytes per row: H*b, or H + H/32 with
-    fp8, Z = zones): symmetric  Z*(4*x_offset + R*max(p, H*b))   (the zones)
+    fp8 (H + H/128 with packed UE8M0 scales), Z = zones): symmetric  Z*(4*x_offset + R*max(p, H*b))   (the zones)
                      + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
               local  Z*(M*K*4 (the combine's mask) + W*4 + L*4) + L*8 + 8 + counters + scratch
     With put peers (``put``; nodes of G = ``ranks_per_node`` ranks, N = W / G, docs/prefill.md "Across
@@ -605,7 +633,7 @@ GPU_PULL_TOKENS = 8      # tokens per iteration of the dispatch pull on a GPU (s
 
 
 def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-                 fp8: bool, device, zones: int = 1, ranks_per_node: int | None = None) -> PrefillPlan:
+                 fp8: bool | str, device, zones: int = 1, ranks_per_node: int | None = None) -> PrefillPlan:
     """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes.
     ``ranks_per_node``: G when some peers are reached by puts (nodes of G consecutive ranks; 1 when
     every peer is a put peer), None when every peer is reached by stores."""

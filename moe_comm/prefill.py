@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fp8 as formats
 from .channel import Channel
 from .checks import check_tensor, check_words
 from .ep import EPBuffer
@@ -38,7 +39,8 @@ WEIGHT_DTYPE = torch.float32
 
 @dataclass
 class PrefillHandle:
-    """What ``combine`` needs from one dispatch (valid until the next dispatch)."""
+    """What ``combine`` needs from one dispatch. Valid for exactly one combine, in dispatch order: that of
+    the oldest dispatch not yet combined (with zones=2, the next dispatch may run before it)."""
 
     call_index: int           # dispatch calls on this buffer before this one
     num_tokens: int           # T: tokens this rank dispatched (the combine returns [T, hidden])
@@ -56,8 +58,9 @@ class PrefillDispatchResult:
     recv_x             [R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Row s*M + t is token t of
                        source rank s, for t < src_tokens[s] and a recv_topk_idx entry >= 0 in that row;
                        every other row is unspecified.
-    recv_scales        [R, hidden // 128] float32 with fp8_dispatch (recv_x ~= q * scale per 128 columns,
-                       reference.quantize_fp8), else None. Same valid rows.
+    recv_scales        with fp8_dispatch (recv_x ~= q * scale per 128 columns, reference.quantize_fp8 in the
+                       buffer's format, ``moe_comm.fp8``): float32 [R, hidden // 128], or int32 [R, hidden //
+                       512] packed UE8M0 ("e4m3-ue8m0"); else None. Same valid rows.
     recv_topk_idx      int32 [R, topk]: the local id (0..L-1) of slot k's expert where it lives on this
                        rank, -1 elsewhere. Valid for rows s*M + t, t < src_tokens[s].
     recv_topk_weights  float32 [R, topk]: the slot's weight where recv_topk_idx >= 0, 0 elsewhere.
@@ -160,14 +163,22 @@ class PrefillBuffer(OpBuffer):
     dispatch(x, topk_idx, topk_weights, *, phase="both") -> PrefillDispatchResult (None for phase="send")
         x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank; copied as 4-byte
                       words: a contiguous x off a 4-byte boundary (a bf16 view at an odd element) raises
-                      ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first
+                      ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first.
+                      With fp8_dispatch, x may also be pre-quantized: a tuple (codes [T, hidden]
+                      float8_e4m3fn, scales) in the buffer's format (``moe_comm.fp8``: float32 [T, hidden
+                      // 128] for "e4m3" and "e4m3-pow2", int32 [T, hidden // 512] packed UE8M0 for
+                      "e4m3-ue8m0"; any strides, e.g. column-major, are copied to row-major first). The
+                      codes and scales are sent as they are (not dequantized or requantized, nor checked:
+                      recv_x / recv_scales hold them bit for bit); a tuple of another format raises
+                      before any launch, naming the format to build the buffer with.
         topk_idx      [T, topk] int32/int64 expert ids; -1 = not routed. Ids outside [-1, num_experts) are
                       not routed and raise InvalidIndexError (a ValueError carrying the result) at the end
                       of the call; nothing is written for them.
         topk_weights  [T, topk] float32
         Each token is read once and crosses to a rank at most once, however many of its experts live
-        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per 128
-        columns: reference.quantize_fp8). See PrefillDispatchResult.
+        there; with fp8_dispatch a bf16/fp16/fp32 x is quantized on the way (float8_e4m3fn, one scale per
+        128 columns in the buffer's format: reference.quantize_fp8, ``EPBuffer``'s fp8_dispatch values).
+        See PrefillDispatchResult.
 
     combine(expert_out, handle, *, out=None, phase="both") -> [T, hidden] dtype
         expert_out  [R, hidden] dtype: row q is this rank's partial output for received row q (its local
@@ -213,7 +224,7 @@ class PrefillBuffer(OpBuffer):
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool | str = False, zones: int = 1):
         ranks_per_node = None
         if group.uses_put and group.world_size > 1:
             layout = node_layout(group.transports, group.rank)
@@ -228,7 +239,8 @@ class PrefillBuffer(OpBuffer):
                                fp8_dispatch, group.device, zones, ranks_per_node)
         self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
-        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
+        self.max_tokens_per_rank, self.dtype = int(max_tokens_per_rank), dtype
+        self.fp8_dispatch = self.plan.ep.fp8_format or False   # False, or the format (``moe_comm.fp8``)
         self.num_local_experts = self.plan.ep.experts_per_rank
         self.zones = self.plan.zones
         dev = group.device
@@ -265,7 +277,7 @@ class PrefillBuffer(OpBuffer):
         """``ranks_per_node``: G of a group with put peers (``required_bytes(..., ranks_per_node=8)``: the
         memory across nodes of 8 GPUs), None for one node."""
         EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
-        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device,
+        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
                             zones, ranks_per_node)
 
     @property
@@ -299,7 +311,7 @@ class PrefillBuffer(OpBuffer):
         ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
         words = self._dispatch_ch.data.local[z]
         x = words[p.x_offset:p.x_offset + R * ep.x_words].view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
-        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
+        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(ep.scale_dtype)
                   .view(R, ep.scale_words) if ep.fp8 else None)
         rows = words[p.x_offset:p.x_offset + R * ep.out_words].view(ep.dtype).view(R, H)
         inbox = (self._combine_ch.data.local[z].view(ep.dtype).view(p.nodes * ep.max_tokens, H) if p.put
@@ -346,8 +358,9 @@ class PrefillBuffer(OpBuffer):
                 X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
                 BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
                 BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
-                NBLK=ep.send_programs, num_warps=ep.send_warps, NODES=p.nodes, NODES_P2=next_pow2(p.nodes),
-                COUNT_SPAN=p.count_span, **route, **nodes, **slots, **sig),
+                SCALE=ep.scale_mode, S_BLOCK=ep.scale_block_words, NBLK=ep.send_programs, num_warps=ep.send_warps,
+                NODES=p.nodes, NODES_P2=next_pow2(p.nodes), COUNT_SPAN=p.count_span, **route, **nodes, **slots,
+                **sig),
             dispatch_recv=launch(
                 prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=zone.src_tokens, counts_ptr=zone.counts,
                 stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, seq_ptr=dch.recv_seq,
@@ -400,7 +413,11 @@ class PrefillBuffer(OpBuffer):
     # ---- dispatch --------------------------------------------------------------------------------
     def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
         ep, dev = self.plan.ep, self.group.device
-        check_tensor("x", x, dev, (ep.dtype,), (None, ep.hidden))
+        if isinstance(x, tuple):
+            self._check_prequantized(x)
+            x = x[0]
+        else:
+            check_tensor("x", x, dev, (ep.dtype,), (None, ep.hidden))
         T = x.shape[0]
         if T > ep.max_tokens:
             raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {ep.max_tokens}: build the PrefillBuffer "
@@ -412,7 +429,32 @@ class PrefillBuffer(OpBuffer):
             check_words("x", x)
         return T
 
-    def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+    def _check_prequantized(self, x: tuple) -> None:
+        """A pre-quantized x = (codes, scales) of this buffer's format (class docstring), or the error that
+        names the fix."""
+        ep, dev, fmt = self.plan.ep, self.group.device, self.fp8_dispatch
+        if not fmt:
+            raise TypeError("x is a (codes, scales) tuple, but this PrefillBuffer dispatches "
+                            f"{self.dtype} (fp8_dispatch=False): build it with fp8_dispatch='e4m3' (float32 scales "
+                            "per 128 columns), 'e4m3-pow2' or 'e4m3-ue8m0' (int32 packed UE8M0) to dispatch "
+                            "pre-quantized tokens, or pass unquantized x")
+        if len(x) != 2:
+            raise ValueError(f"a pre-quantized x is a tuple (codes, scales), got a tuple of {len(x)}")
+        codes, scales = x
+        check_tensor("x[0] (the fp8 codes)", codes, dev, (torch.float8_e4m3fn,), (None, ep.hidden))
+        want = (codes.shape[0], ep.scale_words)
+        if isinstance(scales, torch.Tensor) and (scales.dtype != ep.scale_dtype or tuple(scales.shape) != want):
+            other = [f for f in formats.FORMATS
+                     if formats.scale_dtype(f) == scales.dtype and scales.dim() == 2
+                     and formats.scale_columns(f, ep.hidden) == scales.shape[-1]]
+            fix = (f"build the PrefillBuffer with fp8_dispatch={other[0]!r} for these scales" if other else
+                   f"pass scales of {fmt!r}: reference.quantize_fp8(x, fmt={fmt!r})")
+            raise ValueError(f"x[1] (the scales) is {scales.dtype} {tuple(scales.shape)}; this PrefillBuffer's format "
+                             f"{fmt!r} takes {ep.scale_dtype} {want} ([T, hidden // "
+                             f"{ep.hidden // max(1, ep.scale_words)}]): {fix}")
+        check_tensor("x[1] (the scales)", scales, dev, (ep.scale_dtype,), want)
+
+    def dispatch(self, x: torch.Tensor | tuple | None = None, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, *, phase: str = "both") -> PrefillDispatchResult | None:
         """Send this rank's tokens, once per rank holding one of their experts, into those ranks' zones; see
         the class docstring. phase="recv" takes no tensors."""
@@ -434,13 +476,19 @@ class PrefillBuffer(OpBuffer):
             self._calls += 1
             self._next_zone += 1
             in_flight.append(handle)
-            if T > 0:
+            prequant = isinstance(x, tuple) and T > 0   # (codes, scales): copied as they are
+            sin = self._dummy
+            if prequant:   # codes as bytes, scales as words: copied, never converted
+                xin, sin = x[0].contiguous().view(torch.uint8), x[1].contiguous().view(torch.int32)
+                idx, w = topk_idx.contiguous(), topk_weights.contiguous()
+            elif T > 0:
                 xin = x.contiguous()   # the kernel reads its rows as words
                 idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             else:  # never read (T = 0), but the kernel needs valid pointers (of x's dtype: one compiled variant)
                 xin, idx, w = self._dummy.view(self.dtype), self._dummy, self._dummy.view(WEIGHT_DTYPE)
             send = self._zones[zone].launches["dispatch_send"]
-            send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
+            send.run(x_ptr=xin, scales_ptr=sin, idx_ptr=idx, weights_ptr=w, num_tokens=T, PREQUANT=prequant,
+                     ALIGNED=send.aligned_with(xin, sin))
             op.sent(handle)
             if not do_recv:
                 return None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8 as formats
+
 
 # ---- AllToAllvDynamic ----------------------------------------------------------------------------
 
@@ -67,30 +69,61 @@ def alltoallv_combine(rows: list[torch.Tensor], send_counts: list[torch.Tensor],
 
 FP8_E4M3_MAX = 448.0
 FP8_AMAX_MIN = 1e-4  # DeepEP's kFP8Margin: a group's amax is at least this (as float32)
+F32_MANTISSA_BITS = 23
 
 
-def quantize_fp8(x: torch.Tensor, group: int = 128):
-    """float8_e4m3fn quantization with one float32 scale per ``group`` columns, as the fp8 dispatch does
-    (DeepEP's low-latency format, bit for bit; the kernels' twin is triton_kernels/quant.py).
+def quantize_fp8(x: torch.Tensor, group: int = 128, fmt: str | bool = formats.E4M3):
+    """float8_e4m3fn quantization with one scale per ``group`` columns, as the fp8 dispatch does in format
+    ``fmt`` (``moe_comm.fp8``; DeepEP's low-latency formats, bit for bit; the kernels' twin is
+    triton_kernels/quant.py).
 
-    x [..., H] floating, finite, H % group == 0. Per group, in float32, every operation rounded to
-    nearest even (no float64): amax = max(max |x|, 1e-4); inv = 448 / amax (correctly rounded
-    division); q = e4m3(x * inv) (ties to even; |x * inv| <= 448 + 2**-15, which rounds to 448, so
-    nothing saturates); scale = amax * float32(1/448).
-    So dequantize_fp8(q, scale) = q * scale ~= x. An all-zero group gets q = 0 and scale =
-    float32(1e-4) * float32(1/448). Returns (q [..., H] float8_e4m3fn, scales [..., H // group] float32).
+    x [..., H] floating, finite, H % group == 0 (H % (4 * group) with "e4m3-ue8m0"). Per group, in float32,
+    every operation rounded to nearest even (no float64): amax = max(max |x|, 1e-4); then
+
+    - "e4m3" (or True): inv = 448 / amax (correctly rounded division); q = e4m3(x * inv) (ties to even;
+      |x * inv| <= 448 + 2**-15, which rounds to 448, so nothing saturates); scale = amax * float32(1/448).
+      An all-zero group gets q = 0 and scale = float32(1e-4) * float32(1/448).
+    - "e4m3-pow2": t = amax * float32(1/448); e = ceil(log2(t)) (t's exponent, +1 unless t is a power of
+      two); q = e4m3(x * 2**-e) (the product is exact); scale = 2**e.
+    - "e4m3-ue8m0": the same q; scales int32 [..., H / (4 * group)], byte j of word i = e + 127 of group
+      4i + j (``unpack_ue8m0`` turns them back into the 2**e of "e4m3-pow2").
+
+    So dequantize_fp8(q, scales) = q * scale ~= x. Returns (q [..., H] float8_e4m3fn, scales).
     """
+    fmt = formats.parse(fmt)
     xf = x.float().unflatten(-1, (-1, group))
     amax = xf.abs().amax(dim=-1).clamp(min=FP8_AMAX_MIN)
-    # torch.div, not 448 / amax: a scalar divided by a tensor is computed as reciprocal() * 448 (two roundings).
-    inverse = torch.div(torch.full_like(amax, FP8_E4M3_MAX), amax)
+    amax_inv = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+    if fmt == formats.E4M3:
+        # torch.div, not 448 / amax: a scalar divided by a tensor is computed as reciprocal() * 448 (two roundings).
+        inverse = torch.div(torch.full_like(amax, FP8_E4M3_MAX), amax)
+        scales = amax * amax_inv
+    else:
+        bits = (amax * amax_inv).view(torch.int32)
+        biased = (bits >> F32_MANTISSA_BITS) + ((bits & ((1 << F32_MANTISSA_BITS) - 1)) != 0).int()   # e + 127
+        inverse = ((2 * formats.UE8M0_BIAS - biased) << F32_MANTISSA_BITS).view(torch.float32)            # 2**-e
+        scales = (biased << F32_MANTISSA_BITS).view(torch.float32) if fmt == formats.E4M3_POW2 else pack_ue8m0(biased)
     q = (xf * inverse.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    scales = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     return q.flatten(-2), scales
 
 
+def pack_ue8m0(biased: torch.Tensor) -> torch.Tensor:
+    """int [..., G] exponent bytes (e + 127, G % 4 == 0) -> int32 [..., G / 4], byte j of word i = group 4i + j."""
+    b = biased.to(torch.int64).unflatten(-1, (-1, formats.UE8M0_PER_WORD))
+    word = (b << (8 * torch.arange(formats.UE8M0_PER_WORD))).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def unpack_ue8m0(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] packed UE8M0 scales -> float32 [..., 4 * W] the scales 2**e they stand for."""
+    b = (words.to(torch.int64).unsqueeze(-1) >> (8 * torch.arange(formats.UE8M0_PER_WORD))) & 0xFF
+    return (b.flatten(-2).to(torch.int32) << F32_MANTISSA_BITS).view(torch.float32)
+
+
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """Inverse of ``quantize_fp8``: float32 [..., H]."""
+    """Inverse of ``quantize_fp8`` (any format: int32 scales are packed UE8M0): float32 [..., H]."""
+    if scales.dtype == torch.int32:
+        scales = unpack_ue8m0(scales)
     return (q.float().unflatten(-1, (-1, group)) * scales.unsqueeze(-1)).flatten(-2)
 
 
@@ -133,12 +166,14 @@ def ep_rows(topk_idxs: list[torch.Tensor], num_experts: int, max_tokens_per_rank
 
 
 def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
-             max_tokens_per_rank: int, fp8: bool = False, excluded=()):
+             max_tokens_per_rank: int, fp8: bool | str = False, excluded=()):
     """EPBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r] [T_r, K] (-1 = not routed).
+    fp8: the EPBuffer's ``fp8_dispatch`` (a format of ``moe_comm.fp8``, or False).
 
     Returns per receiving rank a dict: x [E_local, R, H] (dtype, or float8_e4m3fn with fp8) and scales
-    [E_local, R, H/128] float32 or None, rows past a count zero; counts int32 [E_local]; src int32
-    [E_local, R] = s * max_tokens_per_rank + t per valid row, -1 past a count (R = world * M).
+    [E_local, R, H/128] float32 (int32 [E_local, R, H/512] with "e4m3-ue8m0") or None, rows past a count
+    zero; counts int32 [E_local]; src int32 [E_local, R] = s * max_tokens_per_rank + t per valid row, -1
+    past a count (R = world * M).
     """
     world = len(xs)
     local, cap, m = num_experts // world, world * max_tokens_per_rank, max_tokens_per_rank
@@ -156,7 +191,7 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts:
             counts[e] = len(rows[r][e])
         scales = None
         if fp8:
-            x, scales = quantize_fp8(x)
+            x, scales = quantize_fp8(x, fmt=fp8)
         out.append(dict(x=x, scales=scales, counts=counts, src=src))
     return out
 
@@ -197,22 +232,28 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
 
 # ---- PrefillBuffer dispatch / combine ------------------------------------------------------------
 
-def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
-                     num_experts: int, max_tokens_per_rank: int, fp8: bool = False, excluded=()):
-    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r], topk_weights[r] [T_r, K].
+def prefill_dispatch(xs: list, topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                     num_experts: int, max_tokens_per_rank: int, fp8: bool | str = False, excluded=()):
+    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H], or pre-quantized (codes [T_r, H]
+    float8_e4m3fn, scales [T_r, S]): their rows land as they are, ``fp8`` unused; topk_idxs[r],
+    topk_weights[r] [T_r, K].
 
     Returns per receiving rank a dict (R = world * M): valid bool [R] (row s*M + t holds token t of source s,
-    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8; zero rows where not valid) and
-    scales [R, H/128] float32 or None; topk_idx int32 [R, K] (local ids, -1 elsewhere and past a source's
-    tokens); topk_weights float32 [R, K] (0 where topk_idx is -1); src_tokens int32 [world];
-    expert_counts int32 [L]. Ids outside [0, num_experts) and experts of excluded ranks are not routed; an
-    excluded rank sends and receives nothing."""
+    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8, a format of ``moe_comm.fp8``,
+    or with pre-quantized xs; zero rows where not valid) and scales ([R, ...]: ``quantize_fp8``'s, or the
+    given ones) or None; topk_idx int32 [R, K] (local ids, -1 elsewhere and past a source's tokens);
+    topk_weights float32 [R, K] (0 where topk_idx is -1); src_tokens int32 [world]; expert_counts int32 [L].
+    Ids outside [0, num_experts) and experts of excluded ranks are not routed; an excluded rank sends and
+    receives nothing."""
     world, m = len(xs), max_tokens_per_rank
     local, R = num_experts // world, world * m
+    given = isinstance(xs[0], tuple)   # pre-quantized: (codes, scales) per rank
+    data = [x[0] if given else x for x in xs]
     out = []
     for r in range(world):
-        H, K, dt = xs[r].shape[1], topk_idxs[r].shape[1], xs[r].dtype
+        H, K, dt = data[r].shape[1], topk_idxs[r].shape[1], data[r].dtype
         x = torch.zeros((R, H), dtype=dt)
+        scales = torch.zeros((R, xs[r][1].shape[1]), dtype=xs[r][1].dtype) if given else None
         idx = torch.full((R, K), -1, dtype=torch.int32)
         w = torch.zeros((R, K), dtype=torch.float32)
         valid = torch.zeros(R, dtype=torch.bool)
@@ -221,7 +262,7 @@ def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk
         for s in range(world):
             if s in excluded or r in excluded:
                 continue
-            src_tokens[s] = xs[s].shape[0]
+            src_tokens[s] = data[s].shape[0]
             for t, ids in enumerate(topk_idxs[s].tolist()):
                 for k, e in enumerate(ids):
                     if routed(e, num_experts, world, excluded) and e // local == r:
@@ -230,10 +271,11 @@ def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk
                         counts[e % local] += 1
                         valid[s * m + t] = True
                 if valid[s * m + t]:
-                    x[s * m + t] = xs[s][t].cpu()
-        scales = None
-        if fp8:
-            x, scales = quantize_fp8(x)
+                    x[s * m + t] = data[s][t].cpu()
+                    if given:
+                        scales[s * m + t] = xs[s][1][t].cpu()
+        if fp8 and not given:
+            x, scales = quantize_fp8(x, fmt=fp8)
         out.append(dict(valid=valid, x=x, scales=scales, topk_idx=idx, topk_weights=w, src_tokens=src_tokens,
                         expert_counts=counts))
     return out

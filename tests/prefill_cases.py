@@ -19,9 +19,12 @@ CONFIGS = (
     Config(4, 128, 5, 2),                          # bf16
     Config(5, 256, 4, 4, fp8=True),                # fp8 dispatch, 2 scale groups, L not a power of two
     Config(2, 128, 3, 1, dtype=torch.float16),
+    Config(3, 512, 3, 3, fp8="e4m3-ue8m0"),        # packed UE8M0 scales: one int32 word per row
+    Config(4, 256, 2, 2, fp8="e4m3-pow2"),         # power-of-two float32 scales
 )
 # (config, routing) per world size: each routing and each config runs somewhere at every size.
-CASES = ((0, "random"), (1, "skewed"), (2, "one_rank"), (0, "dup"), (1, "random"), (2, "none"))
+CASES = ((0, "random"), (1, "skewed"), (2, "one_rank"), (0, "dup"), (1, "random"), (2, "none"), (3, "random"),
+         (4, "dup"))
 
 
 def make_buffer(group, cfg: Config, zones: int = 1) -> PrefillBuffer:

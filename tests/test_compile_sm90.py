@@ -22,7 +22,7 @@ from moe_comm.triton_kernels.sync import block_any, now_ns
 pytestmark = pytest.mark.ptx
 
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
-              "prefill_dispatch", "prefill_combine", "moe_comm.serving.experts")
+              "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
               "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
               "prefill_release_kernel", "prefill_dispatch_pull_kernel"}
@@ -73,6 +73,10 @@ PAYLOAD_KERNELS = {"a2a_send_kernel", "a2a_recv_kernel", "a2a_local_kernel", "di
                    "prefill_dispatch_pull_kernel", "prefill_combine_forward_kernel"}
 FP8_SENDS = ("dispatch_send_kernel", "dispatch_local_kernel", "prefill_dispatch_send_kernel")
 FP8_SCALE_STORES = 8   # an fp8 send stores one 4-byte scale per destination (top-8) per column block
+PREQUANT_SCALE_LOADS = 1   # a pre-quantized send loads its column block's given scales (32 or 8 bytes) once
+# Packed UE8M0 scales of a DeepSeek-V3 row are 14 words (56 bytes): not whole 16-byte vectors, so the
+# receive copies them with one narrower load and one narrower store (next to 7168 bytes of 16-byte vectors).
+UE8M0_RECV_SCALE_ACCESSES = 1
 
 
 def _narrow_payload_stores(r) -> int:
@@ -84,16 +88,22 @@ def test_every_payload_copy_moves_16_byte_vectors(report):
     """Every global load and store of row payload in the dispatch, combine and AllToAllvDynamic kernels
     (and the ops path's row copy) is a 16-byte vector at the DeepSeek-V3 shapes. Payload accesses are
     those issued by ``copy.py`` (the one copy loop and tile store), found through the PTX line info.
-    The one exception is counted exactly: the fp8 scales (one float32 per 128 columns), which a
-    column block of 8 groups stores as one 4-byte word per destination."""
+    The exceptions are counted exactly, all of them fp8 scales (4 bytes per 128 columns, 1 byte packed
+    UE8M0): a send's column block of 8 groups stores them as one narrower store per destination; a
+    pre-quantized send loads the given ones with one narrower load; the receive of packed UE8M0 scales
+    (14 words per DeepSeek-V3 row) copies them with one narrower load and store."""
     rows = [r for r in report if r["kernel"] in PAYLOAD_KERNELS or
             (r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"])]
     assert {r["kernel"] for r in rows} >= PAYLOAD_KERNELS
     for r in rows:
         assert r["payload_stores"] >= 1 and r["payload_loads"] >= 1, r
-        assert r["payload_v4_loads"] == r["payload_loads"], r
         fp8_send = "fp8" in r["label"] and r["kernel"] in FP8_SENDS
-        assert _narrow_payload_stores(r) == (FP8_SCALE_STORES if fp8_send else 0), r
+        ue8m0_recv = "fp8-ue8m0" in r["label"] and r["kernel"] == "dispatch_recv_kernel"
+        narrow_loads = (PREQUANT_SCALE_LOADS if "prequantized" in r["label"] else
+                        UE8M0_RECV_SCALE_ACCESSES if ue8m0_recv else 0)
+        assert r["payload_loads"] - r["payload_v4_loads"] == narrow_loads, r
+        assert _narrow_payload_stores(r) == (FP8_SCALE_STORES if fp8_send else
+                                             UE8M0_RECV_SCALE_ACCESSES if ue8m0_recv else 0), r
 
 
 @pytest.mark.timeout(300)
@@ -155,7 +165,8 @@ def test_the_fp8_quantizer_is_float32_and_correctly_rounded(report):
     float32's rate), and its one division is div.rn (Triton's ``/`` is the approximate div.full, which
     would leave the interpreter's and torch's codes). No kernel uses float64 at all."""
     fp8 = [r for r in report if r["kernel"] in FP8_SENDS and "fp8" in r["label"]]
-    assert len(fp8) == 4, [(r["kernel"], r["label"]) for r in report]   # EP8, EP1, prefill EP8 and across nodes
+    # 3 fp8 formats in each of the 3 send kernels, the 2 pre-quantized prefill sends, and fp8 across nodes
+    assert len(fp8) == 3 * len(FP8_SENDS) + 2 + 1, [(r["kernel"], r["label"]) for r in report]
     for r in fp8:
         assert r["approx_divs"] == 0, (r["kernel"], r["label"], r["approx_divs"])
     for r in report:

@@ -66,18 +66,21 @@ def expose_metrics(group) -> None:
 
 
 def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                  dtype: torch.dtype, fp8_dispatch: bool, prefill: bool = False):
-    """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes,
-    built on first request (collective: every rank asks for the same shapes in the same order, as every
-    rank builds the same layers)."""
+                  dtype: torch.dtype, fp8_dispatch: bool | str, prefill: bool = False):
+    """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes and
+    fp8 format (``fp8_dispatch``: False, True or a format of ``moe_comm.fp8``), built on first request
+    (collective: every rank asks for the same shapes in the same order, as every rank builds the same
+    layers)."""
     from moe_comm.ep import EPBuffer  # noqa: PLC0415
     from moe_comm.prefill import PrefillBuffer  # noqa: PLC0415
 
+    from moe_comm.fp8 import parse  # noqa: PLC0415
+
     cls = PrefillBuffer if prefill else EPBuffer
-    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch))
+    fmt = parse(fp8_dispatch) or False   # the format (True and "e4m3" are one buffer)
+    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, fmt)
     if key not in _BUFFERS:
-        _BUFFERS[key] = cls(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype,
-                            fp8_dispatch=bool(fp8_dispatch))
+        _BUFFERS[key] = cls(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype, fp8_dispatch=fmt)
     return _BUFFERS[key]
 
 

@@ -95,28 +95,35 @@ def _a2a_configs() -> list[KernelConfig]:
     return out
 
 
+# The dispatch payload formats compiled (fp8_dispatch value, label): bf16, and every fp8 scale format
+# (``moe_comm.fp8``); labels of fp8 formats contain "fp8".
+FORMATS = ((False, "bf16"), ("e4m3", "fp8"), ("e4m3-pow2", "fp8-pow2"), ("e4m3-ue8m0", "fp8-ue8m0"))
+
+
 def _ep_configs() -> list[KernelConfig]:
     """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
-    EP8 and EP1, bf16 and fp8, with the planner's GPU launch shapes; the routing kernel; the abort kernel."""
+    EP8 and EP1, bf16 and every fp8 format, with the planner's GPU launch shapes; the routing kernel; the
+    abort kernel."""
     import torch  # noqa: PLC0415
 
     from ..planner import next_pow2, plan_ep  # noqa: PLC0415
     from .routing import histogram_bins  # noqa: PLC0415
 
     out, bins = [], histogram_bins(256)
-    for fp8 in (False, True):
-        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+    for fmt, name in FORMATS:
+        fp8 = bool(fmt)
+        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fmt, "cuda")
         common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
                       X_WORDS=p.x_words, S_WORDS=p.scale_words, ROW_WORDS=p.row_words,
                       CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
-        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
+        label = f"DSV3 EP8 {name}"
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
             x_ptr="*bf16", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
             slot_key_ptr="*i32", id_base_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
             num_experts="i32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=True, PUT=False),
-            num_warps=p.send_warps))
+            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, SCALE=p.scale_mode, S_BLOCK=p.scale_block_words,
+            NBLK=p.send_programs, ALIGNED=True, PUT=False), num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
             row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", data_ptr="*i32",
@@ -124,16 +131,17 @@ def _ep_configs() -> list[KernelConfig]:
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
             ALIGNED=True)))
-        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
-        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
+        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fmt, "cuda")
+        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {name}", dict(
             x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
-            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
+            out_scales_ptr="*i32" if p1.scale_dtype == torch.int32 else "*fp32", out_src_ptr="*i32",
+            out_counts_ptr="*i32", row_of_ptr="*i32",
             src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64", grp="*i64",
             num_tokens="i32", num_experts="i32"), dict(
             OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
             BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
-            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs, ALIGNED=True),
-            num_warps=p1.send_warps))
+            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, SCALE=p1.scale_mode, S_BLOCK=p1.scale_block_words,
+            NBLK=p1.send_programs, ALIGNED=True), num_warps=p1.send_warps))
     p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
     rows = p.experts_per_rank * p.capacity
     for world in (8, 1):
@@ -168,8 +176,9 @@ def _ep_configs() -> list[KernelConfig]:
 
 def _prefill_configs() -> list[KernelConfig]:
     """PrefillBuffer at DeepSeek-V3 prefill (256 experts, hidden 7168, top-8, 4096 tokens per rank), EP8 on
-    one node, bf16 and fp8 dispatch, with the planner's GPU launch shapes; and across nodes (the put path,
-    NVSHMEM calls: docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16 and fp8."""
+    one node, bf16 and every fp8 format quantized on the way, and pre-quantized fp8 input (float32 and packed
+    UE8M0 scales), with the planner's GPU launch shapes; and across nodes (the put path, NVSHMEM calls:
+    docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16 and fp8."""
     import torch  # noqa: PLC0415
 
     from ..errors import op_id  # noqa: PLC0415
@@ -180,23 +189,27 @@ def _prefill_configs() -> list[KernelConfig]:
     ctrl = dict(ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64")
     for world, put in ((8, False), (32, True)):
         w = dict(WORLD=world, WORLD_P2=next_pow2(world))
-        for fp8 in (False, True):
-            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, fp8, "cuda", ranks_per_node=8 if put else None)
+        sends = ([(fmt, name, False) for fmt, name in FORMATS[:2]] if put else
+                 [(fmt, name, False) for fmt, name in FORMATS] + [("e4m3", "fp8 prequantized", True),
+                                                                  ("e4m3-ue8m0", "fp8-ue8m0 prequantized", True)])
+        for fmt, name, prequant in sends:
+            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, fmt, "cuda", ranks_per_node=8 if put else None)
             ep = p.ep
             nodes = dict(PUT=put, G=p.ranks_per_node, G_P2=next_pow2(p.ranks_per_node))
             route = dict(ROUTE_OFFSET=p.route_offset if put else 0, RW=p.route_words)
-            label = f"DSV3 EP{world} M{m} {'fp8' if fp8 else 'bf16'}" + (" nodes of 8" if put else "")
+            label = f"DSV3 EP{world} M{m} {name}" + (" nodes of 8" if put else "")
             out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel", label, dict(
-                x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
-                excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
-                combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64", block_done_ptr="*i32",
-                stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", **SIGNAL), dict(
+                x_ptr="*u8" if prequant else "*bf16", scales_ptr="*i32", idx_ptr="*i64", weights_ptr="*fp32",
+                routed_ptr="*i32", excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64",
+                released_ptr="*i64", combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64",
+                block_done_ptr="*i32", stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", **SIGNAL), dict(
                 w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
                 HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
                 CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words,
-                ROUTE_T=ep.route_tokens, BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=ep.fp8_block_groups,
-                NBLK=ep.send_programs, ALIGNED=True, NODES=p.nodes, NODES_P2=next_pow2(p.nodes),
-                COUNT_SPAN=p.count_span, **route, **nodes), nvshmem=put, num_warps=ep.send_warps))
+                ROUTE_T=ep.route_tokens, BINS=histogram_bins(256), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
+                SCALE=ep.scale_mode, S_BLOCK=ep.scale_block_words, PREQUANT=prequant, NBLK=ep.send_programs,
+                ALIGNED=True, NODES=p.nodes, NODES_P2=next_pow2(p.nodes), COUNT_SPAN=p.count_span, **route,
+                **nodes), nvshmem=put, num_warps=ep.send_warps))
             if put:
                 out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_pull_kernel", label, dict(
                     data_ptrs_ptr="*i64", src_tokens_ptr="*i32", stamp_ptr="*i64", done_ptr="*i32", **ctrl,
@@ -232,6 +245,8 @@ def _prefill_configs() -> list[KernelConfig]:
         out.append(KernelConfig("prefill_combine", "prefill_release_kernel", f"EP{world}" + (
             " nodes of 8" if put else ""), dict(ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", grp="*i64", rank="i32"),
             dict(w, **nodes), nvshmem=put))
+    out.append(KernelConfig("capacity", "check_capacity_kernel", "DeepEP num_worst_tokens", dict(
+        count_ptr="*i64", grp="*i64", rank="i32", bound="i32"), dict(OP=op_id("deep_ep.dispatch")), num_warps=1))
     return out
 
 

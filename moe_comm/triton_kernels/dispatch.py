@@ -123,9 +123,10 @@ def dispatch_send_kernel(
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, BINS: tl.constexpr,
-    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
-    TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, SCALE: tl.constexpr, S_BLOCK: tl.constexpr, NBLK: tl.constexpr,
+    ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
 ):
+    # SCALE: the scale format (quant.py); S_BLOCK: scale words of one FP8 column block (EPPlan.scale_block_words)
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
@@ -202,10 +203,9 @@ def dispatch_send_kernel(
         if FP8:  # column block `col` of the row: quantized in registers, stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
             xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
-            q, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS)
+            q, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS, SCALE)
             store_tile(q, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
-            store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
-                       ALIGNED)
+            store_tile(scale, col * S_BLOCK, S_WORDS, dst + X_WORDS * 4, write, S_BLOCK, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)

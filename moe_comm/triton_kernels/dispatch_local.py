@@ -29,7 +29,7 @@ def dispatch_local_kernel(
     x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS])
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     out_x_ptr,        # out [EXPERTS * CAP, X_WORDS] int32 words (plain) or float8 [.., HIDDEN] (FP8): d.x
-    out_scales_ptr,   # out float32 [EXPERTS * CAP, S_WORDS]: d.scales (FP8 only)
+    out_scales_ptr,   # out float32 / int32 (packed UE8M0) [EXPERTS * CAP, S_WORDS]: d.scales (FP8 only)
     out_src_ptr,      # out int32 [EXPERTS * CAP]: token index of each row (source rank 0)
     out_counts_ptr,   # out int32 [EXPERTS]: valid rows per expert
     row_of_ptr,       # out int32 [M, TOPK]: e * CAP + row of slot (t, k); -1 not routed, -2 dropped
@@ -42,8 +42,9 @@ def dispatch_local_kernel(
     OP: tl.constexpr, CAP: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
     ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr,
-    NBLK: tl.constexpr, ALIGNED: tl.constexpr,
+    SCALE: tl.constexpr, S_BLOCK: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
+    # SCALE: the scale format (quant.py); S_BLOCK: scale words of one FP8 column block (EPPlan.scale_block_words)
     blk = tl.program_id(0)
     col = tl.program_id(1)
     per_program = tl.cdiv(num_tokens, NBLK)
@@ -94,12 +95,12 @@ def dispatch_local_kernel(
             dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
             ok2 = tl.reshape(ok, (BT, TOPK_P2))
             if FP8:
-                q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS)
+                q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS, SCALE)
                 # One tile stored to each of the token's k rows in turn (copy.py).
                 store_tile(q, col * COLS, HIDDEN, address(out_x_ptr) + dst2 * HIDDEN, ok2, COLS, TOPK, TOPK_P2,
                            ALIGNED)
-                store_tile(scale, col * FP8_GROUPS, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
-                           FP8_GROUPS, TOPK, TOPK_P2, ALIGNED)
+                store_tile(scale, col * S_BLOCK, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
+                           S_BLOCK, TOPK, TOPK_P2, ALIGNED)
             else:
                 store_tile(v, col * BW, X_WORDS, address(out_x_ptr) + dst2 * (X_WORDS * 4), ok2, BW, TOPK, TOPK_P2,
                            ALIGNED)

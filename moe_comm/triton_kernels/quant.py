@@ -11,6 +11,18 @@ columns, all in float32 with every operation rounded to nearest even:
     scale = amax * (1 / 448)                 1/448 rounded to float32 first (DeepEP's kFP8AmaxInv)
 
 so that x ~= q * scale (the dequantization), within half an e4m3 step plus a few float32 ulps.
+
+Power-of-two scales (``SCALE`` constexpr, ``moe_comm.fp8``: DeepEP's ``round_scale`` and ``use_ue8m0``),
+from the same amax, with no division:
+
+    t     = amax * (1 / 448)                 one float32 rounding (DeepEP's kFP8AmaxInv)
+    e     = ceil(log2(t))                    from t's bits: its exponent, plus 1 if its mantissa is not 0
+    q     = e4m3(x * 2**-e)                  the product is exact (a power of two); ties to even
+                                             (|x * 2**-e| <= amax / t <= 448 * (1 + 2**-23): rounds to 448)
+    scale = 2**e (SCALE_POW2, float32), or the byte e + 127 (SCALE_UE8M0) packed four per int32 word,
+            group 4i + j in bits 8j..8j+7 of word i (DeepEP's packing)
+
+amax >= 1e-4 keeps e in [-22, 120]: 2**e and 2**-e are normal float32 numbers.
 ``moe_comm.reference.quantize_fp8`` is the torch twin. The 1e-4 floor is DeepEP's: a group whose
 largest magnitude is below 1e-4 is quantized as if it were 1e-4 (its smaller values lose precision,
 below about 2.2e-10 they become 0), and an all-zero group gets q = 0, scale = 1e-4 * (1/448) in
@@ -32,10 +44,20 @@ multiply-add the compiler fuses there, v * 512 + c, is exact either way: v * 512
 import triton
 import triton.language as tl
 
+from .. import fp8
+
 FP8_E4M3_MAX = tl.constexpr(448.0)
 FP8_E4M3_MAX_INV = tl.constexpr(1.0 / 448.0)  # rounded to float32 where used, as DeepEP's kFP8AmaxInv
 FP8_AMAX_MIN = tl.constexpr(1e-4)  # rounded to float32 where used, as DeepEP's kFP8Margin
 FP8_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6; below it the grid is uniform with step 2**-9
+SCALE_FLOAT = tl.constexpr(fp8.SCALE_FLOAT)   # scale = amax / 448, float32
+SCALE_POW2 = tl.constexpr(fp8.SCALE_POW2)     # scale = 2**ceil(log2(amax / 448)), float32
+SCALE_UE8M0 = tl.constexpr(fp8.SCALE_UE8M0)   # the same power of two as its UE8M0 byte, packed in int32 words
+UE8M0_PER_WORD = tl.constexpr(fp8.UE8M0_PER_WORD)
+F32_MANTISSA_BITS = tl.constexpr(23)
+F32_MANTISSA_MASK = tl.constexpr(0x7FFFFF)
+F32_EXPONENT_MASK = tl.constexpr(0xFF)
+F32_EXPONENT_BIAS = tl.constexpr(127)
 
 
 @triton.jit
@@ -56,18 +78,34 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_e4m3_groups(x, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr):
-    """Quantize float32 ``x`` [BLOCK_T, GROUPS * 128] per row and 128-column group (module docstring).
+def quantize_e4m3_groups(x, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, SCALE: tl.constexpr = SCALE_FLOAT):
+    """Quantize float32 ``x`` [BLOCK_T, GROUPS * 128] per row and 128-column group (module docstring),
+    with the scales of ``SCALE`` (SCALE_FLOAT, SCALE_POW2 or SCALE_UE8M0).
 
-    Returns (q [BLOCK_T, GROUPS * 128] float8e4nv, scale [BLOCK_T, GROUPS] float32), x ~= q * scale.
+    Returns (q [BLOCK_T, GROUPS * 128] float8e4nv, scale), x ~= q * scale: scale is float32 [BLOCK_T,
+    GROUPS], or with SCALE_UE8M0 int32 [BLOCK_T, GROUPS // 4] packed exponents (GROUPS % 4 == 0).
     Finite x needs no saturation: |x| <= amax and inv <= (448 / amax) * (1 + 2**-24) give
-    |x * inv| <= 448 + 2**-15 (one float32 ulp over 448), which rounds to 448.
+    |x * inv| <= 448 + 2**-15 (one float32 ulp over 448), which rounds to 448 (the power-of-two bound
+    is in the module docstring).
     """
     x3 = tl.reshape(x, (BLOCK_T, GROUPS, 128))
     amax = tl.maximum(tl.max(tl.abs(x3), axis=2), FP8_AMAX_MIN)
-    inverse = tl.math.div_rn(tl.full((BLOCK_T, GROUPS), FP8_E4M3_MAX, tl.float32), amax)  # once per group
+    if SCALE == SCALE_FLOAT:
+        inverse = tl.math.div_rn(tl.full((BLOCK_T, GROUPS), FP8_E4M3_MAX, tl.float32), amax)  # once per group
+        scale = amax * FP8_E4M3_MAX_INV
+    else:
+        bits = (amax * FP8_E4M3_MAX_INV).to(tl.int32, bitcast=True)   # t > 0: no sign bit
+        # e + 127 = t's biased exponent, rounded up when t is not a power of two; in [105, 247]
+        biased = ((bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK) + ((bits & F32_MANTISSA_MASK) != 0).to(tl.int32)
+        inverse = ((-biased + 2 * F32_EXPONENT_BIAS) << F32_MANTISSA_BITS).to(tl.float32, bitcast=True)   # 2**-e
+        if SCALE == SCALE_POW2:
+            scale = (biased << F32_MANTISSA_BITS).to(tl.float32, bitcast=True)                          # 2**e
+        else:   # four bytes to a word, group 4i + j in byte j: the shifted bytes are disjoint, so the sum is an OR
+            lane = tl.arange(0, UE8M0_PER_WORD)
+            byte = tl.reshape(biased, (BLOCK_T, GROUPS // UE8M0_PER_WORD, UE8M0_PER_WORD)) << (8 * lane)[None, None, :]
+            scale = tl.sum(byte, axis=2)
     q = round_to_e4m3(x3 * inverse[:, :, None]).to(tl.float8e4nv)
-    return tl.reshape(q, (BLOCK_T, GROUPS * 128)), amax * FP8_E4M3_MAX_INV
+    return tl.reshape(q, (BLOCK_T, GROUPS * 128)), scale
 
 
 @triton.jit
