@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from .formats import FP8_GROUP, NVFP4_GROUP, NVFP4_WORD_COLS, fp8_row_words
 from .protocol import VEC_BYTES
 
 SHAPES_ENV = "MOE_COMM_LAUNCH_SHAPES"
@@ -136,7 +137,6 @@ def plan_alltoallv(world: int, max_rows_per_peer: int, row_shape, dtype: torch.d
 
 # ---- EPBuffer (expert-parallel dispatch / combine) ------------------------------------------------
 
-FP8_GROUP = 128     # columns per float32 scale in fp8 dispatch
 FP8_E4M3_MAX = 448.0
 # GPU copy tiles of the EP kernels: 4096 words (16 KB, 32 words per thread at 4 warps) per iteration, so
 # that a program has enough loads in flight to stream at HBM speed (1024-word tiles left the combine
@@ -146,6 +146,9 @@ GPU_ROUTE_SLOTS = 512  # slots (token, k) per histogram pass of the routing scan
 # World 1 dispatch (one kernel): 2 KB column blocks, one per program, so that a decode-sized batch spreads
 # each row over several SMs (1024 bf16 columns, the same as an fp8 quantization block of 8 groups).
 GPU_LOCAL_COPY_WORDS = 512
+# nvfp4 columns per warp of a dispatch send program: 512 bytes of values stored as 16-byte vectors by 32
+# threads (Triton gives each thread its share of a tile, so wider tiles take more warps, never fewer bytes)
+GPU_NVFP4_WARP_COLS = 1024
 
 
 @dataclass(frozen=True)
@@ -180,13 +183,19 @@ class EPPlan:
     topk: int
     dtype: torch.dtype        # token / expert-output dtype
     fp8: bool                 # dispatch payload quantized to float8_e4m3fn + float32 scale per 128 columns
+    nvfp4: bool               # dispatch payload quantized to NVFP4: e2m1 pairs + e4m3 scale per 16 columns
+    combine_fp8: bool         # combine payload quantized to float8_e4m3fn + float32 scale per 128 columns
     capacity: int             # rows per local expert in d.x: W * M (every token of every rank, once)
-    x_words: int              # 32-bit words of one dispatched payload row (dtype row, or fp8 bytes / 4)
-    scale_words: int          # float32 scales per dispatched row (H / 128 with fp8, else 0)
+    x_words: int              # 32-bit words of one dispatched payload row (dtype row, fp8 bytes / 4, or nvfp4
+    #                           H / 2 bytes / 4)
+    scale_words: int          # words of scales per dispatched row (float32 H / 128 with fp8, four e4m3 per
+    #                           word H / 64 with nvfp4, else 0)
     row_words: int            # dispatch landing row: payload, scales, K int32 routing words, padded to
     #                           whole 16-byte vectors (every row starts 16-byte aligned)
     dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
     out_words: int            # 32-bit words of one expert-output row (H * b / 4)
+    combine_words: int        # 32-bit words of one combine landing row: out_words, or with combine_fp8 the
+    #                           fp8 bytes and float32 scales padded to 16 bytes (``formats.fp8_row_words``)
     # Launch shapes (1-D grids, but for the combine reduction and the world-1 dispatch). The interpreter
     # (CPU) pays per program and per op, not per element, so there every kernel is one wide program; a GPU
     # gets many narrow ones.
@@ -201,10 +210,13 @@ class EPPlan:
     block_hidden: int         # BH: elements per iteration of the combine reduction
     fp8_block_groups: int     # 128-column groups of one fp8 column block (divides H / 128): one program's
     #                           share of a row in the dispatch send and the world-1 dispatch
+    nvfp4_block_groups: int   # the same for nvfp4: 16-column groups of one column block (a multiple of 4
+    #                           dividing H / 16; 0 without nvfp4)
     route_tokens: int         # tokens per pass of the routing scans (histograms of expert ids)
     send_programs: int        # token blocks of the dispatch send's grid (send_grid)
     send_warps: int           # warps per dispatch send (and world-1 dispatch) program: fp8 tiles of 1024
-    #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte)
+    #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte),
+    #                           nvfp4 tiles of 512 bytes (1024 columns) one
     recv_programs: int        # grid of the combine send; the dispatch receive's, split over sources (recv_grid)
     reduce_programs: int      # token blocks of the combine reduction's grid
     # Put transport (``with_put``): the dispatch row carries one more routing word, the token index (a
@@ -246,16 +258,23 @@ class EPPlan:
         """Dispatch send grid (world > 1): token blocks x column blocks. With fp8 each program quantizes
         one block of ``fp8_block_groups`` groups of its tokens' rows (no program walks a whole row);
         otherwise one column block (the copy loop walks the row)."""
-        cols = self.hidden // (FP8_GROUP * self.fp8_block_groups) if self.fp8 else 1
-        return (self.send_programs, cols)
+        return (self.send_programs, self.quant_column_blocks or 1)
+
+    @property
+    def quant_column_blocks(self) -> int:
+        """Column blocks of a quantized dispatch row (fp8 or nvfp4), one per program of a send grid column;
+        0 without quantization."""
+        if self.fp8:
+            return self.hidden // (FP8_GROUP * self.fp8_block_groups)
+        if self.nvfp4:
+            return self.hidden // (NVFP4_GROUP * self.nvfp4_block_groups)
+        return 0
 
     @property
     def local_grid(self) -> tuple:
         """World-1 dispatch grid: (token blocks + one bookkeeping program) x column blocks (the fp8
         quantization block, or send_block_words of the row)."""
-        cols = self.hidden // (FP8_GROUP * self.fp8_block_groups) if self.fp8 else \
-            -(-self.x_words // self.send_block_words)
-        return (self.send_programs + 1, cols)
+        return (self.send_programs + 1, self.quant_column_blocks or -(-self.x_words // self.send_block_words))
 
     @property
     def elem_size(self) -> int:
@@ -271,11 +290,11 @@ class EPPlan:
 
     @property
     def combine_data_shape(self) -> tuple:
-        """int32 words [2 zones, combine_zone_slots, out_words]: each (token, k) has exactly one writer; at
+        """int32 words [2 zones, combine_zone_slots, combine_words]: each (token, k) has exactly one writer; at
         world 1 one word per zone (every row is read in place)."""
         if self.world == 1:
             return (2, 1, 1, 1)
-        return (2, self.combine_zone_slots, self.out_words)
+        return (2, self.combine_zone_slots, self.combine_words)
 
     @property
     def symmetric_bytes(self) -> int:
@@ -311,14 +330,18 @@ def route_row_words(payload_words: int, topk: int, put: bool) -> int:
 
 
 def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-            fp8: bool, device) -> EPPlan:
-    """Plan an EPBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+            fp8: bool, device, nvfp4: bool = False, combine_fp8: bool = False) -> EPPlan:
+    """Plan an EPBuffer; the caller has validated the sizes and formats (``formats.resolve``). ``device`` only
+    picks the launch shapes."""
     device = torch.device(device)
     L, b = num_experts // world, elem_size(dtype)
-    x_words = hidden // 4 if fp8 else hidden * b // 4
-    scale_words = hidden // FP8_GROUP if fp8 else 0
+    x_words = hidden // 4 if fp8 else hidden // 8 if nvfp4 else hidden * b // 4
+    scale_words = hidden // FP8_GROUP if fp8 else hidden // NVFP4_WORD_COLS if nvfp4 else 0
+    combine_words = fp8_row_words(hidden) if combine_fp8 else hidden * b // 4
     groups = hidden // FP8_GROUP
     pow2_groups = groups & -groups if groups else 1  # largest power of two dividing the group count
+    groups16 = hidden // NVFP4_GROUP
+    pow2_groups16 = groups16 & -groups16 if groups16 else 1
     slots = next_pow2(topk)
     if gpu_shapes(device):
         block_tokens, block_slots = 1, next_pow2(topk)
@@ -331,11 +354,14 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         block_hidden = min(next_pow2(hidden), tile)
         # A program quantizes 1024 columns (8 groups): a DeepSeek-V3 row is spread over 7 programs.
         fp8_block_groups = min(pow2_groups, max(2, tile // FP8_GROUP))
+        # nvfp4: 1024 columns (512 bytes of values) too, which one warp stores as 16-byte vectors.
+        nvfp4_block_groups = min(pow2_groups16, tile // NVFP4_GROUP)
         # 64 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
         # program has threads (a shape some Triton versions' histogram lowering miscounted).
         route_tokens = max(1, GPU_ROUTE_SLOTS // slots)
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
-        send_warps = 2 if fp8 else 4
+        send_warps = 2 if fp8 else max(1, min(4, nvfp4_block_groups * NVFP4_GROUP // GPU_NVFP4_WARP_COLS)) \
+            if nvfp4 else 4
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
     else:
@@ -346,15 +372,17 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         out_block_words = min(next_pow2(hidden * b // 4), 4096)
         block_hidden = min(next_pow2(hidden), 4096)
         fp8_block_groups = min(pow2_groups, 32)
+        nvfp4_block_groups = min(pow2_groups16, 256)
         route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))
         send_programs = recv_programs = reduce_programs = 1
         send_warps = 4
-    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
+    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8, bool(nvfp4), bool(combine_fp8),
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
                   row_words=route_row_words(x_words + scale_words, topk, False), dispatch_ctrl_words=L + 2,
-                  out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
-                  send_block_words=send_block_words, recv_block_words=recv_block_words,
+                  out_words=hidden * b // 4, combine_words=combine_words, block_tokens=block_tokens,
+                  block_slots=block_slots, send_block_words=send_block_words, recv_block_words=recv_block_words,
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
+                  nvfp4_block_groups=nvfp4_block_groups if nvfp4 else 0,
                   route_tokens=route_tokens, send_programs=send_programs, send_warps=send_warps,
                   recv_programs=recv_programs, reduce_programs=reduce_programs)
 
@@ -429,7 +457,7 @@ class PrefillPlan:
     @property
     def zone_words(self) -> int:
         p = self.ep
-        return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.out_words)
+        return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words)
 
     @property
     def dispatch_ctrl_words(self) -> int:
@@ -474,21 +502,22 @@ class PrefillPlan:
 
     def combine_link_bytes(self, routed_pairs: int) -> int:
         """Bytes one rank's combine receive loads from other ranks' zones: one partial row per (token,
-        remote rank holding one of its experts) pair, the floor."""
-        return routed_pairs * 4 * self.ep.out_words
+        remote rank holding one of its experts) pair, the floor (a row of the combine format: with fp8 its
+        e4m3 bytes and float32 scales, padded to 16 bytes)."""
+        return routed_pairs * 4 * self.ep.combine_words
 
 
 PREFILL_ZONES = (1, 2)   # landing zones a PrefillBuffer may hold: in sequence, or overlapped chunks
 
 
 def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-                 fp8: bool, device, zones: int = 1) -> PrefillPlan:
+                 fp8: bool, device, zones: int = 1, nvfp4: bool = False, combine_fp8: bool = False) -> PrefillPlan:
     """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
     if zones not in PREFILL_ZONES:
         raise ValueError(f"zones must be one of {PREFILL_ZONES} (2: the next chunk's dispatch overlaps this "
                          f"chunk's experts), got {zones!r}")
     device = torch.device(device)
-    ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device)
+    ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device, nvfp4, combine_fp8)
     rows = world * max_tokens
     x_offset = -(-2 * rows * topk // 4) * 4
     if device.type == "cuda":  # one 16 KB row block per iteration, many programs
