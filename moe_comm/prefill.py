@@ -19,7 +19,7 @@ import torch
 
 from .channel import Channel
 from .checks import check_tensor, check_words
-from .ep import EPBuffer
+from .ep import EPBuffer, check_global_scale
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
 from .launches import Launch
@@ -51,17 +51,21 @@ class PrefillDispatchResult:
     """What one rank receives from ``PrefillBuffer.dispatch`` (R = world * M, L = experts per rank), in the
     call's landing zone (``handle.zone``).
 
-    recv_x             [R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Row s*M + t is token t of
-                       source rank s, for t < src_tokens[s] and a recv_topk_idx entry >= 0 in that row;
-                       every other row is unspecified.
+    recv_x             [R, hidden] dtype, or float8_e4m3fn with fp8_dispatch, or uint8 [R, hidden // 2] with
+                       dispatch_format="nvfp4" (two e2m1 codes per byte, reference.quantize_nvfp4). Row
+                       s*M + t is token t of source rank s, for t < src_tokens[s] and a recv_topk_idx entry
+                       >= 0 in that row; every other row is unspecified.
     recv_scales        [R, hidden // 128] float32 with fp8_dispatch (recv_x ~= q * scale per 128 columns,
-                       reference.quantize_fp8), else None. Same valid rows.
+                       reference.quantize_fp8), float8_e4m3fn [R, hidden // 16] with nvfp4 (linear
+                       layout), else None. Same valid rows.
     recv_topk_idx      int32 [R, topk]: the local id (0..L-1) of slot k's expert where it lives on this
                        rank, -1 elsewhere. Valid for rows s*M + t, t < src_tokens[s].
     recv_topk_weights  float32 [R, topk]: the slot's weight where recv_topk_idx >= 0, 0 elsewhere.
     src_tokens         int32 [world] on the device: tokens each source dispatched (0 for an excluded one).
     expert_counts      int32 [L] on the device: valid (row, k) slots per local expert.
     handle             PrefillHandle for ``combine``.
+    global_scale       with nvfp4, the float32 [1] tensor given to the dispatch (the same on every rank),
+                       else None.
     All of them are views of this rank's landing zone of the call (or of small device tensors of that
     zone): valid until this rank's combine send phase of the same call, which writes the partial rows
     over recv_x. Once every rank's combine has returned, peers may write a later call's rows into the
@@ -76,6 +80,7 @@ class PrefillDispatchResult:
     src_tokens: torch.Tensor
     expert_counts: torch.Tensor
     handle: PrefillHandle
+    global_scale: torch.Tensor | None = None
 
     def received_rows(self) -> torch.Tensor:
         """bool [R] on the device: row s*M + t holds a token of source s (t < src_tokens[s]). Computed on
@@ -145,13 +150,16 @@ class PrefillBuffer(OpBuffer):
     """Expert-parallel dispatch / combine of one rank for prefill (DeepEP normal-mode style, rank-major).
 
     ``PrefillBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
-    fp8_dispatch=False, zones=1)``: rank r owns experts [r*L, (r+1)*L), L = num_experts // world. Buffers
+    fp8_dispatch=False, zones=1, dispatch_format=None, combine_format=None)``: rank r owns experts [r*L, (r+1)*L), L = num_experts // world. Buffers
     are collective (every rank builds its PrefillBuffer in the same order, with the same sizes and zones;
     on a loopback world one per group, in rank order) and allocated by the first ``dispatch``.
     zones=2 holds two landing zones (twice the memory) that consecutive dispatches alternate between, so
     the dispatch of chunk i+1 may run before the combine of chunk i (``prefill_chunks.prefill_moe``).
 
-    dispatch(x, topk_idx, topk_weights, *, phase="both") -> PrefillDispatchResult (None for phase="send")
+    Formats as EPBuffer's (``moe_comm.formats``, docs/formats.md): dispatch_format None, "fp8" or "nvfp4",
+    combine_format None or "fp8" (the partial rows cross as fp8 and are summed in float32).
+
+    dispatch(x, topk_idx, topk_weights, *, phase="both", global_scale=None) -> PrefillDispatchResult
         x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank; copied as 4-byte
                       words: a contiguous x off a 4-byte boundary (a bf16 view at an odd element) raises
                       ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first
@@ -159,6 +167,7 @@ class PrefillBuffer(OpBuffer):
                       not routed and raise InvalidIndexError (a ValueError carrying the result) at the end
                       of the call; nothing is written for them.
         topk_weights  [T, topk] float32
+        global_scale  nvfp4 only, required there: as for EPBuffer.dispatch
         Each token is read once and crosses to a rank at most once, however many of its experts live
         there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per 128
         columns: reference.quantize_fp8). See PrefillDispatchResult.
@@ -168,12 +177,14 @@ class PrefillBuffer(OpBuffer):
                     experts' outputs, weighted and summed, as a grouped-GEMM MoE kernel produces them);
                     only rows that hold a local expert are read. ``expert_out`` may be ``recv_x`` itself
                     (bf16/fp16/fp32 dispatch, written in place): then nothing is copied. On a word
-                    boundary, as x.
+                    boundary, as x. With combine_format="fp8" the send quantizes the rows into the zone:
+                    expert_out must then not lie in the zone (ValueError; pass a tensor of its own).
         handle      the PrefillDispatchResult.handle of the latest dispatch
         out         optional [T, hidden] dtype contiguous tensor, written in place and returned
         y[t] = sum over the ranks d = 0..world-1 holding one of token t's experts (ascending d) of rank d's
         partial row for t, in float32, rounded to dtype: bitwise reproducible from run to run. A token
-        with no routed slot gets zeros.
+        with no routed slot gets zeros. With combine_format="fp8" each partial row enters the sum as
+        reference.fp8_round_trip of it.
 
     Order: every dispatch is answered by one combine, in dispatch order; at most ``zones`` dispatches
     are in flight (dispatched, their combine's receive phase not yet run): RuntimeError before any
@@ -200,16 +211,20 @@ class PrefillBuffer(OpBuffer):
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1,
+                 dispatch_format: str | None = None, combine_format: str | None = None):
         if group.uses_put:
             raise NotImplementedError("PrefillBuffer's combine loads partial rows from its peers' memory, so every "
                                       "peer must be mapped here; this group reaches some by NVSHMEM puts (another "
                                       "node): use EPBuffer there")
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                               fp8_dispatch, group.device, zones)
+                               fp8_dispatch, group.device, zones, dispatch_format, combine_format)
         self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
-        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
+        ep = self.plan.ep
+        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, ep.fp8
+        self.dispatch_format = "fp8" if ep.fp8 else "nvfp4" if ep.nvfp4 else None   # (formats.DISPATCH_FORMATS)
+        self.combine_format = "fp8" if ep.combine_fp8 else None
         self.num_local_experts = self.plan.ep.experts_per_rank
         self.zones = self.plan.zones
         dev = group.device
@@ -224,10 +239,11 @@ class PrefillBuffer(OpBuffer):
     # ---- planning --------------------------------------------------------------------------------
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
-              zones: int = 1) -> PrefillPlan:
-        EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
-        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device,
-                            zones)
+              zones: int = 1, dispatch_format=None, combine_format=None) -> PrefillPlan:
+        ep = EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
+                            dispatch_format, combine_format)  # checks sizes and formats
+        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, ep.fp8, device,
+                            zones, nvfp4=ep.nvfp4, combine_fp8=ep.combine_fp8)
 
     @property
     def excluded_slots(self) -> torch.Tensor:
@@ -252,9 +268,10 @@ class PrefillBuffer(OpBuffer):
         p, dev = self.plan, self.group.device
         ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
         words = self._dispatch_ch.data.local[z]
-        x = words[p.x_offset:p.x_offset + R * ep.x_words].view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
-        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
-                  .view(R, ep.scale_words) if ep.fp8 else None)
+        x = words[p.x_offset:p.x_offset + R * ep.x_words].view(
+            torch.uint8 if ep.nvfp4 else torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, -1)
+        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words]
+                  .view(torch.float32 if ep.fp8 else torch.float8_e4m3fn).view(R, -1) if ep.scale_words else None)
         zone = _Zone(x, scales, words[:R * K].view(R, K), words[R * K:2 * R * K].view(WEIGHT_DTYPE).view(R, K),
                      routed=torch.zeros((ep.max_tokens, K), dtype=torch.int32, device=dev),
                      src_tokens=torch.zeros(self.group.world_size, dtype=torch.int32, device=dev),
@@ -290,8 +307,8 @@ class PrefillBuffer(OpBuffer):
                 OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
                 X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
                 BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
-                BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
-                NBLK=ep.send_programs, num_warps=ep.send_warps, **slots, **sig),
+                BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups, NVFP4=ep.nvfp4,
+                NVFP4_GROUPS=ep.nvfp4_block_groups, NBLK=ep.send_programs, num_warps=ep.send_warps, **slots, **sig),
             dispatch_recv=launch(
                 prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=zone.src_tokens, counts_ptr=zone.counts,
                 stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq, OP=op_id("prefill.dispatch"),
@@ -300,13 +317,16 @@ class PrefillBuffer(OpBuffer):
             combine_send=launch(
                 prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=zone.words,
                 src_tokens_ptr=zone.src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
-                done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
-                NBLK=p.copy_programs, **slots, **sig),
+                done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
+                BW=p.copy_words * 4 // ep.elem_size if ep.combine_fp8 else p.copy_words,   # fp8: elements
+                ROW_WORDS=ep.combine_words, HIDDEN=ep.hidden, FP8=ep.combine_fp8, NBLK=p.copy_programs, **slots,
+                **sig),
             combine_recv=launch(
                 prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=zone.routed, data_ptrs_ptr=zone.peer_ptrs,
                 ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
-                OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4, X_OFFSET=p.x_offset,
-                BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **slots, **sig))
+                OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.combine_words * 4, X_OFFSET=p.x_offset,
+                BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, FP8=ep.combine_fp8, **slots,
+                **sig))
 
     def _in_flight_now(self) -> deque:
         """The in-flight handles of the group's current epoch. A new epoch (``reset()``, ``exclude()``)
@@ -321,7 +341,7 @@ class PrefillBuffer(OpBuffer):
         return self._in_flight
 
     # ---- dispatch --------------------------------------------------------------------------------
-    def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
+    def _check_dispatch_inputs(self, x, topk_idx, topk_weights, global_scale) -> int:
         ep, dev = self.plan.ep, self.group.device
         check_tensor("x", x, dev, (ep.dtype,), (None, ep.hidden))
         T = x.shape[0]
@@ -331,12 +351,14 @@ class PrefillBuffer(OpBuffer):
                              f"{ep.max_tokens} tokens")
         check_tensor("topk_idx", topk_idx, dev, (torch.int32, torch.int64), (T, ep.topk))
         check_tensor("topk_weights", topk_weights, dev, (WEIGHT_DTYPE,), (T, ep.topk))
-        if not ep.fp8:
+        check_global_scale(global_scale, ep.nvfp4, dev)
+        if not (ep.fp8 or ep.nvfp4):   # copied as words (quantizing sends read elements)
             check_words("x", x)
         return T
 
     def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None, *, phase: str = "both") -> PrefillDispatchResult | None:
+                 topk_weights: torch.Tensor | None = None, *, phase: str = "both",
+                 global_scale: torch.Tensor | None = None) -> PrefillDispatchResult | None:
         """Send this rank's tokens, once per rank holding one of their experts, into those ranks' zones; see
         the class docstring. phase="recv" takes no tensors."""
         self._ensure_allocated()
@@ -349,7 +371,7 @@ class PrefillBuffer(OpBuffer):
                                f"being read)")
         do_send, do_recv = op.begin(phase)
         if do_send:
-            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, topk_weights))
+            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, topk_weights, global_scale))
             self._combine_ch.after_previous()   # CUDA: after this rank's latest combine, which read the zones
             op.before_send()
             zone = self._next_zone % self.zones
@@ -362,16 +384,18 @@ class PrefillBuffer(OpBuffer):
                 idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             else:  # never read (T = 0), but the kernel needs valid pointers (of x's dtype: one compiled variant)
                 xin, idx, w = self._dummy.view(self.dtype), self._dummy, self._dummy.view(WEIGHT_DTYPE)
+            gs = global_scale if self.plan.ep.nvfp4 else self._dummy.view(torch.float32)   # read only with nvfp4
             send = self._zones[zone].launches["dispatch_send"]
-            send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
-            op.sent(handle)
+            send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, gscale_ptr=gs, num_tokens=T,
+                     ALIGNED=send.aligned_with(xin))
+            op.sent((handle, global_scale))
             if not do_recv:
                 return None
-        handle = op.take()
+        handle, global_scale = op.take()
         z = self._zones[handle.zone]
         z.launches["dispatch_recv"].run()
         return op.finish(PrefillDispatchResult(z.recv_x, z.recv_scales, z.recv_idx, z.recv_weights, z.src_tokens,
-                                               z.counts, handle))
+                                               z.counts, handle, global_scale))
 
     # ---- combine ---------------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
@@ -385,6 +409,18 @@ class PrefillBuffer(OpBuffer):
                 or (handle is in_flight[-1] and self._dispatch_op.pending is not None)):
             raise ValueError("stale handle: a handle is valid for one combine, that of the oldest dispatch not yet "
                              "combined, once its phase='recv' has run")
+
+    def _check_outside_zones(self, expert_out) -> None:
+        """ValueError if ``expert_out`` overlaps the landing zones (the fp8 combine's send writes its rows
+        there while it reads: another program's rows could be overwritten before they are read)."""
+        zones = self._dispatch_ch.data.local
+        lo, hi = zones.data_ptr(), zones.data_ptr() + zones.numel() * zones.element_size()
+        start = expert_out.data_ptr()
+        if start < hi and start + expert_out.numel() * expert_out.element_size() > lo:
+            raise ValueError("expert_out lies in this PrefillBuffer's landing zone (e.g. recv_x): with "
+                             "combine_format='fp8' the combine quantizes the partial rows into the zone, so they "
+                             "must come from a tensor of their own (torch.empty_like(d.recv_x, dtype=...) or a "
+                             ".clone())")
 
     def _check_out(self, T, out) -> None:
         if out is not None:
@@ -409,7 +445,10 @@ class PrefillBuffer(OpBuffer):
             def check():
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (self.dtype,), (R, H))
-                check_words("expert_out", expert_out)
+                if p.ep.combine_fp8:   # quantized into the zone: it must not be read from there
+                    self._check_outside_zones(expert_out)
+                else:                  # copied as words
+                    check_words("expert_out", expert_out)
                 self._check_out(handle.num_tokens, out)
             try:
                 op.validate(check)
@@ -418,7 +457,8 @@ class PrefillBuffer(OpBuffer):
                     in_flight.popleft()   # a refused combine answers its dispatch (the call is aborted)
                 raise
             op.before_send()
-            in_place = expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr() and not self.fp8_dispatch
+            in_place = (expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr()
+                        and self.dispatch_format is None and not p.ep.combine_fp8)
             src = self._dummy.view(self.dtype) if in_place else expert_out.contiguous()   # read as words
             send = self._zones[handle.zone].launches["combine_send"]
             send.run(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))

@@ -118,17 +118,17 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor):
     (0 if sf == 0); q = e2m1(x * inverse), ties to even, saturated at 6, sign kept (-0 is code 8).
     Returns (values uint8 [..., H / 2]: element 2j in the low nibble of byte j; scales float8_e4m3fn
     [..., H / 16], one per block, linear layout). dequantize_nvfp4(values, scales, gs) ~= x."""
-    gs = global_scale.float().reshape(()).cpu()
+    gs = global_scale.float().reshape(()).to(x.device)
     xf = x.float().unflatten(-1, (-1, NVFP4_GROUP))
     vmax = xf.abs().amax(dim=-1)
-    rcp6 = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)
+    rcp6 = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=x.device)
     sf = (gs * (vmax * rcp6)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)   # exact below 448: one rounding
     sff = sf.float()
-    one = torch.ones((), dtype=torch.float32)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
     inverse = torch.where(sff != 0, torch.div(one, torch.where(sff != 0, sff, one) * torch.div(one, gs)), 0.0)
     v = xf * inverse.unsqueeze(-1)
     a = v.abs()
-    mag = torch.zeros(v.shape, dtype=torch.int32)
+    mag = torch.zeros(v.shape, dtype=torch.int32, device=x.device)
     for t, inclusive in E2M1_THRESHOLDS:
         mag += (a >= t if inclusive else a > t).int()
     sign = (v.view(torch.int32) >> 31) & 1
@@ -141,9 +141,9 @@ def dequantize_nvfp4(values: torch.Tensor, scales: torch.Tensor, global_scale: t
     """Inverse of ``quantize_nvfp4``: float32 [..., H] = e2m1 value * scale / global_scale, in float32."""
     v = values.view(torch.uint8).int()
     codes = torch.stack([v & 0xF, v >> 4], dim=-1).flatten(-2)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=values.device)
     e2m1 = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])
-    gs = global_scale.float().reshape(()).cpu()
+    gs = global_scale.float().reshape(()).to(values.device)
     return ((e2m1.unflatten(-1, (-1, NVFP4_GROUP)) * scales.float().unsqueeze(-1)) / gs).flatten(-2)
 
 

@@ -19,14 +19,19 @@ Receive (grid = NBLK token blocks x HIDDEN / BH column blocks): wait (bounded) f
 t]``, in float32 in ascending d, cast to the output dtype (rounding to nearest even): bitwise
 reproducible from run to run. The last program publishes ``released`` to every live rank; if the call
 failed it makes every row NaN instead (the error is raised).
+
+FP8 (``combine_format="fp8"``): the send quantizes each partial row into the zone as an fp8 row
+(``formats.fp8_row_words``: e4m3 bytes, then a float32 scale per 128 columns; ``copy_rows(..., FP8=True)``)
+and the receive dequantizes the rows it reads (``quant.dequantize_e4m3_groups``) before the sum: half the
+bytes a source loads from its peers (``reference.prefill_combine(..., fp8=True)``). Never in place.
 """
 
 import triton
 import triton.language as tl
 
-from .combine import fill_nan
-from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_tile
-from .quant import cast_rne
+from .combine import expert_rows, fill_nan
+from .copy import address, copy_rows, load_tile, row_pointers, store_tile
+from .quant import cast_rne, dequantize_e4m3_groups
 from .sync import S_EPOCH, arrive, as_ptr, flag_value, group_failed, live_ranks, publish_many, wait_flags
 
 RELEASED = tl.constexpr(0)   # combine control words: (released, ready)
@@ -61,6 +66,8 @@ def prefill_combine_send_kernel(
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     OUT_WORDS: tl.constexpr, X_OFFSET: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
     IN_PLACE: tl.constexpr, ALIGNED: tl.constexpr,
+    ROW_WORDS: tl.constexpr,   # words of a partial row in the zone: OUT_WORDS, or an fp8 row with FP8
+    HIDDEN: tl.constexpr, FP8: tl.constexpr,   # FP8: rows quantized on the way (BW then counts elements)
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -78,9 +85,9 @@ def prefill_combine_send_kernel(
             ids = tl.load(zone_ptr + q[:, None].to(tl.int64) * TOPK + kk[None, :],
                           mask=row_live[:, None] & (kk < TOPK)[None, :], other=-1)
             mine = tl.where(failed, False, row_live & (tl.max(ids, axis=1) >= 0))
-            dst = address(zone_ptr + X_OFFSET + q.to(tl.int64) * OUT_WORDS)[:, None]
-            copy_rows(as_words(expert_out_ptr) + q.to(tl.int64) * OUT_WORDS, mine, dst, mine[:, None], OUT_WORDS, BW, 1, 1,
-                      ALIGNED)
+            dst = address(zone_ptr + X_OFFSET + q.to(tl.int64) * ROW_WORDS)[:, None]
+            copy_rows(expert_rows(expert_out_ptr, q, OUT_WORDS, HIDDEN, FP8), mine, dst, mine[:, None],
+                      HIDDEN if FP8 else OUT_WORDS, BW, 1, 1, ALIGNED, FP8)
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:
         if skipped == 0:
@@ -103,6 +110,7 @@ def prefill_combine_recv_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, ROW_BYTES: tl.constexpr, X_OFFSET: tl.constexpr, BT: tl.constexpr,
     BH: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr,
+    FP8: tl.constexpr,   # the partial rows are fp8 rows (ROW_BYTES of them), dequantized before the sum
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
@@ -123,8 +131,15 @@ def prefill_combine_recv_kernel(
             ok = tl.sum(tl.where(w == d, arrived.to(tl.int32), 0)) > 0
             use = tl.where(ok, tl.max((owner == d).to(tl.int32), axis=1) > 0, False)
             base = tl.load(data_ptrs_ptr + d, mask=ok, other=0) + X_OFFSET * 4
-            rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, DT, ALIGNED)
-            v = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float32)
+            if FP8:   # e4m3 bytes, then float32 scales
+                rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, tl.uint8, ALIGNED)
+                q = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float8e4nv, bitcast=True)
+                scale = load_tile((rows + HIDDEN).to(tl.pointer_type(tl.float32)), use, c0 // 128, HIDDEN // 128,
+                                  BH // 128, ALIGNED)
+                v = dequantize_e4m3_groups(q, scale, BT, BH // 128)
+            else:
+                rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, DT, ALIGNED)
+                v = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float32)
             acc = tl.where(use[:, None], acc + v, acc)
         store_tile(cast_rne(acc, DT), c0, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
                    t_live[:, None], BH, 1, 1, ALIGNED)

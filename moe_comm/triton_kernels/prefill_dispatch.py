@@ -13,7 +13,7 @@ still read. Then, for each token t of the program's range, the K local ids (-1 w
 is on another rank) and K weights (0 there) go to row ``rank * M + t`` of every live rank (column block
 0), and the payload to the same row of each live rank holding one of its experts, once per rank however
 many of its experts live there (``routing.token_destinations``), through ``copy.py``'s one copy loop
-(FP8: quantized in registers by ``quant.py`` first, one column block per program). One program writes
+(FP8 and NVFP4: quantized in registers by ``quant.py`` first, one column block per program). One program writes
 the control words; the last one to finish publishes every live rank's flag and advances the send count.
 
 Receive (grid (1,)): wait (bounded) for the flag of every live source, then write the per-source token
@@ -24,7 +24,7 @@ copied: the rows are already in place. A failed call leaves counts of zero (no s
 import triton
 import triton.language as tl
 
-from .copy import as_words, copy_rows, load_tile, store_tile
+from .copy import as_words, copy_rows, load_tile, store_nvfp4_block, store_tile
 from .dispatch import count_and_check
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, token_destinations
@@ -64,6 +64,8 @@ def prefill_dispatch_send_kernel(
     S_WORDS: tl.constexpr, X_OFFSET: tl.constexpr, CTRL_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
     ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    gscale_ptr,       # float32 [1]: the NVFP4 global scale (read with NVFP4 only)
+    NVFP4: tl.constexpr, NVFP4_GROUPS: tl.constexpr,  # NVFP4: quantized in column blocks of NVFP4_GROUPS * 16
 ):
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
@@ -112,6 +114,9 @@ def prefill_dispatch_send_kernel(
             sdst = base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4
             store_tile(scale, col * FP8_GROUPS, S_WORDS, sdst, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
+        elif NVFP4:  # the same for NVFP4 (value words into recv_x, scale words into recv_scales)
+            store_nvfp4_block(x_ptr, t, read, col, gscale_ptr, dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
+                              write, HIDDEN, X_WORDS, S_WORDS, BT, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)
