@@ -15,7 +15,7 @@ import torch
 from .channel import Channel
 from .checks import check_tensor, check_words
 from .errors import ClosedError, op_id
-from .formats import resolve as resolve_formats
+from .formats import E4M3, NVFP4, resolve as resolve_formats
 from .launches import Launch, LaunchTable
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
@@ -122,8 +122,8 @@ class EPBuffer(OpBuffer):
     ``EPBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
     fp8_dispatch=False, dispatch_format=None, combine_format=None)``: rank r owns experts [r*E_local,
     (r+1)*E_local), E_local = num_experts // world. Formats (``moe_comm.formats``, docs/formats.md):
-    dispatch_format None (dtype), "fp8" (= fp8_dispatch=True) or "nvfp4"; combine_format None (dtype) or
-    "fp8". A combination a buffer cannot take (nvfp4 without hidden % 64 == 0, an fp8 combine of float32,
+    dispatch_format None (dtype), "e4m3" (fp8, = fp8_dispatch=True) or "nvfp4"; combine_format None
+    (dtype) or "e4m3" (the fp8 combine). A combination a buffer cannot take (nvfp4 without hidden % 64 == 0, an fp8 combine of float32,
     ...) raises ValueError/TypeError here, naming the fix.
     Every rank builds its EPBuffer in the same order (buffers are collective); on a loopback world build
     one per group, in rank order. Symmetric memory is allocated by the first ``dispatch`` (collective:
@@ -152,7 +152,7 @@ class EPBuffer(OpBuffer):
         out           optional [T, hidden] dtype contiguous tensor, written in place and returned
         y[t] = sum over k = 0..topk-1 with topk_idx[t, k] valid of topk_weights[t, k] * expert_out[row
         of (t, k)], in float32 in ascending k, then cast: bitwise reproducible across runs and world
-        sizes. Tokens with no routed slot get zeros. With combine_format="fp8" every row enters the sum
+        sizes. Tokens with no routed slot get zeros. With combine_format="e4m3" every row enters the sum
         as reference.fp8_round_trip of it (sent as float8_e4m3fn + a float32 scale per 128 columns;
         the token's rank's own rows quantized the same way): still reproducible across runs and world
         sizes, about half the bytes, and the error docs/formats.md measures.
@@ -201,8 +201,8 @@ class EPBuffer(OpBuffer):
         self.max_tokens_per_rank, self.dtype = int(max_tokens_per_rank), dtype
         p = self.plan
         self.fp8_dispatch = p.fp8
-        self.dispatch_format = "fp8" if p.fp8 else "nvfp4" if p.nvfp4 else None   # (formats.DISPATCH_FORMATS)
-        self.combine_format = "fp8" if p.combine_fp8 else None
+        self.dispatch_format = E4M3 if p.fp8 else NVFP4 if p.nvfp4 else None   # (formats.DISPATCH_FORMATS)
+        self.combine_format = E4M3 if p.combine_fp8 else None
         self.num_local_experts = self.plan.experts_per_rank
         self._stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=group.device)
         self._excluded = torch.zeros(1, dtype=torch.int64, device=group.device)
@@ -242,8 +242,8 @@ class EPBuffer(OpBuffer):
                              f"vectors), got hidden={hidden} {dtype}")
         if (num_experts // world) * max_tokens_per_rank * topk >= 2 ** 31:
             raise ValueError("experts per rank * max_tokens_per_rank * topk must stay below 2**31")
-        return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fmt == "fp8", device,
-                       nvfp4=fmt == "nvfp4", combine_fp8=combine == "fp8")
+        return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fmt == E4M3, device,
+                       nvfp4=fmt == NVFP4, combine_fp8=combine == E4M3)
 
     @property
     def dispatch_wait_stats(self) -> torch.Tensor:

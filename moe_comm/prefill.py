@@ -20,6 +20,7 @@ import torch
 from .channel import Channel
 from .checks import check_tensor, check_words
 from .ep import EPBuffer, check_global_scale
+from .formats import E4M3, NVFP4
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
 from .launches import Launch
@@ -156,8 +157,8 @@ class PrefillBuffer(OpBuffer):
     zones=2 holds two landing zones (twice the memory) that consecutive dispatches alternate between, so
     the dispatch of chunk i+1 may run before the combine of chunk i (``prefill_chunks.prefill_moe``).
 
-    Formats as EPBuffer's (``moe_comm.formats``, docs/formats.md): dispatch_format None, "fp8" or "nvfp4",
-    combine_format None or "fp8" (the partial rows cross as fp8 and are summed in float32).
+    Formats as EPBuffer's (``moe_comm.formats``, docs/formats.md): dispatch_format None, "e4m3" (fp8) or
+    "nvfp4", combine_format None or "e4m3" (the partial rows cross as fp8 and are summed in float32).
 
     dispatch(x, topk_idx, topk_weights, *, phase="both", global_scale=None) -> PrefillDispatchResult
         x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank; copied as 4-byte
@@ -177,13 +178,13 @@ class PrefillBuffer(OpBuffer):
                     experts' outputs, weighted and summed, as a grouped-GEMM MoE kernel produces them);
                     only rows that hold a local expert are read. ``expert_out`` may be ``recv_x`` itself
                     (bf16/fp16/fp32 dispatch, written in place): then nothing is copied. On a word
-                    boundary, as x. With combine_format="fp8" the send quantizes the rows into the zone:
+                    boundary, as x. With combine_format="e4m3" the send quantizes the rows into the zone:
                     expert_out must then not lie in the zone (ValueError; pass a tensor of its own).
         handle      the PrefillDispatchResult.handle of the latest dispatch
         out         optional [T, hidden] dtype contiguous tensor, written in place and returned
         y[t] = sum over the ranks d = 0..world-1 holding one of token t's experts (ascending d) of rank d's
         partial row for t, in float32, rounded to dtype: bitwise reproducible from run to run. A token
-        with no routed slot gets zeros. With combine_format="fp8" each partial row enters the sum as
+        with no routed slot gets zeros. With combine_format="e4m3" each partial row enters the sum as
         reference.fp8_round_trip of it.
 
     Order: every dispatch is answered by one combine, in dispatch order; at most ``zones`` dispatches
@@ -223,8 +224,8 @@ class PrefillBuffer(OpBuffer):
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
         ep = self.plan.ep
         self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, ep.fp8
-        self.dispatch_format = "fp8" if ep.fp8 else "nvfp4" if ep.nvfp4 else None   # (formats.DISPATCH_FORMATS)
-        self.combine_format = "fp8" if ep.combine_fp8 else None
+        self.dispatch_format = E4M3 if ep.fp8 else NVFP4 if ep.nvfp4 else None   # (formats.DISPATCH_FORMATS)
+        self.combine_format = E4M3 if ep.combine_fp8 else None
         self.num_local_experts = self.plan.ep.experts_per_rank
         self.zones = self.plan.zones
         dev = group.device
@@ -418,7 +419,7 @@ class PrefillBuffer(OpBuffer):
         start = expert_out.data_ptr()
         if start < hi and start + expert_out.numel() * expert_out.element_size() > lo:
             raise ValueError("expert_out lies in this PrefillBuffer's landing zone (e.g. recv_x): with "
-                             "combine_format='fp8' the combine quantizes the partial rows into the zone, so they "
+                             "combine_format='e4m3' the combine quantizes the partial rows into the zone, so they "
                              "must come from a tensor of their own (torch.empty_like(d.recv_x, dtype=...) or a "
                              ".clone())")
 

@@ -103,8 +103,8 @@ E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """TensorRT-LLM's NVFP4 global scale for ``x``: float32 [1] = 448 * 6 / max |x| (the calibrated value a
-    checkpoint's input scale holds; 1.0 for an all-zero x)."""
-    amax = x.float().abs().amax()
+    checkpoint's input scale holds; 448 * 6 for an all-zero or empty x)."""
+    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
     return torch.div(torch.tensor(FP8_E4M3_MAX * E2M1_MAX, dtype=torch.float32), amax).reshape(1)
 
@@ -225,7 +225,7 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
     answers dispatch row i); topk_weights[r], topk_idxs[r] [T_r, K]. Returns per rank y [T_r, H]:
     y[t] = sum over k ascending of routed slots of w[t, k] * row, in float32, cast to expert_outs' dtype.
     A slot dropped for capacity contributes a zero row; a slot whose expert's rank is excluded is not
-    routed (no weight). With ``fp8`` (combine_format="fp8") each row is first quantized and dequantized
+    routed (no weight). With ``fp8`` (combine_format="e4m3") each row is first quantized and dequantized
     (``fp8_round_trip``: what crosses the link, every slot's row alike, the token rank's own included)."""
     world = len(expert_outs)
     local = num_experts // world
@@ -320,7 +320,7 @@ def prefill_combine(partials: list[torch.Tensor], topk_idxs: list[torch.Tensor],
     """PrefillBuffer.combine of every rank at once. partials[d] [R, H] on rank d (row s*M + t: rank d's
     partial output for token t of source s). Returns per source rank s y [T_s, H]: the sum over the ranks
     d holding one of t's experts, ascending d, of partials[d][s*M + t] in float32, cast to their dtype;
-    with ``fp8`` (combine_format="fp8") each partial row quantized and dequantized first (``fp8_round_trip``)."""
+    with ``fp8`` (combine_format="e4m3") each partial row quantized and dequantized first (``fp8_round_trip``)."""
     world, m = len(partials), max_tokens_per_rank
     out = []
     for s in range(world):

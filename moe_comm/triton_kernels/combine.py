@@ -34,7 +34,7 @@ receive finds slot (t, k) from a put rank at M*K + id_base[id] + position (both 
 dispatch: ``slot_key``, ``id_base``); its own slots by the owner word of ``routed``. Bytes: each routed
 slot's row once, the floor, since the weights are applied here in a fixed k order.
 
-FP8 (``combine_format="fp8"``, ``formats.py``): a landing row is an fp8 row (``formats.fp8_row_words``: the
+FP8 (``combine_format="e4m3"``, ``formats.py``): a landing row is an fp8 row (``formats.fp8_row_words``: the
 e4m3 bytes, then one float32 scale per 128 columns), quantized by the send as it copies (``copy_rows(...,
 FP8=True)``, the one copy loop with ``quant.py``'s one quantizer); the receive dequantizes it in float32.
 It quantizes this rank's own rows, which it reads in place, the same way in registers, so every slot's

@@ -20,7 +20,7 @@ t]``, in float32 in ascending d, cast to the output dtype (rounding to nearest e
 reproducible from run to run. The last program publishes ``released`` to every live rank; if the call
 failed it makes every row NaN instead (the error is raised).
 
-FP8 (``combine_format="fp8"``): the send quantizes each partial row into the zone as an fp8 row
+FP8 (``combine_format="e4m3"``): the send quantizes each partial row into the zone as an fp8 row
 (``formats.fp8_row_words``: e4m3 bytes, then a float32 scale per 128 columns; ``copy_rows(..., FP8=True)``)
 and the receive dequantizes the rows it reads (``quant.dequantize_e4m3_groups``) before the sum: half the
 bytes a source loads from its peers (``reference.prefill_combine(..., fp8=True)``). Never in place.

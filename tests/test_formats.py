@@ -1,0 +1,181 @@
+"""The low-precision formats (``moe_comm.formats``): EPBuffer and PrefillBuffer with dispatch_format='nvfp4'
+and combine_format='e4m3', bit for bit against ``moe_comm.reference`` at worlds 1-3 on shm ranks (processes)
+and loopback (one process), EPBuffer across emulated nodes (every cross-node byte a put on the emulated wire,
+including the combine's staged runs), and the bad combinations: each raises before anything is sent,
+naming the fix, and the next call is exact on every rank.
+
+What the CPU cannot show: compiled code's bits (the quantizers avoid every conversion instruction whose
+rounding could differ, see triton_kernels/quant.py; tests/test_compile_sm90.py checks their PTX), timing,
+or the PrefillBuffer across nodes (it refuses put groups: docs/prefill.md).
+"""
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import EPBuffer, PrefillBuffer, reference
+from moe_comm.heap.shm import RANKS_PER_NODE_ENV
+
+import format_cases
+from budget import size
+from shm_files import own_shm_files
+
+# Share of the (config, routing) cases each world runs (format_cases.cases: every config at every world at
+# any share up to 4); make test-long runs them all.
+LOOPBACK_EVERY = size(2, 1)
+SHM_EVERY = size(4, 1)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ep_formats_shm(world):
+    errs = moe_comm.launch(format_cases.run_ep_shm, world, SHM_EVERY, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+    assert own_shm_files() == []
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ep_formats_loopback(world):
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    assert format_cases.run_ep_loopback(groups, LOOPBACK_EVERY) == []
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_prefill_formats_shm(world):
+    errs = moe_comm.launch(format_cases.run_prefill_shm, world, SHM_EVERY, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+    assert own_shm_files() == []
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_prefill_formats_loopback(world):
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    assert format_cases.run_prefill_loopback(groups, LOOPBACK_EVERY) == []
+
+
+def _across_nodes(group):
+    """The EP cases with every peer on another node: the group reaches them by puts only."""
+    far = [j for j in range(group.world_size) if group.heap.node[j] != group.heap.node[group.rank]]
+    before = group.heap.wire.stats["payload"]
+    errs = format_cases.run_ep_shm(group, SHM_EVERY)
+    if not far or group.heap.wire.stats["payload"] <= before:
+        errs.append(f"rank {group.rank}: nothing crossed the wire (peers on other nodes: {far})")
+    return errs
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world, per_node", [(3, 1), (4, 2)])
+def test_ep_formats_across_emulated_nodes(world, per_node, monkeypatch):
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    errs = moe_comm.launch(_across_nodes, world, backend="shm", timeout_s=120)
+    assert [e for r in errs for e in r] == []
+
+
+# ---- bad combinations: refused before anything is sent, naming the fix ------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(hidden=40, dispatch_format="nvfp4"), ValueError, r"multiple of 16 .* pad the hidden size to 64"),
+    (dict(hidden=80, dispatch_format="nvfp4"), ValueError, r"multiple of 64 .* pad the hidden size to 128"),
+    (dict(hidden=64, combine_format="e4m3"), ValueError, r"hidden % 128 == 0 .* combine_format=None"),
+    (dict(dtype=torch.float32, combine_format="e4m3"), TypeError, r"bfloat16/float16 .* dtype=torch.bfloat16"),
+    (dict(fp8_dispatch=True, dispatch_format="nvfp4"), ValueError, r"two formats: pass dispatch_format='nvfp4'"),
+    (dict(dispatch_format="fp4"), ValueError, r"dispatch_format must be one of \(None, 'e4m3', 'nvfp4'\)"),
+    (dict(combine_format="fp8"), ValueError, r"combine_format must be one of \(None, 'e4m3'\), got 'fp8' \(fp8 is 'e4m3'"),
+])
+@pytest.mark.parametrize("cls", [EPBuffer, PrefillBuffer])
+def test_bad_format_combinations_raise_at_construction(cls, kwargs, error, match):
+    group = moe_comm.init(backend="loopback", device="cpu")[0]
+    args = dict(hidden=128, dtype=torch.bfloat16)
+    args.update(kwargs)
+    hidden = args.pop("hidden")
+    with pytest.raises(error, match=match):
+        cls(group, 4, hidden, 4, 2, **args)
+    with pytest.raises(error, match=match):   # the size check says the same without a group
+        cls.required_bytes(2, 4, hidden, 4, 2, **args)
+
+
+def _bad_calls(bufs, xs, idxs, ws, gs, prefill):
+    """Every rank makes the same bad call of each kind in turn (a host-visible input error): each raises before
+    its send, naming the fix (each rank takes part in the call without sending: its next launch drains it,
+    so on a loopback world every rank refuses one call before any rank refuses the next)."""
+    world = len(bufs)
+    phase = "both" if world == 1 else "send"
+
+    def dispatch(b, r, **kw):
+        return b.dispatch(xs[r], idxs[r], ws[r], phase=phase, **kw) if prefill else \
+            b.dispatch(xs[r], idxs[r], phase=phase, **kw)
+    bad = ((TypeError, r"needs global_scale=.* same on every rank", None),
+           (TypeError, r"global_scale has dtype torch.float64", gs.double()),
+           (ValueError, r"global_scale has shape \(2,\): pass one element", gs.repeat(2)))
+    for error, match, scale in bad:
+        for r, b in enumerate(bufs):
+            with pytest.raises(error, match=match):
+                dispatch(b, r, global_scale=scale)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_bad_calls_raise_before_sending_then_every_rank_is_exact(world, prefill):
+    """nvfp4 without a usable global scale, a global scale given to another format, and (PrefillBuffer) an fp8
+    combine of rows that lie in the zone: refused on every rank before any send; the next calls are exact."""
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=5.0)
+    ci = 2   # nvfp4 dispatch, fp8 combine
+    make = format_cases.make_prefill if prefill else format_cases.make_ep
+    bufs = [make(g, ci) for g in groups]
+    case = format_cases.Case(ci, "random", 11)
+    cfg, fmt, cfmt, xs, idxs, ws, gs = format_cases.inputs(case, world)
+    _bad_calls(bufs, xs, idxs, ws, gs, prefill)
+    plain = [EPBuffer(g, cfg.experts_per_rank * world, cfg.hidden, cfg.max_tokens, cfg.topk) for g in groups]
+    for r, b in enumerate(plain):
+        with pytest.raises(ValueError, match=r"global_scale is the nvfp4 dispatch's.* dispatch_format='nvfp4'"):
+            b.dispatch(xs[r], idxs[r], phase="both" if world == 1 else "send", global_scale=gs)
+    assert _exact_after(bufs, world, ci) == []
+    if prefill:   # bf16 dispatch, fp8 combine: the in-place habit (expert_out = recv_x) is refused on every rank
+        ci = 1
+        bufs = [make(g, ci) for g in groups]
+        cfg, fmt, cfmt, xs, idxs, ws, gs = format_cases.inputs(format_cases.Case(ci, "random", 12), world)
+        for r, b in enumerate(bufs):
+            b.dispatch(xs[r], idxs[r], ws[r], phase="send")
+        ds = [b.dispatch(phase="recv") for b in bufs]
+        for b, d in zip(bufs, ds):
+            with pytest.raises(ValueError, match=r"lies in this PrefillBuffer's landing zone .* a tensor of their own"):
+                b.combine(d.recv_x, d.handle, phase="both" if world == 1 else "send")
+        assert _exact_after(bufs, world, ci) == []
+    for g in groups:
+        g.check()
+
+
+def _exact_after(bufs, world, ci) -> list[str]:
+    """Two more checked round trips on the same buffers (the cases of ``ci``), then the usual cases."""
+    errs = []
+    for seed in (21, 22):
+        case = format_cases.Case(ci, "random", seed)
+        cfg, fmt, cfmt, xs, idxs, ws, gs = format_cases.inputs(case, world)
+        if isinstance(bufs[0], PrefillBuffer):
+            exp_d, exp_y = format_cases.expected_prefill(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
+            for b in bufs:
+                format_cases.poison_prefill(b)
+            for r, b in enumerate(bufs):
+                b.dispatch(xs[r], idxs[r], ws[r], phase="send", global_scale=gs)
+            ds = [b.dispatch(phase="recv") for b in bufs]
+            errs += [e for r, d in enumerate(ds) for e in format_cases.check_prefill_dispatch(d, exp_d[r], "after")]
+            for r, (b, d) in enumerate(zip(bufs, ds)):
+                b.combine(format_cases.prefill_expert_out(d, exp_d[r], r, cfg), d.handle, phase="send")
+        else:
+            exp_d, exp_y = format_cases.expected_ep(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
+            for b in bufs:
+                format_cases.poison_ep(b)
+            for r, b in enumerate(bufs):
+                b.dispatch(xs[r], idxs[r], phase="send", global_scale=gs)
+            ds = [format_cases.snapshot(b.dispatch(phase="recv")) for b in bufs]
+            errs += [e for r, d in enumerate(ds) for e in format_cases.check_ep_dispatch(r, d, exp_d[r], "after")]
+            for r, (b, d) in enumerate(zip(bufs, ds)):
+                b.combine(format_cases.expert_outputs(d, r, cfg), ws[r], d.handle, phase="send")
+        ys = [b.combine(phase="recv") for b in bufs]
+        errs += [f"after, rank {r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
+    return errs
