@@ -1,18 +1,23 @@
 """Bytes on the network per dispatch and combine, measured by the emulated nodes' wire, next to the floor.
 
     python bench/wire_bytes.py [--nodes 2] [--ranks-per-node 2] [--tokens 16] [--hidden 1024]
-                               [--experts 32] [--topk 8] [--fp8] [--unrouted 0.0]
+                               [--experts 32] [--topk 8] [--fp8 | --dispatch-format e4m3|nvfp4]
+                               [--combine-format e4m3] [--unrouted 0.0]
 
 Runs one dispatch and one combine on emulated nodes (CPU, ``MOE_COMM_RANKS_PER_NODE``; every cross-node
 byte travels as a wire message, ``moe_comm/heap/wire.py``) with uniform random top-k routing, and prints,
 per rank and op, the payload the wire carried between nodes against the floor, then the messages and
 their 21-byte headers (which the floor does not count). Floor, per rank:
 
-- dispatch: each token row (``EPPlan.row_words`` words: payload, scales, K routing words and the token
-  index, padded to 16 bytes) once per destination rank on another node that holds one of the token's
-  experts, plus that rank's control words (rows, per-expert counts, run base) and the flag;
-- combine (sent by the rank holding the experts): one expert-output row per routed slot (t, k) of a
-  token on another node, plus the flag. The weights are applied on the token's rank, in a fixed k order
+- dispatch: each token row (payload, scales, K routing words and the token index, padded to 16 bytes:
+  ``dispatch_row_bytes``, from the format's definition, not from the plan) once per destination rank on
+  another node that holds one of the token's experts, plus that rank's control words (rows, per-expert
+  counts, run base) and the flag;
+- combine (sent by the rank holding the experts): one expert-output row (``combine_row_bytes``) per routed
+  slot (t, k) of a token on another node, plus the flag.
+
+Payload per row by format (docs/formats.md): bf16 2H bytes; e4m3 H bytes + H/128 float32 scales; nvfp4
+H/2 bytes + H/16 e4m3 scales (the global scale is the caller's, not sent). The weights are applied on the token's rank, in a fixed k order
   (``EPBuffer.combine``: bitwise reproducible), so each slot's row must travel; summing a token's slots
   on the expert's rank first would need the weights there and change the order of the sum.
 """
@@ -44,6 +49,21 @@ def _inputs(args, world):
     return xs, idx, ws
 
 
+def payload_bytes(fmt: str | None, hidden: int) -> int:
+    """Bytes of one row's payload in format ``fmt`` (None: bf16): values and scales."""
+    return {None: 2 * hidden, "e4m3": hidden + 4 * (hidden // 128), "nvfp4": hidden // 2 + hidden // 16}[fmt]
+
+
+def dispatch_row_bytes(fmt: str | None, hidden: int, topk: int) -> int:
+    """A dispatch row on the wire: payload, K int32 routing words and the token index, padded to 16 bytes."""
+    return -(-(payload_bytes(fmt, hidden) + 4 * topk + 4) // 16) * 16
+
+
+def combine_row_bytes(fmt: str | None, hidden: int) -> int:
+    """A combine row on the wire: the payload, padded to 16 bytes."""
+    return -(-payload_bytes(fmt, hidden) // 16) * 16
+
+
 def floor_bytes(idx, rank, world, per_node, experts, row_bytes, out_row_bytes, ctrl_bytes):
     """Floor of rank ``rank``'s cross-node payload bytes: (dispatch, combine), as the module docstring
     defines it; ``ctrl_bytes`` = the control words and the flag of one (source, destination) pair."""
@@ -62,16 +82,20 @@ def floor_bytes(idx, rank, world, per_node, experts, row_bytes, out_row_bytes, c
 def _rank(group, args):
     world, me = group.world_size, group.rank
     xs, idx, ws = _inputs(args, world)
-    ep = moe_comm.EPBuffer(group, args.experts, args.hidden, args.tokens, args.topk, fp8_dispatch=args.fp8)
+    ep = moe_comm.EPBuffer(group, args.experts, args.hidden, args.tokens, args.topk,
+                           dispatch_format=args.dispatch_format, combine_format=args.combine_format)
     p = ep.plan
+    gs = moe_comm.reference.nvfp4_global_scale(torch.cat(xs)) if args.dispatch_format == "nvfp4" else None
     wire = group.heap.wire
     before = dict(wire.stats)
-    d = ep.dispatch(xs[me], idx[me])
+    d = ep.dispatch(xs[me], idx[me], global_scale=gs)
     mid = dict(wire.stats)
-    ep.combine(d.x.float().to(torch.bfloat16) if not args.fp8 else torch.ones(d.x.shape, dtype=torch.bfloat16),
-               ws[me], d.handle)
+    rows = torch.ones((p.experts_per_rank, p.capacity, args.hidden), dtype=torch.bfloat16)
+    ep.combine(rows if args.dispatch_format else d.x.clone(), ws[me], d.handle)
     after = dict(wire.stats)
-    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, p.row_words * 4, p.out_words * 4,
+    row_bytes = dispatch_row_bytes(args.dispatch_format, args.hidden, args.topk)
+    out_row_bytes = combine_row_bytes(args.combine_format, args.hidden)
+    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, row_bytes, out_row_bytes,
                          p.dispatch_ctrl_words * 8)
     ep.close()
     diff = lambda a, b, key: b.get(key, 0) - a.get(key, 0)  # noqa: E731
@@ -79,7 +103,8 @@ def _rank(group, args):
                 dispatch_messages=diff(before, mid, "messages"), combine_wire=diff(mid, after, "payload"),
                 combine_floor=fc, combine_messages=diff(mid, after, "messages"),
                 headers=diff(before, after, "bytes") - diff(before, after, "payload"),
-                row_bytes=p.row_words * 4, out_row_bytes=p.out_words * 4)
+                row_bytes=row_bytes, out_row_bytes=out_row_bytes, plan_row_bytes=p.row_words * 4,
+                plan_out_row_bytes=p.combine_words * 4)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -90,9 +115,16 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the same as --dispatch-format e4m3")
+    ap.add_argument("--dispatch-format", choices=("e4m3", "nvfp4"), default=None)
+    ap.add_argument("--combine-format", choices=("e4m3",), default=None)
     ap.add_argument("--unrouted", type=float, default=0.0, help="share of slots set to -1 (not routed)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.fp8:
+        if a.dispatch_format not in (None, "e4m3"):
+            ap.error("--fp8 is --dispatch-format e4m3: pass one of them")
+        a.dispatch_format = "e4m3"
+    return a
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -106,7 +138,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     rows = measure(args)
     print(f"{args.nodes} nodes x {args.ranks_per_node} ranks, T={args.tokens}, hidden={args.hidden}, "
-          f"E={args.experts}, top-{args.topk}, {'fp8' if args.fp8 else 'bf16'} dispatch; "
+          f"E={args.experts}, top-{args.topk}, {args.dispatch_format or 'bf16'} dispatch, "
+          f"{args.combine_format or 'bf16'} combine; "
           f"payload bytes (wire headers: {HEADER.size} B per message, counted apart)")
     print(f"{'rank':>4} {'dispatch floor':>15} {'wire':>10} {'x':>5} {'msgs':>5} "
           f"{'combine floor':>14} {'wire':>10} {'x':>5} {'msgs':>5} {'headers B':>10}")

@@ -366,7 +366,7 @@ class EPBuffer(OpBuffer):
                 ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
                 **combine, **self._recv_put_args(p), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
                 HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **sig, **common,
-                **cch.trace_args(recv=True))
+                **cch.trace_args(recv=True), num_warps=p.reduce_warps)
             if g.world_size == 1:  # one kernel per call: no landing zone, no flags
                 sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
                     dispatch_local_kernel, dev, p.local_grid, aligned=vector_aligned(x_words, self._scales),

@@ -149,6 +149,7 @@ GPU_LOCAL_COPY_WORDS = 512
 # nvfp4 columns per warp of a dispatch send program: 512 bytes of values stored as 16-byte vectors by 32
 # threads (Triton gives each thread its share of a tile, so wider tiles take more warps, never fewer bytes)
 GPU_NVFP4_WARP_COLS = 1024
+GPU_FP8_WARP_COLS = 512    # e4m3 columns per warp of a loop over fp8 rows: 16 bytes per thread
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,8 @@ class EPPlan:
     #                           nvfp4 tiles of 512 bytes (1024 columns) one
     recv_programs: int        # grid of the combine send; the dispatch receive's, split over sources (recv_grid)
     reduce_programs: int      # token blocks of the combine reduction's grid
+    reduce_warps: int         # warps per combine reduction program: 4, or 2 with combine_fp8 (the e4m3 bytes of
+    #                           a 1024-column tile are 16 bytes per thread at 64 threads: 16-byte loads)
     # Put transport (``with_put``): the dispatch row carries one more routing word, the token index (a
     # put peer gets only the rows routed to it, packed; the index places them), the control words one
     # more, the run base of the combine (below), and the combine landing zone a second half where the
@@ -364,6 +367,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
             if nvfp4 else 4
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
+        reduce_warps = max(1, min(4, block_hidden // GPU_FP8_WARP_COLS)) if combine_fp8 else 4
     else:
         # Tokens per chunk: the routing's [chunk*K, chunk*K] comparison tile stays under 2**20 elements.
         block_tokens = min(next_pow2(max_tokens), max(1, 1024 // slots))
@@ -375,7 +379,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         nvfp4_block_groups = min(pow2_groups16, 256)
         route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))
         send_programs = recv_programs = reduce_programs = 1
-        send_warps = 4
+        send_warps = reduce_warps = 4
     return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8, bool(nvfp4), bool(combine_fp8),
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
                   row_words=route_row_words(x_words + scale_words, topk, False), dispatch_ctrl_words=L + 2,
@@ -384,7 +388,7 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
                   nvfp4_block_groups=nvfp4_block_groups if nvfp4 else 0,
                   route_tokens=route_tokens, send_programs=send_programs, send_warps=send_warps,
-                  recv_programs=recv_programs, reduce_programs=reduce_programs)
+                  recv_programs=recv_programs, reduce_programs=reduce_programs, reduce_warps=reduce_warps)
 
 
 def deepep_low_latency_bytes(max_tokens: int, hidden: int, world: int, num_experts: int) -> int:

@@ -327,7 +327,7 @@ class PrefillBuffer(OpBuffer):
                 ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq, done_ptr=cch.done,
                 OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.combine_words * 4, X_OFFSET=p.x_offset,
                 BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, FP8=ep.combine_fp8, **slots,
-                **sig))
+                **sig, num_warps=ep.reduce_warps))
 
     def _in_flight_now(self) -> deque:
         """The in-flight handles of the group's current epoch. A new epoch (``reset()``, ``exclude()``)

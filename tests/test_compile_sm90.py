@@ -69,7 +69,17 @@ PAYLOAD_KERNELS = {"a2a_send_kernel", "a2a_recv_kernel", "a2a_local_kernel", "di
                    "dispatch_recv_kernel", "dispatch_local_kernel", "combine_send_kernel", "combine_recv_kernel",
                    "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel"}
 FP8_SENDS = ("dispatch_send_kernel", "dispatch_local_kernel", "prefill_dispatch_send_kernel")
-FP8_SCALE_STORES = 8   # an fp8 send stores one 4-byte scale per destination (top-8) per column block
+FP8_SCALE_STORES = 8   # an fp8 or nvfp4 send stores one 4-byte scale word per destination (top-8) per column block
+QUANT_LABELS = ("fp8", "nvfp4")   # configs whose label names a quantized format (compile_report)
+# The fp8 combine (combine_format="e4m3"): a send stores one row per copy (one destination), so one narrow
+# store of its scales per copy loop (two with puts: the staged runs are a second copy); a receive loads each
+# row's scales, 8 per 1024 columns, narrow: one load per slot k (EP, top-8) or per rank d (prefill, EP8).
+FP8_COMBINE_SENDS = ("combine_send_kernel", "prefill_combine_send_kernel")
+FP8_COMBINE_RECVS = {"combine_recv_kernel": 8, "prefill_combine_recv_kernel": 8}
+
+
+def _quantized(r) -> bool:
+    return any(q in r["label"].split() for q in QUANT_LABELS)
 
 
 def _narrow_payload_stores(r) -> int:
@@ -81,16 +91,22 @@ def test_every_payload_copy_moves_16_byte_vectors(report):
     """Every global load and store of row payload in the dispatch, combine and AllToAllvDynamic kernels
     (and the ops path's row copy) is a 16-byte vector at the DeepSeek-V3 shapes. Payload accesses are
     those issued by ``copy.py`` (the one copy loop and tile store), found through the PTX line info.
-    The one exception is counted exactly: the fp8 scales (one float32 per 128 columns), which a
-    column block of 8 groups stores as one 4-byte word per destination."""
+    The exceptions are counted exactly: the scales of the quantized formats (fp8: one float32 per 128
+    columns; nvfp4: four e4m3 per 64 columns), a few bytes per 1024 columns, which a column block stores as
+    one 4-byte word per destination, and which the fp8 combine's receive loads as one 4-byte word per
+    row read."""
     rows = [r for r in report if r["kernel"] in PAYLOAD_KERNELS or
             (r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"])]
     assert {r["kernel"] for r in rows} >= PAYLOAD_KERNELS
     for r in rows:
         assert r["payload_stores"] >= 1 and r["payload_loads"] >= 1, r
-        assert r["payload_v4_loads"] == r["payload_loads"], r
-        fp8_send = "fp8" in r["label"] and r["kernel"] in FP8_SENDS
-        assert _narrow_payload_stores(r) == (FP8_SCALE_STORES if fp8_send else 0), r
+        quantized = _quantized(r)
+        scale_loads = FP8_COMBINE_RECVS.get(r["kernel"], 0) if quantized else 0
+        assert r["payload_loads"] - r["payload_v4_loads"] == scale_loads, r
+        scale_stores = (FP8_SCALE_STORES if r["kernel"] in FP8_SENDS else 1 + r["nvshmem"]
+                        if r["kernel"] in FP8_COMBINE_SENDS else 0) if quantized else 0
+        assert _narrow_payload_stores(r) == scale_stores, r
+        assert r["payload_v4_loads"] >= 1 and r["payload_v4_stores"] >= 1, r   # the payload itself: vectors
 
 
 @pytest.mark.timeout(300)
@@ -148,11 +164,15 @@ def test_the_release_store_count(line, store, exch):
 
 @pytest.mark.timeout(900)
 def test_the_fp8_quantizer_is_float32_and_correctly_rounded(report):
-    """The fp8 dispatch quantizes in float32 only (triton_kernels/quant.py; float64 runs at a fraction of
-    float32's rate), and its one division is div.rn (Triton's ``/`` is the approximate div.full, which
-    would leave the interpreter's and torch's codes). No kernel uses float64 at all."""
-    fp8 = [r for r in report if r["kernel"] in FP8_SENDS and "fp8" in r["label"]]
-    assert len(fp8) == 3, [(r["kernel"], r["label"]) for r in report]
+    """The fp8 and nvfp4 quantizers (dispatch and combine) compute in float32 only (triton_kernels/quant.py;
+    float64 runs at a fraction of float32's rate), and their divisions are div.rn (Triton's ``/`` is the
+    approximate div.full, which would leave the interpreter's and torch's codes). No kernel uses float64
+    at all."""
+    fp8 = [r for r in report if r["kernel"] in FP8_SENDS + FP8_COMBINE_SENDS + tuple(FP8_COMBINE_RECVS)
+           and _quantized(r) and not r["nvshmem"]]
+    # fp8 and nvfp4 dispatch (EP send, world-1 dispatch, prefill send), fp8 combine (EP and prefill send and
+    # receive; the EP receive at EP8 and EP1)
+    assert len(fp8) == 11, [(r["kernel"], r["label"]) for r in fp8]
     for r in fp8:
         assert r["approx_divs"] == 0, (r["kernel"], r["label"], r["approx_divs"])
     for r in report:

@@ -22,8 +22,11 @@ from shm_files import own_shm_files
 
 # Share of the (config, routing) cases each world runs (format_cases.cases: every config at every world at
 # any share up to 4); make test-long runs them all.
-LOOPBACK_EVERY = size(2, 1)
+LOOPBACK_EVERY = size(4, 1)
 SHM_EVERY = size(4, 1)
+# Emulated nodes: one node per rank (every peer by puts) in make test; also two ranks per node (stores and
+# puts in one group) in make test-long.
+NODE_LAYOUTS = size([(3, 1)], [(3, 1), (4, 2)])
 
 
 @pytest.mark.timeout(600)
@@ -67,7 +70,7 @@ def _across_nodes(group):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world, per_node", [(3, 1), (4, 2)])
+@pytest.mark.parametrize("world, per_node", NODE_LAYOUTS)
 def test_ep_formats_across_emulated_nodes(world, per_node, monkeypatch):
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
@@ -179,3 +182,32 @@ def _exact_after(bufs, world, ci) -> list[str]:
         ys = [b.combine(phase="recv") for b in bufs]
         errs += [f"after, rank {r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
     return errs
+
+
+# ---- bytes on the wire: each format at its floor ----------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_wire_carries_nvfp4_dispatch_and_fp8_combine_at_their_floor(monkeypatch, nodes=2, per_node=2):
+    """Across emulated nodes the wire carries exactly the floor of each format (bench/wire_bytes.py: each
+    routed token row once per destination rank, each routed slot's expert row once, rows of the format's
+    bytes as formats.py defines them, computed there from the definition, not from the plan), odd sizes and
+    unrouted slots included; an nvfp4 dispatch row and an fp8 combine row are the fractions of bf16's that
+    docs/formats.md states."""
+    import os  # noqa: PLC0415
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
+    import wire_bytes  # noqa: PLC0415
+    hidden, topk = 256, 3
+    args = wire_bytes.parse(["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--tokens", "7",
+                             "--hidden", str(hidden), "--experts", str(4 * nodes * per_node), "--topk", str(topk),
+                             "--unrouted", "0.25", "--dispatch-format", "nvfp4", "--combine-format", "e4m3"])
+    rows = wire_bytes.measure(args)
+    for r in rows:
+        assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, r
+        assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], r
+        assert (r["row_bytes"], r["out_row_bytes"]) == (r["plan_row_bytes"], r["plan_out_row_bytes"]), r
+    # The rows at H = 256, K = 3: nvfp4 128 + 16 bytes + 12 routing + 4 token index = 160 (bf16: 512 + 16 =
+    # 528); e4m3 256 + 8 scale bytes, padded to 272 (bf16: 512).
+    assert rows[0]["row_bytes"] == 160 and wire_bytes.dispatch_row_bytes(None, hidden, topk) == 528
+    assert rows[0]["out_row_bytes"] == 272 and wire_bytes.combine_row_bytes(None, hidden) == 512

@@ -95,27 +95,44 @@ def _a2a_configs() -> list[KernelConfig]:
     return out
 
 
-def _ep_configs() -> list[KernelConfig]:
-    """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
-    EP8 and EP1, bf16 and fp8, with the planner's GPU launch shapes; the routing kernel; the abort kernel."""
+DISPATCH_FORMATS = ("bf16", "fp8", "nvfp4")   # the labels of the dispatch formats compiled here
+
+
+def _dispatch_plan(world: int, fmt: str, combine_fp8: bool = False):
+    """The DeepSeek-V3 decode EP plan (256 experts, hidden 7168, top-8, 128 tokens per rank) of a dispatch
+    format (and combine format), with the GPU launch shapes."""
     import torch  # noqa: PLC0415
 
-    from ..planner import next_pow2, plan_ep  # noqa: PLC0415
+    from ..planner import plan_ep  # noqa: PLC0415
+    return plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, fmt == "fp8", "cuda", nvfp4=fmt == "nvfp4",
+                   combine_fp8=combine_fp8)
+
+
+def _quant_constexprs(p) -> dict:
+    """The dispatch kernels' quantization constexprs of plan ``p``."""
+    return dict(FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, NVFP4=p.nvfp4, NVFP4_GROUPS=p.nvfp4_block_groups)
+
+
+def _ep_configs() -> list[KernelConfig]:
+    """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
+    EP8 and EP1, bf16, fp8 and nvfp4 dispatch, bf16 and fp8 combine, with the planner's GPU launch shapes;
+    the routing kernel; the abort kernel."""
+    from ..planner import next_pow2  # noqa: PLC0415
     from .routing import histogram_bins  # noqa: PLC0415
 
     out, bins = [], histogram_bins(256)
-    for fp8 in (False, True):
-        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+    for fmt in DISPATCH_FORMATS:
+        p = _dispatch_plan(8, fmt)
         common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
                       X_WORDS=p.x_words, S_WORDS=p.scale_words, ROW_WORDS=p.row_words,
                       CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
-        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
+        label = f"DSV3 EP8 {fmt}"
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
             x_ptr="*bf16", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
             slot_key_ptr="*i32", id_base_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
-            num_experts="i32", **SIGNAL, **STAGE), dict(
+            num_experts="i32", gscale_ptr="*fp32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=True, PUT=False),
+            BINS=bins, **_quant_constexprs(p), NBLK=p.send_programs, ALIGNED=True, PUT=False),
             num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
@@ -124,33 +141,38 @@ def _ep_configs() -> list[KernelConfig]:
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
             ALIGNED=True)))
-        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
-        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
-            x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
-            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
-            src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64", grp="*i64",
-            num_tokens="i32", num_experts="i32"), dict(
+        p1 = _dispatch_plan(1, fmt)
+        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {fmt}", dict(
+            x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fmt == "fp8" else "*i32",
+            out_scales_ptr="*i32" if fmt == "nvfp4" else "*fp32", out_src_ptr="*i32", out_counts_ptr="*i32",
+            row_of_ptr="*i32", src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64",
+            grp="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32"), dict(
             OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
             BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
-            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs, ALIGNED=True),
+            **_quant_constexprs(p1), NBLK=p1.send_programs, ALIGNED=True),
             num_warps=p1.send_warps))
-    p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
-    rows = p.experts_per_rank * p.capacity
-    for world in (8, 1):
-        pw = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
-        out.append(KernelConfig("combine", "combine_recv_kernel", f"DSV3 EP{world} bf16", dict(
-            out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
-            slot_key_ptr="*i32", id_base_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64",
-            done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
-            OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
-            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
-            ZONE_SLOTS=pw.combine_zone_slots, BINS=bins)))
-    out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
-        expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
-        ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
-        OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
-        BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots,
-        EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity)))
+    for combine_fp8 in (False, True):
+        p = _dispatch_plan(8, "bf16", combine_fp8)
+        rows = p.experts_per_rank * p.capacity
+        fmt = "fp8" if combine_fp8 else "bf16"
+        quant = dict(SLOT_WORDS=p.combine_words, FP8=combine_fp8)
+        for world in (8, 1):
+            pw = _dispatch_plan(world, "bf16", combine_fp8)
+            out.append(KernelConfig("combine", "combine_recv_kernel", f"DSV3 EP{world} {fmt}", dict(
+                out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
+                slot_key_ptr="*i32", id_base_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64",
+                done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
+                OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
+                HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
+                ZONE_SLOTS=pw.combine_zone_slots, BINS=bins, **quant), num_warps=pw.reduce_warps))
+        out.append(KernelConfig("combine", "combine_send_kernel", f"DSV3 EP8 {fmt}", dict(
+            expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
+            ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
+            OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
+            BW=p.out_block_words * 4 // p.elem_size if combine_fp8 else p.out_block_words, NBLK=p.recv_programs,
+            ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots, EXPERTS_PER_RANK=p.experts_per_rank,
+            EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity, HIDDEN=7168, **quant)))
+    p = _dispatch_plan(8, "bf16")
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
         num_tokens="i32", num_experts="i32"), dict(
@@ -177,34 +199,38 @@ def _prefill_configs() -> list[KernelConfig]:
 
     out, m = [], 4096
     world = dict(WORLD=8, WORLD_P2=8)
-    for fp8 in (False, True):
-        p = plan_prefill(8, 256, 7168, m, 8, torch.bfloat16, fp8, "cuda")
+    for fmt in DISPATCH_FORMATS:
+        p = plan_prefill(8, 256, 7168, m, 8, torch.bfloat16, fmt == "fp8", "cuda", nvfp4=fmt == "nvfp4")
         ep = p.ep
-        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel",
-                                f"DSV3 EP8 M{m} {'fp8' if fp8 else 'bf16'}", dict(
+        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel", f"DSV3 EP8 M{m} {fmt}", dict(
             x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
             excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
             combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", num_experts="i32",
-            **SIGNAL), dict(
+            gscale_ptr="*fp32", **SIGNAL), dict(
             world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
             HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
             CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
-            BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=ep.fp8_block_groups, NBLK=ep.send_programs,
+            BINS=histogram_bins(256), **_quant_constexprs(ep), NBLK=ep.send_programs,
             ALIGNED=True), num_warps=ep.send_warps))
     out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP8 M{m}", dict(
         src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", ctrl_ptr="*i64", seq_ptr="*i64", **SIGNAL),
         dict(world, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
              EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words)))
-    out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", f"DSV3 EP8 M{m} bf16", dict(
-        expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
-        done_ptr="*i32", **SIGNAL), dict(
-        world, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
-        BW=p.copy_words, NBLK=p.copy_programs, IN_PLACE=False, ALIGNED=True)))
-    out.append(KernelConfig("prefill_combine", "prefill_combine_recv_kernel", f"DSV3 EP8 M{m} bf16", dict(
-        out_ptr="*bf16", routed_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64",
-        seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
-        world, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.out_words * 4,
-        X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True)))
+    for combine_fp8 in (False, True):
+        p = plan_prefill(8, 256, 7168, m, 8, torch.bfloat16, False, "cuda", combine_fp8=combine_fp8)
+        ep, fmt = p.ep, "fp8" if combine_fp8 else "bf16"
+        out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", f"DSV3 EP8 M{m} {fmt}", dict(
+            expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
+            done_ptr="*i32", **SIGNAL), dict(
+            world, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
+            BW=p.copy_words * 4 // ep.elem_size if combine_fp8 else p.copy_words, NBLK=p.copy_programs,
+            IN_PLACE=False, ALIGNED=True, ROW_WORDS=ep.combine_words, HIDDEN=7168, FP8=combine_fp8)))
+        out.append(KernelConfig("prefill_combine", "prefill_combine_recv_kernel", f"DSV3 EP8 M{m} {fmt}", dict(
+            out_ptr="*bf16", routed_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64",
+            seq_ptr="*i64", done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
+            world, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.combine_words * 4,
+            X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True,
+            FP8=combine_fp8), num_warps=ep.reduce_warps))
     out.append(KernelConfig("prefill_combine", "prefill_release_kernel", "EP8", dict(
         ctrl_ptrs_ptr="*i64", recv_seq_ptr="*i64", grp="*i64", rank="i32"), world))
     return out
@@ -214,7 +240,8 @@ PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with
     # kernels (puts of rows, signals), and every kernel whose failed wait (or host-found error) broadcasts
     # the status record to the peers reached by puts (the receive kernels also read the put layout)
     ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("dispatch_send_kernel", "DSV3 EP8 bf16"),
-    ("combine_send_kernel", "DSV3 EP8 bf16"), ("abort_kernel", "EP8 dispatch channel"),
+    ("combine_send_kernel", "DSV3 EP8 bf16"), ("combine_send_kernel", "DSV3 EP8 fp8"),
+    ("abort_kernel", "EP8 dispatch channel"),
     ("a2a_recv_kernel", "fwd 7168 bf16 EP8"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
     ("combine_recv_kernel", "DSV3 EP8 bf16"), ("drain_kernel", "EP8 dispatch channel"),
     ("fail_group_kernel", "EP8 barrier timeout")}

@@ -100,16 +100,16 @@ def store_fp8_tile(v, col, ncols, dst, write, C: tl.constexpr, NDST: tl.constexp
 
 
 @triton.jit
-def store_nvfp4_block(x_ptr, t, read, col, gscale_ptr, dst, sdst, write, HIDDEN: tl.constexpr, X_WORDS: tl.constexpr,
+def store_nvfp4_block(x_ptr, t, read, col, global_scale, dst, sdst, write, HIDDEN: tl.constexpr, X_WORDS: tl.constexpr,
                       S_WORDS: tl.constexpr, BT: tl.constexpr, GROUPS: tl.constexpr, NDST: tl.constexpr,
                       NDST_P2: tl.constexpr, ALIGNED: tl.constexpr):
     """Column block ``col`` (GROUPS * 16 columns) of tokens ``t`` [BT] of x [T, HIDDEN] (read where ``read``),
-    quantized to NVFP4 (``quant.quantize_nvfp4_groups``) and stored to every destination d < NDST where
+    quantized to NVFP4 with the float32 scalar ``global_scale`` (``quant.quantize_nvfp4_groups``) and stored to every destination d < NDST where
     ``write``: the value words at row ``dst[:, d]`` (of X_WORDS words), the scale words at row ``sdst[:, d]``
     (of S_WORDS words; int64 byte addresses). What every nvfp4 dispatch kernel stores a block with."""
     COLS: tl.constexpr = GROUPS * 16
     xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
-    values, scales = quantize_nvfp4_groups(xs.to(tl.float32), tl.load(gscale_ptr), BT, GROUPS)
+    values, scales = quantize_nvfp4_groups(xs.to(tl.float32), global_scale, BT, GROUPS)
     store_tile(values, col * (GROUPS * 2), X_WORDS, dst, write, GROUPS * 2, NDST, NDST_P2, ALIGNED)
     store_tile(scales, col * (GROUPS // 4), S_WORDS, sdst, write, GROUPS // 4, NDST, NDST_P2, ALIGNED)
 

@@ -213,7 +213,7 @@ def dispatch_send_kernel(
             store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED)
         elif NVFP4:  # the same for NVFP4: value words, then scale words, of column block `col`
-            store_nvfp4_block(x_ptr, t, read, col, gscale_ptr, dst, dst + X_WORDS * 4, write, HIDDEN, X_WORDS, S_WORDS,
+            store_nvfp4_block(x_ptr, t, read, col, tl.load(gscale_ptr), dst, dst + X_WORDS * 4, write, HIDDEN, X_WORDS, S_WORDS,
                               BT, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,

@@ -96,7 +96,7 @@ def dispatch_local_kernel(
                 store_tile(scale, col * FP8_GROUPS, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
                            FP8_GROUPS, TOPK, TOPK_P2, ALIGNED)
             elif NVFP4:
-                store_nvfp4_block(x_ptr, t, read, col, gscale_ptr, address(out_x_ptr) + dst2 * (X_WORDS * 4),
+                store_nvfp4_block(x_ptr, t, read, col, tl.load(gscale_ptr), address(out_x_ptr) + dst2 * (X_WORDS * 4),
                                   address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2, HIDDEN, X_WORDS, S_WORDS, BT,
                                   NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
             else:

@@ -115,7 +115,7 @@ def prefill_dispatch_send_kernel(
             store_tile(scale, col * FP8_GROUPS, S_WORDS, sdst, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
         elif NVFP4:  # the same for NVFP4 (value words into recv_x, scale words into recv_scales)
-            store_nvfp4_block(x_ptr, t, read, col, gscale_ptr, dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
+            store_nvfp4_block(x_ptr, t, read, col, tl.load(gscale_ptr), dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
                               write, HIDDEN, X_WORDS, S_WORDS, BT, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
