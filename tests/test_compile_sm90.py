@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_comm.triton_kernels import ptx_rules
+from moe_comm.triton_kernels.sync import block_any, now_ns
 
 pytestmark = pytest.mark.ptx
 
@@ -306,3 +307,99 @@ def test_the_publish_rule_sees_every_kind_of_payload_store(store):
                    .replace("{AFTER_ACQUIRE}", "bar.sync 0;")
     found = ptx_rules.check(ptx, "k", ["data_ptr", "flag_ptr"])
     assert len(found) == 1, (store, found)
+
+
+# ---- rule 3: every barrier is reached by every thread of a program alike (issue 33) --------------------
+
+@pytest.mark.timeout(900)
+def test_no_barrier_under_a_per_thread_branch(report):
+    """In every kernel config (with and without PUT and TRACE), no CTA barrier or block-wide NVSHMEM call is
+    under a branch whose predicate depends, per thread, on a timer read or a volatile / relaxed / acquire
+    load. At dd5c2bc this rule found 74 such branches in 12 kernels (the waits' timeout and status-tag
+    branches among them): the cause of the lost CUDA contexts on timed-out receives."""
+    configs = {(r["kernel"], r["label"]) for r in report}
+    assert any(r["nvshmem"] for r in report) or _bitcode_problem() is not None
+    assert any(r["trace"] for r in report) and len(configs) == len(report)
+    for r in report:
+        assert r["divergent_barriers"] == [], (r["kernel"], r["label"], r["divergent_barriers"])
+
+
+UNIFORM_PTX = """
+.visible .entry k(.param .u64 k_param_0)
+{
+\tld.param.u64 %rd1, [k_param_0];
+$L__BB0_1:
+\t{SOURCE}
+\tsetp.gt.s64 %p1, %rd2, %rd3;
+\t{DECIDE}
+\t@%p2 bra $L__BB0_3;
+\tbar.sync 0;
+\tbra.uni $L__BB0_1;
+$L__BB0_3:
+\tret;
+}
+"""
+
+
+@pytest.mark.parametrize("source, decide, flagged", [
+    ("mov.u64 %rd2, %globaltimer;", "mov.pred %p2, %p1;", True),            # the old timeout branch
+    ("ld.volatile.global.b64 %rd2, [%rd1];", "mov.pred %p2, %p1;", True),   # the old status-tag branch
+    ("@%p5 atom.global.sys.acquire.add.u64 %rd2, [%rd1], 0;", "mov.pred %p2, %p1;", True),
+    ("ld.global.b64 %rd2, [%rd1];", "mov.pred %p2, %p1;", False),           # a word that does not change
+    ("mov.u64 %rd2, %globaltimer;", "bar.red.or.pred %p2, 0, %p1;", False),  # block_any: one verdict for all
+    ("ld.shared.b64 %rd2, [%r1];", "mov.pred %p2, %p1;", False),            # an atomic's broadcast result
+])
+def test_the_uniformity_rule_on_synthetic_ptx(source, decide, flagged):
+    """Control of rule 3 on a wait-shaped loop (a barrier in the body, the exit on the predicate): a
+    per-thread source reaching the branch is found, through a loop; the same source made block-uniform
+    (bar.red, or a value read from shared memory) is not."""
+    ptx = UNIFORM_PTX.replace("{SOURCE}", source).replace("{DECIDE}", decide)
+    found = ptx_rules.divergent_barriers(ptx, "k")
+    assert bool(found) == flagged, found
+
+
+def test_the_uniformity_rule_sees_guarded_barriers_and_block_calls():
+    ptx = UNIFORM_PTX.replace("{SOURCE}", "mov.u64 %rd2, %globaltimer;").replace(
+        "{DECIDE}", "@%p1 bar.sync 0;\n\tmov.pred %p2, 0;")
+    assert any("guarded" in p for p in ptx_rules.divergent_barriers(ptx, "k"))
+    call = UNIFORM_PTX.replace("{SOURCE}", "ld.volatile.global.b64 %rd2, [%rd1];").replace(
+        "{DECIDE}", "mov.pred %p2, %p1;").replace("bar.sync 0;", "call.uni nvshmemx_putmem_signal_nbi_block, (%rd1);")
+    assert ptx_rules.divergent_barriers(call, "k")
+
+
+@triton.jit
+def _old_wait(flag_ptr, out_ptr, timeout_ns, UNIFORM: tl.constexpr):
+    """The shape of sync.wait_flags before issue 33 (UNIFORM False): poll a flag, and on a timer verdict
+    record an error under a claim (an atomic, broadcast with a barrier); with UNIFORM the verdict is
+    sync.block_any's."""
+    t0 = now_ns()
+    state = 0
+    while state == 0:
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        late = now_ns() - t0 > timeout_ns
+        if UNIFORM:
+            late = block_any(late)
+        if v == 1:
+            state = 1
+        elif late:
+            zero = tl.zeros([], dtype=tl.int64)
+            if tl.atomic_cas(out_ptr, zero, zero + 1, sem="relaxed") == 0:
+                tl.store(out_ptr + 1, v)
+            state = 2
+    tl.debug_barrier()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("uniform", [False, True])
+def test_the_uniformity_rule_on_compiled_waits(uniform):
+    """Control on real compiler output: the old wait shape is flagged on its timer branch, the
+    block_any one is not."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(flag_ptr="*i64", out_ptr="*i64", timeout_ns="i64", UNIFORM="constexpr")
+    ptx = triton.compile(ASTSource(_old_wait, sig, dict(UNIFORM=uniform)), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    found = ptx_rules.divergent_barriers(ptx, "_old_wait")
+    assert (found == []) == uniform, found
+    if not uniform:
+        assert any("globaltimer" in p for p in found), found

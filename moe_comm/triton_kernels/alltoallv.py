@@ -186,7 +186,7 @@ def a2a_recv_kernel(
     trace.store_peer_words(seen, src, 0, (blk == 0) & (live == 0), TRACE)
     if FORWARD:
         # Clamp again: the count came from another process and must not steer a store out of bounds.
-        cnt = tl.minimum(tl.maximum(tl.load(ctrl, volatile=True), 0), max_rows)
+        cnt = tl.minimum(tl.maximum(tl.load(ctrl), 0), max_rows)   # published before the flag: a plain load
         off = src.to(tl.int64) * max_rows
     else:
         cnt = tl.minimum(tl.maximum(tl.load(kept_counts_ptr + src).to(tl.int64), 0), max_rows)

@@ -349,7 +349,8 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     return dict(kernel=cfg.kernel, label=cfg.label, arch=f"sm_{arch}", num_warps=compiled.metadata.num_warps,
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
                 trace=bool(constexprs.get("TRACE", False)),
-                ordering_problems=ptx_rules.check(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
+                ordering_problems=ptx_rules.check(ptx, cfg.kernel, args),
+                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
                 spill_load_bytes=int(spill.group(2)) if spill else None,
@@ -381,12 +382,13 @@ def main(argv=None) -> int:
             print(json.dumps(r))
         return 0
     print(f"{'kernel':<22} {'config':<28} {'warps':>5} {'regs':>5} {'spill st/ld':>12} {'smem':>7} "
-          f"{'publish':>7} {'acquire':>7} {'ordering':>8}")
+          f"{'publish':>7} {'acquire':>7} {'ordering':>8} {'uniform':>8}")
     for r in rows:
         print(f"{r['kernel']:<22} {r['label']:<28} {r['num_warps']:>5} {r['registers']:>5} "
               f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['triton_shared_bytes']:>7} "
-              f"{r['publishes']:>7} {r['acquires']:>7} {'ok' if not r['ordering_problems'] else 'VIOLATED':>8}")
-        for p in r["ordering_problems"]:
+              f"{r['publishes']:>7} {r['acquires']:>7} {'ok' if not r['ordering_problems'] else 'VIOLATED':>8} "
+              f"{'ok' if not r['divergent_barriers'] else 'VIOLATED':>8}")
+        for p in r["ordering_problems"] + r["divergent_barriers"]:
             print(f"    {p}")
     return 0
 

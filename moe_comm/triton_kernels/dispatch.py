@@ -56,7 +56,7 @@ from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, pac
                       token_destinations)
 from .transport import dest, drain, flush, order_transports, put_peers, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
-                   live_ranks, publish_many, record_error, wait_flags)
+                   live_ranks, publish_many, read_once, record_error, wait_flags)
 
 
 @triton.jit
@@ -235,7 +235,7 @@ def dispatch_send_kernel(
                 own_ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_off
                 for p in range(WORLD):
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
-                        rows = tl.load(stage_ctrl_ptr + p * CTRL_WORDS, volatile=True)   # the rows staged for p
+                        rows = read_once(stage_ctrl_ptr + p * CTRL_WORDS, p < WORLD)   # staged for p by another program
                         flush(own_rows, stage_ptr + tl.cast(p, tl.int64) * M * ROW_WORDS, rows * ROW_BYTES,
                               own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
                               own_ctrl + CTRL_WORDS - 1, flag, p)
@@ -294,10 +294,11 @@ def dispatch_recv_kernel(
     trace.add_waits(wait_ptr, seen, w, (w == src) & (blk == 0), need, t_wait, WORLD, TRACE)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
+    # Control words of arrived sources were published before their flags: plain loads (block-uniform).
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],
-                     other=0, volatile=True)
+                     other=0)
     counts = tl.minimum(tl.maximum(counts, 0), M * TOPK).to(tl.int32)   # [WORLD_P2, EXPERTS_P2]
-    tokens = tl.load(ctrl + w * CTRL_WORDS, mask=arrived, other=0, volatile=True)
+    tokens = tl.load(ctrl + w * CTRL_WORDS, mask=arrived, other=0)
     tokens = tl.minimum(tl.maximum(tokens, 0), M).to(tl.int32)          # [WORLD_P2]
 
     if (blk == 0) & (src == WORLD - 1):   # the program that waited for every source
@@ -319,7 +320,7 @@ def dispatch_recv_kernel(
     if PUT:
         if blk == 0:
             tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + e, count, mask=e_live)
-            run_base = tl.load(ctrl + src * CTRL_WORDS + 1 + EXPERTS_PER_RANK, volatile=True)
+            run_base = tl.load(ctrl + src * CTRL_WORDS + 1 + EXPERTS_PER_RANK)
             tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK,
                      tl.minimum(tl.maximum(run_base, 0), M * TOPK).to(tl.int32))
     # Slots j = (token t, k) of this source, k padded to TOPK_P2: one flat axis, so that every tile below

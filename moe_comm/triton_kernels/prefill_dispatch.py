@@ -153,9 +153,9 @@ def prefill_dispatch_recv_kernel(
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     counts = tl.load(ctrl + w[:, None] * CTRL_WORDS + 1 + e[None, :], mask=arrived[:, None] & e_live[None, :],
-                     other=0, volatile=True)
+                     other=0)   # published before the flags: plain loads
     counts = tl.sum(tl.minimum(tl.maximum(counts, 0), M * TOPK), axis=0).to(tl.int32)
-    tokens = tl.load(ctrl + w * CTRL_WORDS, mask=arrived, other=0, volatile=True)
+    tokens = tl.load(ctrl + w * CTRL_WORDS, mask=arrived, other=0)
     tl.store(src_tokens_ptr + w, tl.minimum(tl.maximum(tokens, 0), M).to(tl.int32), mask=w < WORLD)
     tl.store(counts_ptr + e, counts, mask=e_live)
     tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + counts.to(tl.int64), mask=e_live)

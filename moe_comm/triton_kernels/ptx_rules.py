@@ -1,7 +1,10 @@
-"""Memory-ordering rules checked on the PTX of every kernel (compiled for sm_90 on the CPU).
+"""Memory-ordering and block-uniformity rules checked on the PTX of every kernel (compiled for sm_90 on
+the CPU).
 
-Triton's interpreter runs each statement's stores before the next, so it cannot show an ordering bug;
-the compiled code can have one. Two rules, checked on the PTX text in program order:
+Triton's interpreter runs each statement's stores before the next, and one thread per program, so it
+cannot show an ordering bug or threads of a program that disagree; the compiled code can have either.
+Three rules, the first two checked on the PTX text in program order, the third on its control flow
+(``divergent_barriers``, below):
 
 1. **A CTA barrier before every publish.** A release atomic (``atom``/``red`` with ``.release`` or
    ``.acq_rel``, or ``st.release``) is issued by one thread and orders only what that thread did: the other
@@ -15,6 +18,10 @@ the compiled code can have one. Two rules, checked on the PTX text in program or
 
 The walk is linear (it crosses branches and labels), which is what the kernels are written for: the
 barrier sits right before each publish and right after each wait, in the same block.
+
+3. **Every barrier is reached by every thread alike.** No CTA barrier and no block-wide NVSHMEM call under
+   a branch (or guard) whose predicate depends, per thread, on a timer read or a volatile, relaxed or
+   acquire load (``triton_kernels/sync.py`` says which values are block-uniform and why).
 """
 
 from __future__ import annotations
@@ -136,3 +143,179 @@ def counts(ptx: str) -> dict:
                 v4_loads=sum(bool(V4_LOAD.search(x)) for x in lines),
                 f64_ops=sum(bool(F64_OP.search(x)) for x in lines),
                 approx_divs=sum(bool(APPROX_DIV.search(x)) for x in lines))
+
+
+# ---- Rule 3: every barrier and block-wide call is reached by every thread of the program alike -------------
+#
+# Triton computes a "scalar" in every thread separately. A value read from the clock or from memory that
+# can change under the kernel (a volatile, relaxed or acquire load; an atomic's own result register) can
+# differ between the threads of one program; a branch on it that holds a CTA barrier (or a block-wide
+# NVSHMEM call) lets warps meet different barriers. What makes such a value uniform, and so clean here:
+# a trip through shared memory after a barrier (Triton's broadcast of an atomic's result and its cross-warp
+# reductions: every thread reads the one value written) and ``bar.red`` (a CTA-wide reduction).
+
+TAINT_SOURCE = re.compile(r"%globaltimer|%clock(?:64)?\b|\bld\.[\w.]*\b(?:volatile|relaxed|acquire)\b|\batom\.")
+UNIFORM_RESULT = re.compile(r"\bbar(?:rier)?\.red\b")           # its result is the same in every thread
+CTA_BARRIER = re.compile(r"\b(?:bar|barrier)\.(?:sync|red|arrive)\b")
+BLOCK_CALL = re.compile(r"\bcall(?:\.uni)?\b.*?\b(\w+_block)\b")   # NVSHMEM's block-wide calls (nvshmemx_*_block)
+LABEL = re.compile(r"^\s*(\$?[\w.$]+):")
+GUARD = re.compile(r"^@(!?)(%\w+)\s+")
+BRANCH = re.compile(r"^(?:@!?%\w+\s+)?bra(?:\.uni)?\s+(\$?[\w.$]+)")
+NO_DEST = re.compile(r"^(?:st|red|bar|barrier|bra|ret|exit|membar|fence|prefetch|call|trap|cp\.async|mbarrier\.arrive)\b")
+
+
+def _body(ptx: str, kernel: str) -> list[tuple[int, str]]:
+    """(line number, statement) of the entry function ``kernel``, one PTX statement each (a line holding
+    an inline-asm block ``{ a; b; }`` gives its statements; its local ``.reg`` declarations are dropped)."""
+    lines = ptx.splitlines()
+    start = next(i for i, x in enumerate(lines) if re.search(rf"\.entry\s+{re.escape(kernel)}\s*\(", x))
+    i = next(j for j in range(start, len(lines)) if lines[j].strip() == "{")
+    out = []
+    for n in range(i + 1, len(lines)):
+        raw = lines[n]
+        if raw.rstrip() == "}":
+            break
+        text = raw.split("//")[0].strip()
+        if not text or text.startswith("."):
+            continue
+        m = LABEL.match(text)
+        if m and not text.endswith(";"):
+            out.append((n + 1, m.group(1) + ":"))
+            continue
+        for part in text.strip("{} ").split(";"):
+            part = part.strip(" {}")
+            if part and not part.startswith("."):
+                out.append((n + 1, part))
+    return out
+
+
+def _dest_srcs(stmt: str):
+    """(guard register or None, destination registers, source registers) of one statement."""
+    g = GUARD.match(stmt)
+    guard = g.group(2) if g else None
+    body = stmt[g.end():] if g else stmt
+    op, _, args = body.partition(" ")
+    if NO_DEST.match(op) and not UNIFORM_RESULT.search(op):
+        return guard, [], REG.findall(args)
+    first, _, rest = args.partition(",")
+    if first.strip().startswith("{"):   # a vector destination {a, b}: up to the closing brace
+        head, _, rest = args.partition("}")
+        first = head
+    return guard, REG.findall(first), REG.findall(rest)
+
+
+def _blocks(body):
+    """Basic blocks: list of (label, [(line, stmt)]), and the successors of each block index."""
+    blocks, cur = [], ("<entry>", [])
+    for line, stmt in body:
+        if stmt.endswith(":"):
+            blocks.append(cur)   # kept even when empty: it falls through to this label
+            cur = (stmt[:-1], [])
+            continue
+        cur[1].append((line, stmt))
+        op = GUARD.sub("", stmt)
+        if BRANCH.match(stmt) or op.startswith(("ret", "exit")):
+            blocks.append(cur)
+            cur = (f"<after line {line}>", [])
+    blocks.append(cur)
+    index = {label: i for i, (label, _) in enumerate(blocks)}
+    succ = []
+    for i, (_, stmts) in enumerate(blocks):
+        s = set()
+        last = stmts[-1][1] if stmts else ""
+        op = GUARD.sub("", last)
+        m = BRANCH.match(last)
+        if m:
+            s.add(index[m.group(1)])
+            if GUARD.match(last) and i + 1 < len(blocks):   # conditional: falls through too
+                s.add(i + 1)
+        elif op.startswith(("ret", "exit")):
+            if GUARD.match(last) and i + 1 < len(blocks):
+                s.add(i + 1)
+        elif i + 1 < len(blocks):
+            s.add(i + 1)
+        succ.append(s)
+    return blocks, succ
+
+
+def _post_dominators(succ):
+    """Immediate post-dominator of each block (None: the exit), by the iterative set algorithm."""
+    n = len(succ)
+    exit_ = n   # a virtual exit after every block with no successor
+    full = set(range(n + 1))
+    pdom = [set(full) for _ in range(n)] + [{exit_}]
+    changed = True
+    while changed:
+        changed = False
+        for b in reversed(range(n)):
+            nexts = succ[b] or {exit_}
+            new = {b} | set.intersection(*(pdom[s] for s in nexts))
+            if new != pdom[b]:
+                pdom[b], changed = new, True
+    ipdom = []
+    for b in range(n):
+        strict = pdom[b] - {b}
+        # the immediate one: the strict post-dominator that every other strict one post-dominates
+        cand = [c for c in strict if all(o in pdom[c] for o in strict)]
+        ipdom.append(None if not cand or cand[0] == exit_ else cand[0])
+    return ipdom
+
+
+def divergent_barriers(ptx: str, kernel: str) -> list[str]:
+    """Rule 3 on the entry function ``kernel``: every CTA barrier (``bar.sync``/``bar.red``/...) and
+    block-wide NVSHMEM call that some thread may reach while another thread of the program does not,
+    because a branch (or a guard) on the way depends, per thread, on a timer read or a volatile /
+    relaxed / acquire load (or an atomic's own result register); [] if none. Taint follows registers
+    (every definition of a register counts); a value that went through shared memory, or a ``bar.red``
+    result, is uniform. The region of a conditional branch is what its successors reach before the
+    branch's immediate post-dominator (a loop whose exit is tainted: its whole body)."""
+    body = _body(ptx, kernel)
+    origin = {}   # tainted register -> (line, statement) of a taint source it depends on
+    changed = True
+    while changed:
+        changed = False
+        for line, stmt in body:
+            if stmt.endswith(":"):
+                continue
+            guard, dests, srcs = _dest_srcs(stmt)
+            if not dests or UNIFORM_RESULT.search(stmt):
+                continue
+            why = (line, stmt) if TAINT_SOURCE.search(stmt) else next(
+                (origin[r] for r in srcs + ([guard] if guard else []) if r in origin), None)
+            if why:
+                for d in dests:
+                    if d not in origin:
+                        origin[d], changed = why, True
+
+    blocks, succ = _blocks(body)
+    ipdom = _post_dominators(succ)
+    problems = []
+
+    def barrier_in(stmt):
+        return CTA_BARRIER.search(stmt) or BLOCK_CALL.search(stmt)
+
+    for b, (_, stmts) in enumerate(blocks):
+        for line, stmt in stmts:
+            g = GUARD.match(stmt)
+            if not g or g.group(2) not in origin:
+                continue
+            src_line, src = origin[g.group(2)]
+            if barrier_in(stmt):
+                problems.append(f"line {line} ({stmt}) is guarded by {g.group(2)}, which depends per thread "
+                                f"on line {src_line} ({src})")
+            if not BRANCH.match(stmt):
+                continue
+            stop = ipdom[b]
+            seen, todo = set(), list(succ[b])
+            while todo:
+                x = todo.pop()
+                if x in seen or x == stop:
+                    continue
+                seen.add(x)
+                todo.extend(succ[x])
+            under = [(bline, bstmt) for x in sorted(seen) for bline, bstmt in blocks[x][1] if barrier_in(bstmt)]
+            if under:
+                problems.append(f"branch at line {line} ({stmt}) depends per thread on line {src_line} ({src}); "
+                                f"{len(under)} barrier(s) or block-wide call(s) under it, first at line "
+                                f"{under[0][0]} ({under[0][1]})")
+    return problems

@@ -14,6 +14,27 @@ The words and their layout are in ``moe_comm/protocol.py``; the rules, in short:
   in kernels compiled with ``PUT``), so every rank's kernels stop sending and waiting until ``reset()``.
 - "Last program publishes": programs count themselves in with an acq_rel atomic (``arrive``); the last
   one publishes, and only if no program skipped its part.
+
+Block-uniform decisions. The interpreter runs one thread per program; a GPU runs num_warps * 32, and
+Triton computes a "scalar" in every thread separately. A branch that holds a CTA barrier (``debug_barrier``,
+a publish, an atomic's result broadcast, ``claim``) or a block-wide call (NVSHMEM ``*_block``) must be
+taken by every thread of the program alike, or warps meet different barriers: a hang, or warps reading
+shared-memory slots meant for another broadcast (the CUDA context lost at the first realistic timeout,
+issue 33). So every such branch decides on one of these, and nothing else:
+
+- values every thread computes alike: kernel arguments, constexprs, program ids, and plain loads of words
+  that do not change while the kernel runs (the group state; control words published before a flag this
+  program acquired, read after the wait's barrier);
+- an atomic's result (``read_once``, ``claim``, ``arrive``, the waits' polls): Triton issues it once per
+  element and hands the value to every thread through shared memory after a barrier, so every thread sees
+  the one value read. Words that change under a running kernel (flags, status tags) are read this way;
+- ``block_any(p)``: a CTA-wide OR of a per-thread predicate in one barrier (``bar.red.or.pred``). The
+  timer is per thread (``%globaltimer`` is read by each thread at its own moment), so a timeout is the
+  verdict of ``block_any``, and so is the error word (pinned host memory, no atomics there).
+
+``ptx_rules.divergent_barriers`` checks this on the PTX of every kernel config: no barrier or block-wide
+call is reachable under a branch whose predicate depends, per thread, on a timer read or a volatile,
+relaxed or acquire load.
 """
 
 import time
@@ -85,6 +106,33 @@ else:
             "=r,l,l,r", [ptrs, value, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
+if INTERPRET:
+    @triton.jit
+    def block_any(pred):
+        """True for every thread of the program if ``pred`` (a per-thread scalar) is True in any of them.
+        The interpreter runs one thread per program: the predicate itself."""
+        return pred != 0
+else:
+    @triton.jit
+    def block_any(pred):
+        # bar.red.or.pred: a CTA barrier that ORs one predicate per thread and gives every thread the result.
+        # Every thread of the program must reach it (call it where control flow is already block-uniform).
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred %bany_in, %bany_out; setp.ne.s32 %bany_in, $1, 0; "
+            "bar.red.or.pred %bany_out, 0, %bany_in; selp.s32 $0, 1, 0, %bany_out; }",
+            "=r,r", [(pred != 0).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1) != 0
+
+
+@triton.jit
+def read_once(ptrs, mask):
+    """int64 words at ``ptrs`` (lanes where ``mask``, else 0) that may change while the kernel runs, as
+    one value per lane for every thread of the program: an atomic add of 0 (relaxed, system scope) is
+    issued once per lane and its result broadcast (module docstring). Device memory only (not the error
+    word, which may be pinned host memory)."""
+    m = (tl.zeros(ptrs.shape, tl.int32) + mask) != 0   # a mask tensor shaped like ptrs (mask may be a bool)
+    return tl.where(m, tl.atomic_add(ptrs, 0, mask=m, sem="relaxed", scope="sys"), 0)
+
+
 @triton.jit
 def as_ptr(addr, DTYPE: tl.constexpr):
     """Turn an int64 address (a ``peer_ptrs`` or group-state entry) into a pointer to DTYPE."""
@@ -113,7 +161,7 @@ def is_live(grp, r):
 def failed_source(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
     """The lowest live rank whose group-wide error of this epoch is in this rank's status, or WORLD_P2."""
     w = tl.arange(0, WORLD_P2)
-    tags = tl.load(status_ptr + w, mask=w < WORLD, other=0, volatile=True)
+    tags = read_once(status_ptr + w, w < WORLD)   # block-uniform: a tag may land while the kernel runs
     hit = (tags == tl.load(grp + S_EPOCH) + 1) & live_ranks(grp, WORLD, WORLD_P2)
     return tl.min(tl.where(hit, w, WORLD_P2))
 
@@ -212,12 +260,13 @@ def adopt_group_error(grp, status_ptr, source, WORLD: tl.constexpr):
     raises the same named error on every rank."""
     tl.atomic_add(status_ptr + source, 0, sem="acquire", scope="sys")  # the record was stored before its tag
     tl.debug_barrier()
-    rec = status_ptr + WORLD + source * REC_WORDS
-    code = tl.load(rec, volatile=True)
-    if tl.load(as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64), volatile=True) == 0:
-        record_error(grp, code, tl.load(rec + 1, volatile=True), tl.load(rec + 2, volatile=True),
-                     tl.load(rec + 3, volatile=True), tl.load(rec + 4, volatile=True),
-                     tl.load(rec + 5, volatile=True))
+    rec = status_ptr + WORLD + source * REC_WORDS   # written once per epoch, before its tag: plain loads
+    # The error word may be written meanwhile (by this kernel's other programs, or cleared by the host
+    # between kernels): every thread's view, ORed, decides.
+    taken = block_any(tl.load(as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64), volatile=True) != 0)
+    if taken == 0:
+        record_error(grp, tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4),
+                     tl.load(rec + 5))
 
 
 @triton.jit
@@ -285,7 +334,7 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
                 state = 2
             elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 state = 2
-            elif now_ns() - t0 > timeout_ns:
+            elif block_any(now_ns() - t0 > timeout_ns):   # each thread reads its own clock
                 late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD, WORLD_P2,
                                                  ABORT_ARRIVES)
                 record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD, WORLD_P2,
