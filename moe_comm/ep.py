@@ -184,8 +184,9 @@ class EPBuffer(OpBuffer):
     expert across calls, for load balancing; ``reset_expert_token_counts()`` zeroes it.
 
     Memory (``buffer_bytes``, from ``moe_comm.planner.EPPlan``; W world, M max_tokens_per_rank):
-    symmetric 2*W*M*(p + 4*topk) bytes of dispatch landing zone + 2*M*topk*H*elem of combine landing
-    zone, local E_local*W*M*p for d.x (p = payload bytes per token: H*elem, or H + H/32 with fp8), plus
+    symmetric 2*W*M*(p + 4*topk) bytes of dispatch landing zone + 2*M*topk*c of combine landing zone (c =
+    H*elem, or H + H/32 rounded up to 16 with combine_format="e4m3"), local E_local*W*M*p for d.x (p =
+    payload bytes per token: H*elem, or H + H/32 with fp8, H/2 + H/16 with nvfp4), plus
     small metadata. DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128
     tokens per rank, EP8): 0.49 GiB per GPU in bf16, 0.27 GiB with fp8, against 1.78 GiB for DeepEP's
     low-latency buffer. ``EPBuffer.required_bytes(...)`` evaluates it without a group or allocation.

@@ -157,11 +157,12 @@ class EPPlan:
     """Buffers and launch shapes of one EPBuffer, from its static sizes only (nothing is allocated here).
 
     Memory (bytes, per rank; W world, M max_tokens_per_rank, K topk, L experts per rank, H hidden,
-    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8):
+    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8, H/2 + H/16
+    with nvfp4; c = bytes of one combine row: H*b, or H + 4*H/128 rounded up to 16 with combine_fp8):
 
       symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token),
                                                             rounded up to 16 bytes
-                 combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
+                 combine landing   2 * M * K * c              one row per (token, k) on the token's rank
                  (both 8 bytes at world 1, where the ops are one kernel each and use no landing zone)
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
                  with puts (``with_put``): one more routing word per dispatch row (the token index), one
