@@ -187,26 +187,28 @@ def run_ep_shm(group, every: int = 2) -> list[str]:
     return errs
 
 
+def ep_round_trip(eps, case: Case) -> list[str]:
+    """One checked dispatch -> combine of ``case`` on a loopback world's EPBuffers, phase by phase."""
+    world = len(eps)
+    cfg, fmt, cfmt, xs, idxs, ws, gs = inputs(case, world)
+    exp_d, exp_y = expected_ep(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
+    for ep in eps:
+        poison_ep(ep)
+    for r, ep in enumerate(eps):
+        ep.dispatch(xs[r], idxs[r], phase="send", global_scale=gs)
+    ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
+    tag = f"loopback cfg{case.ci} {case.routing} seed{case.seed}"
+    errs = [e for r in range(world) for e in check_ep_dispatch(r, ds[r], exp_d[r], f"{tag} rank{r}")]
+    for r, ep in enumerate(eps):
+        ep.combine(expert_outputs(ds[r], r, cfg), ws[r], ds[r].handle, phase="send")
+    ys = [ep.combine(phase="recv") for ep in eps]
+    return errs + [f"{tag} rank{r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
+
+
 def run_ep_loopback(groups, every: int = 2) -> list[str]:
-    world = len(groups)
-    errs, bufs = [], {}
-    for case in cases(world, every):
-        cfg, fmt, cfmt, xs, idxs, ws, gs = inputs(case, world)
-        eps = bufs.setdefault(case.ci, [make_ep(g, case.ci) for g in groups])
-        exp_d, exp_y = expected_ep(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
-        for ep in eps:
-            poison_ep(ep)
-        for r, ep in enumerate(eps):
-            ep.dispatch(xs[r], idxs[r], phase="send", global_scale=gs)
-        ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
-        for r in range(world):
-            errs += check_ep_dispatch(r, ds[r], exp_d[r], f"loopback rank{r} cfg{case.ci} {case.routing}")
-        for r, ep in enumerate(eps):
-            ep.combine(expert_outputs(ds[r], r, cfg), ws[r], ds[r].handle, phase="send")
-        ys = [ep.combine(phase="recv") for ep in eps]
-        errs += [f"loopback rank{r} cfg{case.ci} {case.routing}: combine differs" for r in range(world)
-                 if not torch.equal(ys[r], exp_y[r])]
-    return errs
+    bufs = {}
+    return [e for case in cases(len(groups), every)
+            for e in ep_round_trip(bufs.setdefault(case.ci, [make_ep(g, case.ci) for g in groups]), case)]
 
 
 # ---- PrefillBuffer ---------------------------------------------------------------------------------------
@@ -275,23 +277,25 @@ def run_prefill_shm(group, every: int = 2) -> list[str]:
     return errs
 
 
+def prefill_round_trip(bufs, case: Case) -> list[str]:
+    """One checked dispatch -> combine of ``case`` on a loopback world's PrefillBuffers, phase by phase."""
+    world = len(bufs)
+    cfg, fmt, cfmt, xs, idxs, ws, gs = inputs(case, world)
+    exp_d, exp_y = expected_prefill(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
+    for b in bufs:
+        poison_prefill(b)
+    for r, b in enumerate(bufs):
+        b.dispatch(xs[r], idxs[r], ws[r], phase="send", global_scale=gs)
+    ds = [b.dispatch(phase="recv") for b in bufs]
+    tag = f"loopback cfg{case.ci} {case.routing} seed{case.seed}"
+    errs = [e for r, d in enumerate(ds) for e in check_prefill_dispatch(d, exp_d[r], f"{tag} rank{r}")]
+    for r, (b, d) in enumerate(zip(bufs, ds)):
+        b.combine(prefill_expert_out(d, exp_d[r], r, cfg), d.handle, phase="send")
+    ys = [b.combine(phase="recv") for b in bufs]
+    return errs + [f"{tag} rank{r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
+
+
 def run_prefill_loopback(groups, every: int = 2) -> list[str]:
-    world = len(groups)
-    errs, bufs = [], {}
-    for case in cases(world, every):
-        cfg, fmt, cfmt, xs, idxs, ws, gs = inputs(case, world)
-        bs = bufs.setdefault(case.ci, [make_prefill(g, case.ci) for g in groups])
-        exp_d, exp_y = expected_prefill(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
-        for b in bs:
-            poison_prefill(b)
-        for r, b in enumerate(bs):
-            b.dispatch(xs[r], idxs[r], ws[r], phase="send", global_scale=gs)
-        ds = [b.dispatch(phase="recv") for b in bs]
-        tag = f"loopback cfg{case.ci} {case.routing}"
-        errs += [e for r, d in enumerate(ds) for e in check_prefill_dispatch(d, exp_d[r], f"{tag} rank{r}")]
-        eos = [prefill_expert_out(d, exp_d[r], r, cfg) for r, d in enumerate(ds)]
-        for b, eo, d in zip(bs, eos, ds):
-            b.combine(eo, d.handle, phase="send")
-        ys = [b.combine(phase="recv") for b in bs]
-        errs += [f"{tag} rank{r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
-    return errs
+    bufs = {}
+    return [e for case in cases(len(groups), every)
+            for e in prefill_round_trip(bufs.setdefault(case.ci, [make_prefill(g, case.ci) for g in groups]), case)]

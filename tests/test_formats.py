@@ -154,34 +154,9 @@ def test_bad_calls_raise_before_sending_then_every_rank_is_exact(world, prefill)
 
 
 def _exact_after(bufs, world, ci) -> list[str]:
-    """Two more checked round trips on the same buffers (the cases of ``ci``), then the usual cases."""
-    errs = []
-    for seed in (21, 22):
-        case = format_cases.Case(ci, "random", seed)
-        cfg, fmt, cfmt, xs, idxs, ws, gs = format_cases.inputs(case, world)
-        if isinstance(bufs[0], PrefillBuffer):
-            exp_d, exp_y = format_cases.expected_prefill(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
-            for b in bufs:
-                format_cases.poison_prefill(b)
-            for r, b in enumerate(bufs):
-                b.dispatch(xs[r], idxs[r], ws[r], phase="send", global_scale=gs)
-            ds = [b.dispatch(phase="recv") for b in bufs]
-            errs += [e for r, d in enumerate(ds) for e in format_cases.check_prefill_dispatch(d, exp_d[r], "after")]
-            for r, (b, d) in enumerate(zip(bufs, ds)):
-                b.combine(format_cases.prefill_expert_out(d, exp_d[r], r, cfg), d.handle, phase="send")
-        else:
-            exp_d, exp_y = format_cases.expected_ep(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
-            for b in bufs:
-                format_cases.poison_ep(b)
-            for r, b in enumerate(bufs):
-                b.dispatch(xs[r], idxs[r], phase="send", global_scale=gs)
-            ds = [format_cases.snapshot(b.dispatch(phase="recv")) for b in bufs]
-            errs += [e for r, d in enumerate(ds) for e in format_cases.check_ep_dispatch(r, d, exp_d[r], "after")]
-            for r, (b, d) in enumerate(zip(bufs, ds)):
-                b.combine(format_cases.expert_outputs(d, r, cfg), ws[r], d.handle, phase="send")
-        ys = [b.combine(phase="recv") for b in bufs]
-        errs += [f"after, rank {r}: combine differs" for r in range(world) if not torch.equal(ys[r], exp_y[r])]
-    return errs
+    """Two more checked round trips on the same buffers (cases of config ``ci``)."""
+    round_trip = format_cases.prefill_round_trip if isinstance(bufs[0], PrefillBuffer) else format_cases.ep_round_trip
+    return [e for seed in (21, 22) for e in round_trip(bufs, format_cases.Case(ci, "random", seed))]
 
 
 # ---- bytes on the wire: each format at its floor ----------------------------------------------------------
