@@ -424,10 +424,12 @@ class PrefillPlan:
 
       words [0, R*K)                        recv_topk_idx      int32 [R, K]: local expert ids, -1 elsewhere
       words [R*K, 2*R*K)                    recv_topk_weights  float32 [R, K]: the slot's weight, 0 elsewhere
-      words [x_offset, + R*x_words)         recv_x             [R, H] dtype, or float8_e4m3fn with fp8
-      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8
-      words [x_offset, + R*out_words)       partial rows of the combine (one per received token), written
-                                            over recv_x by the combine's send phase
+      words [x_offset, + R*x_words)         recv_x             [R, H] dtype, or float8_e4m3fn with fp8, or
+                                                               uint8 [R, H/2] with nvfp4
+      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8, float8_e4m3fn
+                                                               [R, H/16] with nvfp4
+      words [x_offset, + R*combine_words)   partial rows of the combine (one per received token; fp8 rows
+                                            with combine_fp8), written over recv_x by the combine's send
     x_offset = 2*R*K rounded up to a 16-byte vector. ``zones`` such zones (1 or 2, symmetric int32 words
     [zones, zone_words]): consecutive dispatches alternate between them, so with 2 the dispatch of one
     chunk can run while the previous chunk is in the experts (``PrefillBuffer``, ``prefill_chunks``).
@@ -435,7 +437,8 @@ class PrefillPlan:
     reading the zones of the calls it answered.
 
     Memory (bytes, per rank; b element size of ``dtype``, p = payload bytes per row: H*b, or H + H/32 with
-    fp8, Z = zones): symmetric  Z*(4*x_offset + R*max(p, H*b))   (the zones)
+    fp8, H/2 + H/16 with nvfp4; c = bytes of a partial row: H*b, or H + H/32 rounded up to 16 with
+    combine_fp8; Z = zones): symmetric  Z*(4*x_offset + R*max(p, c))   (the zones)
                      + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
               local  Z*(M*K*4 (the combine's mask) + W*4 + L*4) + L*8 + 8 + counters + scratch
     DeepSeek-V3 prefill (H=7168, K=8, 256 experts, bf16): EP16 with 4096 tokens per rank needs
