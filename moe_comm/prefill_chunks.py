@@ -44,7 +44,7 @@ def side_stream(device: torch.device):
 
 def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 experts: Callable[[PrefillDispatchResult], torch.Tensor], chunks: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, hidden] for x [T, hidden] (any T), topk_idx / topk_weights [T, topk], in ``chunks`` calls.
 
     chunks    the same on every rank (collective): ``num_chunks(max T over ranks, buf)``, which the
@@ -54,6 +54,7 @@ def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, top
               caller's stream; with ``buf.zones == 2`` the next chunk's dispatch is in flight meanwhile
               (on CUDA on ``side_stream(device)``), in the other zone: ``d`` stays valid.
     out       optional [T, hidden] contiguous tensor, written in place and returned.
+    global_scale  the nvfp4 dispatch's (``PrefillBuffer.dispatch``), for every chunk; None otherwise.
     Every rank's y is what one ``dispatch`` + ``combine`` of all its tokens would give, bitwise, chunk by
     chunk, with one zone or two. Eager only (the chunk count and the streams are host decisions); the
     calls raise the buffer's errors as they come (a failed chunk raises on every rank: no partial y is
@@ -76,9 +77,9 @@ def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, top
     def dispatch(c: int):
         s = rows(c)
         if side is None:
-            return buf.dispatch(x[s], topk_idx[s], topk_weights[s]), None
+            return buf.dispatch(x[s], topk_idx[s], topk_weights[s], global_scale=global_scale), None
         with torch.cuda.stream(side):
-            d = buf.dispatch(x[s], topk_idx[s], topk_weights[s])
+            d = buf.dispatch(x[s], topk_idx[s], topk_weights[s], global_scale=global_scale)
             landed = torch.cuda.Event()
             landed.record(side)
         return d, landed

@@ -186,3 +186,36 @@ def test_wire_carries_nvfp4_dispatch_and_fp8_combine_at_their_floor(monkeypatch,
     # 528); e4m3 256 + 8 scale bytes, padded to 272 (bf16: 512).
     assert rows[0]["row_bytes"] == 160 and wire_bytes.dispatch_row_bytes(None, hidden, topk) == 528
     assert rows[0]["out_row_bytes"] == 272 and wire_bytes.combine_row_bytes(None, hidden) == 512
+
+
+@pytest.mark.timeout(300)
+def test_prefill_moe_consumes_nvfp4_and_returns_through_the_fp8_combine():
+    """A MoE layer through prefill_moe + local_experts (the library's stand-in expert stage, on the CPU) with
+    nvfp4 dispatch and the fp8 combine, 11 tokens in chunks of 5 over two zones, top-3, -1 slots: each
+    expert sees the dequantized rows (reference.dequantize_nvfp4 with the global scale, rounded to bf16),
+    its partial row crosses as fp8; y is that, bit for bit."""
+    from moe_comm.prefill_chunks import local_experts, num_chunks, prefill_moe  # noqa: PLC0415
+    g = torch.Generator().manual_seed(22)
+    E, H, K, T = 4, 128, 3, 11
+    buf = PrefillBuffer(moe_comm.init(backend="loopback", device="cpu")[0], E, H, 5, K, zones=2,
+                        dispatch_format="nvfp4", combine_format="e4m3")
+    x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    idx[3, 1], idx[7] = -1, -1
+    w = torch.rand(T, K, generator=g)
+    gs = reference.nvfp4_global_scale(x)
+    scale = torch.rand(E, generator=g) + 0.5
+
+    def expert(e, rows):
+        return (rows.float() * scale[e] + 0.3 * e).to(torch.bfloat16)
+
+    y = prefill_moe(buf, x, idx, w, local_experts(buf, expert), num_chunks(T, buf), global_scale=gs)
+    xin = reference.dequantize_nvfp4(*reference.quantize_nvfp4(x, gs), gs).to(torch.bfloat16)
+    partial = torch.zeros(T, H)
+    for k in range(K):
+        for t in range(T):
+            if idx[t, k] >= 0:
+                partial[t] += w[t, k] * expert(int(idx[t, k]), xin[t:t + 1])[0].float()
+    want = reference.fp8_round_trip(partial.to(torch.bfloat16)).to(torch.bfloat16)
+    assert torch.equal(y, want)
+    buf.close()
