@@ -403,3 +403,12 @@ def test_the_uniformity_rule_on_compiled_waits(uniform):
     assert (found == []) == uniform, found
     if not uniform:
         assert any("globaltimer" in p for p in found), found
+
+
+def test_the_uniformity_rule_reads_past_a_multi_line_inline_asm_block():
+    """Control of the PTX reader: Triton writes its fp8 -> f16 conversion as an inline-asm block whose closing
+    brace stands alone on a line; the function's body goes on after it (a reader that stopped there lost the
+    labels after it: KeyError on the fp8 combine's receive)."""
+    ptx = UNIFORM_PTX.replace("{SOURCE}", "mov.u64 %rd2, %globaltimer;").replace(
+        "{DECIDE}", "mov.pred %p2, %p1;\n\t{ \ncvt.rn.f16x2.e4m3x2 %r4, %rs1; \n}")
+    assert ptx_rules.divergent_barriers(ptx, "k")   # the timer branch after the block is still found
