@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
 # test-long: the same suite with the soak, exclusion, round-trip and order tests at full size (tests/budget.py).
-.PHONY: test test-long demo test-vllm test-sglang gpu-check clean
+.PHONY: test test-long demo test-vllm test-sglang gpu-check gpu-quick clean
 OUT ?= bench/results/gpu-check
 
 $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
@@ -40,6 +40,13 @@ test-sglang:
 # GPU tests, kernel benchmark, decode benchmark, summary table; everything under OUT.
 gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(OUT)
+
+# A GPU loan of minutes: every claim in priority order, each step within its own budget, results written
+# under OUT as each step ends (GPU_QUICK_BUDGET_S=seconds scales the whole run, GPU_QUICK_STEPS=a,b picks
+# steps; BASELINE=other checkout).
+# Without a GPU: the dry run (tiny shapes, interpreter, labelled).
+gpu-quick:
+	$(PYTHON) scripts/gpu_quick.py $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

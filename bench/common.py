@@ -110,6 +110,18 @@ class JsonLines:
         return line
 
 
+def printed_lines(path: str | None, head: dict):
+    """``emit(**fields)``: one JSON line, ``head`` then ``fields``, printed and (if ``path``) appended to
+    ``path`` at once (a run killed later keeps it)."""
+    def emit(**fields) -> None:
+        line = json.dumps(dict(head, **fields))
+        print(line, flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+    return emit
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(s) for s in f if s.strip()]

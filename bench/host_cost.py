@@ -26,7 +26,6 @@ passes tensors of the same shapes every step; buffers may cache what those deter
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import time
@@ -35,6 +34,7 @@ import torch
 
 import moe_comm
 from bench import peers
+from bench.ptx_profile import launches_stubbed
 
 STUBBED = ("Triton's launch (JITFunction.run / InterpretedFunction.run: argument binding, compilation cache "
            "lookup and the launch, or the interpreter's run of the grid) is a no-op")
@@ -44,25 +44,6 @@ TARGET_US = 15.0   # issue 25: host time per eager call with launches stubbed, a
 WORLDS = (1, 8)
 PERCENTILES = (0.1, 0.5, 0.9)
 REFERENCE_LOOPS = 40   # iterations of _reference_work: ~5-8 µs on the development machine, like an op call
-
-
-@contextlib.contextmanager
-def launches_stubbed():
-    """Within: every Triton kernel launch in this process does nothing (see the module docstring)."""
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
-    from triton.runtime.jit import JITFunction  # noqa: PLC0415
-    saved = [(cls, cls.__dict__["run"]) for cls in (JITFunction, InterpretedFunction)]
-
-    def run(self, *args, grid, warmup, **kwargs):
-        return None
-
-    try:
-        for cls, _ in saved:
-            cls.run = run
-        yield
-    finally:
-        for cls, original in saved:
-            cls.run = original
 
 
 def _calls(world: int, drive_send, drive_recv):

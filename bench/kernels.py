@@ -9,7 +9,9 @@
    empty Triton kernel (one launch). An op that must move B bytes cannot beat B / bandwidth + 1 launch.
 2. AllToAllvDynamic (world 1, rows of ``hidden`` bf16) vs torch.ops.symm_mem.all_to_all_vdev (separate
    process: torch brings its own NVSHMEM) and NCCL all_to_all_single with host-read splits.
-3. EPBuffer dispatch / combine (bf16 and fp8 dispatch; EP=1) vs a pure-torch permute / unpermute.
+3. EPBuffer dispatch / combine (bf16 and fp8 dispatch; EP=1) vs a pure-torch permute / unpermute. Each
+   op is one call (phase="both") on whichever heap; the dispatch split into its phases is timed on a line
+   of its own (impl ``moe_comm_split_phases``: at world 1 its send copies x and topk_idx, NOTES 20).
 4. ep_emulated: the multi-rank path (send kernel + receive kernel per rank) on one GPU: a loopback world
    of --emulated-world ranks (GPU 8), every rank's phases run one after another on this GPU (replayed
    from a CUDA graph). It times the kernels of the EP>1 path at DeepSeek-V3 shapes, not a network: the
@@ -173,8 +175,11 @@ def world1_group(device: torch.device):
 
 
 def drive(call, group, *args, **kw):
-    """Call an op; loopback groups must be driven phase by phase (send, then recv with no tensors)."""
-    if group.backend != "loopback":
+    """Call an op as its users do: ``phase="both"`` wherever the group allows it (every heap at world 1),
+    else phase by phase (a loopback world of several ranks: send, then recv with no tensors). A world-1
+    dispatch split into phases is another call: its send copies x and topk_idx (two more kernels, see
+    ``bench_ep``), so world 1 is never split here, whichever heap the machine has."""
+    if group.backend != "loopback" or group.world_size == 1:
         return call(*args, **kw)
     call(*args, phase="send", **kw)
     return call(*([None] * len(args)), phase="recv", **kw)
@@ -234,12 +239,18 @@ def bench_ep(o, out, floor, group):
             sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, dtype="fp8" if fp8 else "bf16",
                          heap=group.backend)
             td = time_us(lambda i: drive(ep.dispatch, group, x, idx), o.device, o.iters, o.warmup)
-            result(out, floor, "dispatch", "moe_comm", ep_bytes("dispatch", t, h, k, fp8), td, **sizes)
+            result(out, floor, "dispatch", "moe_comm", ep_bytes("dispatch", t, h, k, fp8), td, phases="both", **sizes)
+            # The same dispatch split into phases (what a loopback world is driven with): at world 1 its
+            # send copies x and topk_idx so that the caller may reuse them, 3 launches instead of 1.
+            tsplit = time_us(lambda i: ep.dispatch(x, idx, phase="send") or ep.dispatch(phase="recv"), o.device,
+                             o.iters, o.warmup)
+            result(out, floor, "dispatch", "moe_comm_split_phases", ep_bytes("dispatch", t, h, k, fp8), tsplit,
+                   phases="split", **sizes)
             d = drive(ep.dispatch, group, x, idx)
             expert_out = d.x.to(torch.bfloat16)  # rows past the counts are never read
             tc = time_us(lambda i: drive(ep.combine, group, expert_out, w, d.handle), o.device, o.iters, o.warmup)
             group.check()
-            result(out, floor, "combine", "moe_comm", ep_bytes("combine", t, h, k, fp8), tc, **sizes)
+            result(out, floor, "combine", "moe_comm", ep_bytes("combine", t, h, k, fp8), tc, phases="both", **sizes)
             del d, expert_out
             if hasattr(ep, "close"):
                 ep.close()

@@ -229,11 +229,13 @@ def _versions() -> dict:
         out.update(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
     except ImportError:
         pass
-    try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        out["commit"] = None
+    out["commit"] = os.environ.get("MOE_COMM_COMMIT")   # the measured commit, where a copy's git metadata is not
+    if not out["commit"]:
+        try:
+            out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except OSError:
+            out["commit"] = None
     return out
 
 

@@ -44,7 +44,7 @@ import types
 
 import torch
 
-from . import interpret_order
+from . import interpret_order, jit_keys
 
 ENV = "MOE_COMM_INTERPRET"
 TWIN_ROOT = "moe_comm._interpreted"   # package under which kernel modules are imported interpreted
@@ -71,6 +71,7 @@ def kernel_for(fn, device):
     if not use_interpreter(device):
         if _is_interpreted(fn):
             raise RuntimeError(GLOBAL_INTERPRET_ON_CUDA.format(kernel=fn.fn.__name__, device=device))
+        jit_keys.settle_for(fn)   # the same cache key as every other process (Triton 3.6: see jit_keys)
         return fn
     if module.startswith(TWIN_ROOT + "."):
         interpreted = fn

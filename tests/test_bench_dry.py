@@ -41,7 +41,9 @@ def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
             ("dispatch", "torch_permute", "fp8"), ("combine", "torch_unpermute", "bf16"),
             ("dispatch", "moe_comm_emulated_w2", "fp8"), ("combine", "moe_comm_emulated_w2", "bf16"),
             ("dispatch", "moe_comm_emulated_w2_concurrent", "fp8"),
-            ("combine", "moe_comm_emulated_w2_concurrent", "bf16")} <= got
+            ("combine", "moe_comm_emulated_w2_concurrent", "bf16"), ("dispatch", "moe_comm_split_phases", "fp8")} <= got
+    # world 1: one call per op (phase="both") on the loopback heap too; the split dispatch on its own line
+    assert {r["phases"] for r in results if r["impl"] == "moe_comm" and r["op"] != "alltoallv"} == {"both"}
     # ep_rank: one real rank of EP4, both routings, the peer emulator on lines of its own
     for kind in ("uniform", "skewed"):
         assert {("dispatch", f"moe_comm_rank_w4_{kind}", "bf16"), ("dispatch", f"moe_comm_rank_w4_{kind}", "fp8"),
@@ -136,6 +138,42 @@ def test_summary_judges_targets(tmp_path):
     assert "MISS  alltoallv vs torch_symm_mem_vdev: speedup 8r 1.20x" in text
     assert "n/a   dispatch fp8 T=128" in text and "tests: no junit XML found" in text
     assert LABEL not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")
+@pytest.mark.timeout(300)
+def test_dispatch_ab_dry_run_times_a_checkout_both_ways(tmp_path):
+    """bench/dispatch_ab.py (the before/after of NOTES section 22) in its dry run: a checkout given as
+    LABEL=PATH runs in its own process, and its dispatch is timed as one call and split into phases."""
+    proc = _run("bench/dispatch_ab.py", "--dry", "--checkout", f"this={REPO}", "--tokens", "1", "--out-dir",
+                str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (jsonl,) = tmp_path.glob("dispatch-ab-dry-*.jsonl")
+    lines = [json.loads(s) for s in jsonl.read_text().splitlines()]
+    assert all(r["dry"] and r["label"] == LABEL for r in lines)
+    got = {(r["impl"], r["dtype"], r["phases"]) for r in lines if r["kind"] == "result"}
+    assert got == {(impl, dtype, phases) for dtype in ("bf16", "fp8") for impl, phases in
+                   (("this", "both"), ("this split", "split"))}
+
+
+def test_world1_ops_are_timed_as_one_call_on_every_heap():
+    """A world-1 op is driven as its users call it, phase="both", also on the loopback heap (the fallback
+    without nvshmem4py): split into phases, a world-1 dispatch is another call (its send copies x and
+    topk_idx), which is what the H200 run at dd5c2bc timed (bench/NOTES.md section 22). A loopback
+    world of several ranks is still driven phase by phase."""
+    import moe_comm  # noqa: PLC0415
+    from bench import kernels  # noqa: PLC0415
+    phases = []
+
+    def op(*args, phase="both"):
+        phases.append((phase, args))
+    for world, want in ((1, [("both", (1, 2))]), (2, [("send", (1, 2)), ("recv", (None, None))])):
+        groups = moe_comm.init("loopback", world_size=world, device=torch.device("cpu"))
+        phases.clear()
+        kernels.drive(op, groups[0], 1, 2)
+        assert phases == want, world
+        for g in groups:
+            g.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")

@@ -48,7 +48,8 @@ def git_commit() -> str:
 def environment(device: torch.device) -> dict:
     import triton  # noqa: PLC0415
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    return dict(device=name, torch=torch.__version__, triton=triton.__version__, commit=git_commit())
+    return dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda if device.type == "cuda" else None, commit=git_commit())
 
 
 def improvement(base: float, ours: float) -> float:

@@ -54,12 +54,13 @@ def dispatch_local_kernel(
     if blk == NBLK:
         if col == 0:  # 1. Bookkeeping.
             counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, 0, num_tokens, num_experts, OP, TOPK,
-                              TOPK_P2, BINS, ROUTE_T, BINS)  # BINS >= E: every owner is rank 0
+                              TOPK_P2, BINS, ROUTE_T, BINS, ONE_RANK=True)  # BINS >= E: every owner is rank 0
             e = tl.arange(0, BINS)
             e_live = e < num_experts
             kept = tl.minimum(counts, CAP)
             tl.store(out_counts_ptr + e, kept, mask=e_live)
-            tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + kept.to(tl.int64), mask=e_live)
+            # The only writer of the statistics: an add without a returned value waits for no load.
+            tl.atomic_add(stats_ptr + e, kept.to(tl.int64), mask=e_live, sem="relaxed")
             tl.store(src_tokens_ptr, num_tokens)
             # Slots of tokens past T: not routed (as the two-phase receive writes them), never stale.
             i = tl.arange(0, ROUTE_T * TOPK_P2)
@@ -70,10 +71,20 @@ def dispatch_local_kernel(
             if tl.max(counts) > CAP:
                 record_error(grp, ERR_CAPACITY, OP, 0, tl.argmax(counts, axis=0), tl.max(counts), CAP)
     elif t_begin < t_end:
-        # 2. This program's tokens: positions, metadata, then column block `col` of each token's row
-        # into its experts' rows.
-        before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
+        # 2. This program's tokens, BT at a time: positions, metadata, then column block `col` of each
+        # token's row into its experts' rows. The block of x is loaded first, for every token of the chunk
+        # (not only those with a routed slot: that mask would wait for the ids), so that it is in flight
+        # while the earlier tokens' ids are counted and the chunk's own are read (bench/NOTES.md 20).
+        COLS: tl.constexpr = FP8_GROUPS * 128  # FP8: divides HIDDEN, every column block is full
+        before = tl.zeros([BINS], dtype=tl.int32)
         for t0 in range(t_begin, t_end, BT):
+            t = t0 + tl.arange(0, BT)
+            if FP8:
+                v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * COLS, HIDDEN, COLS, ALIGNED)
+            else:
+                v = load_tile(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, t < t_end, col * BW, X_WORDS, BW, ALIGNED)
+            if t0 == t_begin:
+                before = histogram_of_tokens(idx_ptr, 0, t_begin, num_experts, TOPK, TOPK_P2, ROUTE_T, BINS)
             ts, ks, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, t_end, num_experts, TOPK, TOPK_P2, BT)
             pos, before = chunk_positions(idx, ts * TOPK + ks, before, BINS)
             ok = valid & (pos < CAP)
@@ -82,13 +93,9 @@ def dispatch_local_kernel(
                 tl.store(row_of_ptr + ts * TOPK + ks, tl.where(ok, dst, tl.where(valid, -2, -1)), mask=live)
                 tl.store(out_src_ptr + dst, ts, mask=ok)
 
-            t = t0 + tl.arange(0, BT)
             dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
             ok2 = tl.reshape(ok, (BT, TOPK_P2))
-            read = tl.max(ok2.to(tl.int32), axis=1) > 0
             if FP8:
-                COLS: tl.constexpr = FP8_GROUPS * 128  # divides HIDDEN: every column block is full
-                v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
                 q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS)
                 # One tile stored to each of the token's k rows in turn (copy.py).
                 store_tile(q, col * COLS, HIDDEN, address(out_x_ptr) + dst2 * HIDDEN, ok2, COLS, TOPK, TOPK_P2,
@@ -100,6 +107,5 @@ def dispatch_local_kernel(
                                   address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2, HIDDEN, X_WORDS, S_WORDS, BT,
                                   NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
             else:
-                v = load_tile(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, col * BW, X_WORDS, BW, ALIGNED)
                 store_tile(v, col * BW, X_WORDS, address(out_x_ptr) + dst2 * (X_WORDS * 4), ok2, BW, TOPK, TOPK_P2,
                            ALIGNED)

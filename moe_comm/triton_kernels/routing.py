@@ -66,18 +66,24 @@ def first_bad_slot(t, k, raw_idx_ptr, bad, TOPK: tl.constexpr):
 @triton.jit
 def scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP: tl.constexpr,
              TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, CHUNK_T: tl.constexpr,
-             BINS: tl.constexpr):
+             BINS: tl.constexpr, ONE_RANK: tl.constexpr = False):
     """One pass over all slots: returns the per-expert counts (int32 [BINS], a histogram of the valid
     ids), writes the combine's mask (``routed`` [T, TOPK] int32: 1 + the expert's rank where the id is
     valid and that rank is live, else 0), adds the slots whose expert's rank is excluded to ``excluded`` (int64 [1]),
-    and records the first bad id (ERR_INDEX naming its flat slot and value)."""
+    and records the first bad id (ERR_INDEX naming its flat slot and value).
+
+    ``ONE_RANK`` (world 1): every expert is this rank's, and a rank is live to itself (it cannot exclude
+    itself), so no rank's live word is read: that read waits for the ids, one more memory round trip."""
     counts = tl.zeros([BINS], dtype=tl.int32)
     excluded = tl.zeros([CHUNK_T * TOPK_P2], dtype=tl.int64)
     for t0 in range(0, num_tokens, CHUNK_T):
         t, k, idx, live, valid, bad = load_topk_chunk(idx_ptr, t0, num_tokens, num_experts, TOPK, TOPK_P2, CHUNK_T)
         counts += tl.histogram(idx, BINS, mask=valid)
         owner = tl.where(valid, idx // EXPERTS_PER_RANK, 0)
-        owner_live = tl.load(grp + S_LIVE + owner, mask=valid, other=0) != 0
+        if ONE_RANK:
+            owner_live = valid
+        else:
+            owner_live = tl.load(grp + S_LIVE + owner, mask=valid, other=0) != 0
         tl.store(routed_ptr + t * TOPK + k, tl.where(valid & owner_live, owner + 1, 0).to(tl.int32), mask=live)
         excluded += (valid & ~owner_live).to(tl.int64)
         if tl.sum(bad.to(tl.int32)) > 0:  # chunks in order, first error wins: the first bad slot is recorded
