@@ -16,7 +16,7 @@ multiple of 16); otherwise the same code runs with narrower accesses. The interp
 
 The same loop moves rows that are quantized on the way (``copy_rows(..., FP8=True)``: the fp8 combine):
 each block is quantized in registers by ``quant.py`` before its stores (``store_fp8_tile``); the nvfp4
-dispatch kernels quantize and store a column block with ``store_nvfp4_block``.
+dispatch kernels quantize and store a column block with ``store_nvfp4_tile``.
 """
 
 import triton
@@ -100,16 +100,14 @@ def store_fp8_tile(v, col, ncols, dst, write, C: tl.constexpr, NDST: tl.constexp
 
 
 @triton.jit
-def store_nvfp4_block(x_ptr, t, read, col, global_scale, dst, sdst, write, HIDDEN: tl.constexpr, X_WORDS: tl.constexpr,
-                      S_WORDS: tl.constexpr, BT: tl.constexpr, GROUPS: tl.constexpr, NDST: tl.constexpr,
-                      NDST_P2: tl.constexpr, ALIGNED: tl.constexpr):
-    """Column block ``col`` (GROUPS * 16 columns) of tokens ``t`` [BT] of x [T, HIDDEN] (read where ``read``),
-    quantized to NVFP4 with the float32 scalar ``global_scale`` (``quant.quantize_nvfp4_groups``) and stored to every destination d < NDST where
-    ``write``: the value words at row ``dst[:, d]`` (of X_WORDS words), the scale words at row ``sdst[:, d]``
-    (of S_WORDS words; int64 byte addresses). What every nvfp4 dispatch kernel stores a block with."""
-    COLS: tl.constexpr = GROUPS * 16
-    xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
-    values, scales = quantize_nvfp4_groups(xs.to(tl.float32), global_scale, BT, GROUPS)
+def store_nvfp4_tile(v, col, global_scale, dst, sdst, write, X_WORDS: tl.constexpr, S_WORDS: tl.constexpr,
+                     GROUPS: tl.constexpr, NDST: tl.constexpr, NDST_P2: tl.constexpr, ALIGNED: tl.constexpr):
+    """``v`` [R, GROUPS * 16] (any float dtype): column block ``col`` of R rows, quantized to NVFP4 with the
+    float32 scalar ``global_scale`` (``quant.quantize_nvfp4_groups``) and stored to every destination d <
+    NDST where ``write``: the value words at row ``dst[:, d]`` (of X_WORDS words), the scale words at row
+    ``sdst[:, d]`` (of S_WORDS words; int64 byte addresses). What every nvfp4 dispatch kernel stores a block
+    with."""
+    values, scales = quantize_nvfp4_groups(v.to(tl.float32), global_scale, v.shape[0], GROUPS)
     store_tile(values, col * (GROUPS * 2), X_WORDS, dst, write, GROUPS * 2, NDST, NDST_P2, ALIGNED)
     store_tile(scales, col * (GROUPS // 4), S_WORDS, sdst, write, GROUPS // 4, NDST, NDST_P2, ALIGNED)
 

@@ -29,7 +29,7 @@ copied while later sources are still in flight, and the programs of the last sou
 Counts read from peers are clamped so that no value can steer a store out of bounds; a row past the
 capacity is dropped and recorded (CapacityError).
 
-NVFP4 (``formats.py``): the same with ``quant.quantize_nvfp4_groups`` (``store_nvfp4_block``): a landing
+NVFP4 (``formats.py``): the same with ``quant.quantize_nvfp4_groups`` (``copy.store_nvfp4_tile``): a landing
 row's payload is H / 8 words of packed e2m1 codes, then H / 64 words of e4m3 scales (four per word), each
 program quantizing one column block of NVFP4_GROUPS * 16 columns with the caller's global scale.
 
@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from . import trace
-from .copy import address, as_words, copy_rows, load_tile, store_nvfp4_block, store_tile
+from .copy import address, as_words, copy_rows, load_tile, store_nvfp4_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
                       token_destinations)
@@ -213,8 +213,10 @@ def dispatch_send_kernel(
             store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED)
         elif NVFP4:  # the same for NVFP4: value words, then scale words, of column block `col`
-            store_nvfp4_block(x_ptr, t, read, col, tl.load(gscale_ptr), dst, dst + X_WORDS * 4, write, HIDDEN, X_WORDS, S_WORDS,
-                              BT, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
+            NCOLS: tl.constexpr = NVFP4_GROUPS * 16
+            xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
+            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst, dst + X_WORDS * 4, write, X_WORDS, S_WORDS,
+                             NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)

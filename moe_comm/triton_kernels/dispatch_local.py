@@ -18,7 +18,7 @@ any capacity overflow. Programs (NBLK, col > 0) and those without tokens (T < NB
 import triton
 import triton.language as tl
 
-from .copy import address, as_words, load_tile, store_nvfp4_block, store_tile
+from .copy import address, as_words, load_tile, store_nvfp4_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .sync import ERR_CAPACITY, record_error
@@ -76,11 +76,14 @@ def dispatch_local_kernel(
         # (not only those with a routed slot: that mask would wait for the ids), so that it is in flight
         # while the earlier tokens' ids are counted and the chunk's own are read (bench/NOTES.md 20).
         COLS: tl.constexpr = FP8_GROUPS * 128  # FP8: divides HIDDEN, every column block is full
+        NCOLS: tl.constexpr = NVFP4_GROUPS * 16  # NVFP4: the same
         before = tl.zeros([BINS], dtype=tl.int32)
         for t0 in range(t_begin, t_end, BT):
             t = t0 + tl.arange(0, BT)
             if FP8:
                 v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * COLS, HIDDEN, COLS, ALIGNED)
+            elif NVFP4:
+                v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
             else:
                 v = load_tile(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, t < t_end, col * BW, X_WORDS, BW, ALIGNED)
             if t0 == t_begin:
@@ -103,9 +106,9 @@ def dispatch_local_kernel(
                 store_tile(scale, col * FP8_GROUPS, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
                            FP8_GROUPS, TOPK, TOPK_P2, ALIGNED)
             elif NVFP4:
-                store_nvfp4_block(x_ptr, t, read, col, tl.load(gscale_ptr), address(out_x_ptr) + dst2 * (X_WORDS * 4),
-                                  address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2, HIDDEN, X_WORDS, S_WORDS, BT,
-                                  NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
+                store_nvfp4_tile(v, col, tl.load(gscale_ptr), address(out_x_ptr) + dst2 * (X_WORDS * 4),
+                                 address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2, X_WORDS, S_WORDS, NVFP4_GROUPS,
+                                 TOPK, TOPK_P2, ALIGNED)
             else:
                 store_tile(v, col * BW, X_WORDS, address(out_x_ptr) + dst2 * (X_WORDS * 4), ok2, BW, TOPK, TOPK_P2,
                            ALIGNED)

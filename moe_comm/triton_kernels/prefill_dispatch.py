@@ -24,7 +24,7 @@ copied: the rows are already in place. A failed call leaves counts of zero (no s
 import triton
 import triton.language as tl
 
-from .copy import as_words, copy_rows, load_tile, store_nvfp4_block, store_tile
+from .copy import as_words, copy_rows, load_tile, store_nvfp4_tile, store_tile
 from .dispatch import count_and_check
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, token_destinations
@@ -115,8 +115,10 @@ def prefill_dispatch_send_kernel(
             store_tile(scale, col * FP8_GROUPS, S_WORDS, sdst, write, FP8_GROUPS, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
         elif NVFP4:  # the same for NVFP4 (value words into recv_x, scale words into recv_scales)
-            store_nvfp4_block(x_ptr, t, read, col, tl.load(gscale_ptr), dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
-                              write, HIDDEN, X_WORDS, S_WORDS, BT, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
+            NCOLS: tl.constexpr = NVFP4_GROUPS * 16
+            xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
+            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
+                             write, X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)
