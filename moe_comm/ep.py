@@ -433,7 +433,9 @@ class EPBuffer(OpBuffer):
                 send = self._launches()[k]["dispatch_send"]
                 send.run(x_ptr=xin, idx_ptr=idx, gscale_ptr=gs, num_tokens=T, ALIGNED=send.aligned_with(xin))
             elif not do_recv:  # world 1, split: the kernel runs at the receive; the send consumes its inputs
-                xin, idx, gs = xin.clone(), idx.clone(), gs.clone()
+                xin, idx = xin.clone(), idx.clone()
+                if p.nvfp4:
+                    gs = gs.clone()
             op.sent((handle, k, xin, idx, gs, global_scale))
             if not do_recv:
                 return None
