@@ -23,11 +23,11 @@ class Config:
     max_tokens: int
     topk: int
     dtype: torch.dtype = torch.bfloat16
-    fp8: bool | str = False   # fp8_dispatch: False, True or a format of moe_comm.fp8
+    fp8: bool | str = False   # the fp8 dispatch format: False, True (= "e4m3") or an fp8 format of moe_comm.formats
 
 
 # Experts per rank 3..16 (3, 5: not a power of two), hidden 128/256/512, topk 1/2/3/4, odd capacities;
-# every fp8 format (moe_comm.fp8): float32 amax/448 scales, power-of-two float32, packed UE8M0.
+# every fp8 format (moe_comm.formats): float32 amax/448 scales, power-of-two float32, packed UE8M0.
 CONFIGS = (
     Config(4, 128, 7, 2),
     Config(8, 256, 5, 4, fp8=True),
@@ -161,9 +161,9 @@ def case_list(world: int):
 
 
 def make_buffer(group, cfg: Config):
-    from moe_comm import EPBuffer
+    from moe_comm import EPBuffer, formats
     return EPBuffer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.max_tokens, cfg.topk,
-                    dtype=cfg.dtype, fp8_dispatch=cfg.fp8)
+                    dtype=cfg.dtype, dispatch_format=formats.fp8_name(cfg.fp8))
 
 
 def run_shm_cases(group, configs=None) -> list[str]:

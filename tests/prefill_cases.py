@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_comm import PrefillBuffer, reference
+from moe_comm import PrefillBuffer, formats, reference
 from moe_comm.topology import node_layout
 
 from ep_cases import Config, make_inputs
@@ -29,7 +29,7 @@ CASES = ((0, "random"), (1, "skewed"), (2, "one_rank"), (0, "dup"), (1, "random"
 
 def make_buffer(group, cfg: Config, zones: int = 1) -> PrefillBuffer:
     return PrefillBuffer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.max_tokens, cfg.topk,
-                         dtype=cfg.dtype, fp8_dispatch=cfg.fp8, zones=zones)
+                         dtype=cfg.dtype, dispatch_format=formats.fp8_name(cfg.fp8), zones=zones)
 
 
 def poison(buf: PrefillBuffer) -> None:

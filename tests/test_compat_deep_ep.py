@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import fp8 as formats
+from moe_comm import formats
 from moe_comm import reference
 from moe_comm.compat import deep_ep
 from moe_comm.compat.deep_ep_layout import split_range
@@ -54,7 +54,7 @@ def make_inputs(world: int, seed: int, marked: bool):
 
 
 def ll_flags(fmt) -> dict:
-    """DeepEP's low-latency flags of a dispatch format (False = bf16; ``moe_comm.fp8``)."""
+    """DeepEP's low-latency flags of a dispatch format (False = bf16; ``moe_comm.formats``)."""
     return dict(use_fp8=bool(fmt), round_scale=fmt in (formats.E4M3_POW2, formats.E4M3_UE8M0),
                 use_ue8m0=fmt == formats.E4M3_UE8M0)
 
@@ -83,9 +83,9 @@ def check_dispatch(rank, out, xs, idxs, fp8, stats, calls, tag, exact=True) -> l
     data = recv[0] if fp8 else recv
     if tuple(data.shape) != (L, R, HIDDEN) or data.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
         return errs + [f"{tag}: recv_x {tuple(data.shape)} {data.dtype}"]
-    S = formats.scale_columns(formats.parse(fp8), HIDDEN)
+    S = formats.scale_columns(formats.fp8_name(fp8), HIDDEN)
     if fp8 and (tuple(recv[1].shape) != (L, R, S) or scale_strides != (S * R, 1, R)
-                or recv[1].dtype != formats.scale_dtype(formats.parse(fp8))):
+                or recv[1].dtype != formats.scale_dtype(formats.fp8_name(fp8))):
         errs.append(f"{tag}: scales {tuple(recv[1].shape)} {recv[1].dtype} strides {recv[1].stride()} (want "
                     f"column-major)")
     if recv_count.dtype != torch.int32 or tuple(recv_count.shape) != (L,):

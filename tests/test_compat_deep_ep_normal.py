@@ -115,11 +115,11 @@ def run_round(buf, rank, inputs, align=1, worst=0):
     return errs
 
 
-def make_buffer(group, hidden=HIDDEN, fmt=False):
-    """A Buffer whose budget buys exactly M tokens per rank for inputs of format ``fmt`` (False: bf16; a
+def make_buffer(group, hidden=HIDDEN, fmt=None):
+    """A Buffer whose budget buys exactly M tokens per rank for inputs of format ``fmt`` (None: bf16; a
     normal-mode Buffer makes one PrefillBuffer per input format, each of what is left of the budget)."""
     E = L * group.world_size
-    budget = PrefillBuffer.required_bytes(group.world_size, E, hidden, M, K, fp8_dispatch=fmt)
+    budget = PrefillBuffer.required_bytes(group.world_size, E, hidden, M, K, dispatch_format=fmt)
     return deep_ep.Buffer(group, num_nvl_bytes=budget, num_rdma_bytes=0, low_latency_mode=False)
 
 

@@ -1,5 +1,5 @@
 """The fp8 quantizer every dispatch kernel uses (``triton_kernels.quant.quantize_e4m3_groups``) against
-``reference.quantize_fp8``, bitwise, in Triton's interpreter, in every scale format (``moe_comm.fp8``:
+``reference.quantize_fp8``, bitwise, in Triton's interpreter, in every scale format (``moe_comm.formats``:
 float32 amax / 448, power-of-two float32, packed UE8M0), on inputs chosen to break a quantizer that
 rounds anywhere differently: many magnitudes, e4m3 rounding ties and their neighbours, binade and
 subnormal boundaries, zeros of both signs, single nonzero groups, group maxima at float32 extremes, and
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_comm import fp8, reference
+from moe_comm import formats, reference
 from moe_comm.interpreter import kernel_for
 from moe_comm.triton_kernels.quant import quantize_e4m3_groups
 
@@ -35,15 +35,15 @@ def _quantize_tile(x_ptr, q_ptr, s_ptr, ROWS: tl.constexpr, GROUPS: tl.constexpr
     tl.store(s_ptr + r[:, None] * S_COLS + g[None, :], s)
 
 
-def quantize_interpreted(x: torch.Tensor, fmt: str = fp8.E4M3):
+def quantize_interpreted(x: torch.Tensor, fmt: str = formats.E4M3):
     """x float32 [n * ROWS, GROUPS * 128] -> (q float8_e4m3fn, scales of format ``fmt`` [n * ROWS, ...])."""
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
-    cols = fp8.scale_columns(fmt, GROUPS * GROUP)
-    s = torch.empty(x.shape[0], cols, dtype=fp8.scale_dtype(fmt))
+    cols = formats.scale_columns(fmt, GROUPS * GROUP)
+    s = torch.empty(x.shape[0], cols, dtype=formats.scale_dtype(fmt))
     kernel = kernel_for(_quantize_tile, "cpu")
     for r0 in range(0, x.shape[0], ROWS):
         kernel[(1,)](x[r0:r0 + ROWS].contiguous(), q[r0:r0 + ROWS], s[r0:r0 + ROWS], ROWS, GROUPS,
-                     fp8.scale_mode(fmt), cols)
+                     formats.scale_mode(fmt), cols)
     return q, s
 
 
@@ -131,7 +131,7 @@ def codes(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)
 
 
-def deep_ep_formula(x: torch.Tensor, fmt: str = fp8.E4M3):
+def deep_ep_formula(x: torch.Tensor, fmt: str = formats.E4M3):
     """DeepEP's low-latency quantizer (csrc/kernels: internode_ll.cu's cast, utils.cuh's
     calculate_fp8_scales and extract_required_scale_format), in NumPy float32 (each NumPy float32
     operation is one IEEE rounding): amax floored at kFP8Margin; without round_scale scale = kFP8Amax /
@@ -140,7 +140,7 @@ def deep_ep_formula(x: torch.Tensor, fmt: str = fp8.E4M3):
     use_ue8m0 the scale_inv's exponent byte (bits >> 23), four bytes per int32 in DeepEP's order."""
     xf = x.float().unflatten(-1, (-1, GROUP)).numpy()
     amax = np.maximum(np.abs(xf).max(axis=-1), np.float32(1e-4))
-    if fmt == fp8.E4M3:
+    if fmt == formats.E4M3:
         scale, scale_inv = np.float32(448.0) / amax, amax * np.float32(1.0 / 448.0)
     else:
         bits = (amax * np.float32(1.0 / 448.0)).view(np.uint32)
@@ -148,13 +148,13 @@ def deep_ep_formula(x: torch.Tensor, fmt: str = fp8.E4M3):
         scale, scale_inv = np.ldexp(np.float32(1), -e).astype(np.float32), np.ldexp(np.float32(1), e).astype(np.float32)
     v = np.clip(xf * scale[..., None], np.float32(-448.0), np.float32(448.0))
     q = torch.from_numpy(v).to(torch.float8_e4m3fn).flatten(-2)
-    if fmt == fp8.E4M3_UE8M0:
+    if fmt == formats.E4M3_UE8M0:
         exponent_bytes = (scale_inv.view(np.uint32) >> 23).astype(np.uint8)     # [..., G]
         return q, torch.from_numpy(np.ascontiguousarray(exponent_bytes).view("<i4").copy())
     return q, torch.from_numpy(scale_inv)
 
 
-@pytest.mark.parametrize("fmt", fp8.FORMATS)
+@pytest.mark.parametrize("fmt", formats.FP8_FORMATS)
 def test_interpreted_kernel_matches_the_reference_bitwise(fmt):
     x = tiles(adversarial_groups())
     q, s = quantize_interpreted(x, fmt)
@@ -163,7 +163,7 @@ def test_interpreted_kernel_matches_the_reference_bitwise(fmt):
     assert s.dtype == want_s.dtype and torch.equal(s.view(torch.int32), want_s.view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt", fp8.FORMATS)
+@pytest.mark.parametrize("fmt", formats.FP8_FORMATS)
 def test_the_reference_is_deep_eps_formula(fmt):
     x = tiles(adversarial_groups(1))
     q, s = reference.quantize_fp8(x, fmt=fmt)
@@ -175,8 +175,8 @@ def test_power_of_two_scales():
     """e4m3-pow2 and e4m3-ue8m0 give the same codes; the scales are powers of two at least amax / 448
     (so no code exceeds 448) and below twice that, and the UE8M0 bytes are their exponents."""
     x = tiles(adversarial_groups(2))
-    q2, s2 = reference.quantize_fp8(x, fmt=fp8.E4M3_POW2)
-    qu, su = reference.quantize_fp8(x, fmt=fp8.E4M3_UE8M0)
+    q2, s2 = reference.quantize_fp8(x, fmt=formats.E4M3_POW2)
+    qu, su = reference.quantize_fp8(x, fmt=formats.E4M3_UE8M0)
     assert torch.equal(codes(q2), codes(qu)) and torch.equal(reference.unpack_ue8m0(su), s2)
     mantissa, _ = np.frexp(s2.numpy())
     assert (mantissa == 0.5).all()
@@ -238,5 +238,5 @@ def test_control_the_inputs_tell_power_of_two_near_misses_apart(variant):
     amax = x.unflatten(-1, (-1, GROUP)).abs().amax(dim=-1).clamp(min=reference.FP8_AMAX_MIN)
     t = amax * torch.tensor(1 / 448, dtype=torch.float32)
     e = torch.log2(t).ceil() if variant == "float32 log2, then ceil" else torch.log2(t.double()).floor()
-    _, scales = reference.quantize_fp8(x, fmt=fp8.E4M3_POW2)
+    _, scales = reference.quantize_fp8(x, fmt=formats.E4M3_POW2)
     assert not torch.equal(torch.ldexp(torch.ones_like(t), e.float()), scales)

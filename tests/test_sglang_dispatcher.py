@@ -252,10 +252,10 @@ FP8_HIDDEN = 512   # a whole packed UE8M0 word per row
 
 
 def test_ue8m0_scales_come_packed_in_deepep_column_major_order():
-    """fp8_dispatch='e4m3-ue8m0': hidden_states_scale is DeepEP's use_ue8m0 tensor, int32 [E_local, R,
+    """dispatch_format='e4m3-ue8m0': hidden_states_scale is DeepEP's use_ue8m0 tensor, int32 [E_local, R,
     hidden / 512] column-major, the packed exponents of reference.quantize_fp8's power-of-two scales."""
     (g,) = moe_comm.init(backend="loopback", world_size=1)
-    disp = EPBufferDispatcher(EPBuffer(g, E, FP8_HIDDEN, MAXT, TOPK, dtype=torch.bfloat16, fp8_dispatch="e4m3-ue8m0"))
+    disp = EPBufferDispatcher(EPBuffer(g, E, FP8_HIDDEN, MAXT, TOPK, dtype=torch.bfloat16, dispatch_format="e4m3-ue8m0"))
     (x,), (idx,), (w,) = make_inputs(1, [3], E, TOPK, FP8_HIDDEN, 2)
     out = disp.dispatch(x, _topk(idx, w))
     s, R = out.hidden_states_scale, MAXT
@@ -277,7 +277,7 @@ def test_normal_mode_fp8_world2(fmt, prequantized):
     world = 2
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     disps = [PrefillBufferDispatcher(PrefillBuffer(g, E, FP8_HIDDEN, MAXT, TOPK, dtype=torch.bfloat16,
-                                                   fp8_dispatch=fmt)) for g in groups]
+                                                   dispatch_format=fmt)) for g in groups]
     xs, idxs, ws = make_inputs(world, [MAXT, 3], E, TOPK, FP8_HIDDEN, 5)
     inputs = xs
     if prequantized:
@@ -310,8 +310,8 @@ def test_normal_mode_fp8_world2(fmt, prequantized):
 def test_fp8_option_from_the_environment():
     from moe_comm.serving.sglang import options_from_env
     on = {"MOE_COMM_SGLANG": "1"}
-    assert options_from_env(on)["fp8_dispatch"] is False
-    assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "1"})["fp8_dispatch"] == "e4m3"
-    assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "e4m3-ue8m0"})["fp8_dispatch"] == "e4m3-ue8m0"
-    with pytest.raises(ValueError, match="'ue8m0' is not a dispatch format"):
+    assert options_from_env(on)["dispatch_format"] is None
+    assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "1"})["dispatch_format"] == "e4m3"
+    assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "e4m3-ue8m0"})["dispatch_format"] == "e4m3-ue8m0"
+    with pytest.raises(ValueError, match=r"MOE_COMM_SGLANG_FP8='ue8m0': use 0, 1 or an fp8 format"):
         options_from_env({**on, "MOE_COMM_SGLANG_FP8": "ue8m0"})

@@ -321,7 +321,7 @@ def test_plugin_batched_format_follows_the_mode(monkeypatch):
 
 
 def test_batched_format_packed_ue8m0_scales_and_the_auto_upgrade():
-    """fp8_dispatch "e4m3-ue8m0": prepare returns DeepEP's use_ue8m0 scales (int32 [E_local, R, hidden/512],
+    """dispatch_format "e4m3-ue8m0": prepare returns DeepEP's use_ue8m0 scales (int32 [E_local, R, hidden/512],
     column-major), the codes and packed exponents of reference.quantize_fp8. With fp8_dispatch "auto", vLLM's
     post_init_setup moves an "e4m3" buffer to its UE8M0 twin when the experts take packed UE8M0 scales
     (vLLM's DeepEP low-latency rule), and leaves it otherwise."""
@@ -331,9 +331,9 @@ def test_batched_format_packed_ue8m0_scales_and_the_auto_upgrade():
     pf = EPBufferPrepareFinalize(shared_buffer(g, E, hidden, MAXT, TOPK, torch.bfloat16, "e4m3"))
     pf.fp8_auto = True
     pf.post_init_setup(SimpleNamespace(supports_packed_ue8m0_act_scales=lambda: False))
-    assert pf.buf.fp8_dispatch == "e4m3"
+    assert pf.buf.dispatch_format == "e4m3"
     pf.post_init_setup(SimpleNamespace(supports_packed_ue8m0_act_scales=lambda: True))
-    assert pf.buf.fp8_dispatch == "e4m3-ue8m0" and pf.ep is pf.buf
+    assert pf.buf.dispatch_format == "e4m3-ue8m0" and pf.ep is pf.buf
     (x,), (idx,), (w,) = make_inputs(1, [3], E, TOPK, hidden, 8)
     a, scales, meta, _, _ = pf.prepare(x, w, idx, E, None, False, block_fp8)
     want = moe_comm.reference.dispatch([x], [idx], E, MAXT, fp8="e4m3-ue8m0")[0]

@@ -19,7 +19,7 @@ low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=None,
               whose last two dimensions are column-major, strides (S * R, 1, R)); data * scale per 128
               columns ~= x. Scales: float32 S = H/128 (amax / 448; with round_scale=True powers of two), or
               with use_ue8m0=True (needs round_scale=True, H % 512 == 0) int32 S = H/512, the exponents of
-              the power-of-two scales as UE8M0 bytes, four per int32 (``moe_comm.fp8``). Rows
+              the power-of-two scales as UE8M0 bytes, four per int32 (``moe_comm.formats``). Rows
               recv_x[e, :recv_count[e]] are valid.
     recv_count  int32 [L]: rows received per local expert (one per (token, k) routed to it)
     handle    tuple (src_info int32 [L, R], layout_range int64 [L, W], M, H, E): src_info = the row's token
@@ -116,7 +116,7 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
   max(max |x|, 1e-4); data = e4m3(x * (448 / amax)), scale = amax * (1 / 448); with round_scale=True
   e = ceil(log2(amax * (1 / 448))), data = e4m3(x * 2**-e), scale = 2**e (use_ue8m0=True: its exponent
   byte e + 127, packed four per int32 in DeepEP's byte order); each step one float32 rounding
-  (``moe_comm.fp8``, ``reference.quantize_fp8``, ``triton_kernels/quant.py``). Any H with H % 128 == 0
+  (``moe_comm.formats``, ``reference.quantize_fp8``, ``triton_kernels/quant.py``). Any H with H % 128 == 0
   (DeepEP needs H % 512 for fp8), H % 512 == 0 with use_ue8m0; bf16 any even H. ``use_ue8m0`` without
   ``round_scale``, or either without ``use_fp8``, raises ValueError before anything is sent (DeepEP asserts
   the first and ignores the second).
@@ -146,7 +146,7 @@ from __future__ import annotations
 import torch
 
 from .. import phased
-from .. import fp8 as formats
+from .. import formats
 from ..checks import check_tensor
 from ..ep import EPBuffer
 from ..errors import MoECommError, op_id
@@ -172,7 +172,7 @@ def _unsupported(what: str, instead: str) -> NotImplementedError:
 
 
 def low_latency_format(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str | None:
-    """The EPBuffer format (``moe_comm.fp8``) of DeepEP's three low-latency flags; ValueError for the
+    """The EPBuffer format (``moe_comm.formats``) of DeepEP's three low-latency flags; ValueError for the
     combinations DeepEP rejects (use_ue8m0 without round_scale) or ignores (either without use_fp8)."""
     if not use_fp8:
         if round_scale or use_ue8m0:
@@ -334,8 +334,8 @@ class Buffer:
         W = _check_int("num_ranks", num_ranks, 1)
         E = _check_int("num_experts", num_experts, 1)
         _check_divisible(E, W)
-        fmts = (None, formats.E4M3) if H % formats.GROUP == 0 else (None,)
-        return sum(BUFFERS_PER_FORMAT * plan_ep(W, E, H, M, HINT_MAX_TOPK, DTYPE, fmt, "cpu").symmetric_bytes
+        fmts = (None, formats.E4M3) if H % formats.FP8_GROUP == 0 else (None,)
+        return sum(BUFFERS_PER_FORMAT * plan_ep(W, E, H, M, HINT_MAX_TOPK, DTYPE, False, "cpu", fmt).symmetric_bytes
                    for fmt in fmts)
 
     @property
@@ -353,7 +353,7 @@ class Buffer:
         bufs, calls = pair
         slot = calls % BUFFERS_PER_FORMAT
         if slot == len(bufs):
-            ep = EPBuffer(self.comm_group, E, hidden, M, topk, dtype=DTYPE, fp8_dispatch=fmt or False)
+            ep = EPBuffer(self.comm_group, E, hidden, M, topk, dtype=DTYPE, dispatch_format=fmt)
             need = ep.plan.symmetric_bytes
             if self._symmetric_bytes + need > self.num_rdma_bytes:
                 hint = self.get_low_latency_rdma_size_hint(M, hidden, self.group_size, E)
@@ -552,7 +552,7 @@ class Buffer:
             nodes = _ranks_per_node(self.comm_group)
 
             def need(m):
-                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, fp8_dispatch=fmt or False,
+                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, dispatch_format=fmt,
                                                     ranks_per_node=nodes)
             if need(1) > left:
                 raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
@@ -567,7 +567,7 @@ class Buffer:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if need(mid) <= left else (lo, mid)
             self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, lo, topk, dtype=DTYPE,
-                                               fp8_dispatch=fmt or False)
+                                               dispatch_format=fmt)
             self._nvl_bytes_used += need(lo)
         return self._prefill[key]
 

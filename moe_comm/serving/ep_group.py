@@ -66,21 +66,24 @@ def expose_metrics(group) -> None:
 
 
 def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                  dtype: torch.dtype, fp8_dispatch: bool | str, prefill: bool = False):
+                  dtype: torch.dtype, dispatch_format: str | None, prefill: bool = False):
     """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes and
-    fp8 format (``fp8_dispatch``: False, True or a format of ``moe_comm.fp8``), built on first request
-    (collective: every rank asks for the same shapes in the same order, as every rank builds the same
-    layers)."""
+    dispatch format (None, or an fp8 format of ``moe_comm.formats``: the adapters pass no nvfp4 global
+    scale), built on first request (collective: every rank asks for the same shapes in the same order, as
+    every rank builds the same layers)."""
+    from moe_comm import formats  # noqa: PLC0415
     from moe_comm.ep import EPBuffer  # noqa: PLC0415
     from moe_comm.prefill import PrefillBuffer  # noqa: PLC0415
 
-    from moe_comm.fp8 import parse  # noqa: PLC0415
-
+    if dispatch_format not in (None, *formats.FP8_FORMATS):
+        raise ValueError(f"the serving adapters dispatch the model's dtype or an fp8 format "
+                         f"{formats.FP8_FORMATS}, got dispatch_format={dispatch_format!r} (nvfp4 needs a global "
+                         f"scale per call: use EPBuffer/PrefillBuffer directly)")
     cls = PrefillBuffer if prefill else EPBuffer
-    fmt = parse(fp8_dispatch) or False   # the format (True and "e4m3" are one buffer)
-    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, fmt)
+    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, dispatch_format)
     if key not in _BUFFERS:
-        _BUFFERS[key] = cls(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype, fp8_dispatch=fmt)
+        _BUFFERS[key] = cls(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype,
+                            dispatch_format=dispatch_format)
     return _BUFFERS[key]
 
 

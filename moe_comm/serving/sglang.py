@@ -72,6 +72,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import formats
 from ..compat.deep_ep_layout import PackedReceive, column_major_scales, dispatch_layout
 from .ep_group import check_group, process_group, shared_buffer
 
@@ -453,9 +454,9 @@ def options_from_env(environ=None) -> dict | None:
     """moe-comm's SGLang options, or None when it was not requested.
 
     MOE_COMM_SGLANG=1 switches it on; MOE_COMM_SGLANG_BACKEND (auto), MOE_COMM_SGLANG_TIMEOUT_S (30),
-    MOE_COMM_SGLANG_FP8 (0: dispatch bf16; 1: float8_e4m3fn in 1x128 blocks, float32 scales; or a format of
-    moe_comm.fp8: e4m3, e4m3-pow2 (power-of-two float32 scales), e4m3-ue8m0 (packed UE8M0 scales: DeepGEMM's
-    UE8M0 path, hidden % 512 == 0)),
+    MOE_COMM_SGLANG_FP8 (0: dispatch bf16; 1: float8_e4m3fn in 1x128 blocks, float32 scales; or an fp8
+    format of moe_comm.formats: e4m3, e4m3-pow2 (power-of-two float32 scales), e4m3-ue8m0 (packed UE8M0
+    scales: DeepGEMM's UE8M0 path, hidden % 512 == 0); the option ``dispatch_format``),
     MOE_COMM_SGLANG_MAX_TOKENS (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, else 128: tokens per rank
     per low-latency dispatch), MOE_COMM_SGLANG_PREFILL_MAX_TOKENS (4096: tokens per rank per normal-mode
     dispatch, at least SGLang's per-rank prefill chunk). The mode is SGLang's --deepep-mode.
@@ -466,17 +467,21 @@ def options_from_env(environ=None) -> dict | None:
     max_tokens = env.get(f"{_ENV_PREFIX}_MAX_TOKENS") or env.get("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")
     return dict(backend=env.get(f"{_ENV_PREFIX}_BACKEND", "auto"),
                 timeout_s=float(env.get(f"{_ENV_PREFIX}_TIMEOUT_S", "30")),
-                fp8_dispatch=_fp8_option(env.get(f"{_ENV_PREFIX}_FP8", "0")),
+                dispatch_format=_fp8_option(env.get(f"{_ENV_PREFIX}_FP8", "0")),
                 max_tokens_per_rank=int(max_tokens or DEFAULT_MAX_TOKENS_PER_RANK),
                 prefill_max_tokens_per_rank=int(env.get(f"{_ENV_PREFIX}_PREFILL_MAX_TOKENS")
                                                 or DEFAULT_PREFILL_MAX_TOKENS_PER_RANK))
 
 
 def _fp8_option(value: str):
-    """MOE_COMM_SGLANG_FP8 -> fp8_dispatch: "0" False, "1" True, else a format name (``moe_comm.fp8``)."""
-    from ..fp8 import parse  # noqa: PLC0415
+    """MOE_COMM_SGLANG_FP8 -> dispatch_format: "0" None, "1" "e4m3", else an fp8 format name
+    (``moe_comm.formats``; ValueError naming them for another value)."""
     value = value.strip()
-    return parse({"0": False, "": False, "1": True}.get(value, value)) or False
+    if value in ("0", "", "1"):
+        return formats.E4M3 if value == "1" else None
+    if value not in formats.FP8_FORMATS:
+        raise ValueError(f"MOE_COMM_SGLANG_FP8={value!r}: use 0, 1 or an fp8 format {formats.FP8_FORMATS}")
+    return value
 
 
 def make_dispatcher(moe_runner_config, options: dict):
@@ -502,13 +507,14 @@ def make_dispatcher(moe_runner_config, options: dict):
             f"moe-comm needs expert parallelism over the whole world: SGLang has {cfg.num_experts} experts, "
             f"{cfg.num_local_experts} per rank, torch.distributed has {group.world_size} ranks "
             "(set --ep-size to the world size)")
-    fp8 = options.get("fp8_dispatch", False)
+    # dispatch_format, or the earlier option fp8_dispatch=True ("e4m3"); both: ValueError unless they agree
+    fmt = formats.dispatch_format_of(bool(options.get("fp8_dispatch", False)), options.get("dispatch_format"))
     ep = prefill = None
     if mode != "normal":
         ep = shared_buffer(group, cfg.num_experts, cfg.hidden_size, int(options["max_tokens_per_rank"]),
-                           cfg.top_k, cfg.params_dtype, fp8)
+                           cfg.top_k, cfg.params_dtype, fmt)
     if mode != "low_latency":
         prefill = shared_buffer(group, cfg.num_experts, cfg.hidden_size,
                                 int(options.get("prefill_max_tokens_per_rank", DEFAULT_PREFILL_MAX_TOKENS_PER_RANK)),
-                                cfg.top_k, cfg.params_dtype, fp8, prefill=True)
+                                cfg.top_k, cfg.params_dtype, fmt, prefill=True)
     return dispatcher_class()(ep, prefill)

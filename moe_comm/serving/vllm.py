@@ -6,7 +6,7 @@ high-throughput):
 
 - ``MoECommPrepareAndFinalize`` (BatchedExperts format, decode) on an EPBuffer:
   prepare = dispatch (with the fp8 quantization fused into it when the buffer was built with an fp8
-  format, ``moe_comm.fp8``). It returns the expert-major tensor [E_local, world*max_tokens_per_rank,
+  format, ``moe_comm.formats``). It returns the expert-major tensor [E_local, world*max_tokens_per_rank,
   hidden], its scales (float32 [.., hidden/128] row-major; with "e4m3-ue8m0" DeepEP's use_ue8m0 tensor,
   int32 [.., hidden/512] packed UE8M0, column-major over the rows as DeepEP returns it), and
   ExpertTokensMetadata whose ``expert_num_tokens`` is the dispatch's int32 [E_local]
@@ -23,11 +23,12 @@ high-throughput):
   experts mostly reduce themselves: NoOP) to one partial row per received token, then combine, which
   sums every rank's partial rows at the source into vLLM's output.
 
-fp8 (the ``fp8_dispatch`` option): "auto" dispatches fp8 in 1x128 blocks ("e4m3") when the experts take
-fp8 in 1x128 blocks, and, in the BatchedExperts format, switches to packed UE8M0 scales ("e4m3-ue8m0",
-hidden % 512 == 0) when vLLM's ``post_init_setup`` finds experts that take them
-(``supports_packed_ue8m0_act_scales()``), as vLLM's DeepEP low-latency prepare/finalize does; or name a
-format (False, True, "e4m3", "e4m3-pow2", "e4m3-ue8m0").
+fp8 (the ``fp8_dispatch`` option, "auto" by default): "auto" dispatches fp8 in 1x128 blocks ("e4m3") when
+the experts take fp8 in 1x128 blocks, and, in the BatchedExperts format, switches to packed UE8M0 scales
+("e4m3-ue8m0", hidden % 512 == 0) when vLLM's ``post_init_setup`` finds experts that take them
+(``supports_packed_ue8m0_act_scales()``), as vLLM's DeepEP low-latency prepare/finalize does; True/False
+turn it on ("e4m3") or off; the ``dispatch_format`` option names an fp8 format of ``moe_comm.formats``
+("e4m3", "e4m3-pow2", "e4m3-ue8m0") instead.
 
 Which one a deployment gets is chosen the way vLLM chooses its own per-format prepare/finalize: from
 one switch per engine, ``mode`` in the moe_comm options ("low_latency", "high_throughput", or "auto":
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import fp8
+from .. import formats
 from ..compat.deep_ep_layout import column_major_scales
 from ..ep import EPBuffer
 from .ep_group import check_group, process_group, shared_buffer, use_group
@@ -131,11 +132,11 @@ class _PrepareFinalize:
         (round_scale and use_ue8m0). Before the first prepare; every rank builds the same layers."""
         supports = getattr(fused_experts, "supports_packed_ue8m0_act_scales", None)
         buf = self.buf
-        if (not self.fp8_auto or not isinstance(buf, EPBuffer) or buf.fp8_dispatch != fp8.E4M3
-                or supports is None or not supports() or buf.hidden % fp8.hidden_multiple(fp8.E4M3_UE8M0)):
+        if (not self.fp8_auto or not isinstance(buf, EPBuffer) or buf.dispatch_format != formats.E4M3
+                or supports is None or not supports() or buf.hidden % formats.hidden_multiple(formats.E4M3_UE8M0)):
             return
         self.buf = self.ep = shared_buffer(buf.group, buf.num_experts, buf.hidden, buf.max_tokens_per_rank,
-                                           buf.topk, buf.dtype, fp8.E4M3_UE8M0)
+                                           buf.topk, buf.dtype, formats.E4M3_UE8M0)
 
     # ---- hooks the vLLM subclass overrides -------------------------------------------------------
     def _expert_tokens(self, counts: torch.Tensor):
@@ -264,7 +265,7 @@ class EPBufferPrepareFinalize(_PrepareFinalize):
 
     def _received(self, d, quant_config, defer_input_quant):
         x, scales = self._quantized(d.x, d.scales, quant_config, defer_input_quant)
-        if self.buf.fp8_dispatch == fp8.E4M3_UE8M0:   # DeepEP's use_ue8m0 layout, what the experts take
+        if self.buf.dispatch_format == formats.E4M3_UE8M0:   # DeepEP's use_ue8m0 layout, what the experts take
             scales = column_major_scales(scales)
         return x, scales, self._expert_tokens(d.counts), None, None
 
@@ -416,8 +417,8 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
     options (from ``--additional-config '{"moe_comm": {...}}'``): mode ("low_latency": EPBuffer,
     BatchedExperts; "high_throughput": PrefillBuffer, Standard; "auto": from vLLM's --all2all-backend,
     ``resolve_mode``), backend ("auto"), timeout_s (30), fp8_dispatch ("auto": "e4m3" when the experts take
-    fp8 in 1x128 blocks, then packed UE8M0 if ``post_init_setup`` finds experts that take it; or False, True
-    or a format of ``moe_comm.fp8``). Layers with the same shapes and format share one buffer;
+    fp8 in 1x128 blocks, then packed UE8M0 if ``post_init_setup`` finds experts that take it; or False,
+    True), dispatch_format (instead of fp8_dispatch: an fp8 format of ``moe_comm.formats``). Layers with the same shapes and format share one buffer;
     ``moe.max_num_tokens`` is its capacity (tokens per rank per call). The EP group must be the whole
     torch.distributed world (data parallel x expert parallel, tensor parallel 1), with the default linear
     expert placement.
@@ -431,11 +432,13 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
             f"moe-comm needs the expert-parallel group to be the whole world: vLLM has ep_size={par.ep_size} "
             f"ep_rank={par.ep_rank}, torch.distributed has world_size={group.world_size} rank={group.rank} "
             "(use tensor-parallel size 1 with --enable-expert-parallel and data parallelism)")
-    fmt = options.get("fp8_dispatch", "auto")
-    auto = fmt == "auto"
+    fp8, fmt = options.get("fp8_dispatch", "auto"), options.get("dispatch_format")
+    auto = fp8 == "auto" and fmt is None
     if auto:
-        fmt = fp8.E4M3 if (getattr(quant_config, "quant_dtype", None) == torch.float8_e4m3fn
-                           and list(getattr(quant_config, "block_shape", None) or []) == _FP8_BLOCK) else False
+        fmt = formats.E4M3 if (getattr(quant_config, "quant_dtype", None) == torch.float8_e4m3fn
+                               and list(getattr(quant_config, "block_shape", None) or []) == _FP8_BLOCK) else None
+    else:   # ValueError naming the fix for a conflicting pair
+        fmt = formats.dispatch_format_of(False if fp8 == "auto" else fp8, fmt)
     buf = shared_buffer(group, moe.num_experts, moe.hidden_dim, moe.max_num_tokens, moe.experts_per_token,
                         moe.in_dtype, fmt, prefill=mode == "high_throughput")
     pf = prepare_finalize_class(mode)(buf)
