@@ -380,3 +380,35 @@ def test_prefill_moe_consumes_nvfp4_and_returns_through_the_fp8_combine():
     want = reference.fp8_round_trip(partial.to(torch.bfloat16)).to(torch.bfloat16)
     assert torch.equal(y, want)
     buf.close()
+
+
+# ---- PrefillBuffer across nodes: every dispatch format; the fp8 combine refused -------------------------
+
+def _fp8_combine_across_nodes(group):
+    """Every rank of a group spanning emulated nodes: the fp8 combine is refused at construction (nothing
+    allocated, no collective), naming the fix; the same sizes with the dtype's combine build."""
+    try:
+        PrefillBuffer(group, 2 * group.world_size, 128, 4, 2, dispatch_format="nvfp4", combine_format="e4m3")
+        return ["an fp8 combine across nodes was built"]
+    except ValueError as e:
+        if "combine_format='e4m3' is one node only" not in str(e) or "use combine_format=None" not in str(e):
+            return [f"unexpected message: {e}"]
+    buf = PrefillBuffer(group, 2 * group.world_size, 128, 4, 2, dispatch_format="nvfp4")
+    ok = buf.plan.put and buf.combine_format is None
+    buf.close()
+    return [] if ok else ["the buffer across nodes has no put plan"]
+
+
+@pytest.mark.timeout(300)
+def test_prefill_fp8_combine_across_nodes_is_refused_at_construction(monkeypatch):
+    """PrefillBuffer's combine across nodes sums each node's rows on that node and forwards the sum in the
+    dtype (docs/prefill.md "Across nodes"), so there is no fp8 row to send: combine_format='e4m3' raises
+    ValueError there, at construction and in required_bytes(..., ranks_per_node=G), on every rank. The
+    dispatch formats run across nodes (test_emulated_nodes: the prefill wire test, bf16, fp8 and nvfp4)."""
+    with pytest.raises(ValueError, match=r"combine_format='e4m3' is one node only.*use combine_format=None"):
+        PrefillBuffer.required_bytes(4, 8, 128, 4, 2, combine_format="e4m3", ranks_per_node=2)
+    assert PrefillBuffer.required_bytes(4, 8, 128, 4, 2, combine_format="e4m3") > 0   # one node: taken
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    errs = moe_comm.launch(_fp8_combine_across_nodes, 4, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
