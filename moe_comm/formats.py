@@ -127,8 +127,8 @@ def check_hidden(fmt: str | None, hidden: int) -> None:
                          f"or use dispatch_format=None/'e4m3'")
     what = ("four 128-column groups per packed int32 scale word, as DeepEP's use_ue8m0" if fmt == E4M3_UE8M0
             else "one scale per 128 columns")
-    fix = ("use dispatch_format='e4m3' or 'e4m3-pow2' (hidden % 128 == 0)" if fmt == E4M3_UE8M0 and hidden % FP8_GROUP == 0
-           else "dispatch the buffer's dtype (dispatch_format=None)")
+    fix = ("use dispatch_format='e4m3' or 'e4m3-pow2' (hidden % 128 == 0)"
+           if fmt == E4M3_UE8M0 and hidden % FP8_GROUP == 0 else "dispatch the buffer's dtype (dispatch_format=None)")
     raise ValueError(f"dispatch_format={fmt!r} (fp8) needs hidden % {m} == 0 ({what}), got hidden={hidden}: pad hidden "
                      f"to {pad}, or {fix}")
 

@@ -160,8 +160,9 @@ class PrefillBuffer(OpBuffer):
 
     ``PrefillBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
     fp8_dispatch=False, zones=1, dispatch_format=None, combine_format=None)``: rank r owns experts [r*L,
-    (r+1)*L), L = num_experts // world. Buffers are collective (every rank builds its PrefillBuffer in the same order, with the same sizes and zones;
-    on a loopback world one per group, in rank order) and allocated by the first ``dispatch``.
+    (r+1)*L), L = num_experts // world. Buffers are collective (every rank builds its PrefillBuffer in the
+    same order, with the same sizes and zones; on a loopback world one per group, in rank order) and
+    allocated by the first ``dispatch``.
     zones=2 holds two landing zones (twice the memory) that consecutive dispatches alternate between, so
     the dispatch of chunk i+1 may run before the combine of chunk i (``prefill_chunks.prefill_moe``).
 

@@ -418,7 +418,8 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
     BatchedExperts; "high_throughput": PrefillBuffer, Standard; "auto": from vLLM's --all2all-backend,
     ``resolve_mode``), backend ("auto"), timeout_s (30), fp8_dispatch ("auto": "e4m3" when the experts take
     fp8 in 1x128 blocks, then packed UE8M0 if ``post_init_setup`` finds experts that take it; or False,
-    True), dispatch_format (instead of fp8_dispatch: an fp8 format of ``moe_comm.formats``). Layers with the same shapes and format share one buffer;
+    True), dispatch_format (instead of fp8_dispatch: an fp8 format of ``moe_comm.formats``). Layers with
+    the same shapes and format share one buffer;
     ``moe.max_num_tokens`` is its capacity (tokens per rank per call). The EP group must be the whole
     torch.distributed world (data parallel x expert parallel, tensor parallel 1), with the default linear
     expert placement.

@@ -149,7 +149,8 @@ def _ep_configs() -> list[KernelConfig]:
         out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {name}", dict(
             x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if p1.fp8 else "*i32",
             out_scales_ptr="*fp32" if p1.fp8 and p1.scale_dtype == torch.float32 else "*i32", out_src_ptr="*i32",
-            out_counts_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64",
+            out_counts_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64",
+            excluded_ptr="*i64",
             grp="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32"), dict(
             OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
             BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
