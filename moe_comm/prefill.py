@@ -168,8 +168,8 @@ class PrefillBuffer(OpBuffer):
 
     Formats as EPBuffer's (``moe_comm.formats``, docs/formats.md): dispatch_format None, "e4m3" (fp8;
     fp8_dispatch=True is the same), "e4m3-pow2", "e4m3-ue8m0" or "nvfp4", combine_format None or "e4m3" (the
-    partial rows cross as fp8 and are summed in float32; one node only: across nodes it raises ValueError
-    here).
+    partial rows cross as fp8 and are summed in float32). Across nodes the fp8 combine and the nvfp4 dispatch
+    raise ValueError here (docs/formats.md "Bad combinations").
 
     dispatch(x, topk_idx, topk_weights, *, phase="both", global_scale=None) -> PrefillDispatchResult
         x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank; copied as 4-byte
@@ -295,7 +295,8 @@ class PrefillBuffer(OpBuffer):
               combine_format=None) -> PrefillPlan:
         """``ranks_per_node``: G of a group with put peers (``required_bytes(..., ranks_per_node=8)``: the
         memory across nodes of 8 GPUs), None for one node. The formats as EPBuffer's; across nodes the fp8
-        combine is refused (ValueError: the node-first reduction forwards rows of the dtype)."""
+        combine (the node-first reduction forwards rows of the dtype) and the nvfp4 dispatch (its send is not
+        block-uniform compiled with the put path) raise ValueError."""
         ep = EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
                             dispatch_format, combine_format)  # checks sizes and formats
         if ranks_per_node is not None and world > 1 and ep.combine_fp8:
@@ -303,6 +304,13 @@ class PrefillBuffer(OpBuffer):
                              "puts) the PrefillBuffer's combine sums each node's rows on that node and forwards the "
                              "sum in the buffer's dtype, so there is no fp8 row to send; use combine_format=None "
                              "there (EPBuffer's fp8 combine works across nodes)")
+        if ranks_per_node is not None and world > 1 and ep.nvfp4:
+            # Its one-warp send (512-byte tiles: 16-byte stores) compiled with the put path's waits branches
+            # per thread around block-wide calls (tests/test_compile_sm90.py's uniformity rule); two warps
+            # would halve the stores' width. Refused until the send is restructured.
+            raise ValueError("dispatch_format='nvfp4' is one node only in PrefillBuffer: across nodes its send is "
+                             "not yet block-uniform when compiled; use an fp8 dispatch_format there (or EPBuffer, "
+                             "whose nvfp4 dispatch works across nodes)")
         return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, False, device,
                             zones, ranks_per_node, ep.dispatch_format, combine_format)
 

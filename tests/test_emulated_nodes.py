@@ -390,7 +390,7 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
     """PrefillBuffer across emulated nodes (docs/prefill.md "Across nodes"): on every rank, the bytes the
     wire carries between nodes equal the per-node floor (bench/wire_bytes.py ``prefill_floor_bytes``: one
     payload row plus its routing words per (token, destination node), one output row per (token, node)
-    back, and the control words), ratio 1.00, bf16, fp8 and nvfp4 dispatch (odd sizes, unrouted slots), with results
+    back, and the control words), ratio 1.00, bf16, fp8 and power-of-two fp8 dispatch (odd sizes, unrouted slots), with results
     equal to the reference in the node order; with node-limited routing (each token's experts on one
     node of 2, two of 3) it carries fewer rows than one copy per destination rank, which EPBuffer's put
     path, measured on the same inputs, sends. 2x2 in ``make test``; 2x3 and 3x2 under MOE_COMM_LONG_TESTS."""
@@ -402,7 +402,7 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
     common = ["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--tokens", "7", "--hidden", "256",
               "--experts", str(2 * world), "--topk", "3", "--prefill"]
     variants = [wire_bytes.parse(common + ["--unrouted", "0.25"]), wire_bytes.parse(common + ["--fp8"]),
-                wire_bytes.parse(common + ["--dispatch-format", "nvfp4"]),
+                wire_bytes.parse(common + ["--dispatch-format", "e4m3-pow2"]),
                 wire_bytes.parse(common + ["--node-limit", str(nodes - 1)])]
     out = moe_comm.launch(_prefill_wire, world, variants, backend="shm", timeout_s=120)
     assert [o[-1] for o in out] == [[]] * world           # no mapping of another node, puts to it

@@ -11,8 +11,8 @@ worlds 1-3 and shm world 3, row-major and column-major scales.
 
 The low-precision formats (tests/format_cases.py): EPBuffer and PrefillBuffer with dispatch_format='nvfp4'
 and combine_format='e4m3', bit for bit at worlds 1-3 on shm ranks (processes) and loopback (one process),
-EPBuffer and PrefillBuffer (nvfp4 dispatch) across emulated nodes (every cross-node byte a put on the
-emulated wire, including the combine's staged runs).
+EPBuffer across emulated nodes (every cross-node byte a put on the emulated wire, including the combine's
+staged runs); PrefillBuffer refuses both across nodes.
 
 Every bad combination raises before anything is sent, naming the fix, and the next call is exact on every
 rank. What the CPU cannot show: compiled code's bits (the quantizers avoid every conversion instruction
@@ -385,29 +385,38 @@ def test_prefill_moe_consumes_nvfp4_and_returns_through_the_fp8_combine():
 # ---- PrefillBuffer across nodes: every dispatch format; the fp8 combine refused -------------------------
 
 def _fp8_combine_across_nodes(group):
-    """Every rank of a group spanning emulated nodes: the fp8 combine is refused at construction (nothing
-    allocated, no collective), naming the fix; the same sizes with the dtype's combine build."""
-    try:
-        PrefillBuffer(group, 2 * group.world_size, 128, 4, 2, dispatch_format="nvfp4", combine_format="e4m3")
-        return ["an fp8 combine across nodes was built"]
-    except ValueError as e:
-        if "combine_format='e4m3' is one node only" not in str(e) or "use combine_format=None" not in str(e):
-            return [f"unexpected message: {e}"]
-    buf = PrefillBuffer(group, 2 * group.world_size, 128, 4, 2, dispatch_format="nvfp4")
-    ok = buf.plan.put and buf.combine_format is None
+    """Every rank of a group spanning emulated nodes: the fp8 combine and the nvfp4 dispatch are refused at
+    construction (nothing allocated, no collective), naming the fix; an fp8 dispatch builds there."""
+    errs = []
+    for kw, match in ((dict(dispatch_format="e4m3", combine_format="e4m3"), "combine_format='e4m3' is one node only"),
+                      (dict(dispatch_format="nvfp4"), "dispatch_format='nvfp4' is one node only")):
+        try:
+            PrefillBuffer(group, 2 * group.world_size, 128, 4, 2, **kw)
+            errs.append(f"{kw} was built across nodes")
+        except ValueError as e:
+            if match not in str(e) or "use " not in str(e):
+                errs.append(f"unexpected message: {e}")
+    buf = PrefillBuffer(group, 2 * group.world_size, 128, 4, 2, dispatch_format="e4m3-pow2")
+    if not (buf.plan.put and buf.combine_format is None):
+        errs.append("the buffer across nodes has no put plan")
     buf.close()
-    return [] if ok else ["the buffer across nodes has no put plan"]
+    return errs
 
 
 @pytest.mark.timeout(300)
-def test_prefill_fp8_combine_across_nodes_is_refused_at_construction(monkeypatch):
+def test_prefill_fp8_combine_and_nvfp4_across_nodes_are_refused_at_construction(monkeypatch):
     """PrefillBuffer's combine across nodes sums each node's rows on that node and forwards the sum in the
     dtype (docs/prefill.md "Across nodes"), so there is no fp8 row to send: combine_format='e4m3' raises
-    ValueError there, at construction and in required_bytes(..., ranks_per_node=G), on every rank. The
-    dispatch formats run across nodes (test_emulated_nodes: the prefill wire test, bf16, fp8 and nvfp4)."""
+    ValueError there; so does dispatch_format='nvfp4' (its one-warp send compiled with the put path is
+    not block-uniform: the sm_90 rule of test_compile_sm90, which the CPU cannot show). At construction
+    and in required_bytes(..., ranks_per_node=G), on every rank. The fp8 dispatch formats run across
+    nodes (test_emulated_nodes: the prefill wire test)."""
     with pytest.raises(ValueError, match=r"combine_format='e4m3' is one node only.*use combine_format=None"):
         PrefillBuffer.required_bytes(4, 8, 128, 4, 2, combine_format="e4m3", ranks_per_node=2)
-    assert PrefillBuffer.required_bytes(4, 8, 128, 4, 2, combine_format="e4m3") > 0   # one node: taken
+    with pytest.raises(ValueError, match=r"dispatch_format='nvfp4' is one node only.*use an fp8 dispatch_format"):
+        PrefillBuffer.required_bytes(4, 8, 128, 4, 2, dispatch_format="nvfp4", ranks_per_node=2)
+    for kw in (dict(combine_format="e4m3"), dict(dispatch_format="nvfp4")):   # one node: taken
+        assert PrefillBuffer.required_bytes(4, 8, 128, 4, 2, **kw) > 0
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     errs = moe_comm.launch(_fp8_combine_across_nodes, 4, backend="shm", timeout_s=60)

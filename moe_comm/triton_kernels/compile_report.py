@@ -197,8 +197,8 @@ def _prefill_configs() -> list[KernelConfig]:
     """PrefillBuffer at DeepSeek-V3 prefill (256 experts, hidden 7168, top-8, 4096 tokens per rank), EP8 on
     one node, bf16 and every fp8 format quantized on the way, and pre-quantized fp8 input (float32 and packed
     UE8M0 scales), nvfp4, the bf16 and fp8 combine, with the planner's GPU launch shapes; and across nodes
-    (the put path, NVSHMEM calls: docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16, fp8 and
-    nvfp4 dispatch, bf16 combine."""
+    (the put path, NVSHMEM calls: docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16 and fp8
+    dispatch, bf16 combine (PrefillBuffer refuses nvfp4 and the fp8 combine across nodes)."""
     import torch  # noqa: PLC0415
 
     from ..errors import op_id  # noqa: PLC0415
@@ -209,7 +209,7 @@ def _prefill_configs() -> list[KernelConfig]:
     ctrl = dict(ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64")
     for world, put in ((8, False), (32, True)):
         w = dict(WORLD=world, WORLD_P2=next_pow2(world))
-        sends = ([(fmt, name, False) for fmt, name in FORMATS if fmt in (None, "e4m3", "nvfp4")] if put else
+        sends = ([(fmt, name, False) for fmt, name in FORMATS if fmt in (None, "e4m3")] if put else
                  [(fmt, name, False) for fmt, name in FORMATS] + [("e4m3", "fp8 prequantized", True),
                                                                   ("e4m3-ue8m0", "fp8-ue8m0 prequantized", True)])
         for fmt, name, prequant in sends:
