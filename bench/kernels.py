@@ -9,9 +9,10 @@
    empty Triton kernel (one launch). An op that must move B bytes cannot beat B / bandwidth + 1 launch.
 2. AllToAllvDynamic (world 1, rows of ``hidden`` bf16) vs torch.ops.symm_mem.all_to_all_vdev (separate
    process: torch brings its own NVSHMEM) and NCCL all_to_all_single with host-read splits.
-3. EPBuffer dispatch / combine (bf16 and fp8 dispatch; EP=1) vs a pure-torch permute / unpermute. Each
-   op is one call (phase="both") on whichever heap; the dispatch split into its phases is timed on a line
-   of its own (impl ``moe_comm_split_phases``: at world 1 its send copies x and topk_idx, NOTES 20).
+3. EPBuffer dispatch / combine (bf16, fp8 and, when hidden % 512 == 0, fp8 with packed UE8M0 scales
+   (dtype "fp8-ue8m0"); EP=1) vs a pure-torch permute / unpermute. Each op is one call (phase="both") on
+   whichever heap; the dispatch split into its phases is timed on a line of its own (impl
+   ``moe_comm_split_phases``: at world 1 its send copies x and topk_idx, NOTES 20).
 4. ep_emulated: the multi-rank path (send kernel + receive kernel per rank) on one GPU: a loopback world
    of --emulated-world ranks (GPU 8), every rank's phases run one after another on this GPU (replayed
    from a CUDA graph). It times the kernels of the EP>1 path at DeepSeek-V3 shapes, not a network: the
@@ -23,6 +24,10 @@
    link-side bytes (what crosses to other ranks: ``PrefillPlan.dispatch_link_bytes`` /
    ``combine_link_bytes``); the floor is the HBM bytes the emulation reads and writes on the one device
    at copy bandwidth plus the launches.
+7. formats (only when named in --sections): the low-precision formats (docs/formats.md) against bf16 at
+   --format-tokens (GPU 1,128,4096): EPBuffer at world 1 (dispatch bf16 / e4m3 / nvfp4, combine bf16 /
+   e4m3), and PrefillBuffer's emulated world (--prefill-world ranks) at the largest of them. Bytes are
+   each format's payload (``format_bytes``).
 6. ep_rank (only when named in --sections): one real rank of EP-N (--rank-worlds, GPU 8,16,32,64) at
    full size; the other N-1 ranks' contributions are staged once and signalled per call by a small
    peer-emulator kernel (bench/ep_rank.py). Per-rank µs (the emulator's own time subtracted, and
@@ -57,10 +62,10 @@ from bench import peers
 from bench.common import DRY_LABEL, JsonLines, environment, l2_bytes, percentiles, read_jsonl, time_us
 
 GPU_SIZES = [1, 8, 64, 128, 512, 2048]
-SECTIONS = ("floor", "a2a", "ep", "ep_emulated", "prefill", "ep_rank", "permute", "nccl", "vdev")
+SECTIONS = ("floor", "a2a", "ep", "ep_emulated", "prefill", "ep_rank", "permute", "nccl", "vdev", "formats")
 # ep_rank runs when named: its GPU sweep compiles ~120 kernel variants (scripts/gpu_check.sh runs it as a
 # step of its own, so that its length cannot cut the other sections short).
-DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "ep_rank")
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("ep_rank", "formats"))
 DRY_SIZES = [1, 5]
 
 
@@ -85,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank-tokens", type=sizes, help="T per rank in the ep_rank section (GPU 1,8,32,128,512; dry 1,3)")
     p.add_argument("--rank-routings", default="uniform,skewed", help="routings of the ep_rank section")
     p.add_argument("--a2a-rows", type=sizes, help=f"rows per call (GPU {GPU_SIZES})")
+    p.add_argument("--format-tokens", type=sizes, help="T of the formats section (GPU 1,128,4096; dry 1,3)")
     p.add_argument("--tokens", type=sizes, help=f"T for dispatch/combine (GPU {GPU_SIZES})")
     p.add_argument("--hidden", type=int, help="row width (GPU 7168; dry 256)")
     p.add_argument("--experts", type=int, help="experts (GPU 256; dry 16)")
@@ -107,10 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     host = dict(tokens=[16], hidden=7168, experts=256, topk=8, iters=1000, warmup=20)
     gpu = dict(a2a_rows=GPU_SIZES, tokens=GPU_SIZES, hidden=7168, experts=256, topk=8, iters=200, warmup=20,
                emulated_world=8, emulated_tokens=[1, 128], prefill_world=8, prefill_tokens=[4096],
-               rank_worlds=[8, 16, 32, 64],
+               rank_worlds=[8, 16, 32, 64], format_tokens=[1, 128, 4096],
                rank_tokens=[1, 8, 32, 128, 512])
     dry = dict(a2a_rows=DRY_SIZES, tokens=DRY_SIZES, hidden=256, experts=16, topk=4, iters=3, warmup=1,
                emulated_world=2, emulated_tokens=[3], prefill_world=2, prefill_tokens=[3], rank_worlds=[2, 4],
+               format_tokens=[1, 3],
                rank_tokens=[1, 3])
     for k, v in (host if o.host else {}).items():
         if getattr(o, k) is None:
@@ -197,11 +204,16 @@ def bench_a2a(o, out, floor, group):
         op.close()
 
 
-def ep_bytes(op: str, t: int, h: int, k: int, fp8: bool) -> int:
+# Dispatch formats of the EP=1 section: (dispatch_format, the lines' dtype, scale bytes per 128 columns).
+EP_FORMATS = ((None, "bf16", 0), ("e4m3", "fp8", 4), ("e4m3-ue8m0", "fp8-ue8m0", 1))
+
+
+def ep_bytes(op: str, t: int, h: int, k: int, fp8, scale_bytes: int = 4) -> int:
     """Least bytes an EP=1 op must move (payload only): dispatch reads x [T, H] and writes T*K rows
-    (fp8: H bytes + H/128 float32 scales each); combine reads T*K expert rows and writes y [T, H]."""
+    (fp8: H bytes + H/128 scales of ``scale_bytes`` each: 4 float32, 1 packed UE8M0); combine reads T*K
+    expert rows and writes y [T, H]."""
     if op == "dispatch":
-        return t * h * 2 + t * k * ((h + 4 * (h // 128)) if fp8 else 2 * h)
+        return t * h * 2 + t * k * ((h + scale_bytes * (h // 128)) if fp8 else 2 * h)
     return t * k * h * 2 + t * h * 2
 
 
@@ -221,10 +233,12 @@ def bench_ep(o, out, floor, group):
         return
     h, e, k = o.hidden, o.experts, o.topk
     gen = torch.Generator().manual_seed(0)
-    for fp8 in (False, True):
+    for fp8, dtype, scale_bytes in EP_FORMATS:
+        if fp8 == "e4m3-ue8m0" and h % 512:
+            continue   # packed UE8M0 takes whole words of four 128-column groups
         for t in o.tokens:
             cap = o.max_tokens or max(1, t)
-            ep = EPBuffer(group, e, h, cap, k, dtype=torch.bfloat16, fp8_dispatch=fp8)
+            ep = EPBuffer(group, e, h, cap, k, dtype=torch.bfloat16, dispatch_format=fp8)
             x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device)
             idx = peers.random_topk(t, e, k, gen).to(o.device)
             w = torch.rand(t, k, generator=gen).to(o.device)
@@ -232,16 +246,15 @@ def bench_ep(o, out, floor, group):
             group.check()
             want = torch.bincount(idx.reshape(-1).cpu(), minlength=e).to(torch.int32)
             assert torch.equal(d.counts.cpu(), want), "dispatch counts differ from the routing"
-            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, dtype="fp8" if fp8 else "bf16",
-                         heap=group.backend)
+            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, dtype=dtype, heap=group.backend)
             td = time_us(lambda i: drive(ep.dispatch, group, x, idx), o.device, o.iters, o.warmup)
-            result(out, floor, "dispatch", "moe_comm", ep_bytes("dispatch", t, h, k, fp8), td, phases="both", **sizes)
+            dbytes = ep_bytes("dispatch", t, h, k, fp8, scale_bytes)
+            result(out, floor, "dispatch", "moe_comm", dbytes, td, phases="both", **sizes)
             # The same dispatch split into phases (what a loopback world is driven with): at world 1 its
             # send copies x and topk_idx so that the caller may reuse them, 3 launches instead of 1.
             tsplit = time_us(lambda i: ep.dispatch(x, idx, phase="send") or ep.dispatch(phase="recv"), o.device,
                              o.iters, o.warmup)
-            result(out, floor, "dispatch", "moe_comm_split_phases", ep_bytes("dispatch", t, h, k, fp8), tsplit,
-                   phases="split", **sizes)
+            result(out, floor, "dispatch", "moe_comm_split_phases", dbytes, tsplit, phases="split", **sizes)
             d = drive(ep.dispatch, group, x, idx)
             expert_out = d.x.to(torch.bfloat16)  # rows past the counts are never read
             tc = time_us(lambda i: drive(ep.combine, group, expert_out, w, d.handle), o.device, o.iters, o.warmup)
@@ -521,6 +534,112 @@ def bench_prefill_point(o, out, floor, bufs, xs, idxs, ws, impl, streams, how, f
                    **sizes)
     prefill_result(out, floor, "prefill_combine", impl, nb["link_combine"], nb["hbm_combine"], tc, 2 * world,
                    **dict(sizes, dtype="bf16", dispatch_dtype=sizes["dtype"]))
+
+
+# ---- formats: nvfp4 / e4m3 dispatch and e4m3 combine against bf16 ------------------------------------------
+
+FORMAT_POINTS = ((None, None), ("e4m3", None), ("nvfp4", None), (None, "e4m3"))   # (dispatch, combine) formats
+
+
+def format_bytes(fmt: str | None, h: int) -> int:
+    """Payload bytes of one row in a format (formats.py): bf16 2H; e4m3 H + H/32; nvfp4 H/2 + H/16."""
+    return {None: 2 * h, "e4m3": h + 4 * (h // 128), "nvfp4": h // 2 + h // 16}[fmt]
+
+
+def bench_formats(o, out, floor):
+    """EPBuffer (world 1: the send and receive of one rank in one kernel) and PrefillBuffer (emulated world)
+    with every point of FORMAT_POINTS: dispatch and combine timed as in the ep and prefill sections. Each
+    point is checked first: dispatch counts against the routing; with a quantized format the rows of one
+    token against ``moe_comm.reference``'s quantizer, bit for bit."""
+    from moe_comm import reference  # noqa: PLC0415
+    h, e, k = o.hidden, o.experts, o.topk
+    group = moe_comm.init(backend="loopback", world_size=1, device=o.device, timeout_s=30.0)[0]
+    gen = torch.Generator().manual_seed(4)
+    for dfmt, cfmt in FORMAT_POINTS:
+        for t in o.format_tokens:
+            cap = o.max_tokens or max(1, t)
+            ep = moe_comm.EPBuffer(group, e, h, cap, k, dispatch_format=dfmt, combine_format=cfmt)
+            x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device)
+            idx = peers.random_topk(t, e, k, gen).to(o.device)
+            w = torch.rand(t, k, generator=gen).to(o.device)
+            gs = reference.nvfp4_global_scale(x) if dfmt == "nvfp4" else None
+            d = drive(ep.dispatch, group, x, idx, global_scale=gs)
+            group.check()
+            want = torch.bincount(idx.reshape(-1).cpu(), minlength=e).to(torch.int32)
+            assert torch.equal(d.counts.cpu(), want), "dispatch counts differ from the routing"
+            if dfmt is not None and t:
+                e0 = int(idx[0, 0])
+                q = (reference.quantize_nvfp4(x[:1].cpu(), gs.cpu()) if dfmt == "nvfp4"
+                     else reference.quantize_fp8(x[:1].cpu()))
+                assert torch.equal(d.x[e0, 0].cpu().view(torch.uint8), q[0][0].view(torch.uint8)), "codes"
+            sizes = dict(tokens=t, hidden=h, experts=e, topk=k, max_tokens=cap, heap=group.backend,
+                         dtype=dfmt or "bf16")
+            td = time_us(lambda i: drive(ep.dispatch, group, x, idx, global_scale=gs), o.device, o.iters, o.warmup)
+            result(out, floor, "dispatch", "moe_comm_formats", t * h * 2 + t * k * format_bytes(dfmt, h), td,
+                   **sizes)
+            d = drive(ep.dispatch, group, x, idx, global_scale=gs)
+            expert_out = torch.ones((ep.num_local_experts, cap, h), dtype=torch.bfloat16, device=o.device)
+            tc = time_us(lambda i: drive(ep.combine, group, expert_out, w, d.handle), o.device, o.iters, o.warmup)
+            group.check()
+            # bytes: the expert rows as they travel (at world 1 read in place, in bf16), and y
+            result(out, floor, "combine", "moe_comm_formats", t * k * h * 2 + t * h * 2, tc,
+                   **dict(sizes, dtype=cfmt or "bf16", dispatch_dtype=dfmt or "bf16"))
+            ep.close()
+            del d, expert_out, ep
+            if o.device.type == "cuda":
+                torch.cuda.empty_cache()
+    group.close()
+    bench_prefill_formats(o, out, floor, max(o.format_tokens))
+
+
+def bench_prefill_formats(o, out, floor, t: int):
+    """PrefillBuffer's emulated world at T tokens per rank, every point of FORMAT_POINTS (ranks in turn)."""
+    from moe_comm import reference  # noqa: PLC0415
+    world, h, e, k = o.prefill_world, o.hidden, o.experts, o.topk
+    groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=30.0)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t, h, generator=gen).to(torch.bfloat16).to(o.device) for _ in groups]
+    idxs = [peers.random_topk(t, e, k, gen).to(o.device) for _ in groups]
+    ws = [torch.rand(t, k, generator=gen).to(o.device) for _ in groups]
+    gs = reference.nvfp4_global_scale(torch.cat(xs))
+    for dfmt, cfmt in FORMAT_POINTS:
+        bufs = [moe_comm.PrefillBuffer(g, e, h, t, k, dispatch_format=dfmt, combine_format=cfmt) for g in groups]
+        scale = gs if dfmt == "nvfp4" else None
+        ds = []
+        eos = [torch.ones(bufs[0].plan.rows, h, dtype=torch.bfloat16, device=o.device) for _ in groups]
+
+        def dispatch_all(i):
+            ds[:] = run_phases(None, [lambda b=b, x=x, idx=idx, w=w: b.dispatch(x, idx, w, phase="send",
+                                                                               global_scale=scale)
+                                      for b, x, idx, w in zip(bufs, xs, idxs, ws)],
+                               [lambda b=b: b.dispatch(phase="recv") for b in bufs])
+
+        def combine_all(i):
+            return run_phases(None, [lambda b=b, eo=eo, d=d: b.combine(eo, d.handle, phase="send")
+                                     for b, eo, d in zip(bufs, eos, ds)],
+                              [lambda b=b: b.combine(phase="recv") for b in bufs])
+
+        dispatch_all(0)
+        got = torch.stack([d.expert_counts.cpu() for d in ds]).reshape(-1)
+        want = torch.bincount(torch.cat(idxs).reshape(-1).cpu(), minlength=e).to(torch.int32)
+        assert torch.equal(got, want), "prefill dispatch counts differ from the routing"
+        combine_all(0)
+        td, tc = time_round(dispatch_all, combine_all, o.device, o.iters, o.warmup)
+        for b in bufs:
+            b.group.check()
+        pairs = sum(int(prefill_destinations(idx, e, world).sum()) for idx in idxs)
+        sizes = dict(tokens=t, world=world, hidden=h, experts=e, topk=k, max_tokens=t, dtype=dfmt or "bf16",
+                     heap="loopback (emulated on one device)", streams="one")
+        result(out, floor, "prefill_dispatch", "moe_comm_formats", pairs * format_bytes(dfmt, h), td,
+               launches=2 * world, **sizes)
+        result(out, floor, "prefill_combine", "moe_comm_formats", pairs * format_bytes(cfmt, h), tc,
+               launches=2 * world, **dict(sizes, dtype=cfmt or "bf16", dispatch_dtype=dfmt or "bf16"))
+        for b in reversed(bufs):
+            b.close()
+        if o.device.type == "cuda":
+            torch.cuda.empty_cache()
+    for g in groups:
+        g.close()
 
 
 def bench_ep_rank(o, out, floor):
@@ -828,6 +947,7 @@ def main(argv=None) -> int:
     section("ep_emulated", bench_ep_emulated, o, out, floor)
     section("prefill", bench_prefill, o, out, floor)
     section("ep_rank", bench_ep_rank, o, out, floor)
+    section("formats", bench_formats, o, out, floor)
     section("permute", bench_permute, o, out, floor)
     section("nccl", bench_nccl, o, out, floor)
     section("vdev", run_vdev, o, out, floor, argv)

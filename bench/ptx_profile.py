@@ -124,7 +124,8 @@ def record_call(world: int, tokens: int, fp8: bool, phases: str) -> tuple[list, 
     import moe_comm  # noqa: PLC0415
     import moe_comm.ep as ep_mod  # noqa: PLC0415
     plan_ep = ep_mod.plan_ep
-    ep_mod.plan_ep = lambda *a: plan_ep(*a[:-1], "cuda")   # the CUDA launch shapes (last argument: device)
+    # the CUDA launch shapes (the last positional argument is the device; the formats come by keyword)
+    ep_mod.plan_ep = lambda *a, **formats: plan_ep(*a[:-1], "cuda", **formats)
     try:
         groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
         with launches_stubbed([]):

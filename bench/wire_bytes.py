@@ -1,8 +1,8 @@
 """Bytes on the network per dispatch and combine, measured by the emulated nodes' wire, next to the floor.
 
     python bench/wire_bytes.py [--nodes 2] [--ranks-per-node 2] [--tokens 16] [--hidden 1024]
-                               [--experts 32] [--topk 8] [--fp8] [--unrouted 0.0]
-                               [--prefill [--node-limit N]]
+                               [--experts 32] [--topk 8] [--fp8 | --dispatch-format FORMAT]
+                               [--combine-format e4m3] [--unrouted 0.0] [--prefill [--node-limit N]]
 
 ``--prefill`` measures PrefillBuffer instead of EPBuffer (docs/prefill.md "Across nodes"; floor below),
 and ``--node-limit N`` routes each token's top-k experts among the experts of at most N nodes (DeepSeek-V3's
@@ -13,13 +13,20 @@ byte travels as a wire message, ``moe_comm/heap/wire.py``) with uniform random t
 per rank and op, the payload the wire carried between nodes against the floor, then the messages and
 their 21-byte headers (which the floor does not count). Floor, per rank:
 
-- dispatch: each token row (``EPPlan.row_words`` words: payload, scales, K routing words and the token
-  index, padded to 16 bytes) once per destination rank on another node that holds one of the token's
-  experts, plus that rank's control words (rows, per-expert counts, run base) and the flag;
-- combine (sent by the rank holding the experts): one expert-output row per routed slot (t, k) of a
-  token on another node, plus the flag. The weights are applied on the token's rank, in a fixed k order
-  (``EPBuffer.combine``: bitwise reproducible), so each slot's row must travel; summing a token's slots
-  on the expert's rank first would need the weights there and change the order of the sum.
+- dispatch: each token row (payload, scales, K routing words and the token index, padded to 16 bytes:
+  ``dispatch_row_bytes``, from the format's definition, not from the plan) once per destination rank on
+  another node that holds one of the token's experts, plus that rank's control words (rows, per-expert
+  counts, run base) and the flag;
+- combine (sent by the rank holding the experts): one expert-output row (``combine_row_bytes``) per routed
+  slot (t, k) of a token on another node, plus the flag.
+
+  The weights are applied on the token's rank, in a fixed k order (``EPBuffer.combine``: bitwise
+  reproducible), so each slot's row must travel; summing a token's slots on the expert's rank first would
+  need the weights there and change the order of the sum.
+
+Payload per row by format (``payload_bytes``, docs/formats.md): bf16 2H bytes; e4m3 and e4m3-pow2 H bytes +
+H/128 float32 scales; e4m3-ue8m0 H bytes + H/128 UE8M0 bytes (packed four per int32); nvfp4 H/2 bytes +
+H/16 e4m3 scales (the global scale is the caller's, not sent).
 
 PrefillBuffer (``--prefill``), per rank, only what crosses nodes (``prefill_floor_bytes``):
 
@@ -47,8 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import moe_comm  # noqa: E402
+from moe_comm import formats  # noqa: E402
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV  # noqa: E402
 from moe_comm.heap.wire import HEADER, SIGNAL_BYTES  # noqa: E402
+
+VECTOR = 16             # rows are padded to whole 16-byte vectors
 
 
 def node_limited(g: torch.Generator, tokens: int, experts: int, topk: int, nodes: int, limit: int) -> torch.Tensor:
@@ -78,6 +88,23 @@ def _inputs(args, world):
     return xs, idx, ws
 
 
+def payload_bytes(fmt: str | None, hidden: int) -> int:
+    """Bytes of one row's payload in format ``fmt`` (None: bf16): values and scales."""
+    fp8 = hidden + 4 * (hidden // 128)   # e4m3 codes, a float32 scale per 128 columns
+    return {None: 2 * hidden, "e4m3": fp8, "e4m3-pow2": fp8, "e4m3-ue8m0": hidden + hidden // 128,
+            "nvfp4": hidden // 2 + hidden // 16}[fmt]
+
+
+def dispatch_row_bytes(fmt: str | None, hidden: int, topk: int) -> int:
+    """A dispatch row on the wire: payload, K int32 routing words and the token index, padded to 16 bytes."""
+    return -(-(payload_bytes(fmt, hidden) + 4 * topk + 4) // VECTOR) * VECTOR
+
+
+def combine_row_bytes(fmt: str | None, hidden: int) -> int:
+    """A combine row on the wire: the payload, padded to 16 bytes."""
+    return -(-payload_bytes(fmt, hidden) // VECTOR) * VECTOR
+
+
 def floor_bytes(idx, rank, world, per_node, experts, row_bytes, out_row_bytes, ctrl_bytes):
     """Floor of rank ``rank``'s cross-node payload bytes: (dispatch, combine), as the module docstring
     defines it; ``ctrl_bytes`` = the control words and the flag of one (source, destination) pair."""
@@ -96,16 +123,20 @@ def floor_bytes(idx, rank, world, per_node, experts, row_bytes, out_row_bytes, c
 def _rank(group, args):
     world, me = group.world_size, group.rank
     xs, idx, ws = _inputs(args, world)
-    ep = moe_comm.EPBuffer(group, args.experts, args.hidden, args.tokens, args.topk, fp8_dispatch=args.fp8)
+    ep = moe_comm.EPBuffer(group, args.experts, args.hidden, args.tokens, args.topk,
+                           dispatch_format=args.dispatch_format, combine_format=args.combine_format)
     p = ep.plan
+    gs = moe_comm.reference.nvfp4_global_scale(torch.cat(xs)) if args.dispatch_format == "nvfp4" else None
     wire = group.heap.wire
     before = dict(wire.stats)
-    d = ep.dispatch(xs[me], idx[me])
+    d = ep.dispatch(xs[me], idx[me], global_scale=gs)
     mid = dict(wire.stats)
-    ep.combine(d.x.float().to(torch.bfloat16) if not args.fp8 else torch.ones(d.x.shape, dtype=torch.bfloat16),
-               ws[me], d.handle)
+    rows = torch.ones((p.experts_per_rank, p.capacity, args.hidden), dtype=torch.bfloat16)
+    ep.combine(rows if args.dispatch_format else d.x.clone(), ws[me], d.handle)
     after = dict(wire.stats)
-    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, p.row_words * 4, p.out_words * 4,
+    row_bytes = dispatch_row_bytes(args.dispatch_format, args.hidden, args.topk)
+    out_row_bytes = combine_row_bytes(args.combine_format, args.hidden)
+    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, row_bytes, out_row_bytes,
                          p.dispatch_ctrl_words * 8)
     ep.close()
     diff = lambda a, b, key: b.get(key, 0) - a.get(key, 0)  # noqa: E731
@@ -113,7 +144,8 @@ def _rank(group, args):
                 dispatch_messages=diff(before, mid, "messages"), combine_wire=diff(mid, after, "payload"),
                 combine_floor=fc, combine_messages=diff(mid, after, "messages"),
                 headers=diff(before, after, "bytes") - diff(before, after, "payload"),
-                row_bytes=p.row_words * 4, out_row_bytes=p.out_words * 4)
+                row_bytes=row_bytes, out_row_bytes=out_row_bytes, plan_row_bytes=p.row_words * 4,
+                plan_out_row_bytes=p.combine_words * 4)
 
 
 def _reach(idx: torch.Tensor, per_rank: int, ranks) -> int:
@@ -148,6 +180,13 @@ def prefill_floor_bytes(idx, rank, layout, experts, row_bytes, route_bytes, out_
     return dispatch, combine, rows_node, rows_rank
 
 
+def _dequantized(x, scales, gs) -> torch.Tensor:
+    """bf16 rows of a dispatch output in any format (the stand-in experts' input)."""
+    if gs is not None:
+        return moe_comm.reference.dequantize_nvfp4(x, scales, gs).to(torch.bfloat16)
+    return (x.float() if scales is None else moe_comm.reference.dequantize_fp8(x, scales)).to(torch.bfloat16)
+
+
 def _prefill_rank(group, args):
     """One PrefillBuffer dispatch and combine: the wire's payload per op against ``prefill_floor_bytes``,
     and whether the results equal the reference (node order, ``reference.prefill_combine``)."""
@@ -155,23 +194,26 @@ def _prefill_rank(group, args):
     from moe_comm.topology import node_layout  # noqa: PLC0415
     world, me = group.world_size, group.rank
     xs, idx, ws = _inputs(args, world)
-    buf = moe_comm.PrefillBuffer(group, args.experts, args.hidden, args.tokens, args.topk, fp8_dispatch=args.fp8)
+    fmt = args.dispatch_format
+    buf = moe_comm.PrefillBuffer(group, args.experts, args.hidden, args.tokens, args.topk, dispatch_format=fmt,
+                                 combine_format=args.combine_format)
+    gs = reference.nvfp4_global_scale(torch.cat(xs)) if fmt == "nvfp4" else None
     p, wire = buf.plan, group.heap.wire
     before = dict(wire.stats)
-    d = buf.dispatch(xs[me], idx[me], ws[me])
+    d = buf.dispatch(xs[me], idx[me], ws[me], global_scale=gs)
     mid = dict(wire.stats)
-    exp = reference.prefill_dispatch(xs, idx, ws, args.experts, args.tokens, fp8=args.fp8)
+    exp = reference.prefill_dispatch(xs, idx, ws, args.experts, args.tokens, fp8=fmt if p.ep.fp8 else False,
+                                     nvfp4_scale=gs)
     v = exp[me]["valid"]
     rows = torch.cat([torch.arange(s * args.tokens, s * args.tokens + int(n))
                       for s, n in enumerate(exp[me]["src_tokens"].tolist())])
     got = [t.clone() for t in (d.src_tokens, d.expert_counts, d.recv_topk_idx[rows], d.recv_topk_weights[rows],
-                               d.recv_x[v].view(torch.uint8))] + ([d.recv_scales[v].clone()] if args.fp8 else [])
-    part = (reference.dequantize_fp8(d.recv_x, d.recv_scales) if args.fp8 else d.recv_x.float()).to(torch.bfloat16)
+                               d.recv_x[v].view(torch.uint8))] + ([d.recv_scales[v].clone()] if fmt else [])
+    part = _dequantized(d.recv_x, d.recv_scales, gs)
     y = buf.combine(part, d.handle)
     after = dict(wire.stats)
     layout = node_layout(group.transports, me)
-    parts = [(reference.dequantize_fp8(e["x"], e["scales"]) if args.fp8 else e["x"].float()).to(torch.bfloat16)
-             for e in exp]
+    parts = [_dequantized(e["x"], e["scales"], gs) for e in exp]
     want = reference.prefill_combine(parts, idx, args.experts, args.tokens, ranks_per_node=layout.ranks_per_node)[me]
     fd, fc, rows_node, rows_rank = prefill_floor_bytes(
         idx, me, layout, args.experts, 4 * (p.ep.x_words + p.ep.scale_words), 4 * p.route_words, 4 * p.ep.out_words,
@@ -179,7 +221,7 @@ def _prefill_rank(group, args):
     buf.close()
     e, v = exp[me], exp[me]["valid"]
     ref = [e["src_tokens"], e["expert_counts"], e["topk_idx"][rows], e["topk_weights"][rows], e["x"][v].view(torch.uint8)]
-    if args.fp8:
+    if fmt:
         ref.append(e["scales"][v])
     wrong = [name for name, a, b in zip(("src_tokens", "expert_counts", "topk_idx", "topk_weights", "x", "scales"),
                                         got, ref) if not torch.equal(a.cpu(), b)]
@@ -201,11 +243,18 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the same as --dispatch-format e4m3")
+    ap.add_argument("--dispatch-format", choices=[f for f in formats.DISPATCH_FORMATS if f], default=None)
+    ap.add_argument("--combine-format", choices=[f for f in formats.COMBINE_FORMATS if f], default=None)
     ap.add_argument("--unrouted", type=float, default=0.0, help="share of slots set to -1 (not routed)")
     ap.add_argument("--prefill", action="store_true", help="PrefillBuffer (one copy per node) instead of EPBuffer")
     ap.add_argument("--node-limit", type=int, default=0, help="route each token within at most N nodes (0: any)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.fp8:
+        if a.dispatch_format not in (None, "e4m3"):
+            ap.error("--fp8 is --dispatch-format e4m3: pass one of them")
+        a.dispatch_format = "e4m3"
+    return a
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -220,7 +269,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     rows = measure(args)
     print(f"{args.nodes} nodes x {args.ranks_per_node} ranks, T={args.tokens}, hidden={args.hidden}, "
-          f"E={args.experts}, top-{args.topk}, {'fp8' if args.fp8 else 'bf16'} dispatch; "
+          f"E={args.experts}, top-{args.topk}, {args.dispatch_format or 'bf16'} dispatch, "
+          f"{args.combine_format or 'bf16'} combine; "
           f"payload bytes (wire headers: {HEADER.size} B per message, counted apart)")
     print(f"{'rank':>4} {'dispatch floor':>15} {'wire':>10} {'x':>5} {'msgs':>5} "
           f"{'combine floor':>14} {'wire':>10} {'x':>5} {'msgs':>5} {'headers B':>10}")

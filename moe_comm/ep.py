@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import formats
 from .channel import Channel
 from .checks import check_tensor, check_words
 from .errors import ClosedError, op_id
@@ -51,15 +52,23 @@ class EPHandle:
 class DispatchResult:
     """What one rank receives from ``EPBuffer.dispatch`` (E_local = experts per rank, R = world * M).
 
-    x       [E_local, R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Rows x[e, :counts[e]] hold
-            the tokens routed to local expert e, packed and sorted by (source rank, token index, k);
+    x       [E_local, R, hidden] dtype, or float8_e4m3fn with an fp8 dispatch format, or with
+            dispatch_format="nvfp4" uint8 [E_local, R, hidden // 2] (two e2m1 codes per byte, element 2j in
+            the low nibble: ``.view(torch.float4_e2m1fn_x2)`` is the same bytes). Rows x[e, :counts[e]]
+            hold the tokens routed to local expert e, packed and sorted by (source rank, token index, k);
             rows past counts[e] are unspecified. Overwritten by the next dispatch's receive phase.
-    scales  [E_local, R, hidden // 128] float32 with fp8_dispatch (x[e, i] ~= x8 * scale per 128
-            columns), else None. Same validity as x.
+    scales  with an fp8 format (x[e, i] ~= x8 * scale per 128 columns; ``moe_comm.formats``): float32
+            [E_local, R, hidden // 128] ("e4m3": amax / 448; "e4m3-pow2": powers of two), or int32
+            [E_local, R, hidden // 512] ("e4m3-ue8m0": the exponents e + 127 of the power-of-two scales,
+            byte j of word i for group 4i + j, DeepEP's packing); float8_e4m3fn [E_local, R, hidden // 16]
+            with nvfp4 (one per 16 columns, linear layout: swizzle it for a block-scaled GEMM); else None.
+            Same validity as x.
     counts  int32 [E_local] on the device: valid rows per local expert (never read by the library).
     src     int32 [E_local, R]: source_rank * max_tokens_per_rank + token_index of each valid row.
     handle  EPHandle for ``combine``. counts, src and handle alternate between two sets: they stay
             valid until two more dispatch calls have started.
+    global_scale  with nvfp4, the float32 [1] tensor given to the dispatch (every rank passes the same:
+            x ~= e2m1 * scale / global_scale, ``reference.dequantize_nvfp4``), else None.
     """
 
     x: torch.Tensor
@@ -67,6 +76,24 @@ class DispatchResult:
     counts: torch.Tensor
     src: torch.Tensor
     handle: EPHandle
+    global_scale: torch.Tensor | None = None
+
+
+def check_global_scale(global_scale, nvfp4: bool, device) -> None:
+    """The nvfp4 dispatch's ``global_scale``: required there (float32, one element, on ``device``), refused
+    elsewhere (it would be ignored)."""
+    if not nvfp4:
+        if global_scale is not None:
+            raise ValueError("global_scale is the nvfp4 dispatch's: this buffer's dispatch_format is not 'nvfp4' "
+                             "(drop global_scale, or build the buffer with dispatch_format='nvfp4')")
+        return
+    if global_scale is None:
+        raise TypeError("dispatch_format='nvfp4' needs global_scale=: a float32 tensor of one element on the "
+                        "group's device, the same on every rank (e.g. moe_comm.reference.nvfp4_global_scale(x), "
+                        "or the layer's calibrated input scale)")
+    check_tensor("global_scale", global_scale, device, (torch.float32,))
+    if global_scale.numel() != 1:
+        raise ValueError(f"global_scale has shape {tuple(global_scale.shape)}: pass one element (shape (1,) or ())")
 
 
 class _Set:
@@ -96,21 +123,35 @@ class EPBuffer(OpBuffer):
     """Expert-parallel dispatch / combine buffers of one rank (DeepEP low-latency style, for decode).
 
     ``EPBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
-    fp8_dispatch=False)``: rank r owns experts [r*E_local, (r+1)*E_local), E_local = num_experts // world.
+    fp8_dispatch=False, dispatch_format=None, combine_format=None)``: rank r owns experts [r*E_local,
+    (r+1)*E_local), E_local = num_experts // world. Formats (``moe_comm.formats``, docs/formats.md):
+    dispatch_format None (dtype), "e4m3" (fp8 with float32 amax / 448 scales: DeepEP's use_fp8;
+    ``fp8_dispatch=True`` is the same, the older spelling), "e4m3-pow2" (float32 scales rounded up to powers
+    of two: DeepEP's round_scale), "e4m3-ue8m0" (those powers of two as UE8M0 exponents packed four per
+    int32: DeepEP's use_ue8m0; hidden % 512 == 0) or "nvfp4" (TensorRT-LLM's NVFP4); combine_format None
+    (dtype) or "e4m3" (the fp8 combine). The buffer keeps them in ``dispatch_format`` / ``combine_format``
+    (``fp8_dispatch`` is True for every fp8 format). A combination a buffer cannot take (nvfp4 without
+    hidden % 64 == 0, an fp8 combine of float32, fp8_dispatch=True with another dispatch_format, ...)
+    raises ValueError/TypeError here, naming the fix.
     Every rank builds its EPBuffer in the same order (buffers are collective); on a loopback world build
     one per group, in rank order. Symmetric memory is allocated by the first ``dispatch`` (collective:
     every rank calls it); run one eager call before capturing a CUDA graph.
 
-    dispatch(x, topk_idx, *, phase="both") -> DispatchResult (None for phase="send")
+    dispatch(x, topk_idx, *, phase="both", global_scale=None) -> DispatchResult (None for phase="send")
         x         [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank (T = 0 still takes
                   part: every rank calls every phase of every op). Its rows are copied as 4-byte words: a
                   contiguous x that starts off a 4-byte boundary (a bf16 view at an odd element) raises
                   ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first.
         topk_idx  [T, topk] int32/int64: expert ids; -1 = slot not routed. Ids outside [-1, num_experts)
                   are not routed either and raise InvalidIndexError (a ValueError) at the next check.
+        global_scale  nvfp4 only (required there): float32 tensor of one element on group.device, finite
+                  and > 0, the same on every rank (TensorRT-LLM's 448 * 6 / amax, a layer's calibrated
+                  input scale; ``reference.nvfp4_global_scale``); read on the device (capturable)
         Each token is read once and crosses to a rank at most once, however many of its experts live
-        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per
-        128 columns: DeepEP's format, see reference.quantize_fp8). See DispatchResult for the outputs.
+        there; with an fp8 dispatch format it is quantized on the way (float8_e4m3fn, one scale per 128
+        columns, in the format dispatch_format names: DeepEP's formats, bit for bit, see
+        ``moe_comm.formats`` and reference.quantize_fp8), with nvfp4 to TensorRT-LLM's NVFP4
+        (reference.quantize_nvfp4). See DispatchResult for the outputs.
 
     combine(expert_out, topk_weights, handle, *, out=None, phase="both") -> [T, hidden] dtype
         expert_out    [E_local, R, hidden] dtype: row i of expert e is the output for d.x[e, i] (only
@@ -120,7 +161,10 @@ class EPBuffer(OpBuffer):
         out           optional [T, hidden] dtype contiguous tensor, written in place and returned
         y[t] = sum over k = 0..topk-1 with topk_idx[t, k] valid of topk_weights[t, k] * expert_out[row
         of (t, k)], in float32 in ascending k, then cast: bitwise reproducible across runs and world
-        sizes. Tokens with no routed slot get zeros.
+        sizes. Tokens with no routed slot get zeros. With combine_format="e4m3" every row enters the sum
+        as reference.fp8_round_trip of it (sent as float8_e4m3fn + a float32 scale per 128 columns;
+        the token's rank's own rows quantized the same way): still reproducible across runs and world
+        sizes, about half the bytes, and the error docs/formats.md measures.
 
     Phases: ``phase="send"`` then ``phase="recv"`` split a call for overlap (the receive phase takes no
     tensors; the ones given to the send phase are used, except that ``topk_weights``/``out`` may be
@@ -149,20 +193,27 @@ class EPBuffer(OpBuffer):
     expert across calls, for load balancing; ``reset_expert_token_counts()`` zeroes it.
 
     Memory (``buffer_bytes``, from ``moe_comm.planner.EPPlan``; W world, M max_tokens_per_rank):
-    symmetric 2*W*M*(p + 4*topk) bytes of dispatch landing zone + 2*M*topk*H*elem of combine landing
-    zone, local E_local*W*M*p for d.x (p = payload bytes per token: H*elem, or H + H/32 with fp8), plus
+    symmetric 2*W*M*(p + 4*topk) bytes of dispatch landing zone + 2*M*topk*c of combine landing zone (c =
+    H*elem, or H + H/32 rounded up to 16 with combine_format="e4m3"), local E_local*W*M*p for d.x (p =
+    payload bytes per token: H*elem, or H + H/32 with fp8, H + H/128 with packed UE8M0, H/2 + H/16 with
+    nvfp4), plus
     small metadata. DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128
     tokens per rank, EP8): 0.49 GiB per GPU in bf16, 0.27 GiB with fp8, against 1.78 GiB for DeepEP's
     low-latency buffer. ``EPBuffer.required_bytes(...)`` evaluates it without a group or allocation.
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, dispatch_format: str | None = None,
+                 combine_format: str | None = None):
         self.group = group
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                               fp8_dispatch, group.device)
+                               fp8_dispatch, group.device, dispatch_format, combine_format)
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
-        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
+        self.max_tokens_per_rank, self.dtype = int(max_tokens_per_rank), dtype
+        p = self.plan
+        self.fp8_dispatch = p.fp8                   # the dispatch sends fp8 (any of the fp8 formats)
+        self.dispatch_format = p.dispatch_format    # (formats.DISPATCH_FORMATS)
+        self.combine_format = formats.E4M3 if p.combine_fp8 else None
         self.num_local_experts = self.plan.experts_per_rank
         self._stats = torch.zeros(self.num_local_experts, dtype=torch.int64, device=group.device)
         self._excluded = torch.zeros(1, dtype=torch.int64, device=group.device)
@@ -187,7 +238,8 @@ class EPBuffer(OpBuffer):
         self._ep_plan = p
 
     @staticmethod
-    def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device) -> EPPlan:
+    def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
+              dispatch_format=None, combine_format=None) -> EPPlan:
         for name, v in (("num_experts", num_experts), ("hidden", hidden),
                         ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -198,14 +250,14 @@ class EPBuffer(OpBuffer):
                              f"extra ones selected by no token, or a world size that divides {num_experts}")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
-        if fp8_dispatch and hidden % 128:
-            raise ValueError(f"fp8_dispatch needs hidden % 128 == 0 (one scale per 128 columns), got {hidden}")
+        fmt, combine = formats.resolve(hidden, dtype, fp8_dispatch, dispatch_format, combine_format)
         if hidden * torch.empty((), dtype=dtype).element_size() % VEC_BYTES:
             raise ValueError(f"hidden * element size must be a multiple of {VEC_BYTES} bytes (rows move as 16-byte "
                              f"vectors), got hidden={hidden} {dtype}")
         if (num_experts // world) * max_tokens_per_rank * topk >= 2 ** 31:
             raise ValueError("experts per rank * max_tokens_per_rank * topk must stay below 2**31")
-        return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device)
+        return plan_ep(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, False, device,
+                       dispatch_format=fmt, combine_format=combine)
 
     @property
     def dispatch_wait_stats(self) -> torch.Tensor:
@@ -241,16 +293,20 @@ class EPBuffer(OpBuffer):
         self._dispatch_ch = Channel(g, "ep.dispatch", p.dispatch_data_shape, torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
-                                   stage_shape=(g.world_size, p.max_tokens * p.topk, p.out_words))
+                                   stage_shape=(g.world_size, p.max_tokens * p.topk, p.combine_words))
         self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
-        self._combine_ch.row_bytes = p.out_words * 4                    # a row of expert_out
+        self._combine_ch.row_bytes = p.combine_words * 4                # a row of expert_out as it travels
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
-        x_dtype = torch.float8_e4m3fn if p.fp8 else p.dtype
-        self._x = torch.empty((p.experts_per_rank, p.capacity, p.hidden), dtype=x_dtype, device=dev)
-        self._scales = (torch.empty((p.experts_per_rank, p.capacity, p.scale_words), dtype=torch.float32,
-                                    device=dev) if p.fp8 else None)
+        shape = (p.experts_per_rank, p.capacity)
+        if p.nvfp4:   # two e2m1 codes per byte; four e4m3 scales per word
+            self._x = torch.empty((*shape, p.hidden // 2), dtype=torch.uint8, device=dev)
+            self._scales = torch.empty((*shape, 4 * p.scale_words), dtype=torch.float8_e4m3fn, device=dev)
+        else:
+            self._x = torch.empty((*shape, p.hidden), dtype=torch.float8_e4m3fn if p.fp8 else p.dtype, device=dev)
+            self._scales = (torch.empty((*shape, p.scale_words), dtype=p.scale_dtype, device=dev) if p.fp8
+                            else None)
         self._sets = [_Set(p, dev), _Set(p, dev)]
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
         self._allocated = True
@@ -267,15 +323,20 @@ class EPBuffer(OpBuffer):
             raise ValueError("stale handle: its dispatch's metadata has been reused (a handle is valid until "
                              "two more dispatch calls) or its dispatch's phase='recv' has not run")
 
-    def _check_dispatch_inputs(self, x, topk_idx) -> int:
+    def _check_dispatch_inputs(self, x, topk_idx, global_scale) -> int:
         p = self._ep_plan
+        if isinstance(x, tuple):
+            raise TypeError(f"x is a tuple (pre-quantized codes and scales?): EPBuffer.dispatch takes {p.dtype} x and "
+                            f"quantizes it itself (fp8_dispatch); pass x unquantized, or dispatch pre-quantized "
+                            f"tokens with moe_comm.PrefillBuffer")
         check_tensor("x", x, self.group.device, (p.dtype,), (None, p.hidden), DTYPE_FIX)
         T = x.shape[0]
         if T > p.max_tokens:
             raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {p.max_tokens}: build the EPBuffer "
                              f"with a larger max_tokens_per_rank, or split the batch")
         check_tensor("topk_idx", topk_idx, self.group.device, (torch.int32, torch.int64), (T, p.topk))
-        if not p.fp8:
+        check_global_scale(global_scale, p.nvfp4, self.group.device)
+        if not (p.fp8 or p.nvfp4):   # copied as words (quantizing sends read elements)
             check_words("x", x)
         return T
 
@@ -311,19 +372,21 @@ class EPBuffer(OpBuffer):
         routing = dict(num_experts=self.num_experts, HIDDEN=p.hidden, X_WORDS=p.x_words, S_WORDS=p.scale_words,
                        BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
                        BINS=histogram_bins(p.num_experts), FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups,
-                       NBLK=p.send_programs, num_warps=p.send_warps)
+                       SCALE=p.scale_mode, S_BLOCK=p.scale_block_words, NVFP4=p.nvfp4,
+                       NVFP4_GROUPS=p.nvfp4_block_groups, NBLK=p.send_programs, num_warps=p.send_warps)
         rows = p.experts_per_rank * p.capacity
         x_words = self._x if p.fp8 else self._x.view(torch.int32)
-        scales = self._scales if p.fp8 else self._dummy
+        scales = self._scales if p.fp8 else self._dummy if self._scales is None else self._scales.view(torch.int32)
+        combine = dict(SLOT_WORDS=p.combine_words, FP8=p.combine_fp8)
         sets = []
         for s in self._sets:
             combine_recv = Launch(
                 combine_recv_kernel, dev, p.reduce_grid, aligned=vector_aligned(cch.data.local), routed_ptr=s.routed,
                 row_of_ptr=s.row_of, slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptr=cch.data.local,
                 ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
-                **self._recv_put_args(p), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
+                **combine, **self._recv_put_args(p), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
                 HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **sig, **common,
-                **cch.trace_args(recv=True))
+                **cch.trace_args(recv=True), num_warps=p.reduce_warps)
             if g.world_size == 1:  # one kernel per call: no landing zone, no flags
                 sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
                     dispatch_local_kernel, dev, p.local_grid, aligned=vector_aligned(x_words, self._scales),
@@ -356,22 +419,25 @@ class EPBuffer(OpBuffer):
                     runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,
                     seq_ptr=cch.send_seq, done_ptr=cch.done, ZONE_SLOTS=p.combine_zone_slots,
                     EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity,
-                    ROWS=rows, X_WORDS=p.out_words, BS=p.block_slots, BW=p.out_block_words, NBLK=p.recv_programs,
-                    OP=op_id("combine"), **cch.put_args(), **sig, **common, **cch.trace_args(recv=False))))
+                    ROWS=rows, X_WORDS=p.out_words, BS=p.block_slots, NBLK=p.recv_programs, HIDDEN=p.hidden,
+                    BW=p.out_block_words * 4 // p.elem_size if p.combine_fp8 else p.out_block_words,  # fp8: elements
+                    OP=op_id("combine"), **combine, **cch.put_args(), **sig, **common,
+                    **cch.trace_args(recv=False))))
         return tuple(sets)
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None, *,
-                 phase: str = "both") -> DispatchResult | None:
+                 phase: str = "both", global_scale: torch.Tensor | None = None) -> DispatchResult | None:
         """Send this rank's tokens to the ranks owning their experts; receive this rank's experts' rows.
 
-        See the class docstring. phase="recv" ignores ``x`` and ``topk_idx`` (those of the send are used).
+        See the class docstring. phase="recv" ignores ``x``, ``topk_idx`` and ``global_scale`` (those of the
+        send are used).
         """
         self._ensure_allocated()
         p, g, op = self._ep_plan, self.group, self._dispatch_op
         do_send, do_recv = op.begin(phase)
         if do_send:
-            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx))
+            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, global_scale))
             op.before_send()
             k = self._calls % 2
             s = self._sets[k]
@@ -381,24 +447,28 @@ class EPBuffer(OpBuffer):
                 xin, idx = x.contiguous(), topk_idx.contiguous()   # the kernels read x's rows as words
             else:  # never read (T = 0), but the kernel needs valid pointers (of x's dtype: one compiled variant)
                 xin, idx = self._dummy.view(p.dtype), self._dummy
+            gs = global_scale if p.nvfp4 else self._dummy.view(torch.float32)   # read only with nvfp4
             if g.world_size > 1:
                 send = self._launches()[k]["dispatch_send"]
-                send.run(x_ptr=xin, idx_ptr=idx, num_tokens=T, ALIGNED=send.aligned_with(xin))
+                send.run(x_ptr=xin, idx_ptr=idx, gscale_ptr=gs, num_tokens=T, ALIGNED=send.aligned_with(xin))
             elif not do_recv:  # world 1, split: the kernel runs at the receive; the send consumes its inputs
                 xin, idx = xin.clone(), idx.clone()
-            op.sent((handle, k, xin, idx))
+                if p.nvfp4:
+                    gs = gs.clone()
+            op.sent((handle, k, xin, idx, gs, global_scale))
             if not do_recv:
                 return None
-        handle, k, xin, idx = op.take()
+        handle, k, xin, idx, gs, global_scale = op.take()
         launches = self._launches()[k]
         if g.world_size == 1:
             local = launches["dispatch_local"]
-            local.run(x_ptr=xin, idx_ptr=idx, num_tokens=handle.num_tokens, ALIGNED=local.aligned_with(xin))
+            local.run(x_ptr=xin, idx_ptr=idx, gscale_ptr=gs, num_tokens=handle.num_tokens,
+                      ALIGNED=local.aligned_with(xin))
         else:
             recv = launches["dispatch_recv"]
             recv.run(ALIGNED=recv.aligned)
         s = self._sets[k]
-        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle))
+        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle, global_scale))
 
     # ---- combine ---------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -418,8 +488,8 @@ class EPBuffer(OpBuffer):
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (p.dtype,),
                              (p.experts_per_rank, p.capacity, p.hidden), DTYPE_FIX)
-                if g.world_size > 1:   # the send copies its rows as words (at world 1 the receive reads them)
-                    check_words("expert_out", expert_out)
+                if g.world_size > 1 and not p.combine_fp8:   # the send copies its rows as words (at world 1,
+                    check_words("expert_out", expert_out)      # and quantizing them, it reads elements)
                 self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
             op.validate(check)
             op.before_send()

@@ -76,7 +76,11 @@ class CapacityError(MoECommError, ValueError):
 
     def __init__(self, op: str, rank: int, peer: int, value: int, capacity: int):
         self.op, self.rank, self.peer, self.value, self.capacity = op, rank, peer, value, capacity
-        if op.startswith("alltoallv"):
+        if op == "deep_ep.dispatch":
+            text = (f"DeepEP normal-mode dispatch: rank {rank} received {value} rows, num_worst_tokens is {capacity}; "
+                    f"only the first {capacity} were returned (the combine treats the rest as zero rows). Fix: "
+                    f"num_worst_tokens >= the most rows a rank can receive (world_size * tokens per rank)")
+        elif op.startswith("alltoallv"):
             text = (f"AllToAllvDynamic: rank {rank}: send_counts[{peer}] is {value}, but only {capacity} rows "
                     f"could be sent to rank {peer}; only those were sent. Fix: 0 <= send_counts[j] <= "
                     f"max_rows_per_peer (AllToAllvDynamic(group, max_rows_per_peer, ...)) and "
@@ -133,7 +137,8 @@ ERR_NONE, ERR_TIMEOUT, ERR_CAPACITY, ERR_INDEX, ERR_ABORTED, ERR_DESYNC = 0, 1, 
 GROUP_CODES = (ERR_TIMEOUT, ERR_ABORTED, ERR_DESYNC)   # group-wide: sticky until reset()
 
 # Op ids the kernels record; index = id.
-OPS = ("alltoallv", "alltoallv.combine", "dispatch", "combine", "barrier", "prefill.dispatch", "prefill.combine")
+OPS = ("alltoallv", "alltoallv.combine", "dispatch", "combine", "barrier", "prefill.dispatch", "prefill.combine",
+       "deep_ep.dispatch")
 
 
 def op_id(name: str) -> int:

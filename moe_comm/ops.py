@@ -57,7 +57,8 @@ class EPSpec:
     capacity: int             # world_size * max_tokens_per_rank: rows per local expert
     hidden: int
     recv_dtype: torch.dtype   # dtype of the dispatched x: the buffer's dtype, or float8_e4m3fn with fp8
-    scale_cols: int           # hidden // 128 with fp8_dispatch, else 0
+    scale_cols: int           # scale words per row with fp8_dispatch (hidden // 128, or // 512 packed UE8M0), else 0
+    scale_dtype: torch.dtype  # float32, or int32 (packed UE8M0 scales)
     out_dtype: torch.dtype    # dtype of x given to dispatch and of combine's result
 
 
@@ -84,10 +85,10 @@ def _spec_of(obj) -> EPSpec | A2ASpec:
         return A2ASpec(group.device, group.world_size, int(obj.max_rows_per_peer), tuple(obj.row_shape),
                        obj.dtype)
     if hasattr(obj, "num_experts") and hasattr(obj, "max_tokens_per_rank"):  # EPBuffer
-        world, fp8 = group.world_size, bool(obj.fp8_dispatch)
+        world, fp8, p = group.world_size, bool(obj.fp8_dispatch), obj.plan
         return EPSpec(group.device, int(obj.num_experts) // world, world * int(obj.max_tokens_per_rank),
-                      int(obj.hidden), torch.float8_e4m3fn if fp8 else obj.dtype,
-                      int(obj.hidden) // 128 if fp8 else 0, obj.dtype)
+                      int(obj.hidden), torch.float8_e4m3fn if fp8 else obj.dtype, p.scale_words, p.scale_dtype,
+                      obj.dtype)
     raise TypeError(f"register() takes an EPBuffer or an AllToAllvDynamic, got {type(obj).__name__}")
 
 
@@ -166,7 +167,8 @@ class DispatchOutput(NamedTuple):
     """What ``dispatch`` returns (the op's own tensors; valid until you overwrite them).
 
     x       [E_local, world*max_tokens_per_rank, hidden] dtype (float8_e4m3fn with fp8_dispatch)
-    scales  [E_local, world*max_tokens_per_rank, hidden//128] float32 with fp8_dispatch, else None
+    scales  with fp8_dispatch [E_local, world*max_tokens_per_rank, hidden//128] float32, or hidden//512 int32
+            packed UE8M0 ("e4m3-ue8m0"; EPBuffer's DispatchResult), else None
     counts  int32 [E_local]: rows x[e, :counts[e]] are valid, sorted by (source rank, token index)
     src     int32 [E_local, world*max_tokens_per_rank]: source_rank*max_tokens_per_rank + token_index
     Rows past a count are unspecified.
@@ -191,11 +193,11 @@ def dispatch(buffer_id: int, x: torch.Tensor | None, topk_idx: torch.Tensor | No
         rows = (spec.local_experts, spec.capacity)
         dev = spec.device
         out = DispatchOutput(torch.empty((*rows, spec.hidden), dtype=spec.recv_dtype, device=dev),
-                             torch.empty((*rows, spec.scale_cols), dtype=torch.float32, device=dev),
+                             torch.empty((*rows, spec.scale_cols), dtype=spec.scale_dtype, device=dev),
                              torch.empty(spec.local_experts, dtype=torch.int32, device=dev),
                              torch.empty(rows, dtype=torch.int32, device=dev))
     scales = out.scales if out.scales is not None else torch.empty(
-        (spec.local_experts, spec.capacity, 0), dtype=torch.float32, device=spec.device)
+        (spec.local_experts, spec.capacity, 0), dtype=spec.scale_dtype, device=spec.device)
     torch.ops.moe_comm.ep_dispatch(buffer_id, x, topk_idx, out.x, scales, out.counts, out.src, phase)
     return DispatchOutput(out.x, scales if spec.scale_cols else None, out.counts, out.src)
 

@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from . import formats
+from .formats import FP8_GROUP, NVFP4_GROUP, fp8_row_words
 from .protocol import VEC_BYTES
 
 SHAPES_ENV = "MOE_COMM_LAUNCH_SHAPES"
@@ -142,7 +144,6 @@ def plan_alltoallv(world: int, max_rows_per_peer: int, row_shape, dtype: torch.d
 
 # ---- EPBuffer (expert-parallel dispatch / combine) ------------------------------------------------
 
-FP8_GROUP = 128     # columns per float32 scale in fp8 dispatch
 FP8_E4M3_MAX = 448.0
 # GPU copy tiles of the EP kernels: 4096 words (16 KB, 32 words per thread at 4 warps) per iteration, so
 # that a program has enough loads in flight to stream at HBM speed (1024-word tiles left the combine
@@ -152,6 +153,10 @@ GPU_ROUTE_SLOTS = 512  # slots (token, k) per histogram pass of the routing scan
 # World 1 dispatch (one kernel): 2 KB column blocks, one per program, so that a decode-sized batch spreads
 # each row over several SMs (1024 bf16 columns, the same as an fp8 quantization block of 8 groups).
 GPU_LOCAL_COPY_WORDS = 512
+# nvfp4 columns per warp of a dispatch send program: 512 bytes of values stored as 16-byte vectors by 32
+# threads (Triton gives each thread its share of a tile, so wider tiles take more warps, never fewer bytes)
+GPU_NVFP4_WARP_COLS = 1024
+GPU_FP8_WARP_COLS = 512    # e4m3 columns per warp of a loop over fp8 rows: 16 bytes per thread
 
 
 @dataclass(frozen=True)
@@ -159,11 +164,13 @@ class EPPlan:
     """Buffers and launch shapes of one EPBuffer, from its static sizes only (nothing is allocated here).
 
     Memory (bytes, per rank; W world, M max_tokens_per_rank, K topk, L experts per rank, H hidden,
-    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8):
+    b element size of ``dtype``, p = payload bytes of one token: H*b, or H + 4*H/128 with fp8 (H + H/128 with
+    packed UE8M0 scales), H/2 + H/16 with nvfp4; c = bytes of one combine row: H*b, or H + 4*H/128 rounded
+    up to 16 with combine_fp8):
 
       symmetric  dispatch landing  2 * W * M * (p + 4*K)      token-major: one row per (source, token),
                                                             rounded up to 16 bytes
-                 combine landing   2 * M * K * H*b            one row per (token, k) on the token's rank
+                 combine landing   2 * M * K * c              one row per (token, k) on the token's rank
                  (both 8 bytes at world 1, where the ops are one kernel each and use no landing zone)
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
                  with puts (``with_put``): one more routing word per dispatch row (the token index), one
@@ -185,14 +192,20 @@ class EPPlan:
     max_tokens: int           # M: max_tokens_per_rank
     topk: int
     dtype: torch.dtype        # token / expert-output dtype
-    fp8: bool                 # dispatch payload quantized to float8_e4m3fn + float32 scale per 128 columns
+    fp8: bool                 # dispatch payload quantized to float8_e4m3fn + one scale per 128 columns
+    nvfp4: bool               # dispatch payload quantized to NVFP4: e2m1 pairs + e4m3 scale per 16 columns
+    combine_fp8: bool         # combine payload quantized to float8_e4m3fn + float32 scale per 128 columns
     capacity: int             # rows per local expert in d.x: W * M (every token of every rank, once)
-    x_words: int              # 32-bit words of one dispatched payload row (dtype row, or fp8 bytes / 4)
-    scale_words: int          # float32 scales per dispatched row (H / 128 with fp8, else 0)
+    x_words: int              # 32-bit words of one dispatched payload row (dtype row, fp8 bytes / 4, or nvfp4
+    #                           H / 2 bytes / 4)
+    scale_words: int          # 4-byte scale words per dispatched row (H / 128 float32, H / 512 packed UE8M0
+    #                           int32 with "e4m3-ue8m0", four e4m3 per word H / 64 with nvfp4, else 0)
     row_words: int            # dispatch landing row: payload, scales, K int32 routing words, padded to
     #                           whole 16-byte vectors (every row starts 16-byte aligned)
     dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
     out_words: int            # 32-bit words of one expert-output row (H * b / 4)
+    combine_words: int        # 32-bit words of one combine landing row: out_words, or with combine_fp8 the
+    #                           fp8 bytes and float32 scales padded to 16 bytes (``formats.fp8_row_words``)
     # Launch shapes (1-D grids, but for the combine reduction and the world-1 dispatch). The interpreter
     # (CPU) pays per program and per op, not per element, so there every kernel is one wide program; a GPU
     # gets many narrow ones.
@@ -207,20 +220,43 @@ class EPPlan:
     block_hidden: int         # BH: elements per iteration of the combine reduction
     fp8_block_groups: int     # 128-column groups of one fp8 column block (divides H / 128): one program's
     #                           share of a row in the dispatch send and the world-1 dispatch
+    nvfp4_block_groups: int   # the same for nvfp4: 16-column groups of one column block (a multiple of 4
+    #                           dividing H / 16; 0 without nvfp4)
     route_tokens: int         # tokens per pass of the routing scans (histograms of expert ids)
     send_programs: int        # token blocks of the dispatch send's grid (send_grid)
     send_warps: int           # warps per dispatch send (and world-1 dispatch) program: fp8 tiles of 1024
-    #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte)
+    #                           bytes need 2 warps for 16 bytes per thread (one 16-byte store, not two 8-byte),
+    #                           nvfp4 tiles of 512 bytes (1024 columns) one
     recv_programs: int        # grid of the combine send; the dispatch receive's, split over sources (recv_grid)
     reduce_programs: int      # token blocks of the combine reduction's grid
+    reduce_warps: int         # warps per combine reduction program: 4, or 2 with combine_fp8 (the e4m3 bytes of
+    #                           a 1024-column tile are 16 bytes per thread at 64 threads: 16-byte loads)
     # Put transport (``with_put``): the dispatch row carries one more routing word, the token index (a
     # put peer gets only the rows routed to it, packed; the index places them), the control words one
     # more, the run base of the combine (below), and the combine landing zone a second half where the
     # rows put by put peers land as one run per peer, sorted by (expert, token, k).
     put: bool = False
+    dispatch_format: str | None = None   # the dispatch format (``moe_comm.formats``), None: the dtype
+
+    @property
+    def scale_mode(self) -> int:
+        """The quantizer's SCALE constexpr (``triton_kernels/quant.py``)."""
+        return formats.scale_mode(self.dispatch_format)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """dtype of d.scales with fp8: float32, or int32 (packed UE8M0)."""
+        return formats.scale_dtype(self.dispatch_format)
+
+    @property
+    def scale_block_words(self) -> int:
+        """Scale words of one fp8 column block (``fp8_block_groups`` groups): one per group, or one per four
+        with packed UE8M0."""
+        return self.fp8_block_groups * self.scale_words // max(1, self.hidden // FP8_GROUP)
 
     def buffer_layout(self) -> dict:
-        """What sizes the buffers allocated from this plan: the fields above the launch shapes, and ``put``."""
+        """What sizes the buffers allocated from this plan: the fields above the launch shapes, ``put`` and
+        ``dispatch_format`` (the scales' dtype)."""
         return {f: getattr(self, f) for f in EP_LAYOUT_FIELDS}
 
     def with_put(self) -> "EPPlan":
@@ -256,16 +292,23 @@ class EPPlan:
         """Dispatch send grid (world > 1): token blocks x column blocks. With fp8 each program quantizes
         one block of ``fp8_block_groups`` groups of its tokens' rows (no program walks a whole row);
         otherwise one column block (the copy loop walks the row)."""
-        cols = self.hidden // (FP8_GROUP * self.fp8_block_groups) if self.fp8 else 1
-        return (self.send_programs, cols)
+        return (self.send_programs, self.quant_column_blocks or 1)
+
+    @property
+    def quant_column_blocks(self) -> int:
+        """Column blocks of a quantized dispatch row (fp8 or nvfp4), one per program of a send grid column;
+        0 without quantization."""
+        if self.fp8:
+            return self.hidden // (FP8_GROUP * self.fp8_block_groups)
+        if self.nvfp4:
+            return self.hidden // (NVFP4_GROUP * self.nvfp4_block_groups)
+        return 0
 
     @property
     def local_grid(self) -> tuple:
         """World-1 dispatch grid: (token blocks + one bookkeeping program) x column blocks (the fp8
         quantization block, or send_block_words of the row)."""
-        cols = self.hidden // (FP8_GROUP * self.fp8_block_groups) if self.fp8 else \
-            -(-self.x_words // self.send_block_words)
-        return (self.send_programs + 1, cols)
+        return (self.send_programs + 1, self.quant_column_blocks or -(-self.x_words // self.send_block_words))
 
     @property
     def elem_size(self) -> int:
@@ -281,11 +324,11 @@ class EPPlan:
 
     @property
     def combine_data_shape(self) -> tuple:
-        """int32 words [2 zones, combine_zone_slots, out_words]: each (token, k) has exactly one writer; at
+        """int32 words [2 zones, combine_zone_slots, combine_words]: each (token, k) has exactly one writer; at
         world 1 one word per zone (every row is read in place)."""
         if self.world == 1:
             return (2, 1, 1, 1)
-        return (2, self.combine_zone_slots, self.out_words)
+        return (2, self.combine_zone_slots, self.combine_words)
 
     @property
     def symmetric_bytes(self) -> int:
@@ -315,7 +358,8 @@ class EPPlan:
 
 
 EP_LAYOUT_FIELDS = ("world", "num_experts", "experts_per_rank", "hidden", "max_tokens", "topk", "dtype", "fp8",
-                    "capacity", "x_words", "scale_words", "row_words", "dispatch_ctrl_words", "out_words", "put")
+                    "nvfp4", "combine_fp8", "capacity", "x_words", "scale_words", "row_words", "dispatch_ctrl_words",
+                    "out_words", "combine_words", "put", "dispatch_format")
 
 
 def route_row_words(payload_words: int, topk: int, put: bool) -> int:
@@ -325,14 +369,21 @@ def route_row_words(payload_words: int, topk: int, put: bool) -> int:
 
 
 def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-            fp8: bool, device) -> EPPlan:
-    """Plan an EPBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes."""
+            fp8: bool, device, dispatch_format: str | None = None, combine_format: str | None = None) -> EPPlan:
+    """Plan an EPBuffer; the caller has validated the sizes and formats (``formats.resolve``). ``device`` only
+    picks the launch shapes; ``fp8``, ``dispatch_format`` and ``combine_format`` are the buffer's
+    ``fp8_dispatch`` (True = dispatch_format "e4m3"), ``dispatch_format`` and ``combine_format``."""
     device = torch.device(device)
+    fmt = formats.dispatch_format_of(fp8, dispatch_format)
+    fp8, nvfp4, combine_fp8 = fmt in formats.FP8_FORMATS, fmt == formats.NVFP4, combine_format == formats.E4M3
     L, b = num_experts // world, elem_size(dtype)
-    x_words = hidden // 4 if fp8 else hidden * b // 4
-    scale_words = hidden // FP8_GROUP if fp8 else 0
+    x_words = hidden // 4 if fp8 else hidden // 8 if nvfp4 else hidden * b // 4
+    scale_words = formats.scale_columns(fmt, hidden)
+    combine_words = fp8_row_words(hidden) if combine_fp8 else hidden * b // 4
     groups = hidden // FP8_GROUP
     pow2_groups = groups & -groups if groups else 1  # largest power of two dividing the group count
+    groups16 = hidden // NVFP4_GROUP
+    pow2_groups16 = groups16 & -groups16 if groups16 else 1
     slots = next_pow2(topk)
     if gpu_shapes(device):
         block_tokens, block_slots = 1, next_pow2(topk)
@@ -345,13 +396,17 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         block_hidden = min(next_pow2(hidden), tile)
         # A program quantizes 1024 columns (8 groups): a DeepSeek-V3 row is spread over 7 programs.
         fp8_block_groups = min(pow2_groups, max(2, tile // FP8_GROUP))
+        # nvfp4: 1024 columns (512 bytes of values) too, which one warp stores as 16-byte vectors.
+        nvfp4_block_groups = min(pow2_groups16, tile // NVFP4_GROUP)
         # 64 tokens at K = 8, even when M is smaller: a histogram tile never has fewer slots than a
         # program has threads (a shape some Triton versions' histogram lowering miscounted).
         route_tokens = max(1, GPU_ROUTE_SLOTS // slots)
         send_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
-        send_warps = 2 if fp8 else 4
+        send_warps = 2 if fp8 else max(1, min(4, nvfp4_block_groups * NVFP4_GROUP // GPU_NVFP4_WARP_COLS)) \
+            if nvfp4 else 4
         recv_programs = max(1, min(world * max_tokens, GPU_TARGET_PROGRAMS))
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
+        reduce_warps = max(1, min(4, block_hidden // GPU_FP8_WARP_COLS)) if combine_fp8 else 4
     else:
         # Tokens per chunk: the routing's [chunk*K, chunk*K] comparison tile stays under 2**20 elements.
         block_tokens = min(next_pow2(max_tokens), max(1, 1024 // slots))
@@ -360,17 +415,23 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         out_block_words = min(next_pow2(hidden * b // 4), 4096)
         block_hidden = min(next_pow2(hidden), 4096)
         fp8_block_groups = min(pow2_groups, 32)
+        nvfp4_block_groups = min(pow2_groups16, 256)
         route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))
         send_programs = recv_programs = reduce_programs = 1
-        send_warps = 4
-    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8,
+        send_warps = reduce_warps = 4
+    # A column block holds whole scale words: packed UE8M0 (hidden % 512 == 0, so 4 | pow2_groups) needs
+    # blocks of at least four groups.
+    if fmt == formats.E4M3_UE8M0:
+        fp8_block_groups = max(fp8_block_groups, formats.UE8M0_PER_WORD)
+    return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8, nvfp4, combine_fp8, dispatch_format=fmt,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
                   row_words=route_row_words(x_words + scale_words, topk, False), dispatch_ctrl_words=L + 2,
-                  out_words=hidden * b // 4, block_tokens=block_tokens, block_slots=block_slots,
-                  send_block_words=send_block_words, recv_block_words=recv_block_words,
+                  out_words=hidden * b // 4, combine_words=combine_words, block_tokens=block_tokens,
+                  block_slots=block_slots, send_block_words=send_block_words, recv_block_words=recv_block_words,
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
+                  nvfp4_block_groups=nvfp4_block_groups if nvfp4 else 0,
                   route_tokens=route_tokens, send_programs=send_programs, send_warps=send_warps,
-                  recv_programs=recv_programs, reduce_programs=reduce_programs)
+                  recv_programs=recv_programs, reduce_programs=reduce_programs, reduce_warps=reduce_warps)
 
 
 def deepep_low_latency_bytes(max_tokens: int, hidden: int, world: int, num_experts: int) -> int:
@@ -440,10 +501,13 @@ class PrefillPlan:
 
       words [0, R*K)                        recv_topk_idx      int32 [R, K]: local expert ids, -1 elsewhere
       words [R*K, 2*R*K)                    recv_topk_weights  float32 [R, K]: the slot's weight, 0 elsewhere
-      words [x_offset, + R*x_words)         recv_x             [R, H] dtype, or float8_e4m3fn with fp8
-      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8
-      words [x_offset, + R*out_words)       partial rows of the combine (one per received token), written
-                                            over recv_x by the combine's send phase
+      words [x_offset, + R*x_words)         recv_x             [R, H] dtype, or float8_e4m3fn with fp8, or
+                                                               uint8 [R, H/2] with nvfp4
+      words [.. , + R*scale_words)          recv_scales        float32 [R, H/128] with fp8 (int32 [R, H/512]
+                                                               with packed UE8M0), float8_e4m3fn [R, H/16]
+                                                               with nvfp4
+      words [x_offset, + R*combine_words)   partial rows of the combine (one per received token; fp8 rows
+                                            with combine_fp8), written over recv_x by the combine's send
     x_offset = 2*R*K rounded up to a 16-byte vector. ``zones`` such zones (1 or 2, symmetric int32 words
     [zones, zone_words]): consecutive dispatches alternate between them, so with 2 the dispatch of one
     chunk can run while the previous chunk is in the experts (``PrefillBuffer``, ``prefill_chunks``).
@@ -451,7 +515,8 @@ class PrefillPlan:
     reading the zones of the calls it answered.
 
     Memory (bytes, per rank; b element size of ``dtype``, p = payload bytes per row: H*b, or H + H/32 with
-    fp8, Z = zones): symmetric  Z*(4*x_offset + R*max(p, H*b))   (the zones)
+    fp8 (H + H/128 with packed UE8M0 scales), H/2 + H/16 with nvfp4; c = bytes of a partial row: H*b, or
+    H + H/32 rounded up to 16 with combine_fp8; Z = zones): symmetric  Z*(4*x_offset + R*max(p, c))   (the zones)
                      + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
               local  Z*(M*K*4 (the combine's mask) + W*4 + L*4) + L*8 + 8 + counters + scratch
     With put peers (``put``; nodes of G = ``ranks_per_node`` ranks, N = W / G, docs/prefill.md "Across
@@ -505,14 +570,14 @@ class PrefillPlan:
     def route_offset(self) -> int:
         """First word of the routing plane: after the rows, on a 16-byte boundary."""
         p = self.ep
-        return -(-(self.x_offset + self.rows * max(p.x_words + p.scale_words, p.out_words)) // 4) * 4
+        return -(-(self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words)) // 4) * 4
 
     @property
     def zone_words(self) -> int:
         p = self.ep
         if self.put:
             return self.route_offset + self.rows * self.route_words
-        return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.out_words)
+        return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words)
 
     @property
     def count_span(self) -> int:
@@ -580,8 +645,9 @@ class PrefillPlan:
 
     def combine_link_bytes(self, routed_pairs: int) -> int:
         """Bytes one rank's combine receive loads from other ranks' zones: one partial row per (token,
-        remote rank holding one of its experts) pair, the floor."""
-        return routed_pairs * 4 * self.ep.out_words
+        remote rank holding one of its experts) pair, the floor (a row of the combine format: with fp8 its
+        e4m3 bytes and float32 scales, padded to 16 bytes)."""
+        return routed_pairs * 4 * self.ep.combine_words
 
 
 def check_replaced_plan(owner: str, old, new) -> None:
@@ -605,10 +671,11 @@ GPU_PULL_TOKENS = 8      # tokens per iteration of the dispatch pull on a GPU (s
 
 
 def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-                 fp8: bool, device, zones: int = 1, ranks_per_node: int | None = None) -> PrefillPlan:
+                 fp8: bool, device, zones: int = 1, ranks_per_node: int | None = None,
+                 dispatch_format: str | None = None, combine_format: str | None = None) -> PrefillPlan:
     """Plan a PrefillBuffer; the caller has validated the sizes. ``device`` only picks the launch shapes.
     ``ranks_per_node``: G when some peers are reached by puts (nodes of G consecutive ranks; 1 when
-    every peer is a put peer), None when every peer is reached by stores."""
+    every peer is a put peer), None when every peer is reached by stores. The formats as ``plan_ep``'s."""
     if zones not in PREFILL_ZONES:
         raise ValueError(f"zones must be one of {PREFILL_ZONES} (2: the next chunk's dispatch overlaps this "
                          f"chunk's experts), got {zones!r}")
@@ -617,7 +684,7 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
     if put and (g < 1 or world % g):
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide the world ({world})")
     device = torch.device(device)
-    ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device)
+    ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device, dispatch_format, combine_format)
     rows = world * max_tokens
     x_offset = -(-2 * rows * topk // 4) * 4
     if device.type == "cuda":  # one 16 KB row block per iteration, many programs

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import formats
 from .channel import Channel
 from .checks import check_tensor, check_words
-from .ep import EPBuffer
+from .ep import EPBuffer, check_global_scale
 from .errors import ClosedError, op_id
 from .interpreter import kernel_for
 from .launches import Launch
@@ -38,7 +39,8 @@ WEIGHT_DTYPE = torch.float32
 
 @dataclass
 class PrefillHandle:
-    """What ``combine`` needs from one dispatch (valid until the next dispatch)."""
+    """What ``combine`` needs from one dispatch. Valid for exactly one combine, in dispatch order: that of
+    the oldest dispatch not yet combined (with zones=2, the next dispatch may run before it)."""
 
     call_index: int           # dispatch calls on this buffer before this one
     num_tokens: int           # T: tokens this rank dispatched (the combine returns [T, hidden])
@@ -53,17 +55,22 @@ class PrefillDispatchResult:
     """What one rank receives from ``PrefillBuffer.dispatch`` (R = world * M, L = experts per rank), in the
     call's landing zone (``handle.zone``).
 
-    recv_x             [R, hidden] dtype, or float8_e4m3fn with fp8_dispatch. Row s*M + t is token t of
-                       source rank s, for t < src_tokens[s] and a recv_topk_idx entry >= 0 in that row;
-                       every other row is unspecified.
-    recv_scales        [R, hidden // 128] float32 with fp8_dispatch (recv_x ~= q * scale per 128 columns,
-                       reference.quantize_fp8), else None. Same valid rows.
+    recv_x             [R, hidden] dtype, or float8_e4m3fn with an fp8 dispatch format, or uint8 [R, hidden // 2]
+                       with dispatch_format="nvfp4" (two e2m1 codes per byte, reference.quantize_nvfp4). Row
+                       s*M + t is token t of source rank s, for t < src_tokens[s] and a recv_topk_idx entry
+                       >= 0 in that row; every other row is unspecified.
+    recv_scales        with an fp8 format (recv_x ~= q * scale per 128 columns, reference.quantize_fp8 in the
+                       buffer's format, ``moe_comm.formats``): float32 [R, hidden // 128], or int32 [R, hidden //
+                       512] packed UE8M0 ("e4m3-ue8m0"); float8_e4m3fn [R, hidden // 16] with nvfp4 (linear
+                       layout); else None. Same valid rows.
     recv_topk_idx      int32 [R, topk]: the local id (0..L-1) of slot k's expert where it lives on this
                        rank, -1 elsewhere. Valid for rows s*M + t, t < src_tokens[s].
     recv_topk_weights  float32 [R, topk]: the slot's weight where recv_topk_idx >= 0, 0 elsewhere.
     src_tokens         int32 [world] on the device: tokens each source dispatched (0 for an excluded one).
     expert_counts      int32 [L] on the device: valid (row, k) slots per local expert.
     handle             PrefillHandle for ``combine``.
+    global_scale       with nvfp4, the float32 [1] tensor given to the dispatch (the same on every rank),
+                       else None.
     All of them are views of this rank's landing zone of the call (or of small device tensors of that
     zone): valid until this rank's combine send phase of the same call, which writes the partial rows
     over recv_x. Once every rank's combine has returned, peers may write a later call's rows into the
@@ -78,6 +85,7 @@ class PrefillDispatchResult:
     src_tokens: torch.Tensor
     expert_counts: torch.Tensor
     handle: PrefillHandle
+    global_scale: torch.Tensor | None = None
 
     def received_rows(self) -> torch.Tensor:
         """bool [R] on the device: row s*M + t holds a token of source s (t < src_tokens[s]). Computed on
@@ -151,35 +159,52 @@ class PrefillBuffer(OpBuffer):
     """Expert-parallel dispatch / combine of one rank for prefill (DeepEP normal-mode style, rank-major).
 
     ``PrefillBuffer(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=torch.bfloat16,
-    fp8_dispatch=False, zones=1)``: rank r owns experts [r*L, (r+1)*L), L = num_experts // world. Buffers
-    are collective (every rank builds its PrefillBuffer in the same order, with the same sizes and zones;
-    on a loopback world one per group, in rank order) and allocated by the first ``dispatch``.
+    fp8_dispatch=False, zones=1, dispatch_format=None, combine_format=None)``: rank r owns experts [r*L,
+    (r+1)*L), L = num_experts // world. Buffers are collective (every rank builds its PrefillBuffer in the
+    same order, with the same sizes and zones; on a loopback world one per group, in rank order) and
+    allocated by the first ``dispatch``.
     zones=2 holds two landing zones (twice the memory) that consecutive dispatches alternate between, so
     the dispatch of chunk i+1 may run before the combine of chunk i (``prefill_chunks.prefill_moe``).
 
-    dispatch(x, topk_idx, topk_weights, *, phase="both") -> PrefillDispatchResult (None for phase="send")
+    Formats as EPBuffer's (``moe_comm.formats``, docs/formats.md): dispatch_format None, "e4m3" (fp8;
+    fp8_dispatch=True is the same), "e4m3-pow2", "e4m3-ue8m0" or "nvfp4", combine_format None or "e4m3" (the
+    partial rows cross as fp8 and are summed in float32). Across nodes the fp8 combine and the nvfp4 dispatch
+    raise ValueError here (docs/formats.md "Bad combinations").
+
+    dispatch(x, topk_idx, topk_weights, *, phase="both", global_scale=None) -> PrefillDispatchResult
         x             [T, hidden] dtype on group.device, 0 <= T <= max_tokens_per_rank; copied as 4-byte
                       words: a contiguous x off a 4-byte boundary (a bf16 view at an odd element) raises
-                      ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first
+                      ValueError (``x.clone()`` fixes it); a non-contiguous one is copied first.
+                      With an fp8 dispatch format, x may also be pre-quantized: a tuple (codes [T, hidden]
+                      float8_e4m3fn, scales) in the buffer's format (``moe_comm.formats``: float32 [T, hidden
+                      // 128] for "e4m3" and "e4m3-pow2", int32 [T, hidden // 512] packed UE8M0 for
+                      "e4m3-ue8m0"; any strides, e.g. column-major, are copied to row-major first). The
+                      codes and scales are sent as they are (not dequantized or requantized, nor checked:
+                      recv_x / recv_scales hold them bit for bit); a tuple of another format raises
+                      before any launch, naming the format to build the buffer with.
         topk_idx      [T, topk] int32/int64 expert ids; -1 = not routed. Ids outside [-1, num_experts) are
                       not routed and raise InvalidIndexError (a ValueError carrying the result) at the end
                       of the call; nothing is written for them.
         topk_weights  [T, topk] float32
+        global_scale  nvfp4 only, required there: as for EPBuffer.dispatch
         Each token is read once and crosses to a rank at most once, however many of its experts live
-        there; with fp8_dispatch it is quantized on the way (float8_e4m3fn, one float32 scale per 128
-        columns: reference.quantize_fp8). See PrefillDispatchResult.
+        there; with an fp8 dispatch format a bf16/fp16/fp32 x is quantized on the way (float8_e4m3fn, one
+        scale per 128 columns in the buffer's format: reference.quantize_fp8), with nvfp4 to TensorRT-LLM's
+        NVFP4 (reference.quantize_nvfp4). See PrefillDispatchResult.
 
     combine(expert_out, handle, *, out=None, phase="both") -> [T, hidden] dtype
         expert_out  [R, hidden] dtype: row q is this rank's partial output for received row q (its local
                     experts' outputs, weighted and summed, as a grouped-GEMM MoE kernel produces them);
                     only rows that hold a local expert are read. ``expert_out`` may be ``recv_x`` itself
                     (bf16/fp16/fp32 dispatch, written in place): then nothing is copied. On a word
-                    boundary, as x.
+                    boundary, as x. With combine_format="e4m3" the send quantizes the rows into the zone:
+                    expert_out must then not lie in the zone (ValueError; pass a tensor of its own).
         handle      the PrefillDispatchResult.handle of the latest dispatch
         out         optional [T, hidden] dtype contiguous tensor, written in place and returned
         y[t] = sum over the ranks d = 0..world-1 holding one of token t's experts (ascending d) of rank d's
         partial row for t, in float32, rounded to dtype: bitwise reproducible from run to run. A token
-        with no routed slot gets zeros.
+        with no routed slot gets zeros. With combine_format="e4m3" each partial row enters the sum as
+        reference.fp8_round_trip of it.
 
     Order: every dispatch is answered by one combine, in dispatch order; at most ``zones`` dispatches
     are in flight (dispatched, their combine's receive phase not yet run): RuntimeError before any
@@ -213,7 +238,8 @@ class PrefillBuffer(OpBuffer):
     """
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, zones: int = 1,
+                 dispatch_format: str | None = None, combine_format: str | None = None):
         ranks_per_node = None
         if group.uses_put and group.world_size > 1:
             layout = node_layout(group.transports, group.rank)
@@ -225,10 +251,14 @@ class PrefillBuffer(OpBuffer):
                     "(moe_comm.launch) or MOE_COMM_TRANSPORT=put (nodes of one rank)")
             ranks_per_node = layout.ranks_per_node
         self.plan = self._plan(group.world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                               fp8_dispatch, group.device, zones, ranks_per_node)
+                               fp8_dispatch, group.device, zones, ranks_per_node, dispatch_format, combine_format)
         self.group = group
         self.num_experts, self.hidden, self.topk = int(num_experts), int(hidden), int(topk)
-        self.max_tokens_per_rank, self.dtype, self.fp8_dispatch = int(max_tokens_per_rank), dtype, bool(fp8_dispatch)
+        ep = self.plan.ep
+        self.max_tokens_per_rank, self.dtype = int(max_tokens_per_rank), dtype
+        self.fp8_dispatch = ep.fp8                    # the dispatch sends fp8 (any of the fp8 formats)
+        self.dispatch_format = ep.dispatch_format     # (formats.DISPATCH_FORMATS)
+        self.combine_format = formats.E4M3 if ep.combine_fp8 else None
         self.num_local_experts = self.plan.ep.experts_per_rank
         self.zones = self.plan.zones
         dev = group.device
@@ -261,12 +291,28 @@ class PrefillBuffer(OpBuffer):
 
     @staticmethod
     def _plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
-              zones: int = 1, ranks_per_node: int | None = None) -> PrefillPlan:
+              zones: int = 1, ranks_per_node: int | None = None, dispatch_format=None,
+              combine_format=None) -> PrefillPlan:
         """``ranks_per_node``: G of a group with put peers (``required_bytes(..., ranks_per_node=8)``: the
-        memory across nodes of 8 GPUs), None for one node."""
-        EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device)  # checks
-        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch), device,
-                            zones, ranks_per_node)
+        memory across nodes of 8 GPUs), None for one node. The formats as EPBuffer's; across nodes the fp8
+        combine (the node-first reduction forwards rows of the dtype) and the nvfp4 dispatch (its send is not
+        block-uniform compiled with the put path) raise ValueError."""
+        ep = EPBuffer._plan(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, fp8_dispatch, device,
+                            dispatch_format, combine_format)  # checks sizes and formats
+        if ranks_per_node is not None and world > 1 and ep.combine_fp8:
+            raise ValueError("combine_format='e4m3' is one node only: across nodes (a group reaching some peers by "
+                             "puts) the PrefillBuffer's combine sums each node's rows on that node and forwards the "
+                             "sum in the buffer's dtype, so there is no fp8 row to send; use combine_format=None "
+                             "there (EPBuffer's fp8 combine works across nodes)")
+        if ranks_per_node is not None and world > 1 and ep.nvfp4:
+            # Its one-warp send (512-byte tiles: 16-byte stores) compiled with the put path's waits branches
+            # per thread around block-wide calls (tests/test_compile_sm90.py's uniformity rule); two warps
+            # would halve the stores' width. Refused until the send is restructured.
+            raise ValueError("dispatch_format='nvfp4' is one node only in PrefillBuffer: across nodes its send is "
+                             "not yet block-uniform when compiled; use an fp8 dispatch_format there (or EPBuffer, "
+                             "whose nvfp4 dispatch works across nodes)")
+        return plan_prefill(world, num_experts, hidden, max_tokens_per_rank, topk, dtype, False, device,
+                            zones, ranks_per_node, ep.dispatch_format, combine_format)
 
     @property
     def excluded_slots(self) -> torch.Tensor:
@@ -298,10 +344,14 @@ class PrefillBuffer(OpBuffer):
         p, dev = self.plan, self.group.device
         ep, R, H, K = p.ep, p.rows, p.ep.hidden, p.ep.topk
         words = self._dispatch_ch.data.local[z]
-        x = words[p.x_offset:p.x_offset + R * ep.x_words].view(torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, H)
-        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words].view(torch.float32)
-                  .view(R, ep.scale_words) if ep.fp8 else None)
-        rows = words[p.x_offset:p.x_offset + R * ep.out_words].view(ep.dtype).view(R, H)
+        x = words[p.x_offset:p.x_offset + R * ep.x_words].view(
+            torch.uint8 if ep.nvfp4 else torch.float8_e4m3fn if ep.fp8 else ep.dtype).view(R, -1)
+        scales = (words[p.scales_offset:p.scales_offset + R * ep.scale_words]
+                  .view(ep.scale_dtype if ep.fp8 else torch.float8_e4m3fn).view(R, -1) if ep.scale_words else None)
+        # the partial rows as the forward kernel reads them (put only: one node has no forward, and its
+        # fp8 combine rows are not of the dtype)
+        rows = (words[p.x_offset:p.x_offset + R * ep.out_words].view(ep.dtype).view(R, H) if p.put
+                else self._dummy.view(ep.dtype))
         inbox = (self._combine_ch.data.local[z].view(ep.dtype).view(p.nodes * ep.max_tokens, H) if p.put
                  else self._dummy.view(ep.dtype))
         zone = _Zone(x, scales, words[:R * K].view(R, K), words[R * K:2 * R * K].view(WEIGHT_DTYPE).view(R, K),
@@ -346,6 +396,7 @@ class PrefillBuffer(OpBuffer):
                 X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
                 BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,
                 BINS=histogram_bins(self.num_experts), FP8=ep.fp8, FP8_GROUPS=ep.fp8_block_groups,
+                SCALE=ep.scale_mode, S_BLOCK=ep.scale_block_words, NVFP4=ep.nvfp4, NVFP4_GROUPS=ep.nvfp4_block_groups,
                 NBLK=ep.send_programs, num_warps=ep.send_warps, NODES=p.nodes, NODES_P2=next_pow2(p.nodes),
                 COUNT_SPAN=p.count_span, **route, **nodes, **slots, **sig),
             dispatch_recv=launch(
@@ -356,14 +407,16 @@ class PrefillBuffer(OpBuffer):
             combine_send=launch(
                 prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=zone.words,
                 src_tokens_ptr=zone.src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
-                done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows, BW=p.copy_words,
-                NBLK=p.copy_programs, **nodes, **slots, **sig),
+                done_ptr=cch.done, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
+                BW=p.copy_words * 4 // ep.elem_size if ep.combine_fp8 else p.copy_words,   # fp8: elements
+                ROW_WORDS=ep.combine_words, HIDDEN=ep.hidden, FP8=ep.combine_fp8, NBLK=p.copy_programs, **nodes,
+                **slots, **sig),
             combine_recv=launch(
                 prefill_combine_recv_kernel, ep.reduce_grid, routed_ptr=zone.routed, data_ptrs_ptr=zone.peer_ptrs,
                 inbox_ptr=zone.inbox, ctrl_ptr=cch.ctrl.local, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.recv_seq,
-                done_ptr=cch.done, OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.out_words * 4,
-                X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, **nodes,
-                **slots, **sig))
+                done_ptr=cch.done, OP=op_id("prefill.combine"), HIDDEN=ep.hidden, ROW_BYTES=ep.combine_words * 4,
+                X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs,
+                FP8=ep.combine_fp8, **nodes, **slots, **sig, num_warps=ep.reduce_warps))
         if p.put:
             grid = (p.node_programs, g.world_size)
             sig.pop("WORLD_P2")
@@ -398,9 +451,13 @@ class PrefillBuffer(OpBuffer):
         return self._in_flight
 
     # ---- dispatch --------------------------------------------------------------------------------
-    def _check_dispatch_inputs(self, x, topk_idx, topk_weights) -> int:
+    def _check_dispatch_inputs(self, x, topk_idx, topk_weights, global_scale) -> int:
         ep, dev = self.plan.ep, self.group.device
-        check_tensor("x", x, dev, (ep.dtype,), (None, ep.hidden))
+        if isinstance(x, tuple):
+            self._check_prequantized(x)
+            x = x[0]
+        else:
+            check_tensor("x", x, dev, (ep.dtype,), (None, ep.hidden))
         T = x.shape[0]
         if T > ep.max_tokens:
             raise ValueError(f"x has {T} tokens, max_tokens_per_rank is {ep.max_tokens}: build the PrefillBuffer "
@@ -408,12 +465,39 @@ class PrefillBuffer(OpBuffer):
                              f"{ep.max_tokens} tokens")
         check_tensor("topk_idx", topk_idx, dev, (torch.int32, torch.int64), (T, ep.topk))
         check_tensor("topk_weights", topk_weights, dev, (WEIGHT_DTYPE,), (T, ep.topk))
-        if not ep.fp8:
+        check_global_scale(global_scale, ep.nvfp4, dev)
+        if not (ep.fp8 or ep.nvfp4):   # copied as words (quantizing sends read elements)
             check_words("x", x)
         return T
 
-    def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None, *, phase: str = "both") -> PrefillDispatchResult | None:
+    def _check_prequantized(self, x: tuple) -> None:
+        """A pre-quantized x = (codes, scales) of this buffer's format (class docstring), or the error that
+        names the fix."""
+        ep, dev, fmt = self.plan.ep, self.group.device, self.dispatch_format
+        if not ep.fp8:
+            raise TypeError(f"x is a (codes, scales) tuple, but this PrefillBuffer dispatches "
+                            f"{'nvfp4' if ep.nvfp4 else self.dtype} (dispatch_format={fmt!r}): build it with "
+                            "dispatch_format='e4m3' (float32 scales per 128 columns), 'e4m3-pow2' or 'e4m3-ue8m0' "
+                            "(int32 packed UE8M0) to dispatch pre-quantized fp8 tokens, or pass unquantized x")
+        if len(x) != 2:
+            raise ValueError(f"a pre-quantized x is a tuple (codes, scales), got a tuple of {len(x)}")
+        codes, scales = x
+        check_tensor("x[0] (the fp8 codes)", codes, dev, (torch.float8_e4m3fn,), (None, ep.hidden))
+        want = (codes.shape[0], ep.scale_words)
+        if isinstance(scales, torch.Tensor) and (scales.dtype != ep.scale_dtype or tuple(scales.shape) != want):
+            other = [f for f in formats.FP8_FORMATS
+                     if formats.scale_dtype(f) == scales.dtype and scales.dim() == 2
+                     and formats.scale_columns(f, ep.hidden) == scales.shape[-1]]
+            fix = (f"build the PrefillBuffer with dispatch_format={other[0]!r} for these scales" if other else
+                   f"pass scales of {fmt!r}: reference.quantize_fp8(x, fmt={fmt!r})")
+            raise ValueError(f"x[1] (the scales) is {scales.dtype} {tuple(scales.shape)}; this PrefillBuffer's format "
+                             f"{fmt!r} takes {ep.scale_dtype} {want} ([T, hidden // "
+                             f"{ep.hidden // max(1, ep.scale_words)}]): {fix}")
+        check_tensor("x[1] (the scales)", scales, dev, (ep.scale_dtype,), want)
+
+    def dispatch(self, x: torch.Tensor | tuple | None = None, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, *, phase: str = "both",
+                 global_scale: torch.Tensor | None = None) -> PrefillDispatchResult | None:
         """Send this rank's tokens, once per rank holding one of their experts, into those ranks' zones; see
         the class docstring. phase="recv" takes no tensors."""
         self._ensure_allocated()
@@ -426,7 +510,7 @@ class PrefillBuffer(OpBuffer):
                                f"being read)")
         do_send, do_recv = op.begin(phase)
         if do_send:
-            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, topk_weights))
+            T = op.validate(lambda: self._check_dispatch_inputs(x, topk_idx, topk_weights, global_scale))
             self._combine_ch.after_previous()   # CUDA: after this rank's latest combine, which read the zones
             op.before_send()
             zone = self._next_zone % self.zones
@@ -434,23 +518,30 @@ class PrefillBuffer(OpBuffer):
             self._calls += 1
             self._next_zone += 1
             in_flight.append(handle)
-            if T > 0:
+            prequant = isinstance(x, tuple) and T > 0   # (codes, scales): copied as they are
+            sin = self._dummy
+            if prequant:   # codes as bytes, scales as words: copied, never converted
+                xin, sin = x[0].contiguous().view(torch.uint8), x[1].contiguous().view(torch.int32)
+                idx, w = topk_idx.contiguous(), topk_weights.contiguous()
+            elif T > 0:
                 xin = x.contiguous()   # the kernel reads its rows as words
                 idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             else:  # never read (T = 0), but the kernel needs valid pointers (of x's dtype: one compiled variant)
                 xin, idx, w = self._dummy.view(self.dtype), self._dummy, self._dummy.view(WEIGHT_DTYPE)
+            gs = global_scale if self.plan.ep.nvfp4 else self._dummy.view(torch.float32)   # read only with nvfp4
             send = self._zones[zone].launches["dispatch_send"]
-            send.run(x_ptr=xin, idx_ptr=idx, weights_ptr=w, num_tokens=T, ALIGNED=send.aligned_with(xin))
-            op.sent(handle)
+            send.run(x_ptr=xin, scales_ptr=sin, idx_ptr=idx, weights_ptr=w, gscale_ptr=gs, num_tokens=T,
+                     PREQUANT=prequant, ALIGNED=send.aligned_with(xin, sin))
+            op.sent((handle, global_scale))
             if not do_recv:
                 return None
-        handle = op.take()
+        handle, global_scale = op.take()
         z = self._zones[handle.zone]
         z.launches["dispatch_recv"].run()
         if self.plan.put:   # the rows of the other nodes' sources, from their rails on this node
             z.launches["dispatch_pull"].run()
         return op.finish(PrefillDispatchResult(z.recv_x, z.recv_scales, z.recv_idx, z.recv_weights, z.src_tokens,
-                                               z.counts, handle))
+                                               z.counts, handle, global_scale))
 
     # ---- combine ---------------------------------------------------------------------------------
     def _check_handle(self, handle) -> None:
@@ -464,6 +555,18 @@ class PrefillBuffer(OpBuffer):
                 or (handle is in_flight[-1] and self._dispatch_op.pending is not None)):
             raise ValueError("stale handle: a handle is valid for one combine, that of the oldest dispatch not yet "
                              "combined, once its phase='recv' has run")
+
+    def _check_outside_zones(self, expert_out) -> None:
+        """ValueError if ``expert_out`` overlaps the landing zones (the fp8 combine's send writes its rows
+        there while it reads: another program's rows could be overwritten before they are read)."""
+        zones = self._dispatch_ch.data.local
+        lo, hi = zones.data_ptr(), zones.data_ptr() + zones.numel() * zones.element_size()
+        start = expert_out.data_ptr()
+        if start < hi and start + expert_out.numel() * expert_out.element_size() > lo:
+            raise ValueError("expert_out lies in this PrefillBuffer's landing zone (e.g. recv_x): with "
+                             "combine_format='e4m3' the combine quantizes the partial rows into the zone, so they "
+                             "must come from a tensor of their own (torch.empty_like(d.recv_x, dtype=...) or a "
+                             ".clone())")
 
     def _check_out(self, T, out) -> None:
         if out is not None:
@@ -488,7 +591,10 @@ class PrefillBuffer(OpBuffer):
             def check():
                 self._check_handle(handle)
                 check_tensor("expert_out", expert_out, g.device, (self.dtype,), (R, H))
-                check_words("expert_out", expert_out)
+                if p.ep.combine_fp8:   # quantized into the zone: it must not be read from there
+                    self._check_outside_zones(expert_out)
+                else:                  # copied as words
+                    check_words("expert_out", expert_out)
                 self._check_out(handle.num_tokens, out)
             try:
                 op.validate(check)
@@ -497,7 +603,8 @@ class PrefillBuffer(OpBuffer):
                     in_flight.popleft()   # a refused combine answers its dispatch (the call is aborted)
                 raise
             op.before_send()
-            in_place = expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr() and not self.fp8_dispatch
+            in_place = (expert_out.data_ptr() == self._zones[handle.zone].recv_x.data_ptr()
+                        and self.dispatch_format is None and not p.ep.combine_fp8)
             src = self._dummy.view(self.dtype) if in_place else expert_out.contiguous()   # read as words
             send = self._zones[handle.zone].launches["combine_send"]
             send.run(expert_out_ptr=src, IN_PLACE=in_place, ALIGNED=send.aligned_with(src))

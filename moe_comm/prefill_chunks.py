@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .prefill import PrefillBuffer, PrefillDispatchResult
-from .reference import dequantize_fp8
+from .reference import dequantize_fp8, dequantize_nvfp4
 
 _SIDE_STREAMS: dict = {}   # device -> the CUDA stream the overlapped dispatches run on
 
@@ -44,7 +44,7 @@ def side_stream(device: torch.device):
 
 def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 experts: Callable[[PrefillDispatchResult], torch.Tensor], chunks: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, hidden] for x [T, hidden] (any T), topk_idx / topk_weights [T, topk], in ``chunks`` calls.
 
     chunks    the same on every rank (collective): ``num_chunks(max T over ranks, buf)``, which the
@@ -54,6 +54,7 @@ def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, top
               caller's stream; with ``buf.zones == 2`` the next chunk's dispatch is in flight meanwhile
               (on CUDA on ``side_stream(device)``), in the other zone: ``d`` stays valid.
     out       optional [T, hidden] contiguous tensor, written in place and returned.
+    global_scale  the nvfp4 dispatch's (``PrefillBuffer.dispatch``), for every chunk; None otherwise.
     Every rank's y is what one ``dispatch`` + ``combine`` of all its tokens would give, bitwise, chunk by
     chunk, with one zone or two. Eager only (the chunk count and the streams are host decisions); the
     calls raise the buffer's errors as they come (a failed chunk raises on every rank: no partial y is
@@ -76,9 +77,9 @@ def prefill_moe(buf: PrefillBuffer, x: torch.Tensor, topk_idx: torch.Tensor, top
     def dispatch(c: int):
         s = rows(c)
         if side is None:
-            return buf.dispatch(x[s], topk_idx[s], topk_weights[s]), None
+            return buf.dispatch(x[s], topk_idx[s], topk_weights[s], global_scale=global_scale), None
         with torch.cuda.stream(side):
-            d = buf.dispatch(x[s], topk_idx[s], topk_weights[s])
+            d = buf.dispatch(x[s], topk_idx[s], topk_weights[s], global_scale=global_scale)
             landed = torch.cuda.Event()
             landed.record(side)
         return d, landed
@@ -102,9 +103,9 @@ def local_experts(buf: PrefillBuffer, expert_fn: Callable[[int, torch.Tensor], t
 
     Partial row q (the combine's input) = sum over k with recv_topk_idx[q, k] >= 0, in k order, of
     recv_topk_weights[q, k] * expert_fn(recv_topk_idx[q, k], x[q]), in float32, rounded to buf.dtype;
-    x = recv_x (fp8 dispatch: dequantized with recv_scales and rounded to buf.dtype first). Rows past a
-    source's token count are not computed. Without fp8 the partial rows are written over recv_x (the
-    combine then copies nothing). Eager: which rows each expert has is read on the host (a sync per
+    x = recv_x (fp8 or nvfp4 dispatch: dequantized with recv_scales (and the global scale) and rounded to
+    buf.dtype first). Rows past a source's token count are not computed. With neither, and no fp8
+    combine, the partial rows are written over recv_x (the combine then copies nothing). Eager: which rows each expert has is read on the host (a sync per
     call), as a plain reference of the grouped GEMM an engine passes instead. Bitwise reproducible when
     expert_fn computes each row independently of the others.
     """
@@ -115,7 +116,7 @@ def local_experts(buf: PrefillBuffer, expert_fn: Callable[[int, torch.Tensor], t
         q = torch.arange(rows_total, device=d.recv_x.device)
         mine = q % m < d.src_tokens.repeat_interleave(m)
         ids = torch.where(mine[:, None], d.recv_topk_idx, -1)
-        x = d.recv_x if d.recv_scales is None else dequantize_fp8(d.recv_x, d.recv_scales).to(dtype)
+        x = dequantized(d, dtype)
         acc = torch.zeros(rows_total, x.shape[1], dtype=torch.float32, device=x.device)
         outs = {}
         for e in range(buf.num_local_experts):   # each expert once, on every row that routes to it
@@ -126,8 +127,19 @@ def local_experts(buf: PrefillBuffer, expert_fn: Callable[[int, torch.Tensor], t
             for e, (rows, y) in outs.items():
                 take = (ids[rows, k] == e)[:, None]
                 acc[rows] += torch.where(take, d.recv_topk_weights[rows, k, None] * y, 0.0)
-        out = d.recv_x if d.recv_scales is None else torch.empty_like(acc, dtype=dtype)
+        in_place = d.recv_scales is None and buf.combine_format is None   # (PrefillBuffer.combine's in place)
+        out = d.recv_x if in_place else torch.empty_like(acc, dtype=dtype)
         out.copy_(acc)
         return out
 
     return experts
+
+
+def dequantized(d: PrefillDispatchResult, dtype: torch.dtype) -> torch.Tensor:
+    """d.recv_x [R, hidden] in ``dtype``: as received, or dequantized (fp8: with recv_scales; nvfp4: with
+    recv_scales and d.global_scale) and rounded to ``dtype``. The experts' input, on any device."""
+    if d.recv_scales is None:
+        return d.recv_x
+    if d.global_scale is not None:
+        return dequantize_nvfp4(d.recv_x, d.recv_scales, d.global_scale).to(dtype)
+    return dequantize_fp8(d.recv_x, d.recv_scales).to(dtype)

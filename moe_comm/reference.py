@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import formats
+
 
 # ---- AllToAllvDynamic ----------------------------------------------------------------------------
 
@@ -67,31 +69,120 @@ def alltoallv_combine(rows: list[torch.Tensor], send_counts: list[torch.Tensor],
 
 FP8_E4M3_MAX = 448.0
 FP8_AMAX_MIN = 1e-4  # DeepEP's kFP8Margin: a group's amax is at least this (as float32)
+F32_MANTISSA_BITS = 23
 
 
-def quantize_fp8(x: torch.Tensor, group: int = 128):
-    """float8_e4m3fn quantization with one float32 scale per ``group`` columns, as the fp8 dispatch does
-    (DeepEP's low-latency format, bit for bit; the kernels' twin is triton_kernels/quant.py).
+def quantize_fp8(x: torch.Tensor, group: int = 128, fmt: str | bool = formats.E4M3):
+    """float8_e4m3fn quantization with one scale per ``group`` columns, as the fp8 dispatch does in format
+    ``fmt`` (``moe_comm.formats``; DeepEP's low-latency formats, bit for bit; the kernels' twin is
+    triton_kernels/quant.py).
 
-    x [..., H] floating, finite, H % group == 0. Per group, in float32, every operation rounded to
-    nearest even (no float64): amax = max(max |x|, 1e-4); inv = 448 / amax (correctly rounded
-    division); q = e4m3(x * inv) (ties to even; |x * inv| <= 448 + 2**-15, which rounds to 448, so
-    nothing saturates); scale = amax * float32(1/448).
-    So dequantize_fp8(q, scale) = q * scale ~= x. An all-zero group gets q = 0 and scale =
-    float32(1e-4) * float32(1/448). Returns (q [..., H] float8_e4m3fn, scales [..., H // group] float32).
+    x [..., H] floating, finite, H % group == 0 (H % (4 * group) with "e4m3-ue8m0"). Per group, in float32,
+    every operation rounded to nearest even (no float64): amax = max(max |x|, 1e-4); then
+
+    - "e4m3" (or True): inv = 448 / amax (correctly rounded division); q = e4m3(x * inv) (ties to even;
+      |x * inv| <= 448 + 2**-15, which rounds to 448, so nothing saturates); scale = amax * float32(1/448).
+      An all-zero group gets q = 0 and scale = float32(1e-4) * float32(1/448).
+    - "e4m3-pow2": t = amax * float32(1/448); e = ceil(log2(t)) (t's exponent, +1 unless t is a power of
+      two); q = e4m3(x * 2**-e) (the product is exact); scale = 2**e.
+    - "e4m3-ue8m0": the same q; scales int32 [..., H / (4 * group)], byte j of word i = e + 127 of group
+      4i + j (``unpack_ue8m0`` turns them back into the 2**e of "e4m3-pow2").
+
+    So dequantize_fp8(q, scales) = q * scale ~= x. Returns (q [..., H] float8_e4m3fn, scales).
     """
+    fmt = formats.fp8_name(fmt)
     xf = x.float().unflatten(-1, (-1, group))
     amax = xf.abs().amax(dim=-1).clamp(min=FP8_AMAX_MIN)
-    # torch.div, not 448 / amax: a scalar divided by a tensor is computed as reciprocal() * 448 (two roundings).
-    inverse = torch.div(torch.full_like(amax, FP8_E4M3_MAX), amax)
+    amax_inv = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+    if fmt == formats.E4M3:
+        # torch.div, not 448 / amax: a scalar divided by a tensor is computed as reciprocal() * 448 (two roundings).
+        inverse = torch.div(torch.full_like(amax, FP8_E4M3_MAX), amax)
+        scales = amax * amax_inv
+    else:
+        bits = (amax * amax_inv).view(torch.int32)
+        biased = (bits >> F32_MANTISSA_BITS) + ((bits & ((1 << F32_MANTISSA_BITS) - 1)) != 0).int()   # e + 127
+        inverse = ((2 * formats.UE8M0_BIAS - biased) << F32_MANTISSA_BITS).view(torch.float32)            # 2**-e
+        scales = (biased << F32_MANTISSA_BITS).view(torch.float32) if fmt == formats.E4M3_POW2 else pack_ue8m0(biased)
     q = (xf * inverse.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    scales = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     return q.flatten(-2), scales
 
 
+def pack_ue8m0(biased: torch.Tensor) -> torch.Tensor:
+    """int [..., G] exponent bytes (e + 127, G % 4 == 0) -> int32 [..., G / 4], byte j of word i = group 4i + j."""
+    b = biased.to(torch.int64).unflatten(-1, (-1, formats.UE8M0_PER_WORD))
+    word = (b << (8 * torch.arange(formats.UE8M0_PER_WORD))).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def unpack_ue8m0(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] packed UE8M0 scales -> float32 [..., 4 * W] the scales 2**e they stand for."""
+    b = (words.to(torch.int64).unsqueeze(-1) >> (8 * torch.arange(formats.UE8M0_PER_WORD))) & 0xFF
+    return (b.flatten(-2).to(torch.int32) << F32_MANTISSA_BITS).view(torch.float32)
+
+
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """Inverse of ``quantize_fp8``: float32 [..., H]."""
+    """Inverse of ``quantize_fp8`` (any format: int32 scales are packed UE8M0): float32 [..., H]."""
+    if scales.dtype == torch.int32:
+        scales = unpack_ue8m0(scales)
     return (q.float().unflatten(-1, (-1, group)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+NVFP4_GROUP = 16          # elements per e4m3 block scale
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)           # magnitude code 0..7
+E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                   (5.0, False))   # (t, inclusive): |v| passes t when |v| > t (|v| >= t if inclusive); ties to even
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """TensorRT-LLM's NVFP4 global scale for ``x``: float32 [1] = 448 * 6 / max |x| (the calibrated value a
+    checkpoint's input scale holds; 448 * 6 for an all-zero or empty x)."""
+    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return torch.div(torch.tensor(FP8_E4M3_MAX * E2M1_MAX, dtype=torch.float32), amax).reshape(1)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor):
+    """NVFP4 quantization as the nvfp4 dispatch does (TensorRT-LLM's formula with correctly rounded
+    reciprocals; the kernels' twin and the formula: triton_kernels/quant.py ``quantize_nvfp4_groups``).
+
+    x [..., H] floating, finite, H % 16 == 0; global_scale float32 with one element, finite, > 0. Per block
+    of 16 elements, in float32: sf = e4m3(min(gs * (vmax * f32(1/6)), 448)); inverse = 1 / (sf * (1 / gs))
+    (0 if sf == 0); q = e2m1(x * inverse), ties to even, saturated at 6, sign kept (-0 is code 8).
+    Returns (values uint8 [..., H / 2]: element 2j in the low nibble of byte j; scales float8_e4m3fn
+    [..., H / 16], one per block, linear layout). dequantize_nvfp4(values, scales, gs) ~= x."""
+    gs = global_scale.float().reshape(()).to(x.device)
+    xf = x.float().unflatten(-1, (-1, NVFP4_GROUP))
+    vmax = xf.abs().amax(dim=-1)
+    rcp6 = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=x.device)
+    sf = (gs * (vmax * rcp6)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)   # exact below 448: one rounding
+    sff = sf.float()
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    inverse = torch.where(sff != 0, torch.div(one, torch.where(sff != 0, sff, one) * torch.div(one, gs)), 0.0)
+    v = xf * inverse.unsqueeze(-1)
+    a = v.abs()
+    mag = torch.zeros(v.shape, dtype=torch.int32, device=x.device)
+    for t, inclusive in E2M1_THRESHOLDS:
+        mag += (a >= t if inclusive else a > t).int()
+    sign = (v.view(torch.int32) >> 31) & 1
+    codes = (mag | (sign << 3)).flatten(-2)
+    values = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return values, sf
+
+
+def dequantize_nvfp4(values: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_nvfp4``: float32 [..., H] = e2m1 value * scale / global_scale, in float32."""
+    v = values.view(torch.uint8).int()
+    codes = torch.stack([v & 0xF, v >> 4], dim=-1).flatten(-2)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=values.device)
+    e2m1 = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])
+    gs = global_scale.float().reshape(()).to(values.device)
+    return ((e2m1.unflatten(-1, (-1, NVFP4_GROUP)) * scales.float().unsqueeze(-1)) / gs).flatten(-2)
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What the fp8 combine makes of a row: ``dequantize_fp8(*quantize_fp8(x))``, float32."""
+    return dequantize_fp8(*quantize_fp8(x))
 
 
 def fp8_codes_match(got: torch.Tensor, want: torch.Tensor, exact: bool = True, max_fraction: float = 1.0) -> bool:
@@ -133,12 +224,15 @@ def ep_rows(topk_idxs: list[torch.Tensor], num_experts: int, max_tokens_per_rank
 
 
 def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
-             max_tokens_per_rank: int, fp8: bool = False, excluded=()):
+             max_tokens_per_rank: int, fp8: bool | str = False, excluded=(), nvfp4_scale: torch.Tensor | None = None):
     """EPBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r] [T_r, K] (-1 = not routed).
+    fp8: the EPBuffer's fp8 dispatch format (False, True = "e4m3", or an fp8 format of ``moe_comm.formats``).
 
-    Returns per receiving rank a dict: x [E_local, R, H] (dtype, or float8_e4m3fn with fp8) and scales
-    [E_local, R, H/128] float32 or None, rows past a count zero; counts int32 [E_local]; src int32
-    [E_local, R] = s * max_tokens_per_rank + t per valid row, -1 past a count (R = world * M).
+    Returns per receiving rank a dict: x [E_local, R, H] (dtype, or float8_e4m3fn with fp8; with
+    ``nvfp4_scale``, the global scale every rank passed, uint8 [E_local, R, H/2] of ``quantize_nvfp4``) and
+    scales [E_local, R, H/128] float32 (fp8; int32 [E_local, R, H/512] with "e4m3-ue8m0"), float8_e4m3fn
+    [E_local, R, H/16] (nvfp4) or None, rows past a count zero; counts int32 [E_local]; src int32 [E_local,
+    R] = s * max_tokens_per_rank + t per valid row, -1 past a count (R = world * M).
     """
     world = len(xs)
     local, cap, m = num_experts // world, world * max_tokens_per_rank, max_tokens_per_rank
@@ -154,20 +248,19 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts:
                 x[e, i] = xs[s][t].cpu()
                 src[e, i] = s * m + t
             counts[e] = len(rows[r][e])
-        scales = None
-        if fp8:
-            x, scales = quantize_fp8(x)
+        x, scales = _quantize(x, fp8, nvfp4_scale)
         out.append(dict(x=x, scales=scales, counts=counts, src=src))
     return out
 
 
 def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_idxs: list[torch.Tensor],
-            num_experts: int, max_tokens_per_rank: int, excluded=()):
+            num_experts: int, max_tokens_per_rank: int, excluded=(), fp8: bool = False):
     """EPBuffer.combine of every rank at once. expert_outs[r] [E_local, R, H] on rank r (row i of expert e
     answers dispatch row i); topk_weights[r], topk_idxs[r] [T_r, K]. Returns per rank y [T_r, H]:
     y[t] = sum over k ascending of routed slots of w[t, k] * row, in float32, cast to expert_outs' dtype.
     A slot dropped for capacity contributes a zero row; a slot whose expert's rank is excluded is not
-    routed (no weight)."""
+    routed (no weight). With ``fp8`` (combine_format="e4m3") each row is first quantized and dequantized
+    (``fp8_round_trip``: what crosses the link, every slot's row alike, the token rank's own included)."""
     world = len(expert_outs)
     local = num_experts // world
     rows = ep_rows(topk_idxs, num_experts, max_tokens_per_rank, excluded)
@@ -189,6 +282,8 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
                     continue
                 hit = where.get((s, t, k))
                 row = expert_outs[hit[0]][hit[1], hit[2]].float().cpu() if hit else torch.zeros(H)
+                if fp8:
+                    row = fp8_round_trip(row)
                 acc = acc + w[t, k] * row
             y[t] = acc
         out.append(y.to(dt))
@@ -197,22 +292,29 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
 
 # ---- PrefillBuffer dispatch / combine ------------------------------------------------------------
 
-def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
-                     num_experts: int, max_tokens_per_rank: int, fp8: bool = False, excluded=()):
-    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H]; topk_idxs[r], topk_weights[r] [T_r, K].
+def prefill_dispatch(xs: list, topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                     num_experts: int, max_tokens_per_rank: int, fp8: bool | str = False, excluded=(),
+                     nvfp4_scale: torch.Tensor | None = None):
+    """PrefillBuffer.dispatch of every rank at once. xs[r] [T_r, H], or pre-quantized (codes [T_r, H]
+    float8_e4m3fn, scales [T_r, S]): their rows land as they are, ``fp8`` unused; topk_idxs[r],
+    topk_weights[r] [T_r, K]. ``fp8`` and ``nvfp4_scale`` as for ``dispatch``.
 
     Returns per receiving rank a dict (R = world * M): valid bool [R] (row s*M + t holds token t of source s,
-    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8; zero rows where not valid) and
-    scales [R, H/128] float32 or None; topk_idx int32 [R, K] (local ids, -1 elsewhere and past a source's
-    tokens); topk_weights float32 [R, K] (0 where topk_idx is -1); src_tokens int32 [world];
-    expert_counts int32 [L]. Ids outside [0, num_experts) and experts of excluded ranks are not routed; an
-    excluded rank sends and receives nothing."""
+    which has an expert here); x [R, H] (dtype, or float8_e4m3fn with fp8 or pre-quantized xs, or uint8
+    [R, H/2] with ``nvfp4_scale``: ``quantize_nvfp4``; zero rows where not valid) and scales ([R, ...]:
+    ``quantize_fp8``'s or ``quantize_nvfp4``'s, or the given ones) or None; topk_idx int32 [R, K] (local
+    ids, -1 elsewhere and past a source's tokens); topk_weights float32 [R, K] (0 where topk_idx is -1);
+    src_tokens int32 [world]; expert_counts int32 [L]. Ids outside [0, num_experts) and experts of excluded
+    ranks are not routed; an excluded rank sends and receives nothing."""
     world, m = len(xs), max_tokens_per_rank
     local, R = num_experts // world, world * m
+    given = isinstance(xs[0], tuple)   # pre-quantized: (codes, scales) per rank
+    data = [x[0] if given else x for x in xs]
     out = []
     for r in range(world):
-        H, K, dt = xs[r].shape[1], topk_idxs[r].shape[1], xs[r].dtype
+        H, K, dt = data[r].shape[1], topk_idxs[r].shape[1], data[r].dtype
         x = torch.zeros((R, H), dtype=dt)
+        scales = torch.zeros((R, xs[r][1].shape[1]), dtype=xs[r][1].dtype) if given else None
         idx = torch.full((R, K), -1, dtype=torch.int32)
         w = torch.zeros((R, K), dtype=torch.float32)
         valid = torch.zeros(R, dtype=torch.bool)
@@ -221,7 +323,7 @@ def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk
         for s in range(world):
             if s in excluded or r in excluded:
                 continue
-            src_tokens[s] = xs[s].shape[0]
+            src_tokens[s] = data[s].shape[0]
             for t, ids in enumerate(topk_idxs[s].tolist()):
                 for k, e in enumerate(ids):
                     if routed(e, num_experts, world, excluded) and e // local == r:
@@ -230,13 +332,24 @@ def prefill_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk
                         counts[e % local] += 1
                         valid[s * m + t] = True
                 if valid[s * m + t]:
-                    x[s * m + t] = xs[s][t].cpu()
-        scales = None
-        if fp8:
-            x, scales = quantize_fp8(x)
+                    x[s * m + t] = data[s][t].cpu()
+                    if given:
+                        scales[s * m + t] = xs[s][1][t].cpu()
+        if not given:
+            x, scales = _quantize(x, fp8, nvfp4_scale)
         out.append(dict(valid=valid, x=x, scales=scales, topk_idx=idx, topk_weights=w, src_tokens=src_tokens,
                         expert_counts=counts))
     return out
+
+
+def _quantize(x: torch.Tensor, fp8: bool | str, nvfp4_scale):
+    """(payload, scales) of the dispatch formats: x as it is (None), fp8 in format ``fp8`` (True: "e4m3"), or
+    nvfp4 with that global scale."""
+    if fp8:
+        return quantize_fp8(x, fmt=fp8)
+    if nvfp4_scale is not None:
+        return quantize_nvfp4(x, nvfp4_scale)
+    return x, None
 
 
 def prefill_owners(ids: list[int], num_experts: int, world: int, excluded=()) -> list[int]:
@@ -246,10 +359,11 @@ def prefill_owners(ids: list[int], num_experts: int, world: int, excluded=()) ->
 
 
 def prefill_combine(partials: list[torch.Tensor], topk_idxs: list[torch.Tensor], num_experts: int,
-                    max_tokens_per_rank: int, excluded=(), ranks_per_node: int | None = None):
+                    max_tokens_per_rank: int, excluded=(), ranks_per_node: int | None = None, fp8: bool = False):
     """PrefillBuffer.combine of every rank at once. partials[d] [R, H] on rank d (row s*M + t: rank d's
     partial output for token t of source s). Returns per source rank s y [T_s, H]: the sum over the ranks
-    d holding one of t's experts, ascending d, of partials[d][s*M + t] in float32, cast to their dtype.
+    d holding one of t's experts, ascending d, of partials[d][s*M + t] in float32, cast to their dtype;
+    with ``fp8`` (combine_format="e4m3") each partial row quantized and dequantized first (``fp8_round_trip``).
 
     ``ranks_per_node`` = G (nodes of G consecutive ranks reached by puts, docs/prefill.md "Across
     nodes"): the sum runs node by node in ascending node order, each node's term the float32 sum of its
@@ -270,7 +384,8 @@ def prefill_combine(partials: list[torch.Tensor], topk_idxs: list[torch.Tensor],
                     part = torch.zeros(H, dtype=torch.float32)
                     mine = [d for d in owners if d // g == node]
                     for d in mine:
-                        part = part + partials[d][s * m + t].float().cpu()
+                        row = partials[d][s * m + t].float().cpu()
+                        part = part + (fp8_round_trip(row) if fp8 else row)
                     if node != s // g and mine:
                         part = part.to(dt).float()
                     y[t] = y[t] + part

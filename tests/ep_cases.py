@@ -23,17 +23,21 @@ class Config:
     max_tokens: int
     topk: int
     dtype: torch.dtype = torch.bfloat16
-    fp8: bool = False
+    fp8: bool | str = False   # the fp8 dispatch format: False, True (= "e4m3") or an fp8 format of moe_comm.formats
 
 
-# Experts per rank 4..16 (5: not a power of two), hidden 128/256, topk 1/2/4, odd capacities.
+# Experts per rank 3..16 (3, 5: not a power of two), hidden 128/256/512, topk 1/2/3/4, odd capacities;
+# every fp8 format (moe_comm.formats): float32 amax/448 scales, power-of-two float32, packed UE8M0.
 CONFIGS = (
     Config(4, 128, 7, 2),
     Config(8, 256, 5, 4, fp8=True),
     Config(16, 128, 3, 1),
     Config(4, 256, 4, 4, dtype=torch.float16),
     Config(5, 128, 3, 2, dtype=torch.float32),
+    Config(4, 512, 3, 3, fp8="e4m3-ue8m0"),
+    Config(3, 256, 3, 2, fp8="e4m3-pow2"),
 )
+FORMAT_CONFIGS = {i for i, c in enumerate(CONFIGS) if c.fp8}   # every fp8 format
 # random: distinct experts, some -1; skewed: every token's k=0 goes to expert 0; one_rank: all of a
 # token's experts live on one rank; dup: token 0 lists one expert twice (the rows keep k order);
 # none: nothing routed.
@@ -81,7 +85,7 @@ def poison(ep) -> None:
     if ep._allocated:
         if ep._x.dtype == torch.float8_e4m3fn:
             ep._x.view(torch.uint8).fill_(0x7F)  # NaN
-            ep._scales.fill_(float("nan"))
+            ep._scales.view(torch.int32).fill_(-1)   # NaN as float32; UE8M0 bytes 0xFF (NaN in UE8M0)
         else:
             ep._x.fill_(float("nan"))
         for s in ep._sets:
@@ -108,7 +112,9 @@ def expert_outputs(d, rank: int, cfg: Config) -> torch.Tensor:
 
 def fp8_error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Largest |dequantized - x| e4m3 rounding allows: half an ulp (2**-4 relative) in the normal
-    range, half the subnormal step (2**-10 * scale) below it."""
+    range, half the subnormal step (2**-10 * scale) below it (packed UE8M0 scales unpacked first)."""
+    if scales.dtype == torch.int32:
+        scales = reference.unpack_ue8m0(scales)
     s = scales.repeat_interleave(128, dim=-1)
     return x.float().abs() * 2.0 ** -4 + s * 2.0 ** -10
 
@@ -154,20 +160,23 @@ def case_list(world: int):
             yield ci, cfg, routing, seed
 
 
-def _make_buffer(group, cfg: Config):
-    from moe_comm import EPBuffer
+def make_buffer(group, cfg: Config):
+    from moe_comm import EPBuffer, formats
     return EPBuffer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.max_tokens, cfg.topk,
-                    dtype=cfg.dtype, fp8_dispatch=cfg.fp8)
+                    dtype=cfg.dtype, dispatch_format=formats.fp8_name(cfg.fp8))
 
 
-def run_shm_cases(group) -> list[str]:
+def run_shm_cases(group, configs=None) -> list[str]:
     """Every case on one rank of a launched group: dispatch, then combine, some split in two phases;
-    one case per config also runs twice (phase='both', then split) and must give identical bits."""
+    one case per config also runs twice (phase='both', then split) and must give identical bits.
+    ``configs``: indices into CONFIGS to run (default all)."""
     world, rank = group.world_size, group.rank
     errs, bufs = [], {}
     for ci, cfg, routing, seed in case_list(world):
+        if configs is not None and ci not in configs:
+            continue
         if ci not in bufs:
-            bufs[ci] = _make_buffer(group, cfg)
+            bufs[ci] = make_buffer(group, cfg)
         ep = bufs[ci]
         xs, idxs, ws = make_inputs(cfg, world, routing, seed)
         E = cfg.experts_per_rank * world
@@ -219,28 +228,35 @@ def run_loopback_cases(groups, configs=None) -> list[str]:
         if configs is not None and ci not in configs:
             continue
         if ci not in bufs:
-            bufs[ci] = [_make_buffer(g, cfg) for g in groups]
-        eps = bufs[ci]
-        xs, idxs, ws = make_inputs(cfg, world, routing, seed)
-        E = cfg.experts_per_rank * world
-        exp_d = reference.dispatch(xs, idxs, E, cfg.max_tokens, fp8=cfg.fp8)
-        for ep in eps:
-            poison(ep)
-        for r, ep in enumerate(eps):
-            ep.dispatch(xs[r], idxs[r], phase="send")
-        ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
-        for r in range(world):
-            errs += check_dispatch(r, ds[r], exp_d[r], xs, cfg, f"loopback rank{r} cfg{ci} {routing}")
-        eos = [expert_outputs(ds[r], r, cfg) for r in range(world)]
-        for r, ep in enumerate(eps):
-            ep.combine(eos[r], ws[r], ds[r].handle, phase="send")
-        ys = [ep.combine(phase="recv") for ep in eps]
-        exp_eo = [expert_fn(exp_d[r]["x"], exp_d[r]["scales"], r * cfg.experts_per_rank, cfg.dtype)
-                  for r in range(world)]
-        exp_y = reference.combine(exp_eo, ws, idxs, E, cfg.max_tokens)
-        for r in range(world):
-            if not torch.equal(ys[r], exp_y[r]):
-                errs.append(f"loopback rank{r} cfg{ci} {routing}: combine differs from the reference")
+            bufs[ci] = [make_buffer(g, cfg) for g in groups]
+        errs += loopback_case(bufs[ci], cfg, routing, seed, f"loopback cfg{ci} {routing}")
+    return errs
+
+
+def loopback_case(eps, cfg: Config, routing: str, seed: int, tag: str) -> list[str]:
+    """One checked dispatch -> combine of ``cfg``'s inputs on a loopback world's EPBuffers ``eps``."""
+    world = len(eps)
+    errs = []
+    xs, idxs, ws = make_inputs(cfg, world, routing, seed)
+    E = cfg.experts_per_rank * world
+    exp_d = reference.dispatch(xs, idxs, E, cfg.max_tokens, fp8=cfg.fp8)
+    for ep in eps:
+        poison(ep)
+    for r, ep in enumerate(eps):
+        ep.dispatch(xs[r], idxs[r], phase="send")
+    ds = [snapshot(ep.dispatch(phase="recv")) for ep in eps]
+    for r in range(world):
+        errs += check_dispatch(r, ds[r], exp_d[r], xs, cfg, f"{tag} rank{r}")
+    eos = [expert_outputs(ds[r], r, cfg) for r in range(world)]
+    for r, ep in enumerate(eps):
+        ep.combine(eos[r], ws[r], ds[r].handle, phase="send")
+    ys = [ep.combine(phase="recv") for ep in eps]
+    exp_eo = [expert_fn(exp_d[r]["x"], exp_d[r]["scales"], r * cfg.experts_per_rank, cfg.dtype)
+              for r in range(world)]
+    exp_y = reference.combine(exp_eo, ws, idxs, E, cfg.max_tokens)
+    for r in range(world):
+        if not torch.equal(ys[r], exp_y[r]):
+            errs.append(f"{tag} rank{r}: combine differs from the reference")
     return errs
 
 

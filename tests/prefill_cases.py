@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_comm import PrefillBuffer, reference
+from moe_comm import PrefillBuffer, formats, reference
 from moe_comm.topology import node_layout
 
 from ep_cases import Config, make_inputs
@@ -19,14 +19,17 @@ CONFIGS = (
     Config(4, 128, 5, 2),                          # bf16
     Config(5, 256, 4, 4, fp8=True),                # fp8 dispatch, 2 scale groups, L not a power of two
     Config(2, 128, 3, 1, dtype=torch.float16),
+    Config(3, 512, 3, 3, fp8="e4m3-ue8m0"),        # packed UE8M0 scales: one int32 word per row
+    Config(4, 256, 2, 2, fp8="e4m3-pow2"),         # power-of-two float32 scales
 )
 # (config, routing) per world size: each routing and each config runs somewhere at every size.
-CASES = ((0, "random"), (1, "skewed"), (2, "one_rank"), (0, "dup"), (1, "random"), (2, "none"))
+CASES = ((0, "random"), (1, "skewed"), (2, "one_rank"), (0, "dup"), (1, "random"), (2, "none"), (3, "random"),
+         (4, "dup"))
 
 
 def make_buffer(group, cfg: Config, zones: int = 1) -> PrefillBuffer:
     return PrefillBuffer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.max_tokens, cfg.topk,
-                         dtype=cfg.dtype, fp8_dispatch=cfg.fp8, zones=zones)
+                         dtype=cfg.dtype, dispatch_format=formats.fp8_name(cfg.fp8), zones=zones)
 
 
 def poison(buf: PrefillBuffer) -> None:

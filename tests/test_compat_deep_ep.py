@@ -3,7 +3,8 @@
 Tokens carry their source rank (first 128 columns: rank - 128) and their index (last 128 columns), as in
 DeepEP's tests/legacy/test_low_latency.py; random tokens are checked against moe_comm.reference. Per local
 expert: recv_count, the cumulative statistics, src_info, layout_range (every source rank's run), the rows
-(bf16 bitwise; fp8 data and scales bitwise against reference.quantize_fp8, scales column-major), then the
+(bf16 bitwise; fp8 data and scales bitwise against reference.quantize_fp8 in each of DeepEP's formats:
+use_fp8, round_scale, round_scale + use_ue8m0 (packed int32 scales), scales column-major), then the
 combine bitwise against reference.combine. Loopback worlds 1-4 (hooks: every rank's call, then every
 rank's hook), and shm world 2 in separate processes through a torch.distributed ProcessGroup, as DeepEP
 is called (no hooks, async_finish events, then hooks).
@@ -15,12 +16,13 @@ import pytest
 import torch
 
 import moe_comm
+from moe_comm import formats
 from moe_comm import reference
 from moe_comm.compat import deep_ep
 from moe_comm.compat.deep_ep_layout import split_range
 
 RANK_OFFSET = 128   # DeepEP's test: token values rank - 128 stay exact in bf16 and fp8
-HIDDEN = 256        # [rank - 128] * 128 columns, then [token index] * 128 columns
+HIDDEN = 512        # [rank - 128] * 384 columns, then [token index] * 128 columns (a whole UE8M0 word)
 LOCAL_EXPERTS = 3   # experts per rank (not a power of two)
 MAX_TOKENS = 5      # num_max_dispatch_tokens_per_rank
 
@@ -51,7 +53,13 @@ def make_inputs(world: int, seed: int, marked: bool):
     return xs, idxs, ws
 
 
-def as_bf16(recv, fp8: bool) -> torch.Tensor:
+def ll_flags(fmt) -> dict:
+    """DeepEP's low-latency flags of a dispatch format (False = bf16; ``moe_comm.formats``)."""
+    return dict(use_fp8=bool(fmt), round_scale=fmt in (formats.E4M3_POW2, formats.E4M3_UE8M0),
+                use_ue8m0=fmt == formats.E4M3_UE8M0)
+
+
+def as_bf16(recv, fp8) -> torch.Tensor:
     """DeepEP's ``per_token_cast_back`` of the received rows (bf16 as is): the simulated expert output."""
     if not fp8:
         return recv.clone()
@@ -75,14 +83,16 @@ def check_dispatch(rank, out, xs, idxs, fp8, stats, calls, tag, exact=True) -> l
     data = recv[0] if fp8 else recv
     if tuple(data.shape) != (L, R, HIDDEN) or data.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
         return errs + [f"{tag}: recv_x {tuple(data.shape)} {data.dtype}"]
-    if fp8 and (tuple(recv[1].shape) != (L, R, HIDDEN // 128) or scale_strides != (HIDDEN // 128 * R, 1, R)
-                or recv[1].dtype != torch.float32):
-        errs.append(f"{tag}: scales {tuple(recv[1].shape)} strides {recv[1].stride()} (want column-major)")
+    S = formats.scale_columns(formats.fp8_name(fp8), HIDDEN)
+    if fp8 and (tuple(recv[1].shape) != (L, R, S) or scale_strides != (S * R, 1, R)
+                or recv[1].dtype != formats.scale_dtype(formats.fp8_name(fp8))):
+        errs.append(f"{tag}: scales {tuple(recv[1].shape)} {recv[1].dtype} strides {recv[1].stride()} (want "
+                    f"column-major)")
     if recv_count.dtype != torch.int32 or tuple(recv_count.shape) != (L,):
         return errs + [f"{tag}: recv_count {recv_count.dtype} {tuple(recv_count.shape)}"]
     src_info, layout_range = handle[0], handle[1]
     begin, count = split_range(layout_range)
-    quant = [reference.quantize_fp8(x) if fp8 and len(x) else None for x in xs]
+    quant = [reference.quantize_fp8(x, fmt=fp8) if fp8 and len(x) else None for x in xs]
     for e in range(L):
         gid = rank * L + e
         per_rank = [(idxs[j] == gid).sum().item() for j in range(world)]
@@ -126,9 +136,18 @@ def combine_match(y: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
     return torch.equal(y, want) if exact else torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+FP8_FORMATS_PER_BUFFER = 3   # the tests dispatch every fp8 format on one Buffer: the hint covers one
+
+
+def rdma_bytes(world: int) -> int:
+    """The hint, plus its fp8 share once more for each further fp8 format (the module docstring's rule)."""
+    E, _ = _sizes(world)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, E)
+    return hint * FP8_FORMATS_PER_BUFFER
+
+
 def make_buffers(groups, **kw):
-    E, _ = _sizes(groups[0].world_size)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, groups[0].world_size, E)
+    hint = rdma_bytes(groups[0].world_size)
     return [deep_ep.Buffer(g, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True,
                            num_qps_per_rank=LOCAL_EXPERTS, **kw) for g in groups]
 
@@ -136,7 +155,7 @@ def make_buffers(groups, **kw):
 # ---- loopback: every rank in this process, driven through the hooks --------------------------------
 
 def _dispatch_all(bufs, xs, idxs, fp8, stats):
-    outs = [b.low_latency_dispatch(x, i, MAX_TOKENS, _sizes(len(bufs))[0], s, use_fp8=fp8, return_recv_hook=True)
+    outs = [b.low_latency_dispatch(x, i, MAX_TOKENS, _sizes(len(bufs))[0], s, return_recv_hook=True, **ll_flags(fp8))
             for b, x, i, s in zip(bufs, xs, idxs, stats)]
     for o in outs:
         o[4]()
@@ -152,13 +171,14 @@ def _combine_all(bufs, gemm, idxs, ws, outs, **kw):
 
 
 def run_loopback(world: int, device: str = "cpu") -> list[str]:
-    """Four rounds (bf16/fp8 x marked/random tokens); on CPU every check is exact, compiled on a GPU fp8
-    codes may differ by one step (rounding ties) and combine sums by float32 rounding."""
+    """Six rounds (bf16 and each fp8 format x marked/random tokens); on CPU every check is exact, compiled
+    on a GPU fp8 codes may differ by one step (rounding ties) and combine sums by float32 rounding."""
     exact = device == "cpu"
     groups = moe_comm.init(backend="loopback", world_size=world, device=device)
     bufs = make_buffers(groups)
     errs = []
-    for seed, (fp8, marked) in enumerate(((False, True), (True, True), (False, False), (True, False))):
+    for seed, (fp8, marked) in enumerate(((False, True), ("e4m3", True), (False, False), ("e4m3", False),
+                                          ("e4m3-ue8m0", False), ("e4m3-pow2", True))):
         xs, idxs, ws = make_inputs(world, seed + 10 * world, marked)
         dx, di, dw = ([t.to(device) for t in ts] for ts in (xs, idxs, ws))
         stats = [torch.zeros(LOCAL_EXPERTS, dtype=torch.int32, device=device) for _ in range(world)]
@@ -249,30 +269,41 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     bufs = make_buffers(groups)
     xs, idxs, ws = make_inputs(world, 5, True)
     b = bufs[0]
-    for kw in (dict(round_scale=True), dict(use_ue8m0=True)):
-        with pytest.raises(NotImplementedError, match="not supported"):
-            b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True, **kw)
+    # Format flags DeepEP rejects or ignores, and a hidden UE8M0 cannot pack: ValueError naming the fix
+    # (raised before the op is entered: every rank passes the same arguments and raises the same).
+    for x, kw, match in ((xs[0], dict(use_fp8=False, round_scale=True), "pass use_fp8=True, or drop round_scale"),
+                         (xs[0], dict(use_fp8=False, use_ue8m0=True), "pass use_fp8=True, or drop"),
+                         (xs[0], dict(use_ue8m0=True), "use_ue8m0=True needs round_scale=True"),
+                         (xs[0][:, :256], dict(round_scale=True, use_ue8m0=True), r"hidden % 512 == 0.*'e4m3-pow2'")):
+        for bb in bufs:
+            with pytest.raises(ValueError, match=match):
+                bb.low_latency_dispatch(x, idxs[0], MAX_TOKENS, E, return_recv_hook=True, **kw)
     with pytest.raises(ValueError, match="MOE_COMM_TRACE=1"):   # wait costs need the flight recorder
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True,
                                dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
-    for name in ("internode_dispatch", "low_latency_update_mask_buffer", "get_comm_stream"):
+    for name in ("low_latency_update_mask_buffer", "get_comm_stream"):
         with pytest.raises(NotImplementedError, match="not supported"):
             getattr(b, name)()
+    # internode_dispatch is the normal mode's dispatch (across nodes, test_compat_deep_ep_internode.py): on a
+    # loopback group of several ranks the normal mode is refused by name
+    with pytest.raises(NotImplementedError, match="loopback group of several ranks.* is not supported"):
+        b.internode_dispatch(xs[0])
     with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, async_finish=True, return_recv_hook=True)
     with pytest.raises(ValueError, match="not a multiple"):
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E + 1, return_recv_hook=True)
     with pytest.raises(ValueError, match="return_recv_hook=True"):  # loopback: several ranks, one process
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, use_fp8=False)
-    outs = _dispatch_all(bufs, xs, idxs, True, [None] * world)   # nothing above broke the group
-    assert [e for r, o in enumerate(outs) for e in check_dispatch(r, o, xs, idxs, True, None, 1, "after")] == []
+    outs = _dispatch_all(bufs, xs, idxs, "e4m3-ue8m0", [None] * world)   # nothing above broke the group
+    assert [e for r, o in enumerate(outs) for e in check_dispatch(r, o, xs, idxs, "e4m3-ue8m0", None, 1, "after")] \
+        == []
     with pytest.raises(NotImplementedError, match="not supported"):
         b.low_latency_combine(as_bf16(outs[0][0], True), idxs[0], ws[0], outs[0][2], use_logfmt=True)
     with pytest.raises(ValueError, match="MOE_COMM_TRACE=1"):
         b.low_latency_combine(as_bf16(outs[0][0], True), idxs[0], ws[0], outs[0][2], return_recv_hook=True,
                               combine_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
     ys = _combine_all(bufs, [as_bf16(o[0], True) for o in outs], idxs, ws, outs)
-    assert all(torch.equal(y, w) for y, w in zip(ys, expected_combine(xs, idxs, ws, True)))
+    assert all(torch.equal(y, w) for y, w in zip(ys, expected_combine(xs, idxs, ws, "e4m3-ue8m0")))
 
 
 def test_rdma_budget_and_hint():
@@ -301,11 +332,12 @@ def shm_rank(group) -> list[str]:
     (buf,) = make_buffers_pg(dist.group.WORLD, world)
     E, _ = _sizes(world)
     errs = []
-    for seed, (fp8, hooks) in enumerate(((True, False), (False, False), (True, True))):
+    for seed, (fp8, hooks) in enumerate((("e4m3", False), (False, False), ("e4m3-ue8m0", True),
+                                         ("e4m3-pow2", False))):
         xs, idxs, ws = make_inputs(world, 40 + seed, seed != 1)
         stats = torch.zeros(LOCAL_EXPERTS, dtype=torch.int32)
-        out = buf.low_latency_dispatch(xs[rank], idxs[rank], MAX_TOKENS, E, stats, use_fp8=fp8,
-                                       async_finish=not hooks, return_recv_hook=hooks)
+        out = buf.low_latency_dispatch(xs[rank], idxs[rank], MAX_TOKENS, E, stats, async_finish=not hooks,
+                                       return_recv_hook=hooks, **ll_flags(fp8))
         out[4]() if hooks else out[3].current_stream_wait()
         errs += check_dispatch(rank, out, xs, idxs, fp8, stats, 1, f"shm rank{rank} seed{seed}")
         y, event, hook = buf.low_latency_combine(as_bf16(out[0], fp8), idxs[rank], ws[rank], out[2],
@@ -317,9 +349,7 @@ def shm_rank(group) -> list[str]:
 
 
 def make_buffers_pg(pg, world):
-    E, _ = _sizes(world)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, E)
-    return [deep_ep.Buffer(pg, 0, hint, low_latency_mode=True, num_qps_per_rank=LOCAL_EXPERTS,
+    return [deep_ep.Buffer(pg, 0, rdma_bytes(world), low_latency_mode=True, num_qps_per_rank=LOCAL_EXPERTS,
                            explicitly_destroy=True)]
 
 

@@ -3,7 +3,11 @@
 DeepEP's call sequence (get_dispatch_layout -> dispatch -> experts -> combine) on one rank (loopback) and
 on three shm ranks in separate processes (uneven and empty ranks, all tokens to one expert, -1 slots,
 two rounds): the packed receive (rows in (source rank, token) order, local ids, weights, per-expert
-counts with alignment) and the combine, bitwise; then what does not map raises by name.
+counts with alignment) and the combine, bitwise; the same with DeepEP's pre-quantized fp8 input (float32
+scales and packed UE8M0 int32 scales, row- and column-major: the codes and scales arrive bit for bit),
+and with ``num_worst_tokens`` (the fixed-size receive: the first N rows exact, -1 ids past them, the
+combine exact with the rows past N poisoned, a receive over the bound a named CapacityError carrying the
+outputs, and the next call exact); then what does not map raises by name.
 """
 
 from __future__ import annotations
@@ -12,20 +16,21 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import PrefillBuffer, reference
+from moe_comm import CapacityError, PrefillBuffer, reference
 from moe_comm.compat import deep_ep
 
 HIDDEN, M, L, K = 64, 5, 3, 3   # hidden, tokens per rank (capacity), experts per rank, top-k
+FP8_HIDDEN = 512                # the fp8 rounds: one packed UE8M0 word per row
 
 
-def make_inputs(world: int, seed: int, tokens=None, one_expert=None):
+def make_inputs(world: int, seed: int, tokens=None, one_expert=None, hidden=HIDDEN):
     """Per rank (x [T, H] bf16, topk_idx int64 [T, K] distinct experts with ~1/5 slots -1, weights)."""
     E = L * world
     out = []
     for r in range(world):
         g = torch.Generator().manual_seed(seed * 10 + r)
         T = (tokens or [M, 0, 3, 1])[r]
-        x = torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16)
+        x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
             torch.zeros(0, K, dtype=torch.int64)
         idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
@@ -47,8 +52,24 @@ def experts(x, local_idx, weights, rank):
     return acc.to(x.dtype)
 
 
-def run_round(buf, rank, inputs, align=1):
-    """One DeepEP-style round on ``buf`` for this rank; returns a list of mismatches."""
+def quantized(inputs, fmt):
+    """The inputs with x as DeepEP's pre-quantized tuple (codes, scales) of format ``fmt``
+    (reference.quantize_fp8); "e4m3" scales column-major (strides (1, T)), as SGLang's quantizer gives them."""
+    out = []
+    for x, idx, w in inputs:
+        q, s = reference.quantize_fp8(x, fmt=fmt)
+        out.append(((q, s.t().contiguous().t() if fmt == "e4m3" else s), idx, w))
+    return out
+
+
+def as_rows(x):
+    """bf16 rows of a receive: x, or the dequantized (codes, scales)."""
+    return x if not isinstance(x, tuple) else reference.dequantize_fp8(*x).to(torch.bfloat16)
+
+
+def run_round(buf, rank, inputs, align=1, worst=0):
+    """One DeepEP-style round on ``buf`` for this rank (``num_worst_tokens=worst``); returns a list of
+    mismatches. ``inputs``' x may be pre-quantized tuples (``quantized``)."""
     world = len(inputs)
     E = L * world
     xs, idxs, ws = (list(t) for t in zip(*inputs))
@@ -63,31 +84,49 @@ def run_round(buf, rank, inputs, align=1):
         errs.append(f"rank {rank}: layout")
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=idx, topk_weights=w, expert_alignment=align)
+        topk_idx=idx, topk_weights=w, expert_alignment=align, num_worst_tokens=worst)
     want = reference.prefill_dispatch(xs, idxs, ws, E, M)[rank]
     valid = want["valid"]
-    if not (torch.equal(recv_x, want["x"][valid]) and recv_idx.dtype == torch.int64
-            and torch.equal(recv_idx, want["topk_idx"][valid].long()) and torch.equal(recv_w, want["topk_weights"][valid])):
+    n = int(valid.sum())
+    rows = recv_x if not isinstance(recv_x, tuple) else recv_x[0]
+    if worst:   # fixed size: the first n rows are the packed receive, ids -1 past them, no host counts
+        if rows.shape[0] != worst or recv_idx.shape[0] != worst or not bool((recv_idx[n:] == -1).all()) or \
+                counts != []:
+            errs.append(f"rank {rank}: fixed-size receive {tuple(rows.shape)} counts {counts}")
+        cut = slice(0, n)
+    else:
+        cut = slice(None)
+        if counts != [-(-c // align) * align for c in want["expert_counts"].tolist()]:
+            errs.append(f"rank {rank}: counts {counts}")
+    got_x = rows[cut] if not isinstance(recv_x, tuple) else (recv_x[0][cut], recv_x[1][cut])
+    same_x = (torch.equal(got_x, want["x"][valid]) if not isinstance(recv_x, tuple) else
+              torch.equal(got_x[0].view(torch.uint8), want["x"][valid].view(torch.uint8))
+              and got_x[1].dtype == want["scales"].dtype and torch.equal(got_x[1], want["scales"][valid]))
+    if not (same_x and recv_idx.dtype == torch.int64 and torch.equal(recv_idx[cut], want["topk_idx"][valid].long())
+            and torch.equal(recv_w[cut], want["topk_weights"][valid])):
         errs.append(f"rank {rank}: received rows")
-    if counts != [-(-c // align) * align for c in want["expert_counts"].tolist()]:
-        errs.append(f"rank {rank}: counts {counts}")
-    y, combined_w, _ = buf.combine(experts(recv_x, recv_idx, recv_w, rank), handle)
-    partials = [experts(d["x"], d["topk_idx"], d["topk_weights"], r)
-                for r, d in enumerate(reference.prefill_dispatch(xs, idxs, ws, E, M))]
+    out = experts(as_rows(recv_x), recv_idx, recv_w, rank)
+    out[n:] = float("nan")   # rows past the received count (fixed size) must not be read
+    y, combined_w, _ = buf.combine(out, handle)
+    partials = [experts(as_rows((d["x"], d["scales"]) if d["scales"] is not None else d["x"]), d["topk_idx"],
+                        d["topk_weights"], r) for r, d in enumerate(reference.prefill_dispatch(xs, idxs, ws, E, M))]
     if combined_w is not None or not torch.equal(y, reference.prefill_combine(partials, idxs, E, M)[rank]):
         errs.append(f"rank {rank}: combine")
     return errs
 
 
-def make_buffer(group):
+def make_buffer(group, hidden=HIDDEN, fmt=None):
+    """A Buffer whose budget buys exactly M tokens per rank for inputs of format ``fmt`` (None: bf16; a
+    normal-mode Buffer makes one PrefillBuffer per input format, each of what is left of the budget)."""
     E = L * group.world_size
-    budget = PrefillBuffer.required_bytes(group.world_size, E, HIDDEN, M, K)
+    budget = PrefillBuffer.required_bytes(group.world_size, E, hidden, M, K, dispatch_format=fmt)
     return deep_ep.Buffer(group, num_nvl_bytes=budget, num_rdma_bytes=0, low_latency_mode=False)
 
 
 def _rank(group, rounds=4):
     """Rounds: uneven and empty ranks (expert_alignment 1, then 2), all tokens to the last expert, every
-    rank empty (the shm run takes the first and the third)."""
+    rank empty (the shm run takes the first and the third); then a fixed-size receive
+    (num_worst_tokens = world * M, DeepEP's worst case), the last rank's tokens all on one expert."""
     buf = make_buffer(group)
     world, last = group.world_size, L * group.world_size - 1
     cases = [(make_inputs(world, 0), 1), (make_inputs(world, 1), 2), (make_inputs(world, 7, one_expert=last), 1),
@@ -95,14 +134,29 @@ def _rank(group, rounds=4):
     errs = []
     for inputs, align in (cases if rounds == 4 else cases[0:3:2]):
         errs += run_round(buf, group.rank, inputs, align)
-    if buf._prefill[(HIDDEN, L * world, K)].max_tokens_per_rank != M:   # the budget bought exactly M tokens
+    errs += run_round(buf, group.rank, make_inputs(world, 9, one_expert=last), worst=world * M)
+    if buf._prefill[(HIDDEN, L * world, K, None)].max_tokens_per_rank != M:   # the budget bought exactly M tokens
         errs.append(f"rank {group.rank}: capacity")
+    return errs
+
+
+def _fp8_rank(group):
+    """DeepEP's pre-quantized fp8 input, float32 scales (column-major) and packed UE8M0 scales, then a
+    fixed-size receive of each."""
+    world = group.world_size
+    errs = []
+    for seed, fmt in enumerate(("e4m3", "e4m3-ue8m0")):
+        buf = make_buffer(group, FP8_HIDDEN, fmt)
+        inputs = quantized(make_inputs(world, 20 + seed, hidden=FP8_HIDDEN), fmt)
+        errs += [f"{fmt}: {e}" for e in run_round(buf, group.rank, inputs)]
+        errs += [f"{fmt} worst: {e}" for e in run_round(buf, group.rank, inputs, worst=world * M + 1)]
     return errs
 
 
 def test_normal_mode_world1_equals_reference():
     (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
     assert _rank(g) == []
+    assert _fp8_rank(g) == []
 
 
 @pytest.mark.timeout(300)
@@ -111,19 +165,57 @@ def test_normal_mode_shm_world3_equals_reference():
     assert [e for r in errs for e in r] == []
 
 
+@pytest.mark.timeout(300)
+def test_normal_mode_fp8_shm_world3_equals_reference():
+    errs = moe_comm.launch(_fp8_rank, 3, backend="shm", timeout_s=120)
+    assert [e for r in errs for e in r] == []
+
+
+def _overflow_rank(group):
+    """Every rank's tokens all go to rank 0's expert 0, num_worst_tokens one short there: rank 0 raises
+    CapacityError (its outputs, the first rows, attached) and still answers with its combine; the other
+    ranks' calls are exact; then the next call, with room, is exact on every rank."""
+    world, rank = group.world_size, group.rank
+    buf = make_buffer(group)
+    inputs = make_inputs(world, 30, tokens=[M] * world, one_expert=0)
+    x, idx, w = inputs[rank]
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, L * world)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w, num_worst_tokens=world * M - 1)
+    out = {}
+    try:
+        outputs = buf.dispatch(x, **layout)
+        out["raised"] = None
+    except CapacityError as e:
+        outputs, out["raised"] = e.result, str(e)
+    recv_x, recv_idx, recv_w = outputs[:3]
+    buf.combine(experts(recv_x, recv_idx, recv_w, rank), outputs[4])
+    out["next"] = run_round(buf, rank, make_inputs(world, 31, tokens=[M] * world, one_expert=0), worst=world * M)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_num_worst_tokens_overflow_is_a_named_capacity_error_then_exact():
+    res = moe_comm.launch(_overflow_rank, 2, backend="shm", timeout_s=120)
+    assert "received 10 rows, num_worst_tokens is 9" in res[0]["raised"] and res[1]["raised"] is None, res
+    assert [r["next"] for r in res] == [[], []]
+
+
 def test_what_does_not_map_raises_by_name():
     (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
     buf = make_buffer(g)
     x, idx, w = make_inputs(1, 3)[0]
     layout = dict(num_tokens_per_expert=torch.zeros(L, dtype=torch.int32), topk_idx=idx, topk_weights=w)
-    for kw, what in ((dict(handle=object()), "cached dispatch"), (dict(num_worst_tokens=64), "num_worst_tokens")):
-        with pytest.raises(NotImplementedError, match=what):
-            buf.dispatch(x, **kw, **layout)
-    with pytest.raises(NotImplementedError, match="pre-quantized fp8"):
-        buf.dispatch((x, torch.ones(x.shape[0], 1)), **layout)
-    with pytest.raises(ValueError, match="needs topk_idx"):   # internode_dispatch is dispatch (any group)
+    with pytest.raises(NotImplementedError, match="cached dispatch"):
+        buf.dispatch(x, handle=object(), **layout)
+    with pytest.raises(ValueError, match=r"x\[1\] \(the scales\) is torch.float32 \(5, 1\); the normal mode takes "
+                                         r"float32 \[5, 64 // 128\]"):
+        buf.dispatch((x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], 1)), **layout)
+    with pytest.raises(NotImplementedError, match=r"without topk_idx"):   # internode_dispatch is dispatch (any group)
         buf.internode_dispatch(x)
-    with pytest.raises(ValueError, match="needs topk_idx and num_tokens_per_expert"):
+    with pytest.raises(NotImplementedError, match=r"without topk_idx \(DeepEP's with_topk=False"):
+        buf.dispatch(x, num_tokens_per_expert=layout["num_tokens_per_expert"])
+    with pytest.raises(ValueError, match="needs num_tokens_per_expert"):
         buf.dispatch(x, topk_idx=idx)
     big = torch.randn(M + 1, HIDDEN).bfloat16()
     with pytest.raises(ValueError, match=r"raise num_nvl_bytes to moe_comm.PrefillBuffer.required_bytes\(1, 3, 64, 6, 3\)"):
@@ -138,5 +230,5 @@ def test_what_does_not_map_raises_by_name():
     with pytest.raises(ValueError, match="num_nvl_bytes=16 is too small"):
         deep_ep.Buffer(g, num_nvl_bytes=16).dispatch(x, **layout)
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
-    with pytest.raises(ValueError, match="no receive hook"):
+    with pytest.raises(NotImplementedError, match="no receive hook"):
         make_buffer(groups[0]).get_dispatch_layout(idx, 2 * L)

@@ -22,7 +22,7 @@ from moe_comm.triton_kernels.sync import block_any, now_ns
 pytestmark = pytest.mark.ptx
 
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
-              "prefill_dispatch", "prefill_combine", "moe_comm.serving.experts")
+              "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
               "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
               "prefill_release_kernel", "prefill_dispatch_pull_kernel"}
@@ -90,7 +90,22 @@ PAYLOAD_KERNELS = {"a2a_send_kernel", "a2a_recv_kernel", "a2a_local_kernel", "di
                    "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
                    "prefill_dispatch_pull_kernel", "prefill_combine_forward_kernel"}
 FP8_SENDS = ("dispatch_send_kernel", "dispatch_local_kernel", "prefill_dispatch_send_kernel")
-FP8_SCALE_STORES = 8   # an fp8 send stores one 4-byte scale per destination (top-8) per column block
+FP8_SCALE_STORES = 8   # an fp8 or nvfp4 send stores one 4-byte scale word per destination (top-8) per column block
+PREQUANT_SCALE_LOADS = 1   # a pre-quantized send loads its column block's given scales (32 or 8 bytes) once
+# Packed UE8M0 scales of a DeepSeek-V3 row are 14 words (56 bytes): not whole 16-byte vectors, so the
+# receive copies them with one narrower load and one narrower store (next to 7168 bytes of 16-byte vectors).
+UE8M0_RECV_SCALE_ACCESSES = 1
+# configs whose label names a quantized format (compile_report.FORMATS, and "fp8" for the fp8 combine)
+QUANT_LABELS = ("fp8", "fp8-pow2", "fp8-ue8m0", "nvfp4")
+# The fp8 combine (combine_format="e4m3"): a send stores one row per copy (one destination), so one narrow
+# store of its scales per copy loop (two with puts: the staged runs are a second copy); a receive loads each
+# row's scales, 8 per 1024 columns, narrow: one load per slot k (EP, top-8) or per rank d (prefill, EP8).
+FP8_COMBINE_SENDS = ("combine_send_kernel", "prefill_combine_send_kernel")
+FP8_COMBINE_RECVS = {"combine_recv_kernel": 8, "prefill_combine_recv_kernel": 8}
+
+
+def _quantized(r) -> bool:
+    return any(q in r["label"].split() for q in QUANT_LABELS)
 
 
 def _narrow_payload_stores(r) -> int:
@@ -102,16 +117,27 @@ def test_every_payload_copy_moves_16_byte_vectors(report):
     """Every global load and store of row payload in the dispatch, combine and AllToAllvDynamic kernels
     (and the ops path's row copy) is a 16-byte vector at the DeepSeek-V3 shapes. Payload accesses are
     those issued by ``copy.py`` (the one copy loop and tile store), found through the PTX line info.
-    The one exception is counted exactly: the fp8 scales (one float32 per 128 columns), which a
-    column block of 8 groups stores as one 4-byte word per destination."""
+    The exceptions are counted exactly, all of them scales of the quantized formats (fp8: 4 bytes per 128
+    columns, 1 byte packed UE8M0; nvfp4: four e4m3 per 64 columns), a few bytes per 1024 columns: a send's
+    column block stores them as one 4-byte word per destination; a pre-quantized send loads the given ones
+    with one narrower load; the receive of packed UE8M0 scales (14 words per DeepSeek-V3 row) copies them
+    with one narrower load and store; the fp8 combine's receive loads them as one 4-byte word per row read."""
     rows = [r for r in report if r["kernel"] in PAYLOAD_KERNELS or
             (r["kernel"] == "copy_valid_rows_kernel" and "x bf16" in r["label"])]
     assert {r["kernel"] for r in rows} >= _buildable(PAYLOAD_KERNELS)
     for r in rows:
         assert r["payload_stores"] >= 1 and r["payload_loads"] >= 1, r
-        assert r["payload_v4_loads"] == r["payload_loads"], r
-        fp8_send = "fp8" in r["label"] and r["kernel"] in FP8_SENDS
-        assert _narrow_payload_stores(r) == (FP8_SCALE_STORES if fp8_send else 0), r
+        quantized = _quantized(r)
+        ue8m0_recv = "fp8-ue8m0" in r["label"].split() and r["kernel"] == "dispatch_recv_kernel"
+        scale_loads = ((FP8_COMBINE_RECVS.get(r["kernel"], 0) if quantized else 0)
+                       + (PREQUANT_SCALE_LOADS if "prequantized" in r["label"] else 0)
+                       + (UE8M0_RECV_SCALE_ACCESSES if ue8m0_recv else 0))
+        assert r["payload_loads"] - r["payload_v4_loads"] == scale_loads, r
+        scale_stores = ((FP8_SCALE_STORES if r["kernel"] in FP8_SENDS else 1 + r["nvshmem"]
+                         if r["kernel"] in FP8_COMBINE_SENDS else 0) if quantized else 0) + (
+            UE8M0_RECV_SCALE_ACCESSES if ue8m0_recv else 0)
+        assert _narrow_payload_stores(r) == scale_stores, r
+        assert r["payload_v4_loads"] >= 1 and r["payload_v4_stores"] >= 1, r   # the payload itself: vectors
 
 
 @pytest.mark.timeout(300)
@@ -120,7 +146,7 @@ def test_the_vector_rule_finds_narrow_copies():
     from memory, which the compiler cannot prove aligned) moves narrower words, and the count shows it."""
     from moe_comm.triton_kernels import compile_report
     (cfg,) = [c for c in compile_report.all_configs(put=False)
-              if c.kernel == "combine_send_kernel" and not c.constexprs.get("TRACE")]
+              if c.kernel == "combine_send_kernel" and c.label == "DSV3 EP8 bf16" and not c.constexprs.get("TRACE")]
     unaligned = compile_report.KernelConfig(cfg.module, cfg.kernel, cfg.label, cfg.types,
                                             dict(cfg.constexprs, ALIGNED=False), num_warps=cfg.num_warps)
     r = compile_report.compile_one(unaligned, 90)
@@ -169,12 +195,15 @@ def test_the_release_store_count(line, store, exch):
 
 @pytest.mark.timeout(900)
 def test_the_fp8_quantizer_is_float32_and_correctly_rounded(report):
-    """The fp8 dispatch quantizes in float32 only (triton_kernels/quant.py; float64 runs at a fraction of
-    float32's rate), and its one division is div.rn (Triton's ``/`` is the approximate div.full, which
-    would leave the interpreter's and torch's codes). No kernel uses float64 at all."""
-    fp8 = [r for r in report if r["kernel"] in FP8_SENDS and "fp8" in r["label"]]
-    want = 4 if _bitcode_problem() is None else 3   # EP8, EP1, prefill EP8 and across nodes (a put build)
-    assert len(fp8) == want, [(r["kernel"], r["label"]) for r in report]
+    """The fp8 and nvfp4 quantizers (dispatch and combine) compute in float32 only (triton_kernels/quant.py;
+    float64 runs at a fraction of float32's rate), and their divisions are div.rn (Triton's ``/`` is the
+    approximate div.full, which would leave the interpreter's and torch's codes). No kernel uses float64
+    at all."""
+    fp8 = [r for r in report if r["kernel"] in FP8_SENDS + FP8_COMBINE_SENDS + tuple(FP8_COMBINE_RECVS)
+           and _quantized(r) and not r["nvshmem"]]
+    # 3 fp8 formats and nvfp4 in each of the 3 dispatch send kernels, the 2 pre-quantized prefill sends, the
+    # fp8 combine (EP and prefill send and receive; the EP receive at EP8 and EP1)
+    assert len(fp8) == 4 * len(FP8_SENDS) + 2 + 5, [(r["kernel"], r["label"]) for r in fp8]
     for r in fp8:
         assert r["approx_divs"] == 0, (r["kernel"], r["label"], r["approx_divs"])
     for r in report:
@@ -407,3 +436,12 @@ def test_the_uniformity_rule_on_compiled_waits(uniform):
     assert (found == []) == uniform, found
     if not uniform:
         assert any("globaltimer" in p for p in found), found
+
+
+def test_the_uniformity_rule_reads_past_a_multi_line_inline_asm_block():
+    """Control of the PTX reader: Triton writes its fp8 -> f16 conversion as an inline-asm block whose closing
+    brace stands alone on a line; the function's body goes on after it (a reader that stopped there lost the
+    labels after it: KeyError on the fp8 combine's receive)."""
+    ptx = UNIFORM_PTX.replace("{SOURCE}", "mov.u64 %rd2, %globaltimer;").replace(
+        "{DECIDE}", "mov.pred %p2, %p1;\n\t{ \ncvt.rn.f16x2.e4m3x2 %r4, %rs1; \n}")
+    assert ptx_rules.divergent_barriers(ptx, "k")   # the timer branch after the block is still found

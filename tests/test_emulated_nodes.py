@@ -166,27 +166,30 @@ def test_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeyp
 # ---- bytes on the wire: the put path at its floor -------------------------------------------------
 
 @pytest.mark.timeout(600)
-def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, nodes=2, per_node=2, fp8=True):
+@pytest.mark.parametrize("fp8, hidden", [("e4m3", 128), ("e4m3-pow2", 128), ("e4m3-ue8m0", 512)])
+def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, fp8, hidden, nodes=2, per_node=2):
     """Dispatch and combine across emulated nodes put exactly the floor's payload (bench/wire_bytes.py:
-    each routed token row once per destination rank plus its control words; each routed slot's expert
-    row once plus the flag), odd sizes and unrouted slots included, in at most 3 messages (rows, control
-    words, signal) per peer for the dispatch and 2 (run, signal) for the combine."""
+    each routed token row once per destination rank, its bytes from the format alone (fp8 codes, 4-byte
+    float32 scales or 1-byte UE8M0 ones per 128 columns), plus its control words; each routed slot's
+    expert row once plus the flag), odd sizes and unrouted slots included, in at most 3 messages (rows,
+    control words, signal) per peer for the dispatch and 2 (run, signal) for the combine."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))   # measure() sets it too; restored after the test
     import wire_bytes
     args = wire_bytes.parse(["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--tokens", "7",
-                             "--hidden", "128", "--experts", str(4 * nodes * per_node), "--topk", "3",
-                             "--unrouted", "0.25"] + (["--fp8"] if fp8 else []))
+                             "--hidden", str(hidden), "--experts", str(4 * nodes * per_node), "--topk", "3",
+                             "--unrouted", "0.25", "--dispatch-format", fp8])
     rows = wire_bytes.measure(args)
     far = nodes * per_node - per_node   # peers on other nodes
     for r in rows:
         assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, r
         assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], r
         assert r["dispatch_messages"] <= 3 * far and r["combine_messages"] <= 2 * far, r
-    # The scale model charges each message the bytes of a row as measured here (moe_comm/scale_model.py).
-    for op in ("dispatch", "combine"):
-        design = scale_model.moe_comm_design(op, "fp8" if fp8 else "bf16", hidden=128, topk=3)
+    # The scale model charges each message the bytes of a row as measured here (moe_comm/scale_model.py;
+    # it models the float32-scale fp8 rows).
+    for op in ("dispatch", "combine") if fp8 != "e4m3-ue8m0" else ():
+        design = scale_model.moe_comm_design(op, "fp8", hidden=hidden, topk=3)
         assert all(design.msg_bytes == r["row_bytes" if op == "dispatch" else "out_row_bytes"] for r in rows), op
 
 
@@ -397,7 +400,7 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
     """PrefillBuffer across emulated nodes (docs/prefill.md "Across nodes"): on every rank, the bytes the
     wire carries between nodes equal the per-node floor (bench/wire_bytes.py ``prefill_floor_bytes``: one
     payload row plus its routing words per (token, destination node), one output row per (token, node)
-    back, and the control words), ratio 1.00, bf16 and fp8 (odd sizes, unrouted slots), with results
+    back, and the control words), ratio 1.00, bf16, fp8 and power-of-two fp8 dispatch (odd sizes, unrouted slots), with results
     equal to the reference in the node order; with node-limited routing (each token's experts on one
     node of 2, two of 3) it carries fewer rows than one copy per destination rank, which EPBuffer's put
     path, measured on the same inputs, sends. 2x2 in ``make test``; 2x3 and 3x2 under MOE_COMM_LONG_TESTS."""
@@ -409,6 +412,7 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
     common = ["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--tokens", "7", "--hidden", "256",
               "--experts", str(2 * world), "--topk", "3", "--prefill"]
     variants = [wire_bytes.parse(common + ["--unrouted", "0.25"]), wire_bytes.parse(common + ["--fp8"]),
+                wire_bytes.parse(common + ["--dispatch-format", "e4m3-pow2"]),
                 wire_bytes.parse(common + ["--node-limit", str(nodes - 1)])]
     out = moe_comm.launch(_prefill_wire, world, variants, backend="shm", timeout_s=120)
     assert [o[-1] for o in out] == [[]] * world           # no mapping of another node, puts to it

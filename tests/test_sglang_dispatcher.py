@@ -244,3 +244,74 @@ def test_a_mode_that_was_not_built_raises_by_name():
         disp.combine(SimpleNamespace(hidden_states=x, topk_weights=None))
     with pytest.raises(ValueError, match="low-latency or a normal"):
         ModeDispatcher(None, None)
+
+
+# ---- fp8 formats: UE8M0 in the low-latency layout; normal mode quantizing once, or pre-quantized ----
+
+FP8_HIDDEN = 512   # a whole packed UE8M0 word per row
+
+
+def test_ue8m0_scales_come_packed_in_deepep_column_major_order():
+    """dispatch_format='e4m3-ue8m0': hidden_states_scale is DeepEP's use_ue8m0 tensor, int32 [E_local, R,
+    hidden / 512] column-major, the packed exponents of reference.quantize_fp8's power-of-two scales."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1)
+    disp = EPBufferDispatcher(EPBuffer(g, E, FP8_HIDDEN, MAXT, TOPK, dtype=torch.bfloat16, dispatch_format="e4m3-ue8m0"))
+    (x,), (idx,), (w,) = make_inputs(1, [3], E, TOPK, FP8_HIDDEN, 2)
+    out = disp.dispatch(x, _topk(idx, w))
+    s, R = out.hidden_states_scale, MAXT
+    assert s.dtype == torch.int32 and s.shape == (E, R, 1) and s.stride() == (R, 1, R)
+    want = reference.dispatch([x], [idx], E, MAXT, fp8="e4m3-ue8m0")[0]
+    for e, n in enumerate(out.masked_m.tolist()):
+        assert torch.equal(s[e, :n], want["scales"][e, :n]), e
+        assert torch.equal(out.hidden_states[e, :n].view(torch.uint8), want["x"][e, :n].view(torch.uint8)), e
+    disp.combine(SimpleNamespace(hidden_states=toy_experts(0, E, reference.dequantize_fp8(
+        out.hidden_states, s.contiguous()).bfloat16()), topk_weights=None))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e4m3-ue8m0"])
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_normal_mode_fp8_world2(fmt, prequantized):
+    """Normal mode with an fp8 PrefillBuffer: bf16 hidden_states quantized once on the way, or SGLang's
+    pre-quantized (codes, scales) (float32 scales column-major, as SGLang's quantizer lays them out)
+    delivered as given; codes and scales bit for bit against the reference, the combine exact."""
+    world = 2
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    disps = [PrefillBufferDispatcher(PrefillBuffer(g, E, FP8_HIDDEN, MAXT, TOPK, dtype=torch.bfloat16,
+                                                   dispatch_format=fmt)) for g in groups]
+    xs, idxs, ws = make_inputs(world, [MAXT, 3], E, TOPK, FP8_HIDDEN, 5)
+    inputs = xs
+    if prequantized:
+        inputs = []
+        for x in xs:
+            q, s = reference.quantize_fp8(x, fmt=fmt)
+            inputs.append((q, s.t().contiguous().t() if fmt == "e4m3" else s))
+    want = reference.prefill_dispatch(inputs if prequantized else xs, idxs, ws, E, MAXT, fp8=fmt)
+    for d, x, i, w in zip(disps, inputs, idxs, ws):
+        d.dispatch_a(x, _topk(i, w))
+    outs = [d.dispatch_b() for d in disps]
+    partials = []
+    for r, (out, exp) in enumerate(zip(outs, want)):
+        v = exp["valid"]
+        assert torch.equal(out.hidden_states.view(torch.uint8), exp["x"][v].view(torch.uint8)), r
+        assert out.hidden_states_scale.dtype == exp["scales"].dtype, r
+        assert torch.equal(out.hidden_states_scale, exp["scales"][v]), r
+        rows = reference.dequantize_fp8(exp["x"], exp["scales"]).bfloat16()
+        partials.append(normal_experts(r, E // world, SimpleNamespace(
+            hidden_states=rows, topk_ids=exp["topk_idx"].long(), topk_weights=exp["topk_weights"])).hidden_states)
+    for r, (d, out) in enumerate(zip(disps, outs)):
+        deq = reference.dequantize_fp8(out.hidden_states, out.hidden_states_scale).bfloat16()
+        d.combine_a(normal_experts(r, E // world, SimpleNamespace(hidden_states=deq, topk_ids=out.topk_ids,
+                                                                   topk_weights=out.topk_weights)))
+    ys = [d.combine_b() for d in disps]
+    for r, y in enumerate(ys):
+        assert torch.equal(y, reference.prefill_combine(partials, idxs, E, MAXT)[r]), r
+
+
+def test_fp8_option_from_the_environment():
+    from moe_comm.serving.sglang import options_from_env
+    on = {"MOE_COMM_SGLANG": "1"}
+    assert options_from_env(on)["dispatch_format"] is None
+    assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "1"})["dispatch_format"] == "e4m3"
+    assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "e4m3-ue8m0"})["dispatch_format"] == "e4m3-ue8m0"
+    with pytest.raises(ValueError, match=r"MOE_COMM_SGLANG_FP8='ue8m0': use 0, 1 or an fp8 format"):
+        options_from_env({**on, "MOE_COMM_SGLANG_FP8": "ue8m0"})

@@ -318,3 +318,27 @@ def test_plugin_batched_format_follows_the_mode(monkeypatch):
     assert not ParallelConfig().use_batched_activation_format      # Standard-format experts for prefill
     monkeypatch.setattr(vllm_plugin, "requested_options", lambda: {"mode": "low_latency"})
     assert ParallelConfig().use_batched_activation_format
+
+
+def test_batched_format_packed_ue8m0_scales_and_the_auto_upgrade():
+    """dispatch_format "e4m3-ue8m0": prepare returns DeepEP's use_ue8m0 scales (int32 [E_local, R, hidden/512],
+    column-major), the codes and packed exponents of reference.quantize_fp8. With fp8_dispatch "auto", vLLM's
+    post_init_setup moves an "e4m3" buffer to its UE8M0 twin when the experts take packed UE8M0 scales
+    (vLLM's DeepEP low-latency rule), and leaves it otherwise."""
+    from moe_comm.serving.ep_group import shared_buffer
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    hidden, block_fp8 = 512, SimpleNamespace(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+    pf = EPBufferPrepareFinalize(shared_buffer(g, E, hidden, MAXT, TOPK, torch.bfloat16, "e4m3"))
+    pf.fp8_auto = True
+    pf.post_init_setup(SimpleNamespace(supports_packed_ue8m0_act_scales=lambda: False))
+    assert pf.buf.dispatch_format == "e4m3"
+    pf.post_init_setup(SimpleNamespace(supports_packed_ue8m0_act_scales=lambda: True))
+    assert pf.buf.dispatch_format == "e4m3-ue8m0" and pf.ep is pf.buf
+    (x,), (idx,), (w,) = make_inputs(1, [3], E, TOPK, hidden, 8)
+    a, scales, meta, _, _ = pf.prepare(x, w, idx, E, None, False, block_fp8)
+    want = moe_comm.reference.dispatch([x], [idx], E, MAXT, fp8="e4m3-ue8m0")[0]
+    assert scales.dtype == torch.int32 and scales.shape == (E, MAXT, 1) and scales.stride() == (MAXT, 1, MAXT)
+    for e, n in enumerate(meta.expert_num_tokens.tolist()):
+        assert torch.equal(a[e, :n].view(torch.uint8), want["x"][e, :n].view(torch.uint8))
+        assert torch.equal(scales[e, :n], want["scales"][e, :n])
+    pf.finalize(torch.empty_like(x), torch.zeros(E, MAXT, hidden, dtype=x.dtype), w, idx, False, None)

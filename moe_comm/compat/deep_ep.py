@@ -15,9 +15,12 @@ low_latency_dispatch(x, topk_idx, M, E, cumulative_local_expert_recv_stats=None,
     x         [T, H] bfloat16 on the group's device, T <= M
     topk_idx  [T, K] int64 (``topk_idx_t``; int32 accepted): expert ids, -1 = slot not routed
     returns (recv_x, recv_count, handle, event, hook):
-    recv_x    [L, R, H] bfloat16, or with use_fp8 a tuple (data [L, R, H] float8_e4m3fn, scales [L, R, H/128]
-              float32 whose last two dimensions are column-major, strides (H/128 * R, 1, R)); data * scale
-              per 128 columns ~= x. Rows recv_x[e, :recv_count[e]] are valid.
+    recv_x    [L, R, H] bfloat16, or with use_fp8 a tuple (data [L, R, H] float8_e4m3fn, scales [L, R, S]
+              whose last two dimensions are column-major, strides (S * R, 1, R)); data * scale per 128
+              columns ~= x. Scales: float32 S = H/128 (amax / 448; with round_scale=True powers of two), or
+              with use_ue8m0=True (needs round_scale=True, H % 512 == 0) int32 S = H/512, the exponents of
+              the power-of-two scales as UE8M0 bytes, four per int32 (``moe_comm.formats``). Rows
+              recv_x[e, :recv_count[e]] are valid.
     recv_count  int32 [L]: rows received per local expert (one per (token, k) routed to it)
     handle    tuple (src_info int32 [L, R], layout_range int64 [L, W], M, H, E): src_info = the row's token
               index on its source rank; layout_range[e, j] = (first row << 32) | rows of source rank j
@@ -41,20 +44,31 @@ get_dispatch_layout(topk_idx, E, ...) -> (num_tokens_per_rank int32 [W], num_tok
     [N] (tokens with an expert on each node; None on one node), num_tokens_per_expert int32 [E],
     is_token_in_rank bool [T, W], event), computed on the device.
 dispatch(x, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=, topk_idx=, topk_weights=,
-         expert_alignment=1, ...) -> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
-         handle, event)
-    x           [T, H] bfloat16, T <= M; topk_idx [T, K] int64 (int32 accepted), -1 = not routed;
-                topk_weights [T, K] float32 or None
-    recv_x      [N, H] bfloat16: every token with at least one expert on this rank, once, ordered by
-                (source rank, token index) as DeepEP's intranode kernels order them (N read on the host,
-                as DeepEP's normal mode reads it)
+         expert_alignment=1, num_worst_tokens=0, ...) -> (recv_x, recv_topk_idx, recv_topk_weights,
+         num_recv_tokens_per_expert_list, handle, event)
+    x           [T, H] bfloat16, T <= M, or pre-quantized fp8 as DeepEP takes it: a tuple (data [T, H]
+                float8_e4m3fn, scales) with float32 scales [T, H/128] (any strides; power-of-two values
+                too) or int32 [T, H/512] packed UE8M0 scales (SGLang's DeepGEMM UE8M0 path). The data
+                and scales are copied as they are: no dequantization, no requantization, no check of
+                the values. topk_idx [T, K] int64 (int32 accepted), -1 = not routed; topk_weights [T, K]
+                float32 or None
+    recv_x      [N, H] bfloat16 (or, for fp8 input, the tuple (data [N, H] float8_e4m3fn, scales [N, S]
+                as given, row-major)): every token with at least one expert on this rank, once, ordered
+                by (source rank, token index) as DeepEP's intranode kernels order them (N read on the
+                host, as DeepEP's normal mode reads it)
     recv_topk_idx  int64 [N, K]: local expert ids, -1 where the slot's expert is elsewhere
     recv_topk_weights  float32 [N, K] (0 where the id is -1), or None without topk_weights
     num_recv_tokens_per_expert_list  list of L ints: slots per local expert, rounded up to expert_alignment
     handle      a ``NormalHandle`` (opaque; DeepEP's is a tuple of layout tensors)
+    num_worst_tokens > 0: DeepEP's fixed-size receive for CUDA graphs: N = num_worst_tokens, nothing is
+                read on the host; rows past the received count have recv_topk_idx -1 and weights 0
+                (recv_x rows there are unspecified), and num_recv_tokens_per_expert_list is [] (as in
+                DeepEP). A rank that receives more rows than num_worst_tokens keeps the first ones and
+                CapacityError is raised (at once on CPU, else at the next check: never silent).
     The layout arguments are checked for presence only: the PrefillBuffer routes from topk_idx.
 combine(x, handle, ...) -> (combined_x [T, H] bfloat16, None, event)
-    x           [N, H] bfloat16: row i answers recv_x[i] (the token's local experts, weighted and summed)
+    x           [N, H] bfloat16: row i answers recv_x[i] (the token's local experts, weighted and summed;
+                rows past the received count of a fixed-size receive are not read)
     combined_x[t] = sum over the ranks holding one of token t's experts, ascending, of their rows for t, in
     float32, rounded once (bitwise reproducible; DeepEP sums unweighted too, in its own order). Across
     nodes each other node's share is summed on that node first and rounded to bf16 once
@@ -62,12 +76,12 @@ combine(x, handle, ...) -> (combined_x [T, H] bfloat16, None, event)
     forwarder.
 
 Where the normal mode does not map (NotImplementedError, naming the reason): a cached dispatch
-(``handle=``: one PrefillBuffer dispatch is answered by one combine, no layout is kept to replay), fp8 input
-as a (data, scales) tuple (the PrefillBuffer quantizes bf16 itself, and only that), ``num_worst_tokens``
-(the padded capturable receive: the PrefillBuffer's own rank-major output is that, used directly),
-``topk_weights`` and ``bias`` in combine (reducing per-slot weights back is DeepEP's backward pass),
-and a loopback group of several ranks (the normal API has no receive hook to run phases). Every dispatch must be
-answered by its combine before the next normal-mode dispatch with the same sizes (RuntimeError otherwise).
+(``handle=``: one PrefillBuffer dispatch is answered by one combine, no layout is kept to replay), a
+dispatch without ``topk_idx`` (DeepEP's ``with_topk=False``, which routes by ``is_token_in_rank`` alone:
+the PrefillBuffer routes from the ids), fp8 scales of other layouts than the two above, ``topk_weights``
+and ``bias`` in combine (reducing per-slot weights back is DeepEP's backward pass), and a loopback group
+of several ranks (the normal API has no receive hook to run phases). Every dispatch must be answered by
+its combine before the next normal-mode dispatch with the same sizes and format (RuntimeError otherwise).
 
 Low-latency hooks (``return_recv_hook=True``): the call runs the op's send phase and returns at once;
 ``hook()`` runs its receive phase (for low_latency_dispatch also its handle's layout) and must be called exactly once before the
@@ -79,29 +93,33 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
 
 - Both modes work on every Buffer; ``low_latency_mode`` (default True, DeepEP's is False) is stored only.
   The rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
-  ``CommGroup.exclude``), ``use_logfmt=True``, ``round_scale=True``, ``use_ue8m0=True``,
-  ``allow_nvlink_for_low_latency_mode=
-  False``, ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor``
-  raise NotImplementedError.
+  ``CommGroup.exclude``), ``use_logfmt=True``, ``allow_nvlink_for_low_latency_mode=False``,
+  ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor`` raise
+  NotImplementedError.
 - ``group``: a moe_comm ``CommGroup`` (any backend), or torch.distributed's default (world) group, for
   which one CommGroup per process is made with ``moe_comm.init("auto")`` (NVSHMEM heap on CUDA, shared
   memory on CPU) and shared by every Buffer. Subgroups are not supported.
-- ``num_rdma_bytes`` is a budget for the symmetric memory of the buffers this Buffer creates (one pair
-  per (M, H, E, K, use_fp8), made at the first call that uses it); a call that would exceed it raises
-  ValueError. ``get_low_latency_rdma_size_hint`` is moe-comm's own figure: both formats, top-k up to 11
-  (DeepEP's limit). ``num_qps_per_rank`` is checked and has no effect (peers are reached by load/store,
-  there are no RDMA queue pairs). ``clean_low_latency_buffer`` checks its arguments and does nothing
-  (flags carry call numbers: nothing needs zeroing).
+- ``num_rdma_bytes`` is a budget for the symmetric memory of the buffers this Buffer creates (one pair per (M,
+  H, E, K, format), format = bf16 or one of the fp8 scale formats, made at the first call that uses it); a
+  call that would exceed it raises ValueError. ``get_low_latency_rdma_size_hint`` is moe-comm's own figure:
+  bf16 and one fp8 format (any of the three), top-k up to 11 (DeepEP's limit); a Buffer that dispatches in
+  several fp8 formats needs the hint's fp8 share once more per format. ``num_qps_per_rank`` is checked and has
+  no effect (peers are reached by load/store, there are no RDMA queue pairs). ``clean_low_latency_buffer``
+  checks its arguments and does nothing (flags carry call numbers: nothing needs zeroing).
 - ``recv_x`` (the fp8 data included) is not allocated per call: it is the buffer's receive tensor,
-  valid until two more dispatches with the same sizes and ``use_fp8`` have received (two buffers
+  valid until two more dispatches with the same sizes and format have received (two buffers
   alternate); ``.clone()`` it to keep it longer. recv_count, the fp8 scales and the handle's tensors are
   per call, as in DeepEP. A handle is valid for combine until four more such dispatches.
 - Row order: each expert's rows are sorted by (source rank, token index), a special case of DeepEP's
   layout (within a source rank's run DeepEP's order is arbitrary).
-- fp8: DeepEP's formula (``round_scale=False``) operation for operation, so the same codes and scales:
-  per 128 columns amax = max(max |x|, 1e-4), data = e4m3(x * (448 / amax)), scale = amax * (1 / 448),
-  each step one float32 rounding (``reference.quantize_fp8``, ``triton_kernels/quant.py``).
-  Any H with H % 128 == 0 (DeepEP needs H % 512 for fp8); bf16 any even H.
+- fp8: DeepEP's formulas operation for operation, so the same codes and scales: per 128 columns amax =
+  max(max |x|, 1e-4); data = e4m3(x * (448 / amax)), scale = amax * (1 / 448); with round_scale=True
+  e = ceil(log2(amax * (1 / 448))), data = e4m3(x * 2**-e), scale = 2**e (use_ue8m0=True: its exponent
+  byte e + 127, packed four per int32 in DeepEP's byte order); each step one float32 rounding
+  (``moe_comm.formats``, ``reference.quantize_fp8``, ``triton_kernels/quant.py``). Any H with H % 128 == 0
+  (DeepEP needs H % 512 for fp8), H % 512 == 0 with use_ue8m0; bf16 any even H. ``use_ue8m0`` without
+  ``round_scale``, or either without ``use_fp8``, raises ValueError before anything is sent (DeepEP asserts
+  the first and ignores the second).
 - combine: the slots combined are those routed at dispatch; ``topk_idx`` is only checked for shape
   (DeepEP re-reads it). The rank's own share of ``x`` is read in place by the receive phase: keep ``x``
   unchanged until the hook has run. ``zero_copy=True`` reads the tensor of
@@ -128,18 +146,21 @@ from __future__ import annotations
 import torch
 
 from .. import phased
+from .. import formats
 from ..checks import check_tensor
 from ..ep import EPBuffer
-from ..errors import MoECommError
+from ..errors import MoECommError, op_id
 from ..group import CommGroup
-from ..planner import FP8_GROUP, plan_ep
+from ..interpreter import kernel_for
+from ..planner import plan_ep
 from ..prefill import PrefillBuffer
 from ..topology import node_layout
+from ..triton_kernels.capacity import check_capacity_kernel
 from . import deep_ep_layout as layout
 
 topk_idx_t = torch.int64          # DeepEP's expert-id dtype (int32 is accepted too)
 HINT_MAX_TOPK = 11                # DeepEP's low-latency kernels take at most 11 experts per token
-BUFFERS_PER_FORMAT = 2            # EPBuffers alternating per (shapes, use_fp8): recv_x of two calls stay valid
+BUFFERS_PER_FORMAT = 2            # EPBuffers alternating per (shapes, format): recv_x of two calls stay valid
 DTYPE = torch.bfloat16            # DeepEP's token dtype (low-latency and normal mode)
 NORMAL_MAX_TOKENS = 1 << 20       # the largest normal-mode capacity (tokens per rank) a budget can buy
 
@@ -148,6 +169,20 @@ _shared_group: CommGroup | None = None   # the CommGroup made for torch.distribu
 
 def _unsupported(what: str, instead: str) -> NotImplementedError:
     return NotImplementedError(f"moe_comm.compat.deep_ep: {what} is not supported; {instead}")
+
+
+def low_latency_format(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str | None:
+    """The EPBuffer format (``moe_comm.formats``) of DeepEP's three low-latency flags; ValueError for the
+    combinations DeepEP rejects (use_ue8m0 without round_scale) or ignores (either without use_fp8)."""
+    if not use_fp8:
+        if round_scale or use_ue8m0:
+            raise ValueError("round_scale / use_ue8m0 shape fp8 scales, but use_fp8=False dispatches bfloat16: pass "
+                             "use_fp8=True, or drop round_scale and use_ue8m0")
+        return None
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 holds power-of-two scales only, as DeepEP "
+                         "asserts): pass round_scale=True too")
+    return formats.E4M3_UE8M0 if use_ue8m0 else formats.E4M3_POW2 if round_scale else formats.E4M3
 
 
 def _check_int(name: str, v, minimum: int) -> int:
@@ -245,7 +280,8 @@ class Config:
 
 class NormalHandle:
     """The handle of a normal-mode dispatch (opaque, unlike DeepEP's tuple of layout tensors): what
-    ``combine`` needs. Valid for one combine, before the next normal-mode dispatch with the same sizes."""
+    ``combine`` needs. Valid for one combine, before the next normal-mode dispatch with the same sizes and
+    format."""
 
     def __init__(self, owner, buf: PrefillBuffer, recv: layout.PackedReceive, num_tokens: int):
         self.owner, self.buf, self.recv, self.num_tokens = owner, buf, recv, num_tokens
@@ -279,8 +315,8 @@ class Buffer:
         self.rank, self.group_size = self.comm_group.rank, self.comm_group.world_size
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self._pairs: dict[tuple, list] = {}     # (M, H, E, K, fp8) -> [EPBuffers, calls]
-        self._prefill: dict[tuple, PrefillBuffer] = {}   # (H, E, K) -> the normal mode's buffer
+        self._pairs: dict[tuple, list] = {}     # (M, H, E, K, format) -> [EPBuffers, calls]
+        self._prefill: dict[tuple, PrefillBuffer] = {}   # (H, E, K, format) -> the normal mode's buffer
         self._nvl_bytes_used = 0
         self._staging: dict[int, torch.Tensor] = {}   # id(EPBuffer) -> zero-copy combine input
         self._symmetric_bytes = 0
@@ -290,37 +326,41 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Symmetric bytes a Buffer needs for low-latency calls with these sizes, both formats (bf16 and,
-        when hidden % 128 == 0, fp8), up to 11 experts per token. Pass it as ``num_rdma_bytes``."""
+        """Symmetric bytes a Buffer needs for low-latency calls with these sizes, bf16 and (when hidden %
+        128 == 0) one fp8 format (the largest: float32 scales; packed UE8M0 needs less), up to 11 experts
+        per token. Pass it as ``num_rdma_bytes``."""
         M = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         H = _check_int("hidden", hidden, 1)
         W = _check_int("num_ranks", num_ranks, 1)
         E = _check_int("num_experts", num_experts, 1)
         _check_divisible(E, W)
-        formats = (False, True) if H % FP8_GROUP == 0 else (False,)
-        return sum(BUFFERS_PER_FORMAT * plan_ep(W, E, H, M, HINT_MAX_TOPK, DTYPE, fp8, "cpu").symmetric_bytes
-                   for fp8 in formats)
+        fmts = (None, formats.E4M3) if H % formats.FP8_GROUP == 0 else (None,)
+        return sum(BUFFERS_PER_FORMAT * plan_ep(W, E, H, M, HINT_MAX_TOPK, DTYPE, False, "cpu", fmt).symmetric_bytes
+                   for fmt in fmts)
 
     @property
     def symmetric_bytes(self) -> int:
         """Symmetric bytes of the buffers made so far (counted against ``num_rdma_bytes``)."""
         return self._symmetric_bytes
 
-    def _ep_for(self, M: int, hidden: int, E: int, topk: int, fp8: bool) -> EPBuffer:
-        """The EPBuffer for the next call with these sizes: two alternate, each made on first use."""
-        key = (M, hidden, E, topk, fp8)
-        pair = self._pairs.setdefault(key, [[], 0])
+    def _ep_for(self, M: int, hidden: int, E: int, topk: int, fmt: str | None) -> EPBuffer:
+        """The EPBuffer for the next call with these sizes and format: two alternate, each made on first use."""
+        key = (M, hidden, E, topk, fmt)
+        pair = self._pairs.get(key)
+        if pair is None:   # checks first: a refused format leaves nothing behind
+            formats.check_hidden(fmt, hidden)
+            pair = self._pairs[key] = [[], 0]
         bufs, calls = pair
         slot = calls % BUFFERS_PER_FORMAT
         if slot == len(bufs):
-            ep = EPBuffer(self.comm_group, E, hidden, M, topk, dtype=DTYPE, fp8_dispatch=fp8)
+            ep = EPBuffer(self.comm_group, E, hidden, M, topk, dtype=DTYPE, dispatch_format=fmt)
             need = ep.plan.symmetric_bytes
             if self._symmetric_bytes + need > self.num_rdma_bytes:
                 hint = self.get_low_latency_rdma_size_hint(M, hidden, self.group_size, E)
                 raise ValueError(
                     f"num_rdma_bytes={self.num_rdma_bytes} is too small: this call (M={M}, hidden={hidden}, "
-                    f"num_experts={E}, topk={topk}, use_fp8={fp8}) needs {need} more symmetric bytes on top of "
-                    f"the {self._symmetric_bytes} in use; build the Buffer with num_rdma_bytes="
+                    f"num_experts={E}, topk={topk}, format {fmt or 'bf16'}) needs {need} more symmetric bytes on "
+                    f"top of the {self._symmetric_bytes} in use; build the Buffer with num_rdma_bytes="
                     f"Buffer.get_low_latency_rdma_size_hint({M}, {hidden}, {self.group_size}, {E}) (= {hint})"
                     + ("" if topk <= HINT_MAX_TOPK else f" or more: the hint assumes topk <= {HINT_MAX_TOPK}"))
             self._symmetric_bytes += need
@@ -355,9 +395,7 @@ class Buffer:
                              use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
         """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook)
         (module docstring)."""
-        if round_scale or use_ue8m0:
-            raise _unsupported("round_scale=True / use_ue8m0=True (power-of-two and UE8M0 scales)",
-                               "scales are float32 amax * (1 / 448)")
+        fmt = low_latency_format(use_fp8, round_scale, use_ue8m0)
         self._check_call(async_finish, return_recv_hook)
         M = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         E = _check_int("num_experts", num_experts, 1)
@@ -372,14 +410,15 @@ class Buffer:
         if stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", stats, dev, (torch.int32,), (L,))
         self._check_wait_cost("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
-        fp8 = bool(use_fp8)
-        ep = self._ep_for(M, hidden, E, topk, fp8)
+        fp8 = fmt is not None
+        ep = self._ep_for(M, hidden, E, topk, fmt)
         add_wait_cost = _wait_cost_adder(dispatch_wait_recv_cost_stats, lambda: ep.dispatch_wait_stats)
 
         recv_count = torch.empty(L, dtype=torch.int32, device=dev)
         src_info = torch.empty((L, R), dtype=torch.int32, device=dev)
         layout_range = torch.empty((L, W), dtype=torch.int64, device=dev)
-        scales = layout.empty_column_major_scales(L, R, hidden // FP8_GROUP, dev) if fp8 else None
+        scales = (layout.empty_column_major_scales(L, R, ep.plan.scale_words, dev, ep.plan.scale_dtype) if fp8
+                  else None)
         handle = LowLatencyHandle((src_info, layout_range, M, hidden, E), self, ep, int(x.shape[0]), topk)
 
         def finish(d) -> None:
@@ -501,22 +540,25 @@ class Buffer:
         Buffer.num_sms = new_num_sms
 
     # ---- normal (high-throughput) mode: PrefillBuffer --------------------------------------------
-    def _prefill_for(self, hidden: int, num_experts: int, topk: int) -> PrefillBuffer:
-        """The PrefillBuffer of the normal-mode calls with these sizes, made on first use with the largest
-        capacity (tokens per rank per call) whose memory fits in what is left of ``num_nvl_bytes``. The
-        same on every rank (same arguments, same order), as the buffer is collective."""
-        key = (hidden, num_experts, topk)
+    def _prefill_for(self, hidden: int, num_experts: int, topk: int, fmt: str | None = None) -> PrefillBuffer:
+        """The PrefillBuffer of the normal-mode calls with these sizes and format (None: bf16; an fp8
+        format for pre-quantized input), made on first use with the largest capacity (tokens per rank per
+        call) whose memory fits in what is left of ``num_nvl_bytes``. The same on every rank (same
+        arguments, same order), as the buffer is collective."""
+        key = (hidden, num_experts, topk, fmt)
         if key not in self._prefill:
             W, left = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used
 
             nodes = _ranks_per_node(self.comm_group)
 
             def need(m):
-                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, ranks_per_node=nodes)
+                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, dispatch_format=fmt,
+                                                    ranks_per_node=nodes)
             if need(1) > left:
                 raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
                                  f"hidden={hidden}, num_experts={num_experts}, topk={topk}: {need(1)} bytes hold one "
-                                 f"token per rank ({self._nvl_bytes_used} in use); size it with moe_comm."
+                                 f"token per rank ({self._nvl_bytes_used} in use by the buffers of other sizes or "
+                                 f"input formats, one each, bf16 or fp8); size it with moe_comm."
                                  f"PrefillBuffer.required_bytes({W}, {num_experts}, {hidden}, tokens_per_rank, {topk})")
             lo, hi = 1, 2
             while hi < NORMAL_MAX_TOKENS and need(hi) <= left:
@@ -524,7 +566,8 @@ class Buffer:
             while hi - lo > 1:   # need(lo) fits, need(hi) does not (or hi is the cap)
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if need(mid) <= left else (lo, mid)
-            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, lo, topk, dtype=DTYPE)
+            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, lo, topk, dtype=DTYPE,
+                                               dispatch_format=fmt)
             self._nvl_bytes_used += need(lo)
         return self._prefill[key]
 
@@ -533,9 +576,10 @@ class Buffer:
             raise RuntimeError("this Buffer was destroyed")
         g = self.comm_group
         if g.backend == "loopback" and g.world_size > 1:
-            raise ValueError("DeepEP's normal mode has no receive hook, so a loopback group of several ranks (one "
-                             "process) cannot run it: use one process per rank (moe_comm.launch, torchrun), or "
-                             "moe_comm.PrefillBuffer with phase='send' / 'recv'")
+            raise _unsupported("DeepEP's normal mode on a loopback group of several ranks (one process holds "
+                               "every rank, and the normal API has no receive hook to run the phases)",
+                               "use one process per rank (moe_comm.launch, torchrun), or moe_comm.PrefillBuffer "
+                               "with phase='send' / 'recv'")
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -564,36 +608,79 @@ class Buffer:
             raise _unsupported("a cached dispatch (handle=)", "every PrefillBuffer dispatch is answered by its "
                                "combine before the next one, so a layout is not kept to be replayed: dispatch "
                                "with topk_idx again")
-        if isinstance(x, tuple):
-            raise _unsupported("pre-quantized fp8 input (x as a (data, scales) tuple)", "pass bfloat16 x (the "
-                               "PrefillBuffer quantizes on the way only from bf16, with fp8_dispatch, which this "
-                               "door does not expose)")
-        if num_worst_tokens:
-            raise _unsupported("num_worst_tokens > 0 (a padded, graph-capturable receive)", "use moe_comm."
-                               "PrefillBuffer directly: rank-major [world * max_tokens_per_rank, hidden] with the "
-                               "counts on the device")
-        if topk_idx is None or num_tokens_per_expert is None:
-            raise ValueError("a non-cached dispatch needs topk_idx and num_tokens_per_expert (from "
-                             "get_dispatch_layout), as in DeepEP")
+        if topk_idx is None:
+            raise _unsupported("a dispatch without topk_idx (DeepEP's with_topk=False, routed by is_token_in_rank "
+                               "alone)", "pass topk_idx (and topk_weights): the PrefillBuffer routes every token "
+                               "from its expert ids")
+        if num_tokens_per_expert is None:
+            raise ValueError("a non-cached dispatch needs num_tokens_per_expert (from get_dispatch_layout), as in "
+                             "DeepEP")
+        worst = _check_int("num_worst_tokens", num_worst_tokens, 0)
         align = _check_int("expert_alignment", expert_alignment, 1)
         E = int(num_tokens_per_expert.shape[0])
         _check_divisible(E, self.group_size)
-        check_tensor("x", x, self.comm_group.device, (DTYPE,), (None, None))
-        check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (x.shape[0], None))
-        T, hidden, topk = int(x.shape[0]), int(x.shape[1]), int(topk_idx.shape[1])
-        buf = self._prefill_for(hidden, E, topk)
+        dev = self.comm_group.device
+        data, fmt = self._normal_input(x)
+        check_tensor("topk_idx", topk_idx, dev, (torch.int32, torch.int64), (data.shape[0], None))
+        T, hidden, topk = int(data.shape[0]), int(data.shape[1]), int(topk_idx.shape[1])
+        buf = self._prefill_for(hidden, E, topk, fmt)
         if T > buf.max_tokens_per_rank:
             raise ValueError(f"{T} tokens: this Buffer's normal mode holds {buf.max_tokens_per_rank} tokens per rank "
                              f"per call at hidden={hidden}, num_experts={E}, topk={topk} within num_nvl_bytes="
                              f"{self.num_nvl_bytes}; raise num_nvl_bytes to moe_comm.PrefillBuffer.required_bytes("
                              f"{self.group_size}, {E}, {hidden}, {T}, {topk}) or more, or dispatch in chunks")
-        weights = (torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device) if topk_weights is None
+        weights = (torch.zeros(topk_idx.shape, dtype=torch.float32, device=dev) if topk_weights is None
                    else topk_weights)
-        recv = layout.PackedReceive(buf.dispatch(x, topk_idx, weights), align)   # reads the counts on the host
+        recv = layout.PackedReceive(buf.dispatch(x, topk_idx, weights), align, worst)  # N read on the host unless worst
+        recv_x = recv.x if recv.scales is None else (recv.x, recv.scales)
         recv_weights = None if topk_weights is None else recv.topk_weights
         h = NormalHandle(self, buf, recv, T)
-        event = _event_after(self.comm_group.device, (x, recv.x)) if async_finish else EventOverlap()
-        return recv.x, recv.topk_idx, recv_weights, recv.counts, h, event
+        event = _event_after(dev, (data, recv.x)) if async_finish else EventOverlap()
+        outputs = (recv_x, recv.topk_idx, recv_weights, recv.counts, h, event)
+        if worst:
+            self._check_worst(recv, worst, outputs)
+        return outputs
+
+    def _normal_input(self, x) -> tuple[torch.Tensor, str | None]:
+        """(the tokens' data tensor, the PrefillBuffer format) of a normal-mode ``x``: bfloat16 [T, H], or
+        DeepEP's pre-quantized tuple (float8_e4m3fn [T, H], scales): float32 [T, H/128] -> "e4m3" (any
+        values, power-of-two ones included: they are copied as they are), int32 [T, H/512] -> packed
+        "e4m3-ue8m0". Raises before anything is sent otherwise, naming what is taken."""
+        dev = self.comm_group.device
+        if not isinstance(x, tuple):
+            check_tensor("x", x, dev, (DTYPE,), (None, None))
+            return x, None
+        if len(x) != 2:
+            raise ValueError(f"pre-quantized x is DeepEP's tuple (data, scales), got a tuple of {len(x)}")
+        data, scales = x
+        check_tensor("x[0] (the fp8 data)", data, dev, (torch.float8_e4m3fn,), (None, None))
+        T, H = data.shape
+        takes = (f"float32 [{T}, {H} // 128] scales (one per 128 columns) or int32 [{T}, {H} // 512] packed UE8M0 "
+                 f"scales (four per int32, as DeepEP's use_ue8m0)")
+        if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.shape[0] != T:
+            raise ValueError(f"x[1] (the scales) must be a 2-D tensor with a row per token: {takes}, got "
+                             f"{getattr(scales, 'dtype', type(scales).__name__)} {tuple(getattr(scales, 'shape', ()))}")
+        for fmt in (formats.E4M3, formats.E4M3_UE8M0):
+            if (scales.dtype == formats.scale_dtype(fmt) and H % formats.hidden_multiple(fmt) == 0
+                    and scales.shape[1] == formats.scale_columns(fmt, H)):
+                check_tensor("x[1] (the scales)", scales, dev, (scales.dtype,), None)
+                return data, fmt
+        raise ValueError(f"x[1] (the scales) is {scales.dtype} {tuple(scales.shape)}; the normal mode takes {takes} "
+                         f"(other scale layouts: dispatch bfloat16 x, or quantize with moe_comm.reference."
+                         f"quantize_fp8)")
+
+    def _check_worst(self, recv: layout.PackedReceive, worst: int, outputs) -> None:
+        """A fixed-size receive keeps the first ``worst`` rows: record CapacityError when more arrived (on
+        the device; on CPU, where reading is free, raised here with the call's outputs as its result)."""
+        g = self.comm_group
+        kernel_for(check_capacity_kernel, g.device)[(1,)](recv.received, g.state, g.rank, worst,
+                                                           OP=op_id("deep_ep.dispatch"))
+        if g.device.type == "cpu":
+            try:
+                g.check()
+            except MoECommError as e:
+                e.result = e.call_result = outputs
+                raise
 
     def combine(self, x: torch.Tensor, handle: "NormalHandle", topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):

@@ -9,9 +9,10 @@ Pure tensor functions (no host reads: CUDA-graph capturable). R = num_ranks * nu
 - ``layout_range``  int64 [L, num_ranks]: (first row << 32) | rows, per (local expert, source rank)
                     (DeepEP's ``handle[1]``). EPBuffer packs each expert's rows sorted by source rank, so
                     every source rank's rows are one contiguous run.
-- ``column_major_scales``  float32 [L, R, H/128] with strides (H/128 * R, 1, R): DeepEP returns fp8
-                    scales with the last two dimensions column-major (the layout TMA loads in grouped
-                    GEMMs such as DeepGEMM's masked layout take); EPBuffer's ``d.scales`` is row-major.
+- ``column_major_scales``  [L, R, S] with strides (S * R, 1, R): DeepEP returns fp8 scales with the
+                    last two dimensions column-major (the layout TMA loads in grouped GEMMs such as
+                    DeepGEMM's masked layout take): float32 S = H/128, or int32 S = H/512 packed UE8M0
+                    (``use_ue8m0``); EPBuffer's ``d.scales`` is row-major.
 """
 
 from __future__ import annotations
@@ -43,16 +44,18 @@ def layout_range(src: torch.Tensor, counts: torch.Tensor, max_tokens_per_rank: i
     return torch.bitwise_or(torch.bitwise_left_shift(begin, RANGE_SHIFT), end - begin, out=out)
 
 
-def empty_column_major_scales(num_local_experts: int, rows: int, num_scales: int, device) -> torch.Tensor:
-    """float32 [L, R, num_scales] whose last two dimensions are column-major (stride 1 along R)."""
-    return torch.empty((num_local_experts, num_scales, rows), dtype=torch.float32, device=device).transpose(1, 2)
+def empty_column_major_scales(num_local_experts: int, rows: int, num_scales: int, device,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dtype`` [L, R, num_scales] whose last two dimensions are column-major (stride 1 along R)."""
+    return torch.empty((num_local_experts, num_scales, rows), dtype=dtype, device=device).transpose(1, 2)
 
 
 def column_major_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``scales`` (float32 [L, R, G]) with DeepEP's strides (column-major over the R rows): copied into
-    ``out`` (from ``empty_column_major_scales``) or into a new tensor."""
+    """``scales`` ([L, R, S], float32 or packed int32) with DeepEP's strides (column-major over the R rows):
+    copied into ``out`` (from ``empty_column_major_scales``) or into a new tensor."""
     if out is None:
-        out = empty_column_major_scales(scales.shape[0], scales.shape[1], scales.shape[2], scales.device)
+        out = empty_column_major_scales(scales.shape[0], scales.shape[1], scales.shape[2], scales.device,
+                                        scales.dtype)
     return out.copy_(scales)
 
 
@@ -85,30 +88,61 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
 
 class PackedReceive:
     """DeepEP's normal-mode receive from a ``PrefillDispatchResult`` ``d``: every row holding an expert of
-    this rank, once, in (source rank, token index) order. Reads the counts on the host (as DeepEP's normal
-    mode does: N is a host number).
+    this rank, once, in (source rank, token index) order.
 
-    x [N, hidden] (dtype, or float8_e4m3fn with fp8 dispatch), scales [N, hidden // 128] float32 or None,
-    topk_idx int64 [N, K] local ids (-1 elsewhere), topk_weights float32 [N, K] (0 where -1),
-    counts list of L ints: slots per local expert rounded up to ``expert_alignment``.
+    x [N, hidden] (dtype, or float8_e4m3fn with fp8 dispatch), scales [N, S] (float32, or int32 packed
+    UE8M0) or None, topk_idx int64 [N, K] local ids (-1 elsewhere), topk_weights float32 [N, K] (0 where
+    -1), counts list of L ints: slots per local expert rounded up to ``expert_alignment``.
     ``combine(buf, y)``: y [N, hidden] (row i answers x[i]) -> buf.combine's [T, hidden] output.
+
+    N is read on the host (as DeepEP's normal mode does), unless ``num_worst_tokens`` > 0 (DeepEP's
+    fixed-size receive, for CUDA graphs): then N = num_worst_tokens and nothing is read on the host. The
+    rows are gathered on the device; rows past the received count have topk_idx -1 and weights 0 (their
+    x and scales are unspecified), counts is [] (DeepEP returns an empty list then), and ``received``
+    (int64 [1] on the device) holds the count. A rank that received more rows than num_worst_tokens keeps
+    the first num_worst_tokens (``received`` tells; compat.deep_ep records a CapacityError).
     """
 
-    def __init__(self, d, expert_alignment: int = 1):
-        ex = d.exact()
-        self.rows, self.x, self.scales = ex["rows"], ex["x"], ex["scales"]
-        self.topk_idx, self.topk_weights = ex["topk_idx"].to(torch.int64), ex["topk_weights"]
-        self.counts = [-(-c // expert_alignment) * expert_alignment for c in d.expert_counts.tolist()]
+    def __init__(self, d, expert_alignment: int = 1, num_worst_tokens: int = 0):
         self._zone, self.handle = d.recv_x, d.handle
+        self.worst = int(num_worst_tokens)
+        if not self.worst:
+            ex = d.exact()
+            self.rows, self.x, self.scales = ex["rows"], ex["x"], ex["scales"]
+            self.topk_idx, self.topk_weights = ex["topk_idx"].to(torch.int64), ex["topk_weights"]
+            self.counts = [-(-c // expert_alignment) * expert_alignment for c in d.expert_counts.tolist()]
+            self.valid = self.received = None
+            return
+        mine = d.received_rows() & (d.recv_topk_idx >= 0).any(dim=1)        # [R]: rows this rank answers
+        ends = torch.cumsum(mine, 0)                                         # rows answered up to each row
+        self.received = ends[-1:]
+        slot = torch.arange(1, self.worst + 1, device=ends.device)
+        # Output row j holds the (j+1)-th answered row: the first row whose running count reaches j + 1.
+        self.rows = torch.searchsorted(ends, slot).clamp(max=ends.shape[0] - 1)
+        self.valid = slot <= self.received                                   # [worst]: rows j < N
+        self.x = d.recv_x.index_select(0, self.rows)
+        self.scales = None if d.recv_scales is None else d.recv_scales.index_select(0, self.rows)
+        self.topk_idx = torch.where(self.valid[:, None], d.recv_topk_idx.index_select(0, self.rows).to(torch.int64),
+                                    -1)
+        self.topk_weights = torch.where(self.valid[:, None], d.recv_topk_weights.index_select(0, self.rows), 0.0)
+        self.counts = []
 
     def combine(self, buf, y: torch.Tensor, out: torch.Tensor | None = None, phase: str = "both"):
         """Put y's rows back at their rank-major places and combine (send phase, or both). With a bf16
         dispatch the places are the landing zone's own rows, which the combine then reads in place
-        (nothing else is copied); with fp8 they are a new [R, hidden] tensor."""
-        if y.shape != (self.rows.shape[0], buf.hidden) or y.dtype != buf.dtype:
-            raise ValueError(f"the combine takes one {buf.dtype} row per received row: [{self.rows.shape[0]}, "
-                             f"{buf.hidden}], got {tuple(y.shape)} {y.dtype}")
-        rows = self._zone if not buf.fp8_dispatch else torch.empty(
-            (self._zone.shape[0], buf.hidden), dtype=buf.dtype, device=y.device)
-        rows[self.rows] = y
+        (nothing else is copied); with fp8, or a fixed-size receive, they are a new [R, hidden] tensor
+        (the fixed-size one scattered on the device: rows j >= N of y are not read)."""
+        n = self.rows.shape[0]
+        if y.shape != (n, buf.hidden) or y.dtype != buf.dtype:
+            raise ValueError(f"the combine takes one {buf.dtype} row per received row: [{n}, {buf.hidden}], got "
+                             f"{tuple(y.shape)} {y.dtype}")
+        if self.worst:
+            # -0.0 is the identity of float addition (x + -0.0 == x for every x, -0.0 included): every row
+            # answered gets exactly its y row; rows j >= N add -0.0 wherever their index points.
+            rows = torch.full((self._zone.shape[0], buf.hidden), -0.0, dtype=buf.dtype, device=y.device)
+            rows.index_add_(0, self.rows, torch.where(self.valid[:, None], y, -0.0))
+        else:
+            rows = self._zone if not buf.fp8_dispatch else torch.empty(
+                (self._zone.shape[0], buf.hidden), dtype=buf.dtype, device=y.device)
+            rows[self.rows] = y
         return buf.combine(rows, self.handle, out=out, phase=phase)

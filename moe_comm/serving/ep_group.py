@@ -66,18 +66,24 @@ def expose_metrics(group) -> None:
 
 
 def shared_buffer(group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                  dtype: torch.dtype, fp8_dispatch: bool, prefill: bool = False):
-    """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes,
-    built on first request (collective: every rank asks for the same shapes in the same order, as every
-    rank builds the same layers)."""
+                  dtype: torch.dtype, dispatch_format: str | None, prefill: bool = False):
+    """The EPBuffer (decode), or with ``prefill=True`` the PrefillBuffer, of ``group`` with these sizes and
+    dispatch format (None, or an fp8 format of ``moe_comm.formats``: the adapters pass no nvfp4 global
+    scale), built on first request (collective: every rank asks for the same shapes in the same order, as
+    every rank builds the same layers)."""
+    from moe_comm import formats  # noqa: PLC0415
     from moe_comm.ep import EPBuffer  # noqa: PLC0415
     from moe_comm.prefill import PrefillBuffer  # noqa: PLC0415
 
+    if dispatch_format not in (None, *formats.FP8_FORMATS):
+        raise ValueError(f"the serving adapters dispatch the model's dtype or an fp8 format "
+                         f"{formats.FP8_FORMATS}, got dispatch_format={dispatch_format!r} (nvfp4 needs a global "
+                         f"scale per call: use EPBuffer/PrefillBuffer directly)")
     cls = PrefillBuffer if prefill else EPBuffer
-    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, bool(fp8_dispatch))
+    key = (cls.__name__, id(group), num_experts, hidden, max_tokens_per_rank, topk, dtype, dispatch_format)
     if key not in _BUFFERS:
         _BUFFERS[key] = cls(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype,
-                            fp8_dispatch=bool(fp8_dispatch))
+                            dispatch_format=dispatch_format)
     return _BUFFERS[key]
 
 

@@ -9,10 +9,12 @@ the same three, with the mode resolved once per dispatch and kept until its comb
 - low latency = EPBuffer.dispatch, returned as SGLang's ``DeepEPLLDispatchOutput``: the expert-major
   layout its DeepEP low-latency expert kernels take (DeepGEMM's masked grouped GEMM and friends), which
   is EPBuffer's own layout, so the tokens are not copied (with fp8 the scale tensor, 1/32 of the fp8
-  payload's bytes, is copied whole into DeepEP's column-major order on every dispatch):
+  payload's bytes, 1/128 with UE8M0, is copied whole into DeepEP's column-major order on every dispatch):
       hidden_states        [E_local, world * max_tokens_per_rank, hidden] (bf16, or float8_e4m3fn with fp8)
-      hidden_states_scale  None, or float32 [E_local, world * max_tokens_per_rank, hidden // 128] with
-                           fp8, column-major over the token rows as DeepEP returns it (stride 1 on dim 1)
+      hidden_states_scale  None, or with fp8 float32 [E_local, world * max_tokens_per_rank, hidden // 128]
+                           ("e4m3", "e4m3-pow2") or int32 [.., hidden // 512] packed UE8M0 ("e4m3-ue8m0",
+                           DeepEP's use_ue8m0, what DeepGEMM's UE8M0 path takes), column-major over the
+                           token rows as DeepEP returns it (stride 1 on dim 1)
       masked_m             int32 [E_local] on the device: valid rows per local expert
       expected_m           int: (T * world * topk + num_experts) // num_experts, as SGLang computes it
       topk_ids, topk_weights  the router's, unchanged
@@ -24,7 +26,12 @@ the same three, with the mode resolved once per dispatch and kept until its comb
   as DeepEP's normal mode does):
       hidden_states        [N, hidden]: every token with an expert on this rank, once, in (source rank,
                            token index) order (bf16, or float8_e4m3fn with fp8)
-      hidden_states_scale  None, or float32 [N, hidden // 128] row-major with fp8
+      hidden_states_scale  None, or with fp8 float32 [N, hidden // 128] or int32 [N, hidden // 512] packed
+                           UE8M0, row-major, as DeepEP's normal mode returns them
+  With fp8 the tokens are quantized on the way, once, in the buffer's format; or dispatch() is given them
+  pre-quantized, hidden_states = (codes [T, hidden] float8_e4m3fn, scales) in that format (as SGLang's
+  DeepEP path quantizes before DeepEP's normal dispatch; any strides), and they arrive as given: no
+  dequantization, no requantization.
       topk_ids             int64 [N, topk]: local expert ids, -1 where the slot's expert is elsewhere
       topk_weights         float32 [N, topk], 0 where the id is -1
       num_recv_tokens_per_expert  list of E_local ints (slots per local expert; rounded up to 128 where
@@ -65,6 +72,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import formats
 from ..compat.deep_ep_layout import PackedReceive, column_major_scales, dispatch_layout
 from .ep_group import check_group, process_group, shared_buffer
 
@@ -246,8 +254,9 @@ class PrefillBufferDispatcher(_Dispatcher):
     """Normal mode: dispatch/combine over one PrefillBuffer, in SGLang's dispatcher calling convention
     (DeepEP normal-mode layout; see the module doc).
 
-    dispatch(hidden_states [T, hidden], topk_output with .topk_ids [T, topk] int32/int64 global ids (-1 =
-    not routed) and .topk_weights [T, topk] float), T <= buf.max_tokens_per_rank. Dispatch and combine
+    dispatch(hidden_states [T, hidden] (or, with an fp8 buffer, pre-quantized (codes, scales) in its format:
+    PrefillBuffer.dispatch), topk_output with .topk_ids [T, topk] int32/int64 global ids (-1 = not routed)
+    and .topk_weights [T, topk] float), T <= buf.max_tokens_per_rank. Dispatch and combine
     alternate; one dispatch is in flight per buffer (the PrefillBuffer answers each dispatch with its
     combine before the next). Eager: the receive reads the counts on the host (DeepEP's normal mode too).
     combine_input.hidden_states: [N, hidden], one row per received token; combine_b -> [T, hidden],
@@ -445,7 +454,9 @@ def options_from_env(environ=None) -> dict | None:
     """moe-comm's SGLang options, or None when it was not requested.
 
     MOE_COMM_SGLANG=1 switches it on; MOE_COMM_SGLANG_BACKEND (auto), MOE_COMM_SGLANG_TIMEOUT_S (30),
-    MOE_COMM_SGLANG_FP8 (0: dispatch bf16; 1: float8_e4m3fn in 1x128 blocks, float32 scales),
+    MOE_COMM_SGLANG_FP8 (0: dispatch bf16; 1: float8_e4m3fn in 1x128 blocks, float32 scales; or an fp8
+    format of moe_comm.formats: e4m3, e4m3-pow2 (power-of-two float32 scales), e4m3-ue8m0 (packed UE8M0
+    scales: DeepGEMM's UE8M0 path, hidden % 512 == 0); the option ``dispatch_format``),
     MOE_COMM_SGLANG_MAX_TOKENS (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, else 128: tokens per rank
     per low-latency dispatch), MOE_COMM_SGLANG_PREFILL_MAX_TOKENS (4096: tokens per rank per normal-mode
     dispatch, at least SGLang's per-rank prefill chunk). The mode is SGLang's --deepep-mode.
@@ -456,10 +467,21 @@ def options_from_env(environ=None) -> dict | None:
     max_tokens = env.get(f"{_ENV_PREFIX}_MAX_TOKENS") or env.get("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")
     return dict(backend=env.get(f"{_ENV_PREFIX}_BACKEND", "auto"),
                 timeout_s=float(env.get(f"{_ENV_PREFIX}_TIMEOUT_S", "30")),
-                fp8_dispatch=env.get(f"{_ENV_PREFIX}_FP8", "0").strip() == "1",
+                dispatch_format=_fp8_option(env.get(f"{_ENV_PREFIX}_FP8", "0")),
                 max_tokens_per_rank=int(max_tokens or DEFAULT_MAX_TOKENS_PER_RANK),
                 prefill_max_tokens_per_rank=int(env.get(f"{_ENV_PREFIX}_PREFILL_MAX_TOKENS")
                                                 or DEFAULT_PREFILL_MAX_TOKENS_PER_RANK))
+
+
+def _fp8_option(value: str):
+    """MOE_COMM_SGLANG_FP8 -> dispatch_format: "0" None, "1" "e4m3", else an fp8 format name
+    (``moe_comm.formats``; ValueError naming them for another value)."""
+    value = value.strip()
+    if value in ("0", "", "1"):
+        return formats.E4M3 if value == "1" else None
+    if value not in formats.FP8_FORMATS:
+        raise ValueError(f"MOE_COMM_SGLANG_FP8={value!r}: use 0, 1 or an fp8 format {formats.FP8_FORMATS}")
+    return value
 
 
 def make_dispatcher(moe_runner_config, options: dict):
@@ -485,13 +507,14 @@ def make_dispatcher(moe_runner_config, options: dict):
             f"moe-comm needs expert parallelism over the whole world: SGLang has {cfg.num_experts} experts, "
             f"{cfg.num_local_experts} per rank, torch.distributed has {group.world_size} ranks "
             "(set --ep-size to the world size)")
-    fp8 = bool(options.get("fp8_dispatch", False))
+    # dispatch_format, or the earlier option fp8_dispatch=True ("e4m3"); both: ValueError unless they agree
+    fmt = formats.dispatch_format_of(bool(options.get("fp8_dispatch", False)), options.get("dispatch_format"))
     ep = prefill = None
     if mode != "normal":
         ep = shared_buffer(group, cfg.num_experts, cfg.hidden_size, int(options["max_tokens_per_rank"]),
-                           cfg.top_k, cfg.params_dtype, fp8)
+                           cfg.top_k, cfg.params_dtype, fmt)
     if mode != "low_latency":
         prefill = shared_buffer(group, cfg.num_experts, cfg.hidden_size,
                                 int(options.get("prefill_max_tokens_per_rank", DEFAULT_PREFILL_MAX_TOKENS_PER_RANK)),
-                                cfg.top_k, cfg.params_dtype, fp8, prefill=True)
+                                cfg.top_k, cfg.params_dtype, fmt, prefill=True)
     return dispatcher_class()(ep, prefill)

@@ -5,9 +5,11 @@ format that picks the experts it runs with. moe-comm has one for each, as DeepEP
 high-throughput):
 
 - ``MoECommPrepareAndFinalize`` (BatchedExperts format, decode) on an EPBuffer:
-  prepare = dispatch (with the fp8 quantization fused into it when the buffer was built with
-  ``fp8_dispatch=True``). It returns the expert-major tensor [E_local, world*max_tokens_per_rank, hidden],
-  its scales, and ExpertTokensMetadata whose ``expert_num_tokens`` is the dispatch's int32 [E_local]
+  prepare = dispatch (with the fp8 quantization fused into it when the buffer was built with an fp8
+  format, ``moe_comm.formats``). It returns the expert-major tensor [E_local, world*max_tokens_per_rank,
+  hidden], its scales (float32 [.., hidden/128] row-major; with "e4m3-ue8m0" DeepEP's use_ue8m0 tensor,
+  int32 [.., hidden/512] packed UE8M0, column-major over the rows as DeepEP returns it), and
+  ExpertTokensMetadata whose ``expert_num_tokens`` is the dispatch's int32 [E_local]
   device counts (``expert_num_tokens_cpu`` stays None: no host copy, so CUDA graphs can capture it).
   finalize = combine, with the router weights applied inside the combine kernel (the experts hand
   the weighting to us through TopKWeightAndReduceDelegate), written in place into vLLM's output.
@@ -20,6 +22,13 @@ high-throughput):
   row skip those. Nothing is read on the host. finalize = the experts' TopKWeightAndReduce (vLLM's
   experts mostly reduce themselves: NoOP) to one partial row per received token, then combine, which
   sums every rank's partial rows at the source into vLLM's output.
+
+fp8 (the ``fp8_dispatch`` option, "auto" by default): "auto" dispatches fp8 in 1x128 blocks ("e4m3") when
+the experts take fp8 in 1x128 blocks, and, in the BatchedExperts format, switches to packed UE8M0 scales
+("e4m3-ue8m0", hidden % 512 == 0) when vLLM's ``post_init_setup`` finds experts that take them
+(``supports_packed_ue8m0_act_scales()``), as vLLM's DeepEP low-latency prepare/finalize does; True/False
+turn it on ("e4m3") or off; the ``dispatch_format`` option names an fp8 format of ``moe_comm.formats``
+("e4m3", "e4m3-pow2", "e4m3-ue8m0") instead.
 
 Which one a deployment gets is chosen the way vLLM chooses its own per-format prepare/finalize: from
 one switch per engine, ``mode`` in the moe_comm options ("low_latency", "high_throughput", or "auto":
@@ -46,6 +55,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import formats
+from ..compat.deep_ep_layout import column_major_scales
+from ..ep import EPBuffer
 from .ep_group import check_group, process_group, shared_buffer, use_group
 
 __all__ = ["EPBufferPrepareFinalize", "ExpertTokens", "MODES", "MoECommPrepareAndFinalize",
@@ -54,7 +66,7 @@ __all__ = ["EPBufferPrepareFinalize", "ExpertTokens", "MODES", "MoECommPrepareAn
 
 _MK = "vllm.model_executor.layers.fused_moe.modular_kernel"
 _WEIGHT_AND_REDUCE = "vllm.model_executor.layers.fused_moe.topk_weight_and_reduce"
-_FP8_BLOCK = [128, 128]  # the quantization moe-comm's fp8 dispatch produces: 1x128 blocks, float32 scales
+_FP8_BLOCK = [128, 128]  # the quantization moe-comm's fp8 dispatch produces: 1x128 blocks (every format)
 MODES = ("low_latency", "high_throughput")
 # vLLM's --all2all-backend values whose prepare/finalize is a high-throughput (Standard format) one; every
 # other value makes "auto" low latency (BatchedExperts), moe-comm's mode before there was a choice.
@@ -95,6 +107,7 @@ class _PrepareFinalize:
         self.buf = buf
         self._ubatch_id = ubatch_id or (lambda: 0)  # vLLM's dual-batch overlap: one handle per micro-batch
         self._handles: dict[int, object] = {}
+        self.fp8_auto = False   # fp8_dispatch "auto": post_init_setup may pick packed UE8M0 scales
 
     # ---- what vLLM asks before building the experts ----------------------------------------------
     def max_num_tokens_per_rank(self) -> int:
@@ -111,6 +124,19 @@ class _PrepareFinalize:
 
     def supports_async(self) -> bool:
         return True
+
+    def post_init_setup(self, fused_experts) -> None:
+        """vLLM's hook once the experts are known: with fp8_dispatch "auto", an "e4m3" EPBuffer becomes its
+        "e4m3-ue8m0" twin (``ep_group.shared_buffer``, hidden % 512 == 0) when the experts take packed
+        UE8M0 activation scales, as vLLM's DeepEP low-latency prepare/finalize then dispatches
+        (round_scale and use_ue8m0). Before the first prepare; every rank builds the same layers."""
+        supports = getattr(fused_experts, "supports_packed_ue8m0_act_scales", None)
+        buf = self.buf
+        if (not self.fp8_auto or not isinstance(buf, EPBuffer) or buf.dispatch_format != formats.E4M3
+                or supports is None or not supports() or buf.hidden % formats.hidden_multiple(formats.E4M3_UE8M0)):
+            return
+        self.buf = self.ep = shared_buffer(buf.group, buf.num_experts, buf.hidden, buf.max_tokens_per_rank,
+                                           buf.topk, buf.dtype, formats.E4M3_UE8M0)
 
     # ---- hooks the vLLM subclass overrides -------------------------------------------------------
     def _expert_tokens(self, counts: torch.Tensor):
@@ -239,6 +265,8 @@ class EPBufferPrepareFinalize(_PrepareFinalize):
 
     def _received(self, d, quant_config, defer_input_quant):
         x, scales = self._quantized(d.x, d.scales, quant_config, defer_input_quant)
+        if self.buf.dispatch_format == formats.E4M3_UE8M0:   # DeepEP's use_ue8m0 layout, what the experts take
+            scales = column_major_scales(scales)
         return x, scales, self._expert_tokens(d.counts), None, None
 
     def _combine(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
@@ -388,10 +416,13 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
 
     options (from ``--additional-config '{"moe_comm": {...}}'``): mode ("low_latency": EPBuffer,
     BatchedExperts; "high_throughput": PrefillBuffer, Standard; "auto": from vLLM's --all2all-backend,
-    ``resolve_mode``), backend ("auto"), timeout_s (30), fp8_dispatch ("auto": on when the experts take fp8
-    in 1x128 blocks). Layers with the same shapes share one buffer; ``moe.max_num_tokens`` is its capacity
-    (tokens per rank per call). The EP group must be the whole torch.distributed world (data parallel x
-    expert parallel, tensor parallel 1), with the default linear expert placement.
+    ``resolve_mode``), backend ("auto"), timeout_s (30), fp8_dispatch ("auto": "e4m3" when the experts take
+    fp8 in 1x128 blocks, then packed UE8M0 if ``post_init_setup`` finds experts that take it; or False,
+    True), dispatch_format (instead of fp8_dispatch: an fp8 format of ``moe_comm.formats``). Layers with
+    the same shapes and format share one buffer;
+    ``moe.max_num_tokens`` is its capacity (tokens per rank per call). The EP group must be the whole
+    torch.distributed world (data parallel x expert parallel, tensor parallel 1), with the default linear
+    expert placement.
     """
     options = dict(options or {})
     par = moe.moe_parallel_config
@@ -402,10 +433,15 @@ def make_prepare_finalize(moe, quant_config, options: dict | None = None):
             f"moe-comm needs the expert-parallel group to be the whole world: vLLM has ep_size={par.ep_size} "
             f"ep_rank={par.ep_rank}, torch.distributed has world_size={group.world_size} rank={group.rank} "
             "(use tensor-parallel size 1 with --enable-expert-parallel and data parallelism)")
-    fp8 = options.get("fp8_dispatch", "auto")
-    if fp8 == "auto":
-        fp8 = (getattr(quant_config, "quant_dtype", None) == torch.float8_e4m3fn
-               and list(getattr(quant_config, "block_shape", None) or []) == _FP8_BLOCK)
+    fp8, fmt = options.get("fp8_dispatch", "auto"), options.get("dispatch_format")
+    auto = fp8 == "auto" and fmt is None
+    if auto:
+        fmt = formats.E4M3 if (getattr(quant_config, "quant_dtype", None) == torch.float8_e4m3fn
+                               and list(getattr(quant_config, "block_shape", None) or []) == _FP8_BLOCK) else None
+    else:   # ValueError naming the fix for a conflicting pair
+        fmt = formats.dispatch_format_of(False if fp8 == "auto" else fp8, fmt)
     buf = shared_buffer(group, moe.num_experts, moe.hidden_dim, moe.max_num_tokens, moe.experts_per_token,
-                        moe.in_dtype, bool(fp8), prefill=mode == "high_throughput")
-    return prepare_finalize_class(mode)(buf)
+                        moe.in_dtype, fmt, prefill=mode == "high_throughput")
+    pf = prepare_finalize_class(mode)(buf)
+    pf.fp8_auto = auto
+    return pf

@@ -33,13 +33,20 @@ in one ``putmem_signal_nbi`` whose signal is the flag, to every put rank, then `
 receive finds slot (t, k) from a put rank at M*K + id_base[id] + position (both kept by this rank's
 dispatch: ``slot_key``, ``id_base``); its own slots by the owner word of ``routed``. Bytes: each routed
 slot's row once, the floor, since the weights are applied here in a fixed k order.
+
+FP8 (``combine_format="e4m3"``, ``formats.py``): a landing row is an fp8 row (``formats.fp8_row_words``: the
+e4m3 bytes, then one float32 scale per 128 columns), quantized by the send as it copies (``copy_rows(...,
+FP8=True)``, the one copy loop with ``quant.py``'s one quantizer); the receive dequantizes it in float32.
+It quantizes this rank's own rows, which it reads in place, the same way in registers, so every slot's
+row enters the sum as ``reference.fp8_round_trip`` of the expert's row whoever holds the expert: y is
+still bitwise reproducible across runs and world sizes (``reference.combine(..., fp8=True)``).
 """
 
 import triton
 import triton.language as tl
 
 from .copy import address, as_words, copy_rows, load_tile, store_tile
-from .quant import cast_rne
+from .quant import cast_rne, dequantize_e4m3_groups, quantize_e4m3_groups
 from .transport import drain, flush, order_transports, put_peers, store_only
 from . import trace
 from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
@@ -132,14 +139,24 @@ def _run_of(rows, base, p, rank, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: 
 
 
 @triton.jit
+def expert_rows(expert_out_ptr, row, X_WORDS: tl.constexpr, HIDDEN: tl.constexpr, FP8: tl.constexpr):
+    """Pointers to rows ``row`` of expert_out: as words (copied as they are), or with FP8 as elements (the
+    copy quantizes them)."""
+    if FP8:
+        return expert_out_ptr + row.to(tl.int64) * HIDDEN
+    else:
+        return as_words(expert_out_ptr) + row.to(tl.int64) * X_WORDS
+
+
+@triton.jit
 def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
                EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CAP: tl.constexpr,
                X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
-               ALIGNED: tl.constexpr):
-    """This program's share of rank p's run, staged at ``stage`` (int32 words [M * TOPK, X_WORDS]): row i
+               ALIGNED: tl.constexpr, SLOT_WORDS: tl.constexpr, HIDDEN: tl.constexpr, FP8: tl.constexpr):
+    """This program's share of rank p's run, staged at ``stage`` (int32 words [M * TOPK, SLOT_WORDS]): row i
     is the i-th of p's slots here in (local expert, dispatch row) order, i.e. expert_out[e, base_e + j]
-    with base_e = rows of expert e from ranks before p (the dispatch placed p's rows there); a row past
-    the capacity (dropped by the dispatch) is staged as zeros."""
+    with base_e = rows of expert e from ranks before p (the dispatch placed p's rows there), as an fp8 row
+    with FP8; a row past the capacity (dropped by the dispatch) is staged as zeros."""
     w = tl.arange(0, WORLD_P2)
     rows_p = tl.sum(tl.where((w == p)[:, None], rows, 0), axis=0)             # [EXPERTS_P2]
     first = tl.sum(tl.where((w < p)[:, None], rows, 0), axis=0)               # row of p's first, per expert
@@ -152,9 +169,28 @@ def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: t
         pick = e[:, None] == tl.arange(0, EXPERTS_P2)[None, :]
         row = tl.sum(tl.where(pick, first[None, :] + rows_p[None, :] - end[None, :], 0), axis=1) + i
         has_row = ok & (row < CAP)
-        src = as_words(expert_out_ptr) + (e.to(tl.int64) * CAP + tl.where(has_row, row, 0)) * X_WORDS
-        copy_rows(src, has_row, address(stage + i.to(tl.int64) * X_WORDS)[:, None], ok[:, None], X_WORDS, BW, 1,
-                  1, ALIGNED)
+        src = expert_rows(expert_out_ptr, e.to(tl.int64) * CAP + tl.where(has_row, row, 0), X_WORDS, HIDDEN, FP8)
+        copy_rows(src, has_row, address(stage + i.to(tl.int64) * SLOT_WORDS)[:, None], ok[:, None],
+                  HIDDEN if FP8 else X_WORDS, BW, 1, 1, ALIGNED, FP8)
+
+
+@triton.jit
+def _fp8_slot(expert_out_ptr, landing, code, at, use, here, has_row, c0, HIDDEN: tl.constexpr, BT: tl.constexpr,
+              BH: tl.constexpr, SLOT_WORDS: tl.constexpr, ALIGNED: tl.constexpr):
+    """float32 [BT, BH]: columns [c0, c0 + BH) of slot row(t, k) as the fp8 combine sums it, dequantized:
+    an fp8 landing row at ``at`` (byte pointer ``landing``; e4m3 bytes, then float32 scales), or this rank's
+    own expert_out row ``code`` (``here``) quantized in registers exactly as a peer's send would have; a
+    dropped own slot reads nothing (zeros quantize to zeros)."""
+    GROUPS: tl.constexpr = BH // 128
+    own = load_tile(expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN, use & here & has_row, c0,
+                    HIDDEN, BH, ALIGNED)
+    q_own, s_own = quantize_e4m3_groups(own.to(tl.float32), BT, GROUPS)
+    row = landing + at.to(tl.int64) * (SLOT_WORDS * 4)
+    remote = use & ~here
+    q_in = load_tile(row, remote, c0, HIDDEN, BH, ALIGNED).to(tl.float8e4nv, bitcast=True)   # bytes (masked: 0)
+    s_in = load_tile((row + HIDDEN).to(tl.pointer_type(tl.float32)), remote, c0 // 128, HIDDEN // 128, GROUPS, ALIGNED)
+    q = tl.where(here[:, None], q_own.to(tl.float32), q_in.to(tl.float32))   # the e4m3 values, exact in float32
+    return dequantize_e4m3_groups(q, tl.where(here[:, None], s_own, s_in), BT, GROUPS)
 
 
 @triton.jit
@@ -164,9 +200,9 @@ def combine_send_kernel(
     src_tokens_ptr,   # int32 [WORLD]: rows of every rank in that dispatch's landing zone (its tokens T: store)
     runs_ptr,         # int32 [WORLD, EXPERTS_PER_RANK + 1] (PUT only): the dispatch's rows per (source, local
     #                   expert), then the source's run base
-    data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, ZONE_SLOTS, X_WORDS]
+    data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, ZONE_SLOTS, SLOT_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, 2]
-    stage_ptr,        # put transport: int32 [WORLD dest, M * TOPK, X_WORDS], the run staged per dest (symmetric)
+    stage_ptr,        # put transport: int32 [WORLD dest, M * TOPK, SLOT_WORDS], the run staged per dest (symmetric)
     stage_ctrl_ptr,   # put transport: int64 [WORLD, 2] (unused: the flag travels as the run's signal)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
@@ -177,6 +213,8 @@ def combine_send_kernel(
     TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
     ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr, OP: tl.constexpr,
     ZONE_SLOTS: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CAP: tl.constexpr,
+    SLOT_WORDS: tl.constexpr,  # words of a landing row: X_WORDS, or with FP8 an fp8 row (formats.fp8_row_words)
+    HIDDEN: tl.constexpr, FP8: tl.constexpr,  # FP8: rows quantized on the way (BW then counts elements)
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -205,18 +243,20 @@ def combine_send_kernel(
         code = tl.load(row_of_ptr + q * TOPK + k, mask=live_slot, other=-1)
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
-        src = as_words(expert_out_ptr) + tl.where(has_row, code, 0).to(tl.int64) * X_WORDS
+        src = expert_rows(expert_out_ptr, tl.where(has_row, code, 0), X_WORDS, HIDDEN, FP8)
         # Slot (t, k) of rank s, in s's landing zone.
-        zone_off = zone.to(tl.int64) * ZONE_SLOTS * X_WORDS
+        zone_off = zone.to(tl.int64) * ZONE_SLOTS * SLOT_WORDS
         landing = as_ptr(tl.load(data_ptrs_ptr + s, mask=send, other=0), tl.int32) + zone_off
-        dst = landing + (t * TOPK + k).to(tl.int64) * X_WORDS
-        copy_rows(src, has_row, address(dst)[:, None], send[:, None], X_WORDS, BW, 1, 1, ALIGNED)
+        dst = landing + (t * TOPK + k).to(tl.int64) * SLOT_WORDS
+        copy_rows(src, has_row, address(dst)[:, None], send[:, None], HIDDEN if FP8 else X_WORDS, BW, 1, 1, ALIGNED,
+                  FP8)
     if PUT:  # stage each put rank's run: the rows its tokens' slots got here, sorted by (expert, token, k)
         rows, _ = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
         for p in range(WORLD):
             if (p != rank) & is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT) & (failed == 0):
-                _stage_run(expert_out_ptr, stage_ptr + tl.cast(p, tl.int64) * M * TOPK * X_WORDS, rows, p, blk,
-                           WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2, CAP, X_WORDS, BS, BW, NBLK, ALIGNED)
+                _stage_run(expert_out_ptr, stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS, rows, p, blk,
+                           WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2, CAP, X_WORDS, BS, BW, NBLK, ALIGNED,
+                           SLOT_WORDS, HIDDEN, FP8)
     # The last program publishes to every live rank, unless a program skipped its part because the group
     # failed, and advances the send count.
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
@@ -229,14 +269,14 @@ def combine_send_kernel(
             publish_many(ctrl + 1, flag, store_only(put_all, live, PUT))
             if PUT:  # each put rank's run in one put whose signal is the flag (own slots: read in place)
                 own_flag = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + (zone * WORLD + rank) * 2 + 1
-                own_runs = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone.to(tl.int64) * ZONE_SLOTS * X_WORDS
+                own_runs = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone.to(tl.int64) * ZONE_SLOTS * SLOT_WORDS
                 rows, bases = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
                 for p in range(WORLD):
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
                         base, n = _run_of(rows, bases, p, rank, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
-                        flush(own_runs, own_runs, 0, own_runs + (M * TOPK + base).to(tl.int64) * X_WORDS,
-                              stage_ptr + tl.cast(p, tl.int64) * M * TOPK * X_WORDS, n.to(tl.int64) * X_WORDS * 4,
-                              own_flag, flag, p)
+                        flush(own_runs, own_runs, 0, own_runs + (M * TOPK + base).to(tl.int64) * SLOT_WORDS,
+                              stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS,
+                              n.to(tl.int64) * SLOT_WORDS * 4, own_flag, flag, p)
                 drain()   # one wait for the runs to every peer, all in flight together
         tl.store(seq_ptr, call)
     trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
@@ -251,7 +291,7 @@ def combine_recv_kernel(
     row_of_ptr,       # int32 [WORLD * M, TOPK]: the dispatch's row of slot (s, t, k) on this rank
     slot_key_ptr,     # int32 [M, TOPK] (PUT only): position * BINS + expert id of this rank's slot (t, k)
     id_base_ptr,      # int32 [BINS] (PUT only): this rank's slots with a lower expert id
-    data_ptr,         # int32 words [2, ZONE_SLOTS, HIDDEN * elem / 4]: this rank's landing zone
+    data_ptr,         # int32 words [2, ZONE_SLOTS, SLOT_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here; unused at world 1)
     done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
@@ -262,6 +302,8 @@ def combine_recv_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     NBLK: tl.constexpr, ALIGNED: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
     PUT: tl.constexpr, ZONE_SLOTS: tl.constexpr, BINS: tl.constexpr,
+    SLOT_WORDS: tl.constexpr,  # words of a landing row (HIDDEN * elem / 4, or an fp8 row)
+    FP8: tl.constexpr,         # landing rows are fp8 rows; own rows are quantized here the same way (BH % 128 == 0)
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
@@ -307,7 +349,10 @@ def combine_recv_kernel(
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0
-    landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * ZONE_SLOTS * HIDDEN
+    if FP8:   # byte rows (fp8 rows, loaded as bytes)
+        landing = data_ptr.to(tl.pointer_type(tl.uint8)) + zone.to(tl.int64) * ZONE_SLOTS * SLOT_WORDS * 4
+    else:
+        landing = data_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty)) + zone.to(tl.int64) * ZONE_SLOTS * HIDDEN
     for t0 in range(blk * BT, num_tokens, NBLK * BT):
         t = t0 + tl.arange(0, BT)
         live = t < num_tokens
@@ -339,12 +384,16 @@ def combine_recv_kernel(
                 at = t * TOPK + k
             here = code != -1
             has_row = (code >= 0) & (code < ROWS)
-            # One load per slot: from expert_out in place, or from the landing zone; a dropped slot (-2)
-            # reads nothing and adds w * 0, as the zeros a peer sends for one.
-            row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
-                           landing + at.to(tl.int64) * HIDDEN)
-            v = load_tile(row, tl.where(arrived, use & (has_row | ~here), False), c0, HIDDEN, BH,
-                          ALIGNED).to(tl.float32)
+            if FP8:
+                v = _fp8_slot(expert_out_ptr, landing, code, at, tl.where(arrived, use, False), here, has_row, c0,
+                              HIDDEN, BT, BH, SLOT_WORDS, ALIGNED)
+            else:
+                # One load per slot: from expert_out in place, or from the landing zone; a dropped slot (-2)
+                # reads nothing and adds w * 0, as the zeros a peer sends for one.
+                row = tl.where(here, expert_out_ptr + tl.where(has_row, code, 0).to(tl.int64) * HIDDEN,
+                               landing + at.to(tl.int64) * HIDDEN)
+                v = load_tile(row, tl.where(arrived, use & (has_row | ~here), False), c0, HIDDEN, BH,
+                              ALIGNED).to(tl.float32)
             acc = tl.where(use[:, None], acc + wk[:, None] * v, acc)
         store_tile(cast_rne(acc, out_ptr.dtype.element_ty), c0, HIDDEN, address(out_ptr + t.to(tl.int64) * HIDDEN)[:, None],
                    live[:, None], BH, 1, 1, ALIGNED)

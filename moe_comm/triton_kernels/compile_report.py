@@ -95,27 +95,48 @@ def _a2a_configs() -> list[KernelConfig]:
     return out
 
 
-def _ep_configs() -> list[KernelConfig]:
-    """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
-    EP8 and EP1, bf16 and fp8, with the planner's GPU launch shapes; the routing kernel; the abort kernel."""
+# The dispatch payload formats compiled (dispatch_format, label): bf16, every fp8 scale format and nvfp4
+# (``moe_comm.formats``); labels of fp8 formats contain "fp8", nvfp4's does not.
+FORMATS = ((None, "bf16"), ("e4m3", "fp8"), ("e4m3-pow2", "fp8-pow2"), ("e4m3-ue8m0", "fp8-ue8m0"), ("nvfp4", "nvfp4"))
+
+
+def _dispatch_plan(world: int, fmt: str | None, combine_format: str | None = None):
+    """The DeepSeek-V3 decode EP plan (256 experts, hidden 7168, top-8, 128 tokens per rank) of a dispatch
+    format (and combine format), with the GPU launch shapes."""
     import torch  # noqa: PLC0415
 
-    from ..planner import next_pow2, plan_ep  # noqa: PLC0415
+    from ..planner import plan_ep  # noqa: PLC0415
+    return plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda", fmt, combine_format)
+
+
+def _quant_constexprs(p) -> dict:
+    """The dispatch kernels' quantization constexprs of plan ``p``."""
+    return dict(FP8=p.fp8, FP8_GROUPS=p.fp8_block_groups, SCALE=p.scale_mode, S_BLOCK=p.scale_block_words,
+                NVFP4=p.nvfp4, NVFP4_GROUPS=p.nvfp4_block_groups)
+
+
+def _ep_configs() -> list[KernelConfig]:
+    """Dispatch and combine for DeepSeek-V3 decode (256 experts, hidden 7168, top-8, 128 tokens per rank),
+    EP8 and EP1, bf16, every fp8 format and nvfp4 dispatch, bf16 and fp8 combine, with the planner's GPU
+    launch shapes; the routing kernel; the abort kernel."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import next_pow2  # noqa: PLC0415
     from .routing import histogram_bins  # noqa: PLC0415
 
     out, bins = [], histogram_bins(256)
-    for fp8 in (False, True):
-        p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
+    for fmt, name in FORMATS:
+        p = _dispatch_plan(8, fmt)
         common = dict(WORLD=8, WORLD_P2=8, M=128, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=p.experts_per_rank,
                       X_WORDS=p.x_words, S_WORDS=p.scale_words, ROW_WORDS=p.row_words,
                       CTRL_WORDS=p.dispatch_ctrl_words, OP=2)
-        label = f"DSV3 EP8 {'fp8' if fp8 else 'bf16'}"
+        label = f"DSV3 EP8 {name}"
         out.append(KernelConfig("dispatch", "dispatch_send_kernel", label, dict(
             x_ptr="*bf16", idx_ptr="*i64", routed_ptr="*i32", excluded_ptr="*i64",
             slot_key_ptr="*i32", id_base_ptr="*i32", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", num_tokens="i32",
-            num_experts="i32", **SIGNAL, **STAGE), dict(
+            num_experts="i32", gscale_ptr="*fp32", **SIGNAL, **STAGE), dict(
             common, HIDDEN=7168, BT=p.block_tokens, BW=p.send_block_words, ROUTE_T=p.route_tokens,
-            BINS=bins, FP8=fp8, FP8_GROUPS=p.fp8_block_groups, NBLK=p.send_programs, ALIGNED=True, PUT=False),
+            BINS=bins, **_quant_constexprs(p), NBLK=p.send_programs, ALIGNED=True, PUT=False),
             num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
@@ -124,33 +145,39 @@ def _ep_configs() -> list[KernelConfig]:
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
             ALIGNED=True)))
-        p1 = plan_ep(1, 256, 7168, 128, 8, torch.bfloat16, fp8, "cuda")
-        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {'fp8' if fp8 else 'bf16'}", dict(
-            x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if fp8 else "*i32",
-            out_scales_ptr="*fp32", out_src_ptr="*i32", out_counts_ptr="*i32", row_of_ptr="*i32",
-            src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64", excluded_ptr="*i64", grp="*i64",
-            num_tokens="i32", num_experts="i32"), dict(
+        p1 = _dispatch_plan(1, fmt)
+        out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {name}", dict(
+            x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if p1.fp8 else "*i32",
+            out_scales_ptr="*fp32" if p1.fp8 and p1.scale_dtype == torch.float32 else "*i32", out_src_ptr="*i32",
+            out_counts_ptr="*i32", row_of_ptr="*i32", src_tokens_ptr="*i32", routed_ptr="*i32", stats_ptr="*i64",
+            excluded_ptr="*i64",
+            grp="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32"), dict(
             OP=2, CAP=p1.capacity, TOPK=8, TOPK_P2=8, HIDDEN=7168, X_WORDS=p1.x_words, S_WORDS=p1.scale_words,
             BT=p1.block_tokens, BW=p1.send_block_words, ROUTE_T=p1.route_tokens, BINS=bins,
-            FP8=fp8, FP8_GROUPS=p1.fp8_block_groups, NBLK=p1.send_programs, ALIGNED=True),
+            **_quant_constexprs(p1), NBLK=p1.send_programs, ALIGNED=True),
             num_warps=p1.send_warps))
-    p = plan_ep(8, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
-    rows = p.experts_per_rank * p.capacity
-    for world in (8, 1):
-        pw = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
-        out.append(KernelConfig("combine", "combine_recv_kernel", f"DSV3 EP{world} bf16", dict(
-            out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
-            slot_key_ptr="*i32", id_base_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64",
-            done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
-            OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
-            HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
-            ZONE_SLOTS=pw.combine_zone_slots, BINS=bins)))
-    out.append(KernelConfig("combine", "combine_send_kernel", "DSV3 EP8 bf16", dict(
-        expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
-        ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
-        OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
-        BW=p.out_block_words, NBLK=p.recv_programs, ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots,
-        EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity)))
+    for combine_fp8 in (False, True):
+        p = _dispatch_plan(8, None, "e4m3" if combine_fp8 else None)
+        rows = p.experts_per_rank * p.capacity
+        fmt = "fp8" if combine_fp8 else "bf16"
+        quant = dict(SLOT_WORDS=p.combine_words, FP8=combine_fp8)
+        for world in (8, 1):
+            pw = _dispatch_plan(world, None, "e4m3" if combine_fp8 else None)
+            out.append(KernelConfig("combine", "combine_recv_kernel", f"DSV3 EP{world} {fmt}", dict(
+                out_ptr="*bf16", weights_ptr="*fp32", routed_ptr="*i32", expert_out_ptr="*bf16", row_of_ptr="*i32",
+                slot_key_ptr="*i32", id_base_ptr="*i32", data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64",
+                done_ptr="*i32", num_tokens="i32", **SIGNAL), dict(
+                OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
+                HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
+                ZONE_SLOTS=pw.combine_zone_slots, BINS=bins, **quant), num_warps=pw.reduce_warps))
+        out.append(KernelConfig("combine", "combine_send_kernel", f"DSV3 EP8 {fmt}", dict(
+            expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
+            ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
+            OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
+            BW=p.out_block_words * 4 // p.elem_size if combine_fp8 else p.out_block_words, NBLK=p.recv_programs,
+            ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots, EXPERTS_PER_RANK=p.experts_per_rank,
+            EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity, HIDDEN=7168, **quant)))
+    p = _dispatch_plan(8, None)
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
         num_tokens="i32", num_experts="i32"), dict(
@@ -168,8 +195,10 @@ def _ep_configs() -> list[KernelConfig]:
 
 def _prefill_configs() -> list[KernelConfig]:
     """PrefillBuffer at DeepSeek-V3 prefill (256 experts, hidden 7168, top-8, 4096 tokens per rank), EP8 on
-    one node, bf16 and fp8 dispatch, with the planner's GPU launch shapes; and across nodes (the put path,
-    NVSHMEM calls: docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16 and fp8."""
+    one node, bf16 and every fp8 format quantized on the way, and pre-quantized fp8 input (float32 and packed
+    UE8M0 scales), nvfp4, the bf16 and fp8 combine, with the planner's GPU launch shapes; and across nodes
+    (the put path, NVSHMEM calls: docs/prefill.md "Across nodes"), EP32 as 4 nodes of 8 GPUs, bf16 and fp8
+    dispatch, bf16 combine (PrefillBuffer refuses nvfp4 and the fp8 combine across nodes)."""
     import torch  # noqa: PLC0415
 
     from ..errors import op_id  # noqa: PLC0415
@@ -180,23 +209,29 @@ def _prefill_configs() -> list[KernelConfig]:
     ctrl = dict(ctrl_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64")
     for world, put in ((8, False), (32, True)):
         w = dict(WORLD=world, WORLD_P2=next_pow2(world))
-        for fp8 in (False, True):
-            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, fp8, "cuda", ranks_per_node=8 if put else None)
+        sends = ([(fmt, name, False) for fmt, name in FORMATS if fmt in (None, "e4m3")] if put else
+                 [(fmt, name, False) for fmt, name in FORMATS] + [("e4m3", "fp8 prequantized", True),
+                                                                  ("e4m3-ue8m0", "fp8-ue8m0 prequantized", True)])
+        for fmt, name, prequant in sends:
+            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, False, "cuda", ranks_per_node=8 if put else None,
+                             dispatch_format=fmt)
             ep = p.ep
             nodes = dict(PUT=put, G=p.ranks_per_node, G_P2=next_pow2(p.ranks_per_node))
             route = dict(ROUTE_OFFSET=p.route_offset if put else 0, RW=p.route_words)
-            label = f"DSV3 EP{world} M{m} {'fp8' if fp8 else 'bf16'}" + (" nodes of 8" if put else "")
+            label = f"DSV3 EP{world} M{m} {name}" + (" nodes of 8" if put else "")
             out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_send_kernel", label, dict(
-                x_ptr="*bf16", idx_ptr="*i64", weights_ptr="*fp32", routed_ptr="*i32",
-                excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", released_ptr="*i64",
-                combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64", block_done_ptr="*i32",
-                stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", **SIGNAL), dict(
+                x_ptr="*u8" if prequant else "*bf16", scales_ptr="*i32", idx_ptr="*i64", weights_ptr="*fp32",
+                routed_ptr="*i32", excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64",
+                released_ptr="*i64", combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64",
+                block_done_ptr="*i32", stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32",
+                **SIGNAL), dict(
                 w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
                 HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
                 CTRL_WORDS=p.dispatch_ctrl_words, BT=ep.block_tokens, BW=ep.send_block_words,
-                ROUTE_T=ep.route_tokens, BINS=histogram_bins(256), FP8=fp8, FP8_GROUPS=ep.fp8_block_groups,
-                NBLK=ep.send_programs, ALIGNED=True, NODES=p.nodes, NODES_P2=next_pow2(p.nodes),
-                COUNT_SPAN=p.count_span, **route, **nodes), nvshmem=put, num_warps=ep.send_warps))
+                ROUTE_T=ep.route_tokens, BINS=histogram_bins(256), **_quant_constexprs(ep), PREQUANT=prequant,
+                NBLK=ep.send_programs,
+                ALIGNED=True, NODES=p.nodes, NODES_P2=next_pow2(p.nodes), COUNT_SPAN=p.count_span, **route,
+                **nodes), nvshmem=put, num_warps=ep.send_warps))
             if put:
                 out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_pull_kernel", label, dict(
                     data_ptrs_ptr="*i64", src_tokens_ptr="*i32", stamp_ptr="*i64", done_ptr="*i32", **ctrl,
@@ -210,28 +245,35 @@ def _prefill_configs() -> list[KernelConfig]:
                                                  **SIGNAL), dict(
             w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
             EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, **nodes), nvshmem=put))
-        label = f"DSV3 EP{world} M{m} bf16" + (" nodes of 8" if put else "")
-        out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", label, dict(
-            expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
-            done_ptr="*i32", **SIGNAL), dict(
-            w, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
-            BW=p.copy_words, NBLK=p.copy_programs, IN_PLACE=False, ALIGNED=True, **nodes), nvshmem=put))
-        if put:
-            out.append(KernelConfig("prefill_combine", "prefill_combine_forward_kernel", label, dict(
-                rows_ptr="*bf16", zone_ptr="*i32", data_ptrs_ptr="*i64", inbox_ptr="*bf16", src_tokens_ptr="*i32",
-                stamp_ptr="*i64", done_ptr="*i32", **ctrl, **SIGNAL), dict(
-                w, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
-                HIDDEN=7168, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden,
-                ALIGNED=True, **route, **nodes), nvshmem=put))
-        out.append(KernelConfig("prefill_combine", "prefill_combine_recv_kernel", label, dict(
-            out_ptr="*bf16", routed_ptr="*i32", data_ptrs_ptr="*i64", inbox_ptr="*bf16", done_ptr="*i32",
-            num_tokens="i32", **ctrl, **SIGNAL), dict(
-            w, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.out_words * 4,
-            X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True,
-            **nodes), nvshmem=put))
+        for combine in (None,) if put else (None, "e4m3"):   # the fp8 combine is one node only
+            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, False, "cuda", ranks_per_node=8 if put else None,
+                             combine_format=combine)
+            ep, fp8 = p.ep, combine is not None
+            label = f"DSV3 EP{world} M{m} {'fp8' if fp8 else 'bf16'}" + (" nodes of 8" if put else "")
+            out.append(KernelConfig("prefill_combine", "prefill_combine_send_kernel", label, dict(
+                expert_out_ptr="*bf16", zone_ptr="*i32", src_tokens_ptr="*i32", ctrl_ptrs_ptr="*i64", seq_ptr="*i64",
+                done_ptr="*i32", **SIGNAL), dict(
+                w, M=m, TOPK=8, TOPK_P2=8, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BR=p.copy_rows,
+                BW=p.copy_words * 4 // ep.elem_size if fp8 else p.copy_words, NBLK=p.copy_programs, IN_PLACE=False,
+                ALIGNED=True, ROW_WORDS=ep.combine_words, HIDDEN=7168, FP8=fp8, **nodes), nvshmem=put))
+            if put:
+                out.append(KernelConfig("prefill_combine", "prefill_combine_forward_kernel", label, dict(
+                    rows_ptr="*bf16", zone_ptr="*i32", data_ptrs_ptr="*i64", inbox_ptr="*bf16", src_tokens_ptr="*i32",
+                    stamp_ptr="*i64", done_ptr="*i32", **ctrl, **SIGNAL), dict(
+                    w, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
+                    HIDDEN=7168, OUT_WORDS=ep.out_words, X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden,
+                    ALIGNED=True, **route, **nodes), nvshmem=put))
+            out.append(KernelConfig("prefill_combine", "prefill_combine_recv_kernel", label, dict(
+                out_ptr="*bf16", routed_ptr="*i32", data_ptrs_ptr="*i64", inbox_ptr="*bf16", done_ptr="*i32",
+                num_tokens="i32", **ctrl, **SIGNAL), dict(
+                w, OP=op_id("prefill.combine"), M=m, TOPK=8, TOPK_P2=8, HIDDEN=7168, ROW_BYTES=ep.combine_words * 4,
+                X_OFFSET=p.x_offset, BT=ep.block_tokens, BH=ep.block_hidden, NBLK=ep.reduce_programs, ALIGNED=True,
+                FP8=fp8, **nodes), nvshmem=put, num_warps=ep.reduce_warps))
         out.append(KernelConfig("prefill_combine", "prefill_release_kernel", f"EP{world}" + (
             " nodes of 8" if put else ""), dict(ctrl_ptrs_ptr="*i64", send_seq_ptr="*i64", grp="*i64", rank="i32"),
             dict(w, **nodes), nvshmem=put))
+    out.append(KernelConfig("capacity", "check_capacity_kernel", "DeepEP num_worst_tokens", dict(
+        count_ptr="*i64", grp="*i64", rank="i32", bound="i32"), dict(OP=op_id("deep_ep.dispatch")), num_warps=1))
     return out
 
 
@@ -239,7 +281,8 @@ PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with
     # kernels (puts of rows, signals), and every kernel whose failed wait (or host-found error) broadcasts
     # the status record to the peers reached by puts (the receive kernels also read the put layout)
     ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("dispatch_send_kernel", "DSV3 EP8 bf16"),
-    ("combine_send_kernel", "DSV3 EP8 bf16"), ("abort_kernel", "EP8 dispatch channel"),
+    ("combine_send_kernel", "DSV3 EP8 bf16"), ("combine_send_kernel", "DSV3 EP8 fp8"),
+    ("abort_kernel", "EP8 dispatch channel"),
     ("a2a_recv_kernel", "fwd 7168 bf16 EP8"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
     ("combine_recv_kernel", "DSV3 EP8 bf16"), ("drain_kernel", "EP8 dispatch channel"),
     ("fail_group_kernel", "EP8 barrier timeout")}

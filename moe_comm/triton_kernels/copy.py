@@ -17,12 +17,17 @@ that made its value, and Triton 3.9 folds ``int_to_ptr(ptr_to_int(p))`` (a row a
 passes ALIGNED only when it holds (``planner.vector_aligned`` on the host: every row length in bytes and
 every base a multiple of 16); otherwise the same code runs with narrower accesses. The interpreter
 ignores hints.
+
+The same loop moves rows that are quantized on the way (``copy_rows(..., FP8=True)``: the fp8 combine):
+each block is quantized in registers by ``quant.py`` before its stores (``store_fp8_tile``); the nvfp4
+dispatch kernels quantize and store a column block with ``store_nvfp4_tile``.
 """
 
 import triton
 import triton.language as tl
 
 from .. import protocol
+from .quant import quantize_e4m3_groups, quantize_nvfp4_groups
 
 VEC_BYTES = tl.constexpr(protocol.VEC_BYTES)
 
@@ -96,13 +101,43 @@ def load_tile(src, read, col, ncols, BW: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def store_fp8_tile(v, col, ncols, dst, write, C: tl.constexpr, NDST: tl.constexpr, NDST_P2: tl.constexpr,
+                   ALIGNED: tl.constexpr):
+    """``store_tile`` of ``v`` [R, C] (any float dtype; C a multiple of 128, col too) quantized to fp8
+    (``quant.quantize_e4m3_groups``): its e4m3 bytes at byte columns ``col + [0, C)`` of the fp8 row of
+    ``ncols`` columns (a multiple of 128), its float32 scales at byte ``ncols + 4 * (col // 128)`` on."""
+    GROUPS: tl.constexpr = C // 128
+    q, scale = quantize_e4m3_groups(v.to(tl.float32), v.shape[0], GROUPS)
+    store_tile(q, col, ncols, dst, write, C, NDST, NDST_P2, ALIGNED)
+    store_tile(scale, col // 128, ncols // 128, dst + ncols, write, GROUPS, NDST, NDST_P2, ALIGNED)
+
+
+@triton.jit
+def store_nvfp4_tile(v, col, global_scale, dst, sdst, write, X_WORDS: tl.constexpr, S_WORDS: tl.constexpr,
+                     GROUPS: tl.constexpr, NDST: tl.constexpr, NDST_P2: tl.constexpr, ALIGNED: tl.constexpr):
+    """``v`` [R, GROUPS * 16] (any float dtype): column block ``col`` of R rows, quantized to NVFP4 with the
+    float32 scalar ``global_scale`` (``quant.quantize_nvfp4_groups``) and stored to every destination d <
+    NDST where ``write``: the value words at row ``dst[:, d]`` (of X_WORDS words), the scale words at row
+    ``sdst[:, d]`` (of S_WORDS words; int64 byte addresses). What every nvfp4 dispatch kernel stores a block
+    with."""
+    values, scales = quantize_nvfp4_groups(v.to(tl.float32), global_scale, v.shape[0], GROUPS)
+    store_tile(values, col * (GROUPS * 2), X_WORDS, dst, write, GROUPS * 2, NDST, NDST_P2, ALIGNED)
+    store_tile(scales, col * (GROUPS // 4), S_WORDS, sdst, write, GROUPS // 4, NDST, NDST_P2, ALIGNED)
+
+
+@triton.jit
 def copy_rows(src, read, dst, write, ROW: tl.constexpr, BW: tl.constexpr, NDST: tl.constexpr,
-              NDST_P2: tl.constexpr, ALIGNED: tl.constexpr):
+              NDST_P2: tl.constexpr, ALIGNED: tl.constexpr, FP8: tl.constexpr = False):
     """Copy ROW elements of each row: from pointer ``src[r]`` ([R] pointers; read where ``read[r]``, zeros
     elsewhere) to address ``dst[r, d]`` ([R, NDST_P2] int64 bytes) of every destination d < NDST where
-    ``write[r, d]``. A row with ``write`` but not ``read`` is stored as zeros."""
+    ``write[r, d]``. A row with ``write`` but not ``read`` is stored as zeros. With FP8, ``src`` points to
+    float elements (ROW of them, BW a multiple of 128) and each destination row gets them as an fp8 row
+    (``store_fp8_tile``: e4m3 bytes, then float32 scales; ``formats.fp8_row_words``)."""
     v_next = load_tile(src, read, 0, ROW, BW, ALIGNED)
     for c0 in range(0, ROW, BW):  # the next block's load is issued before this block's stores
         v = v_next
         v_next = load_tile(src, tl.where(c0 + BW < ROW, read, False), c0 + BW, ROW, BW, ALIGNED)
-        store_tile(v, c0, ROW, dst, write, BW, NDST, NDST_P2, ALIGNED)
+        if FP8:
+            store_fp8_tile(v, c0, ROW, dst, write, BW, NDST, NDST_P2, ALIGNED)
+        else:
+            store_tile(v, c0, ROW, dst, write, BW, NDST, NDST_P2, ALIGNED)

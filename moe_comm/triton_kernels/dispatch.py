@@ -29,6 +29,10 @@ copied while later sources are still in flight, and the programs of the last sou
 Counts read from peers are clamped so that no value can steer a store out of bounds; a row past the
 capacity is dropped and recorded (CapacityError).
 
+NVFP4 (``formats.py``): the same with ``quant.quantize_nvfp4_groups`` (``copy.store_nvfp4_tile``): a landing
+row's payload is H / 8 words of packed e2m1 codes, then H / 64 words of e4m3 scales (four per word), each
+program quantizing one column block of NVFP4_GROUPS * 16 columns with the caller's global scale.
+
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): a put peer gets only the rows of the tokens routed to it (each once), packed in token order into
 this rank's staging copy of its region: row j is the j-th such token (``routing.packed_rows``: the
@@ -46,7 +50,7 @@ import triton
 import triton.language as tl
 
 from . import trace
-from .copy import address, as_words, copy_rows, load_tile, store_tile
+from .copy import address, as_words, copy_rows, load_tile, store_nvfp4_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
                       token_destinations)
@@ -123,9 +127,12 @@ def dispatch_send_kernel(
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, ROUTE_T: tl.constexpr, BINS: tl.constexpr,
-    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
-    TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, SCALE: tl.constexpr, S_BLOCK: tl.constexpr, NBLK: tl.constexpr,
+    ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    gscale_ptr,       # float32 [1]: the NVFP4 global scale (read with NVFP4 only)
+    NVFP4: tl.constexpr, NVFP4_GROUPS: tl.constexpr,  # NVFP4: quantized in column blocks of NVFP4_GROUPS * 16
 ):
+    # SCALE: the scale format (quant.py); S_BLOCK: scale words of one FP8 column block (EPPlan.scale_block_words)
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
@@ -202,10 +209,14 @@ def dispatch_send_kernel(
         if FP8:  # column block `col` of the row: quantized in registers, stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
             xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
-            q, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS)
+            q, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS, SCALE)
             store_tile(q, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
-            store_tile(scale, col * FP8_GROUPS, S_WORDS, dst + X_WORDS * 4, write, FP8_GROUPS, TOPK, TOPK_P2,
-                       ALIGNED)
+            store_tile(scale, col * S_BLOCK, S_WORDS, dst + X_WORDS * 4, write, S_BLOCK, TOPK, TOPK_P2, ALIGNED)
+        elif NVFP4:  # the same for NVFP4: value words, then scale words, of column block `col`
+            NCOLS: tl.constexpr = NVFP4_GROUPS * 16
+            xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
+            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst, dst + X_WORDS * 4, write, X_WORDS, S_WORDS,
+                             NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)

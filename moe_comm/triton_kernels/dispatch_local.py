@@ -18,7 +18,7 @@ any capacity overflow. Programs (NBLK, col > 0) and those without tokens (T < NB
 import triton
 import triton.language as tl
 
-from .copy import address, as_words, load_tile, store_tile
+from .copy import address, as_words, load_tile, store_nvfp4_tile, store_tile
 from .quant import quantize_e4m3_groups
 from .routing import chunk_positions, histogram_of_tokens, load_topk_chunk, scan_ids
 from .sync import ERR_CAPACITY, record_error
@@ -28,8 +28,9 @@ from .sync import ERR_CAPACITY, record_error
 def dispatch_local_kernel(
     x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS])
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
-    out_x_ptr,        # out [EXPERTS * CAP, X_WORDS] int32 words (plain) or float8 [.., HIDDEN] (FP8): d.x
-    out_scales_ptr,   # out float32 [EXPERTS * CAP, S_WORDS]: d.scales (FP8 only)
+    out_x_ptr,        # out [EXPERTS * CAP, X_WORDS] int32 words (plain, NVFP4) or float8 [.., HIDDEN] (FP8): d.x
+    out_scales_ptr,   # out [EXPERTS * CAP, S_WORDS] float32 / int32 (FP8; int32: packed UE8M0) or int32 words
+    #                   (NVFP4): d.scales
     out_src_ptr,      # out int32 [EXPERTS * CAP]: token index of each row (source rank 0)
     out_counts_ptr,   # out int32 [EXPERTS]: valid rows per expert
     row_of_ptr,       # out int32 [M, TOPK]: e * CAP + row of slot (t, k); -1 not routed, -2 dropped
@@ -42,8 +43,11 @@ def dispatch_local_kernel(
     OP: tl.constexpr, CAP: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr,
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
     ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr,
-    NBLK: tl.constexpr, ALIGNED: tl.constexpr,
+    SCALE: tl.constexpr, S_BLOCK: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr,
+    gscale_ptr,       # float32 [1]: the NVFP4 global scale (read with NVFP4 only)
+    NVFP4: tl.constexpr, NVFP4_GROUPS: tl.constexpr,  # NVFP4: quantized in column blocks of NVFP4_GROUPS * 16
 ):
+    # SCALE: the scale format (quant.py); S_BLOCK: scale words of one FP8 column block (EPPlan.scale_block_words)
     blk = tl.program_id(0)
     col = tl.program_id(1)
     per_program = tl.cdiv(num_tokens, NBLK)
@@ -74,11 +78,14 @@ def dispatch_local_kernel(
         # (not only those with a routed slot: that mask would wait for the ids), so that it is in flight
         # while the earlier tokens' ids are counted and the chunk's own are read (bench/NOTES.md 20).
         COLS: tl.constexpr = FP8_GROUPS * 128  # FP8: divides HIDDEN, every column block is full
+        NCOLS: tl.constexpr = NVFP4_GROUPS * 16  # NVFP4: the same
         before = tl.zeros([BINS], dtype=tl.int32)
         for t0 in range(t_begin, t_end, BT):
             t = t0 + tl.arange(0, BT)
             if FP8:
                 v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * COLS, HIDDEN, COLS, ALIGNED)
+            elif NVFP4:
+                v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
             else:
                 v = load_tile(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, t < t_end, col * BW, X_WORDS, BW, ALIGNED)
             if t0 == t_begin:
@@ -94,12 +101,16 @@ def dispatch_local_kernel(
             dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
             ok2 = tl.reshape(ok, (BT, TOPK_P2))
             if FP8:
-                q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS)
+                q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS, SCALE)
                 # One tile stored to each of the token's k rows in turn (copy.py).
                 store_tile(q, col * COLS, HIDDEN, address(out_x_ptr) + dst2 * HIDDEN, ok2, COLS, TOPK, TOPK_P2,
                            ALIGNED)
-                store_tile(scale, col * FP8_GROUPS, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
-                           FP8_GROUPS, TOPK, TOPK_P2, ALIGNED)
+                store_tile(scale, col * S_BLOCK, S_WORDS, address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2,
+                           S_BLOCK, TOPK, TOPK_P2, ALIGNED)
+            elif NVFP4:
+                store_nvfp4_tile(v, col, tl.load(gscale_ptr), address(out_x_ptr) + dst2 * (X_WORDS * 4),
+                                 address(out_scales_ptr) + dst2 * (S_WORDS * 4), ok2, X_WORDS, S_WORDS, NVFP4_GROUPS,
+                                 TOPK, TOPK_P2, ALIGNED)
             else:
                 store_tile(v, col * BW, X_WORDS, address(out_x_ptr) + dst2 * (X_WORDS * 4), ok2, BW, TOPK, TOPK_P2,
                            ALIGNED)

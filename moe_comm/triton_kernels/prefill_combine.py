@@ -28,16 +28,22 @@ ranks holding one of the token's experts (ascending rank, float32), rounds the s
 over its own row, puts it into the source's node inbox at [this node, t], and signals ``ready`` to the
 source. The receive then sums node by node in ascending node order: this node's ranks' rows (float32,
 ascending rank, as above), another node's inbox row. ``released`` reaches other nodes as a signal.
+
+FP8 (``combine_format="e4m3"``): the send quantizes each partial row into the zone as an fp8 row
+(``formats.fp8_row_words``: e4m3 bytes, then a float32 scale per 128 columns; ``copy_rows(..., FP8=True)``)
+and the receive dequantizes the rows it reads (``quant.dequantize_e4m3_groups``) before the sum: half the
+bytes a source loads from its peers (``reference.prefill_combine(..., fp8=True)``). Never in place. One node
+only: across nodes the forward kernel sums rows of the dtype (PrefillBuffer refuses the fp8 combine there).
 """
 
 import triton
 import triton.language as tl
 
-from .combine import fill_nan
+from .combine import expert_rows, fill_nan
 from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_tile
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .prefill_dispatch import rail_of, rails_of
-from .quant import cast_rne
+from .quant import cast_rne, dequantize_e4m3_groups
 from .sync import S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many, wait_flags
 from .transport import drain, put_peers, store_only
 
@@ -104,6 +110,8 @@ def prefill_combine_send_kernel(
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     OUT_WORDS: tl.constexpr, X_OFFSET: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
     IN_PLACE: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+    ROW_WORDS: tl.constexpr,   # words of a partial row in the zone: OUT_WORDS, or an fp8 row with FP8
+    HIDDEN: tl.constexpr, FP8: tl.constexpr,   # FP8: rows quantized on the way (BW then counts elements)
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
@@ -121,9 +129,9 @@ def prefill_combine_send_kernel(
             ids = tl.load(zone_ptr + q[:, None].to(tl.int64) * TOPK + kk[None, :],
                           mask=row_live[:, None] & (kk < TOPK)[None, :], other=-1)
             mine = tl.where(failed, False, row_live & (tl.max(ids, axis=1) >= 0))
-            dst = address(zone_ptr + X_OFFSET + q.to(tl.int64) * OUT_WORDS)[:, None]
-            copy_rows(as_words(expert_out_ptr) + q.to(tl.int64) * OUT_WORDS, mine, dst, mine[:, None], OUT_WORDS, BW, 1, 1,
-                      ALIGNED)
+            dst = address(zone_ptr + X_OFFSET + q.to(tl.int64) * ROW_WORDS)[:, None]
+            copy_rows(expert_rows(expert_out_ptr, q, OUT_WORDS, HIDDEN, FP8), mine, dst, mine[:, None],
+                      HIDDEN if FP8 else OUT_WORDS, BW, 1, 1, ALIGNED, FP8)
     last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:
         if skipped == 0:
@@ -228,6 +236,7 @@ def prefill_combine_recv_kernel(
     TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, ROW_BYTES: tl.constexpr, X_OFFSET: tl.constexpr, BT: tl.constexpr,
     BH: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr, G: tl.constexpr,
     G_P2: tl.constexpr,
+    FP8: tl.constexpr,   # the partial rows are fp8 rows (ROW_BYTES of them), dequantized before the sum
 ):
     blk = tl.program_id(0)
     c0 = tl.program_id(1) * BH  # this program's columns: [c0, c0 + BH)
@@ -259,8 +268,15 @@ def prefill_combine_recv_kernel(
                 ok = tl.sum(tl.where((w == d) & (put == 0), arrived.to(tl.int32), 0)) > 0
                 use = tl.where(ok, tl.max((owner == d).to(tl.int32), axis=1) > 0, False)
                 base = tl.load(data_ptrs_ptr + d, mask=ok, other=0) + X_OFFSET * 4
-                rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, DT, ALIGNED)
-                v = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float32)
+                if FP8:   # e4m3 bytes, then float32 scales
+                    rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, tl.uint8, ALIGNED)
+                    q = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float8e4nv, bitcast=True)
+                    scale = load_tile((rows + HIDDEN).to(tl.pointer_type(tl.float32)), use, c0 // 128,
+                                      HIDDEN // 128, BH // 128, ALIGNED)
+                    v = dequantize_e4m3_groups(q, scale, BT, BH // 128)
+                else:
+                    rows = row_pointers(base + (rank * M + t).to(tl.int64) * ROW_BYTES, DT, ALIGNED)
+                    v = load_tile(rows, use, c0, HIDDEN, BH, ALIGNED).to(tl.float32)
                 part = tl.where(use[:, None], part + v, part)
             if PUT:   # another node: its rail's reduced row in the node inbox, if the token went there
                 far = tl.sum(tl.where(mine & (w // G == n) & put & arrived, 1, 0)) > 0

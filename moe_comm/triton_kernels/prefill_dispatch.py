@@ -13,7 +13,8 @@ still read. Then, for each token t of the program's range, the K local ids (-1 w
 is on another rank) and K weights (0 there) go to row ``rank * M + t`` of every live rank of this node,
 and the payload to the same row of each such rank holding one of its experts, once per rank however
 many of its experts live there (``routing.token_destinations``), through ``copy.py``'s one copy loop
-(FP8: quantized in registers by ``quant.py`` first, one column block per program). One program writes
+(FP8 and NVFP4: quantized in registers by ``quant.py`` first, one column block per program; PREQUANT: the
+caller's fp8 codes and scales, already quantized, copied as they are in the same column blocks). One program writes
 the control words; the last one to finish publishes every live rank's flag and advances the send count.
 
 Across nodes (PUT, docs/prefill.md "Across nodes"; nodes of G consecutive ranks, the ranks of this
@@ -35,7 +36,7 @@ call's flag) give this rank's ids and weights, and the rows with one of its expe
 import triton
 import triton.language as tl
 
-from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_tile
+from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_nvfp4_tile, store_tile
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
@@ -154,7 +155,9 @@ def wait_released(released_ptr, combine_seq_ptr, grp, status_ptr, op, rank, WORL
 
 @triton.jit
 def prefill_dispatch_send_kernel(
-    x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS])
+    x_ptr,            # [T, HIDDEN] dtype: the tokens (plain: copied as int32 words [T, X_WORDS]; PREQUANT:
+    #                   the float8 codes as uint8 bytes)
+    scales_ptr,       # int32 words [T, S_WORDS]: the codes' scales (PREQUANT only)
     idx_ptr,          # [T, TOPK] int32/int64 expert ids, -1 = not routed
     weights_ptr,      # [T, TOPK] float32 topk_weights
     routed_ptr,       # out int32 [M, TOPK]: 1 + the owner rank where slot (t, k) is routed (the combine's mask), else 0
@@ -172,10 +175,14 @@ def prefill_dispatch_send_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr, X_WORDS: tl.constexpr,
     S_WORDS: tl.constexpr, X_OFFSET: tl.constexpr, CTRL_WORDS: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
-    ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, NBLK: tl.constexpr,
-    ALIGNED: tl.constexpr, PUT: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, NODES: tl.constexpr,
-    NODES_P2: tl.constexpr, COUNT_SPAN: tl.constexpr, ROUTE_OFFSET: tl.constexpr, RW: tl.constexpr,
+    ROUTE_T: tl.constexpr, BINS: tl.constexpr, FP8: tl.constexpr, FP8_GROUPS: tl.constexpr, SCALE: tl.constexpr,
+    S_BLOCK: tl.constexpr, PREQUANT: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
+    G: tl.constexpr, G_P2: tl.constexpr, NODES: tl.constexpr, NODES_P2: tl.constexpr, COUNT_SPAN: tl.constexpr,
+    ROUTE_OFFSET: tl.constexpr, RW: tl.constexpr,
+    gscale_ptr,       # float32 [1]: the NVFP4 global scale (read with NVFP4 only)
+    NVFP4: tl.constexpr, NVFP4_GROUPS: tl.constexpr,  # NVFP4: quantized in column blocks of NVFP4_GROUPS * 16
 ):
+    # SCALE: the scale format (quant.py); S_BLOCK: scale words of one FP8 column block (EPPlan.scale_block_words)
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
@@ -233,14 +240,24 @@ def prefill_dispatch_send_kernel(
         row = (rank * M + t).to(tl.int64)[:, None]
         dst = base + (X_OFFSET + row * X_WORDS) * 4                             # bytes
         read = tl.max(write.to(tl.int32), axis=1) > 0
-        if FP8:  # column block `col` of the row: quantized in registers, stored to every destination
+        if FP8:  # column block `col` of the row: quantized in registers (or given), stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
-            xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
-            qx, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS)
+            if PREQUANT:
+                qx = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
+                scale = load_tile(scales_ptr + t.to(tl.int64) * S_WORDS, read, col * S_BLOCK, S_WORDS, S_BLOCK,
+                                  ALIGNED & (S_WORDS % 4 == 0))
+            else:
+                xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
+                qx, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS, SCALE)
             store_tile(qx, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
             sdst = base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4
-            store_tile(scale, col * FP8_GROUPS, S_WORDS, sdst, write, FP8_GROUPS, TOPK, TOPK_P2,
+            store_tile(scale, col * S_BLOCK, S_WORDS, sdst, write, S_BLOCK, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
+        elif NVFP4:  # the same for NVFP4 (value words into recv_x, scale words into recv_scales)
+            NCOLS: tl.constexpr = NVFP4_GROUPS * 16
+            xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
+            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
+                             write, X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)

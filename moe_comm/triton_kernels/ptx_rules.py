@@ -166,16 +166,20 @@ NO_DEST = re.compile(r"^(?:st|red|bar|barrier|bra|ret|exit|membar|fence|prefetch
 
 def _body(ptx: str, kernel: str) -> list[tuple[int, str]]:
     """(line number, statement) of the entry function ``kernel``, one PTX statement each (a line holding
-    an inline-asm block ``{ a; b; }`` gives its statements; its local ``.reg`` declarations are dropped)."""
+    an inline-asm block ``{ a; b; }`` gives its statements; its local ``.reg`` declarations are dropped).
+    The body ends at the brace that closes the function: an inline-asm block may span lines, its ``}``
+    alone on a line (Triton's fp8 -> f16 conversion ``{\\n cvt...;\\n}``)."""
     lines = ptx.splitlines()
     start = next(i for i, x in enumerate(lines) if re.search(rf"\.entry\s+{re.escape(kernel)}\s*\(", x))
     i = next(j for j in range(start, len(lines)) if lines[j].strip() == "{")
-    out = []
+    out, depth = [], 1
     for n in range(i + 1, len(lines)):
         raw = lines[n]
-        if raw.rstrip() == "}":
+        code = raw.split("//")[0]
+        depth += code.count("{") - code.count("}")
+        if depth <= 0:
             break
-        text = raw.split("//")[0].strip()
+        text = code.strip()
         if not text or text.startswith("."):
             continue
         m = LABEL.match(text)
