@@ -7,7 +7,11 @@ AllToAllvDynamic stay exact against the references when every cross-node byte tr
 proxy thread of the receiving process applies asynchronously; a rank killed on the other node costs the
 ranks that put to it their process at their send's quiet, once the emulated NIC gives up (as NVSHMEM's
 quiet does), while a rank of its own node names it by a CommTimeoutError within the timeout + 2 s and
-``exclude()`` works; the wire's quiet is bounded by the emulated NIC, not the group timeout; a
+``exclude()`` works (for PrefillBuffer too, whose put peers of a dead rank end the same way); a rank
+alive but no longer coming (its wire still acknowledges) is named by every survivor, and excluding it
+and then its whole node keeps prefill exact; a rank that finished closes its wire only after the live
+ranks met in the heap's finalize barrier (as ``nvshmem_finalize``), so no happy path loses a rank to a
+closed wire; the wire's quiet is bounded by the emulated NIC, not the group timeout; a
 group-wide error recorded on one node reaches the other as a put of the status record (the same named
 error on every rank, before the other node's own timeouts), and a dead receiver does not hold up that
 put's sender. What they cannot show: a real NIC's ordering, completion, retry time or bandwidth, or
@@ -95,6 +99,12 @@ def test_ops_are_exact_across_emulated_nodes(monkeypatch, world, per_node, which
 
 
 NIC_GIVE_UP_S = 4.0   # the emulated NIC's retry time in the dead-rank tests (NVSHMEM's defaults: about 34 s)
+FATAL = re.compile(r"rank (\d+)'s puts to rank (\d+) were not acknowledged after ([\d.]+) s")  # wire.transport_failed
+
+
+def _fatal_ends(stderr: str) -> list[tuple[int, int, float]]:
+    """(rank, peer, seconds waited) of every transport_failed message in the ranks' ``stderr``."""
+    return sorted((int(r), int(pe), float(s)) for r, pe, s in FATAL.findall(stderr))
 
 
 def _killed_on_the_other_node(group, victim):
@@ -143,8 +153,8 @@ def test_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeyp
     assert sorted(err.failures) == sorted(put_ranks + [victim]), err.failures
     assert "exit code 9" in err.failures[victim]
     assert all("exit code 255" in err.failures[r] for r in put_ranks), err.failures
-    fatal = re.findall(r"rank (\d+)'s puts to rank (\d+) were not acknowledged after ([\d.]+) s", capfd.readouterr().err)
-    assert sorted((int(r), int(pe)) for r, pe, _ in fatal) == [(r, victim) for r in put_ranks], fatal
+    fatal = _fatal_ends(capfd.readouterr().err)
+    assert [(r, pe) for r, pe, _ in fatal] == [(r, victim) for r in put_ranks], fatal
     assert all(float(waited) >= NIC_GIVE_UP_S for _, _, waited in fatal), fatal
     for r in store_ranks:
         named, took, excluded, out = err.results[r]
@@ -480,58 +490,140 @@ def test_prefill_dispatch_returns_after_its_node_pulled_from_its_rows_and_chunks
     assert [o[3] for o in out] == [[]] * 4, out
 
 
-def _prefill_killed(group, victims):
-    """A good PrefillBuffer step; then ``victims[0]`` dies, the survivors' next step names it, they exclude
-    it and make three exact steps; then the same for ``victims[1]``. Per victim: (the rank named, seconds
-    the failing step took, mismatches of the three steps after exclude). A later victim that saw a wrong
-    result before its turn returns it instead of dying."""
+def _prefill_step_after_fault(group, buf, seed, excluded, late):
+    """The survivors' step after a fault: ``late`` ranks start LATE_S later (the first timeout is the
+    others'). Returns (the rank its CommTimeoutError named or None, seconds the step took)."""
+    if late:
+        time.sleep(LATE_S)
+    t0 = time.monotonic()
+    try:
+        _prefill_round(group, buf, seed, tuple(excluded), poison=False)
+        return None, None
+    except CommTimeoutError as e:
+        return e.peer, time.monotonic() - t0
+
+
+def _prefill_killed_on_the_other_node(group, victim):
+    """A good PrefillBuffer step; then ``victim`` dies and every other rank makes the next step: a rank
+    of another node puts to it (its rows when the victim is its rail there, else the bare flag) and
+    quiets them, they are never acknowledged, and its process ends when the emulated NIC gives up; a
+    rank of the victim's node names it by CommTimeoutError, excludes who does not come and makes three
+    exact steps. Returns (mismatches of the good step, the rank named, seconds, the ranks excluded, the
+    mismatches of the three steps)."""
+    import prefill_cases
+    me = group.rank
+    buf = prefill_cases.make_buffer(group, prefill_cases.CONFIGS[0])
+    errs = _prefill_round(group, buf, 100)[0]
+    if me == victim:
+        os._exit(9)
+    named, took = _prefill_step_after_fault(group, buf, 101, (), late=False)
+    if named is None:
+        return errs, named, took, None, None
+    excluded = group.exclude([named])
+    return errs, named, took, excluded, [_prefill_round(group, buf, 102 + s, tuple(excluded))[0] for s in range(3)]
+
+
+# The emulated NIC's retry time in the prefill dead-rank test: longer than a survivor takes to name the dead
+# rank (PREFILL_NAMED_S), so that the status record it then puts to the dying put peers is acknowledged
+# while they live (with a shorter one its next quiet waits on a dead peer too and ends its process as well).
+PREFILL_NIC_GIVE_UP_S = 2 * PREFILL_NAMED_S
+
+
+@pytest.mark.timeout(600)
+def test_prefill_killed_rank_on_the_other_node_costs_its_put_peers_their_process(monkeypatch, capfd):
+    """What NVSHMEM does with a dead peer across nodes, in prefill as in decode (2 x 2 emulated nodes,
+    rank 3 killed after a good step): ranks 0 and 1 (node 0) put to it in their next send (rank 1 its
+    rows, rank 3 being its rail on node 1; rank 0 the bare flag every other rank of a node gets), their
+    send's quiet waits for acknowledgements that never come, and each ends when the emulated NIC gives up
+    (exit 255, the message naming rank 3, after PREFILL_NIC_GIVE_UP_S), never raising; rank 2 (rank 3's
+    node mate, stores only) names rank 3 by CommTimeoutError within the timeout + 4 s, excludes who does
+    not come (ranks 0, 1 and 3) and makes three exact steps alone."""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.setenv("MOE_COMM_WIRE_TRANSPORT_TIMEOUT_S", str(PREFILL_NIC_GIVE_UP_S))
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_prefill_killed_on_the_other_node, 4, 3, backend="shm", timeout_s=PREFILL_TIMEOUT_S,
+                        grace_s=300)
+    err = info.value
+    assert sorted(err.failures) == [0, 1, 3], err.failures
+    assert "exit code 9" in err.failures[3]
+    assert all("exit code 255" in err.failures[r] for r in (0, 1)), err.failures
+    fatal = _fatal_ends(capfd.readouterr().err)
+    assert [(r, pe) for r, pe, _ in fatal] == [(0, 3), (1, 3)], fatal
+    assert all(float(waited) >= PREFILL_NIC_GIVE_UP_S for _, _, waited in fatal), fatal
+    errs, named, took, excluded, steps = err.results[2]
+    assert errs == [] and named == 3 and took < PREFILL_NAMED_S, err.results[2]
+    assert excluded == [0, 1, 3] and steps == [[]] * 3, err.results[2]
+
+
+class _Hang:
+    """A rank that stops coming to the group's calls but stays alive (its process, and so its wire's
+    proxy, still acknowledge every message: what a hung or skipping rank is, unlike a dead one) until the
+    ranks ``waits_for`` are done, told through the group's store."""
+
+    KEY = "test/done/{}"
+
+    def __init__(self, group, waits_for):
+        self.store, self.waits_for = group.heap._control.store, waits_for
+
+    def done(self, rank):
+        self.store.set(self.KEY.format(rank), "1")
+
+    def hang(self, limit_s=600.0):
+        deadline = time.monotonic() + limit_s
+        while not self.store.check([self.KEY.format(r) for r in self.waits_for]):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the survivors never finished")
+            time.sleep(0.1)
+
+
+def _prefill_hung(group, victims):
+    """A good PrefillBuffer step; then ``victims[0]`` stops coming (alive: its wire acknowledges), the
+    others' next step names it, they exclude it and make three exact steps; then the same for
+    ``victims[1]``. Per victim this rank survived: (the rank named, seconds the failing step took,
+    mismatches of the three steps after exclude). A victim returns what it saw before its turn."""
     import prefill_cases
     me, out, excluded = group.rank, [], []
+    hang = _Hang(group, [r for r in range(group.world_size) if r not in victims])
     buf = prefill_cases.make_buffer(group, prefill_cases.CONFIGS[0])
     errs = _prefill_round(group, buf, 100)[0]
     for i, victim in enumerate(victims):
         if me == victim:
-            good = errs == [] and all(o[0] == victims[j] and o[1] < PREFILL_NAMED_S and o[2] == [[]] * 3
-                                      for j, o in enumerate(out))
-            if not good:   # a later victim reports what it saw before (it returns nothing once dead)
-                return errs, out
-            os._exit(9)
-        if group.heap.node[me] != group.heap.node[victim]:
-            time.sleep(LATE_S)   # the victim's node mates wait first: theirs is the first timeout
-        t0 = time.monotonic()
-        try:
-            _prefill_round(group, buf, 101 + 10 * i, tuple(excluded), poison=False)
-            named, took = None, None
-        except CommTimeoutError as e:
-            named, took = e.peer, time.monotonic() - t0
+            hang.hang()
+            return errs, out
+        late = group.heap.node[me] != group.heap.node[victim]   # the victim's node mates time out first
+        named, took = _prefill_step_after_fault(group, buf, 101 + 10 * i, excluded, late)
         if named is None or group.exclude([named]) != sorted(excluded + [victim]):
-            return errs, out + [(named, took, None)]
+            out.append((named, took, None))
+            break
         excluded.append(victim)
         steps = [_prefill_round(group, buf, 102 + 10 * i + s, tuple(excluded))[0] for s in range(3)]
         out.append((named, took, steps))
+    hang.done(me)
     return errs, out
 
 
 @pytest.mark.timeout(900)
-def test_prefill_killed_rank_and_then_its_whole_node_are_named_and_excluded(monkeypatch):
-    """PrefillBuffer across emulated nodes (2 x 2): rank 3 (node 1) dies after a good step; every survivor
-    (rank 2 on its node, ranks 0-1 on the other) names it by CommTimeoutError within the timeout + 4 s (rank
-    2 starts the step first, so its own wait decides: the rows of rank 1, whose rail on node 1 was rank 3,
-    are missing too, but the wait for its node's ranks names the dead rail itself);
-    after exclude([3]) three steps are exact among the survivors (rank 1's rail on node 1 is now rank 2).
-    Then rank 2 dies too (having seen all of that right, or it would report instead of dying): named by
-    ranks 0-1, excluded (node 1 has no live rank), three exact steps."""
+def test_prefill_hung_rank_and_then_its_whole_node_are_named_and_excluded(monkeypatch):
+    """The recoverable fault across nodes (2 x 2 emulated nodes): a rank alive but no longer coming (hung,
+    skipping calls: its process and NIC still acknowledge, so nobody's quiet fails). Rank 3 (node 1)
+    stops after a good step: every other rank (rank 2 on its node, ranks 0-1 on the other) names it by
+    CommTimeoutError within the timeout + 4 s (rank 2 starts the step first, so its own wait decides:
+    the rows of rank 1, whose rail on node 1 was rank 3, are missing too, but the wait for its node's
+    ranks names the absent rail itself); after exclude([3]) three steps are exact among the survivors
+    (rank 1's rail on node 1 is now rank 2). Then rank 2 stops too: named by ranks 0-1, excluded (node 1
+    has no live rank left), three exact steps. (A rank that dies instead costs its put peers their
+    process: the test above.)"""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
-    with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_prefill_killed, 4, [3, 2], backend="shm", timeout_s=PREFILL_TIMEOUT_S, grace_s=600)
-    err = info.value
-    assert sorted(err.failures) == [2, 3], err.failures
-    for r, victims in ((0, [3, 2]), (1, [3, 2])):
-        errs, out = err.results[r]
-        assert errs == [] and [o[0] for o in out] == victims, err.results[r]
+    res = moe_comm.launch(_prefill_hung, 4, [3, 2], backend="shm", timeout_s=PREFILL_TIMEOUT_S, grace_s=600)
+    assert [r[0] for r in res] == [[]] * 4, res
+    assert res[3][1] == [], res
+    for r, victims in ((0, [3, 2]), (1, [3, 2]), (2, [3])):
+        out = res[r][1]
+        assert [o[0] for o in out] == victims, (r, res[r])
         for named, took, steps in out:
-            assert took < PREFILL_NAMED_S and steps == [[]] * 3, err.results[r]
+            assert took < PREFILL_NAMED_S and steps == [[]] * 3, (r, res[r])
 
 
 def _doors(group):

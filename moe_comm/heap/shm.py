@@ -21,11 +21,13 @@ import uuid
 import torch
 
 from .base import SymmetricBuffer, nbytes_of
-from .control import ControlledHeap
+from ..errors import CommTimeoutError
+from .control import ControlBlock, ControlledHeap
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moecomm_"
 RANKS_PER_NODE_ENV = "MOE_COMM_RANKS_PER_NODE"
+FINALIZE = "finalize"   # the control block (store keys) and op name of the finalize barrier (ShmHeap.close)
 
 
 def ranks_per_node(world_size: int) -> int:
@@ -144,14 +146,36 @@ class ShmHeap(ControlledHeap):
     def _sync_live(self) -> None:
         self.barrier([j for j in range(self.world_size) if j not in self._excluded], "alloc")
 
+    def _finalize(self) -> None:
+        """``nvshmem_finalize``'s barrier: NVSHMEM tears a PE's transport down only after every PE reached
+        finalize (it is collective), so a peer's quiet never waits on a NIC that stopped answering. Here
+        the live ranks (not excluded) meet once, in a block of their own (``FINALIZE``: any barrier or
+        recovery sequence may have been cut short by a fault before), bounded by the heap's timeout; a
+        rank that does not come (dead, hung, or closing without the others) is not waited for longer, and
+        the wire closes anyway: a close never hangs and never raises. A dead rank's wire is gone whatever
+        this does (its put peers' quiets end their process, wire.py); a live rank that never closes keeps
+        acknowledging."""
+        block = ControlBlock(self._control.store, FINALIZE, self.rank, self.world_size, self.timeout_s)
+        try:
+            block.barrier([j for j in range(self.world_size) if j not in self._excluded], FINALIZE)
+        except CommTimeoutError:
+            pass
+
     def _release_mappings(self, peer: int) -> None:
         for maps, views, buf in self._live.values():
             buf.peer_ptrs[peer] = buf.peer_ptrs[self.rank]
             maps[peer], views[peer] = None, None  # the mapping goes with its last view
 
     def close(self) -> None:
+        """Release the heap. With a wire (emulated nodes), the live ranks first meet in the finalize
+        barrier (``_finalize``), so that no rank's wire stops acknowledging while a live peer may still
+        quiet messages to it."""
         if self.wire is not None:
-            self.wire.close()
+            try:
+                if self._control is not None:
+                    self._finalize()
+            finally:
+                self.wire.close()
         self._control = self._recovery = None
         self._live.clear()
         for f in os.listdir(SHM_DIR):  # files of ours that a failed allocation left behind

@@ -18,6 +18,9 @@ so the quiet then does what NVSHMEM does when the NIC gives up: ``transport_fail
 exit). A message nothing quiets (a group-wide error's status record, ``sync.record_group_error``; an
 abort's flag) only sends; the next quiet of the process covers it too. What this does not model:
 IBRC's proxy fails the process when the NIC gives up whether or not anything quiets. See docs/faults.md.
+A wire stops acknowledging when it closes; its heap closes it only after the live ranks met in the
+finalize barrier (``ShmHeap._finalize``, as ``nvshmem_finalize``), so a rank that merely finished never
+looks dead to a peer's quiet.
 
 Symmetric addresses do not cross: a message names the buffer by its allocation index (the same on every
 rank: allocation is collective) and the offset in it; the receiver resolves the index to its own copy.
@@ -223,6 +226,8 @@ class Wire:
         return ACK.unpack(ack)[0]
 
     def close(self) -> None:
+        """Stop applying and acknowledging; close every stream (ShmHeap.close calls it after the finalize
+        barrier)."""
         from . import peer_map  # noqa: PLC0415
         peer_map.wires.discard(self)
         self._closed = True
