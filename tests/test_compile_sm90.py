@@ -391,6 +391,19 @@ def test_the_uniformity_rule_on_synthetic_ptx(source, decide, flagged):
     assert bool(found) == flagged, found
 
 
+@pytest.mark.parametrize("threads, flagged", [(32, False), (128, True), (None, True)])
+def test_a_lane_0_broadcast_is_uniform_only_in_a_one_warp_program(threads, flagged):
+    """Triton 3.9 broadcasts an atomic's result in a one-warp program by ``shfl.sync.idx`` from lane 0 (the
+    nvfp4 dispatch send): uniform in a program of 32 threads, not in one of four warps, nor where the
+    program's size is not declared."""
+    shfl = ("@%p5 atom.global.relaxed.gpu.cas.b64 %rd4, [%rd1], %rd5, %rd6;\n\tcvt.u32.u64 %r1, %rd4;\n\t"
+            "shfl.sync.idx.b32 %r2, %r1, 0, 31, -1;\n\tcvt.u64.u32 %rd2, %r2;")
+    ptx = UNIFORM_PTX.replace("{SOURCE}", shfl).replace("{DECIDE}", "mov.pred %p2, %p1;")
+    if threads:
+        ptx = ptx.replace("(.param .u64 k_param_0)\n", f"(.param .u64 k_param_0)\n.reqntid {threads}\n")
+    assert bool(ptx_rules.divergent_barriers(ptx, "k")) == flagged
+
+
 def test_the_uniformity_rule_sees_guarded_barriers_and_block_calls():
     ptx = UNIFORM_PTX.replace("{SOURCE}", "mov.u64 %rd2, %globaltimer;").replace(
         "{DECIDE}", "@%p1 bar.sync 0;\n\tmov.pred %p2, 0;")

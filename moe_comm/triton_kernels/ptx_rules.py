@@ -156,6 +156,10 @@ def counts(ptx: str) -> dict:
 
 TAINT_SOURCE = re.compile(r"%globaltimer|%clock(?:64)?\b|\bld\.[\w.]*\b(?:volatile|relaxed|acquire)\b|\batom\.")
 UNIFORM_RESULT = re.compile(r"\bbar(?:rier)?\.red\b")           # its result is the same in every thread
+# Lane 0's value to every lane of a full warp: the same in every thread when the program is one warp
+# (Triton broadcasts a scalar's value so in one-warp programs, by shared memory in wider ones).
+WARP_BROADCAST = re.compile(r"\bshfl\.sync\.idx\.b32\s+%\w+,\s*%\w+,\s*0,\s*31,\s*-1\s*;?\s*$")
+WARP_THREADS = 32
 CTA_BARRIER = re.compile(r"\b(?:bar|barrier)\.(?:sync|red|arrive)\b")
 BLOCK_CALL = re.compile(r"\bcall(?:\.uni)?\b.*?\b(\w+_block)\b")   # NVSHMEM's block-wide calls (nvshmemx_*_block)
 LABEL = re.compile(r"^\s*(\$?[\w.$]+):")
@@ -265,6 +269,18 @@ def _post_dominators(succ):
     return ipdom
 
 
+def _cta_threads(ptx: str, kernel: str) -> int | None:
+    """Threads per program of entry ``kernel`` (its ``.reqntid`` or ``.maxntid``), None if not declared."""
+    m = re.search(rf"\.entry\s+{re.escape(kernel)}\s*\(.*?\)([^{{]*)\{{", ptx, re.S)
+    dims = m and re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", m.group(1))
+    if not dims:
+        return None
+    n = 1
+    for d in dims.groups():
+        n *= int(d or 1)
+    return n
+
+
 def divergent_barriers(ptx: str, kernel: str) -> list[str]:
     """Rule 3 on the entry function ``kernel``: every CTA barrier (``bar.sync``/``bar.red``/...) and
     block-wide NVSHMEM call that some thread may reach while another thread of the program does not,
@@ -274,6 +290,7 @@ def divergent_barriers(ptx: str, kernel: str) -> list[str]:
     result, is uniform. The region of a conditional branch is what its successors reach before the
     branch's immediate post-dominator (a loop whose exit is tainted: its whole body)."""
     body = _body(ptx, kernel)
+    one_warp = _cta_threads(ptx, kernel) == WARP_THREADS
     origin = {}   # tainted register -> (line, statement) of a taint source it depends on
     changed = True
     while changed:
@@ -282,7 +299,7 @@ def divergent_barriers(ptx: str, kernel: str) -> list[str]:
             if stmt.endswith(":"):
                 continue
             guard, dests, srcs = _dest_srcs(stmt)
-            if not dests or UNIFORM_RESULT.search(stmt):
+            if not dests or UNIFORM_RESULT.search(stmt) or (one_warp and WARP_BROADCAST.search(stmt)):
                 continue
             why = (line, stmt) if TAINT_SOURCE.search(stmt) else next(
                 (origin[r] for r in srcs + ([guard] if guard else []) if r in origin), None)
