@@ -251,6 +251,7 @@ class EPBuffer(OpBuffer):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
         fmt, combine = formats.resolve(hidden, dtype, fp8_dispatch, dispatch_format, combine_format)
+        formats.check_compiled(fmt, device)
         if hidden * torch.empty((), dtype=dtype).element_size() % VEC_BYTES:
             raise ValueError(f"hidden * element size must be a multiple of {VEC_BYTES} bytes (rows move as 16-byte "
                              f"vectors), got hidden={hidden} {dtype}")

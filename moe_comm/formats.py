@@ -109,6 +109,30 @@ def resolve(hidden: int, dtype: torch.dtype, fp8_dispatch, dispatch_format, comb
     return fmt, combine_format
 
 
+# From this Triton on, the sm_90 build of the one-warp nvfp4 dispatch send reduces the peers' status tags
+# with warp shuffles alone, which the block-uniform check (ptx_rules rule 3) cannot prove uniform; until it
+# can, such a build is not offered (tests/test_compile_sm90.py keeps the finding in view).
+NVFP4_UNPROVEN_TRITON = (3, 9)
+
+
+def nvfp4_unproven(triton_version: str) -> bool:
+    """True if ``triton_version`` compiles the nvfp4 dispatch send into code the uniformity check cannot pass."""
+    major, minor = (int(v) for v in triton_version.split(".")[:2])
+    return (major, minor) >= NVFP4_UNPROVEN_TRITON
+
+
+def check_compiled(fmt: str | None, device) -> None:
+    """ValueError naming the fix when format ``fmt`` has no verified compiled build for ``device`` with the
+    installed Triton (CPU tensors run Triton's interpreter: every format)."""
+    if fmt != NVFP4 or torch.device(device).type != "cuda":
+        return
+    import triton  # noqa: PLC0415
+    if nvfp4_unproven(triton.__version__):
+        raise ValueError(f"dispatch_format='nvfp4' on a GPU is verified with Triton 3.6-3.8, not {triton.__version__}: "
+                         f"its compiled send fails the block-uniform check there (docs/formats.md). Install "
+                         f"triton<3.9, or use dispatch_format='e4m3' (or a pow2/ue8m0 variant)")
+
+
 def hidden_multiple(fmt: str | None) -> int:
     """What hidden must be a multiple of for dispatch format ``fmt`` (1 without one)."""
     return {None: 1, E4M3_UE8M0: FP8_GROUP * UE8M0_PER_WORD, NVFP4: NVFP4_WORD_COLS}.get(fmt, FP8_GROUP)

@@ -353,7 +353,15 @@ def test_no_barrier_under_a_per_thread_branch(report):
     configs = {(r["kernel"], r["label"]) for r in report}
     assert any(r["nvshmem"] for r in report) or _bitcode_problem() is not None
     assert any(r["trace"] for r in report) and len(configs) == len(report)
+    import triton
+    from moe_comm import formats
+    # Not offered on GPUs with these Triton versions (formats.check_compiled): the finding must stay true,
+    # or the refusal be lifted.
+    unproven = {("dispatch_send_kernel", "DSV3 EP8 nvfp4")} if formats.nvfp4_unproven(triton.__version__) else set()
     for r in report:
+        if (r["kernel"], r["label"]) in unproven:
+            assert r["divergent_barriers"], f"{r['kernel']} {r['label']} passes now: lift formats.check_compiled"
+            continue
         assert r["divergent_barriers"] == [], (r["kernel"], r["label"], r["divergent_barriers"])
 
 

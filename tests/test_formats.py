@@ -421,3 +421,19 @@ def test_prefill_fp8_combine_and_nvfp4_across_nodes_are_refused_at_construction(
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     errs = moe_comm.launch(_fp8_combine_across_nodes, 4, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
+
+
+def test_nvfp4_is_not_offered_on_gpus_with_a_triton_whose_build_is_unproven(monkeypatch):
+    """Triton 3.9 compiles the one-warp nvfp4 dispatch send into code the block-uniform check cannot pass
+    (tests/test_compile_sm90.py keeps that finding in view): building an nvfp4 EPBuffer or PrefillBuffer plan
+    for a GPU is refused with the fix named; the CPU (interpreter) and Triton 3.6-3.8 are unaffected."""
+    import triton
+    args = (2, 16, 256, 8, 2, torch.bfloat16, False)
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    for cls in (EPBuffer, PrefillBuffer):
+        with pytest.raises(ValueError, match=r"verified with Triton 3.6-3.8, not 3.9.0.*triton<3.9.*'e4m3'"):
+            cls._plan(*args, "cuda", dispatch_format="nvfp4")
+        assert cls._plan(*args, "cpu", dispatch_format="nvfp4") is not None
+        assert cls._plan(*args, "cuda", dispatch_format="e4m3") is not None
+    monkeypatch.setattr(triton, "__version__", "3.8.1")
+    formats.check_compiled("nvfp4", "cuda")
