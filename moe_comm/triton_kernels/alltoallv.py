@@ -185,7 +185,7 @@ def a2a_recv_kernel(
         flags, target = ctrl_ptr + (zone * WORLD + w) * 2 + 1, flag_value(tl.load(grp + S_EPOCH), call)
         if TRACE:
             ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
-                            seen_ptr=seen, seen_mask=(w == src) & (blk == 0), PUT=PUT)
+                            seen_ptr=seen, seen_mask=tl.where(blk == 0, w == src, False), PUT=PUT)
         else:
             ok = wait_flags(flags, target, w == src, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
         arrived = tl.max(tl.where(w == src, ok, False).to(tl.int32)) > 0

@@ -342,7 +342,7 @@ def combine_recv_kernel(
             t_wait = trace.wait_begin(TRACE)
             if TRACE:
                 ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2,
-                                seen_ptr=seen, seen_mask=first & (w < WORLD), PUT=PUT)
+                                seen_ptr=seen, seen_mask=tl.where(first, w < WORLD, False), PUT=PUT)
             else:
                 ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
             trace.add_waits(wait_ptr, seen, w, first & (w < WORLD), live, t_wait, WORLD, TRACE)

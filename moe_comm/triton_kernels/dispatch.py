@@ -289,7 +289,7 @@ def dispatch_recv_kernel(
     t_wait = trace.wait_begin(TRACE)
     if TRACE:
         arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
-                             WORLD, WORLD_P2, seen_ptr=seen, seen_mask=(w == src) & (blk == 0), PUT=PUT)
+                             WORLD, WORLD_P2, seen_ptr=seen, seen_mask=tl.where(blk == 0, w == src, False), PUT=PUT)
     else:
         arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
                              WORLD, WORLD_P2, PUT=PUT)

@@ -100,7 +100,7 @@ def write_counts(counts, ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, grp, num_to
     tl.store(ctrl_e + slot, counts.to(tl.int64), mask=exists & owner_near)
     if PUT:
         n = tl.arange(0, NODES_P2)
-        go = send & far
+        go = tl.where(send, far, False)   # a boolean mask (the interpreter broadcasts a scalar test as integers)
         tl.store(stage_ctrl_ptr + rails * CTRL_WORDS, num_tokens, mask=go)
         pick = n[None, :] == (expert // COUNT_SPAN)[:, None]                      # [BINS, NODES_P2]
         rail_e = tl.sum(tl.where(pick, rails[None, :], 0), axis=1)
