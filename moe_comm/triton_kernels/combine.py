@@ -345,7 +345,7 @@ def combine_recv_kernel(
                                 seen_ptr=seen, seen_mask=tl.where(first, w < WORLD, False), PUT=PUT)
             else:
                 ok = wait_flags(flags, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
-            trace.add_waits(wait_ptr, seen, w, first & (w < WORLD), live, t_wait, WORLD, TRACE)
+            trace.add_waits(wait_ptr, seen, w, tl.where(first, w < WORLD, False), live, t_wait, WORLD, TRACE)
             arrived = tl.min(tl.where(live, ok, True).to(tl.int32)) > 0
     else:
         zone = tl.program_id(0) * 0

@@ -293,7 +293,7 @@ def dispatch_recv_kernel(
     else:
         arrived = wait_flags(ctrl + w * CTRL_WORDS + CTRL_WORDS - 1, target, need, w, grp, status_ptr, OP, rank,
                              WORLD, WORLD_P2, PUT=PUT)
-    trace.add_waits(wait_ptr, seen, w, (w == src) & (blk == 0), need, t_wait, WORLD, TRACE)
+    trace.add_waits(wait_ptr, seen, w, tl.where(blk == 0, w == src, False), need, t_wait, WORLD, TRACE)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     # Control words of arrived sources were published before their flags: plain loads (block-uniform).
