@@ -411,7 +411,7 @@ def prefill_dispatch_pull_kernel(
         tl.store(slot, tl.where(here, ids % EXPERTS_PER_RANK, -1), mask=t_live[:, None] & k_live)
         tl.store((slot + R * TOPK).to(tl.pointer_type(tl.float32)), tl.where(here, wts, 0.0),
                  mask=t_live[:, None] & k_live)
-        mine = (tl.max(here.to(tl.int32), axis=1) > 0) & (rail != rank)
+        mine = tl.where(rail != rank, tl.max(here.to(tl.int32), axis=1) > 0, False)   # boolean (see write_counts)
         # (the rail's rows by their address: a pointer loaded from memory is declared aligned by row_pointers)
         copy_rows(row_pointers(address(rail_zone + X_OFFSET + q * X_WORDS), tl.int32, ALIGNED), mine,
                   address(own_zone + X_OFFSET + q * X_WORDS)[:, None], mine[:, None], X_WORDS, BW, 1, 1, ALIGNED)
