@@ -200,7 +200,7 @@ def prefill_combine_forward_kernel(
             acc = tl.zeros([BT, BH], dtype=tl.float32)
             for j in tl.static_range(G):
                 d = node * G + j
-                use = (tl.max((owner == d).to(tl.int32), axis=1) > 0) & is_live(grp, d)
+                use = tl.where(is_live(grp, d), tl.max((owner == d).to(tl.int32), axis=1) > 0, False)   # boolean
                 base = tl.load(data_ptrs_ptr + d, mask=is_live(grp, d), other=0) + X_OFFSET * 4
                 v = load_tile(row_pointers(base + q * OUT_WORDS * 4, DT, ALIGNED), use, c0, HIDDEN, BH, ALIGNED)
                 acc = tl.where(use[:, None], acc + v.to(tl.float32), acc)
