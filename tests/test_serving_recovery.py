@@ -34,7 +34,7 @@ def _layer(ep, x, idx, w):
 
 def _serve(group):
     ep_group.use_group(group)
-    ep = ep_group.shared_buffer(group, E, H, M, K, torch.bfloat16, False)
+    ep = ep_group.shared_buffer(group, E, H, M, K, torch.bfloat16, None)
     me, log = group.rank, []
     for step in range(4):
         xs, idxs, ws = _inputs(step, group.world_size)
