@@ -8,14 +8,19 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
 # test-newest: the newest Triton and torch (requirements/constraints-newest.txt) in .venv-newest, running
-# NEWEST_TESTS: the ops, faults, error order and attribution, emulated nodes, the copy loop and the sm_90
-# PTX rules (16-byte vectors, publish ordering). PIP_CONSTRAINT replaces any machine-wide pip constraint
+# NEWEST_TESTS: representative cases of the ops (AllToAllvDynamic, EPBuffer, PrefillBuffer), the fp8
+# quantizer, faults, error order and attribution, emulated nodes, the copy loop, launch(), and the sm_90
+# PTX rules (16-byte vectors, publish ordering, block-uniform branches). PIP_CONSTRAINT replaces any machine-wide pip constraint
 # (the CI machine caps torch below the newest release): torch comes from PyPI.
 NEWEST_VENV := .venv-newest
 NEWEST_CONSTRAINTS := requirements/constraints-newest.txt
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_PIP := PIP_CONSTRAINT=$(NEWEST_CONSTRAINTS) $(NEWEST_PY) -m pip install -q
-NEWEST_TESTS := tests/test_alltoallv.py tests/test_faults.py tests/test_error_order.py \
+NEWEST_TESTS := "tests/test_alltoallv.py::test_matrix_loopback[3]" tests/test_alltoallv.py::test_dead_peer_gives_comm_timeout_naming_it \
+	tests/test_alltoallv.py::test_lying_device_counts_write_nothing_out_of_bounds \
+	tests/test_alltoallv.py::test_world1_one_kernel_clamps_lying_counts \
+	tests/test_fp8_quant.py::test_interpreted_kernel_matches_the_reference_bitwise \
+	tests/test_faults.py tests/test_error_order.py \
 	tests/test_error_attribution.py tests/test_copy_rows.py tests/test_word_alignment.py \
 	tests/test_compile_sm90.py tests/test_nvshmem_compile.py \
 	"tests/test_ep.py::test_matrix_shm[2]" "tests/test_ep.py::test_matrix_loopback[3]" \
