@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 CONSTRAINTS := requirements/constraints.txt
 PY := $(VENV)/bin/python
+# Test processes (pytest-xdist workers): one per core. Rank processes and interpreted kernels keep the cores
+# busy; more workers than cores only add contention (docs/testing.md, "Where the time goes").
+TEST_JOBS ?= 2
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
 # test-newest: the newest Triton and torch (requirements/constraints-newest.txt) in .venv-newest, running
@@ -44,7 +47,7 @@ $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 test: $(VENV)/.ready
-	$(PY) -m pytest -q -ra --durations=30 tests
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=30 tests
 
 $(NEWEST_VENV)/.ready: pyproject.toml $(NEWEST_CONSTRAINTS)
 	$(PYTHON) -m venv $(NEWEST_VENV)
@@ -54,10 +57,10 @@ $(NEWEST_VENV)/.ready: pyproject.toml $(NEWEST_CONSTRAINTS)
 	touch $@
 
 test-newest: $(NEWEST_VENV)/.ready
-	$(NEWEST_PY) -m pytest -q -ra --durations=15 $(NEWEST_TESTS)
+	$(NEWEST_PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=15 $(NEWEST_TESTS)
 
 test-long: $(VENV)/.ready
-	MOE_COMM_LONG_TESTS=1 $(PY) -m pytest -q -ra --durations=30 tests
+	MOE_COMM_LONG_TESTS=1 $(PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=30 tests
 
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench

@@ -599,9 +599,12 @@ def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       MOE_COMM_SESSION=session, TORCHELASTIC_USE_AGENT_STORE="True")  # store: launch()'s
+    start = init
     try:
+        if _import_time_env(os.environ) != _IMPORTED_UNDER:   # moe_comm as this environment imports it
+            start = _reimport_moe_comm().init
         fn, args = pickle.loads(work)
-        with init(backend, timeout_s=timeout_s) as group:
+        with start(backend, timeout_s=timeout_s) as group:
             result = fn(group, *args)
         msg = ("ok", pickle.dumps(result))
     except BaseException as e:  # noqa: BLE001  (report everything, KeyboardInterrupt included)
@@ -611,10 +614,31 @@ def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, 
 
 
 # Rank processes are forked from a server that imported these once (``start_method="forkserver"``): torch's
-# import alone costs about 3 s of CPU per process. Each rank is still a new process, forked before any
-# group, heap or CUDA context exists, so nothing of one launch reaches the next; the environment is the
-# launcher's at launch() (passed along), and moe_comm itself is imported by each rank.
-FORKSERVER_PRELOAD = ("torch", "triton")
+# import alone costs about 3 s of CPU per process, moe_comm's and its interpreted kernels' 0.6 s
+# (``_forkserver_preload``). Each rank is still a new process, forked before any group, heap or CUDA
+# context exists, so nothing of one launch reaches the next; the environment is the launcher's at
+# launch() (passed along).
+FORKSERVER_PRELOAD = ("torch", "triton", "moe_comm._forkserver_preload")
+
+# Variables read when modules are imported, by what the server preloads: Triton's ``@jit`` makes a kernel
+# interpreted or compiled by TRITON_INTERPRET as its module is imported. moe_comm reads none at import.
+IMPORT_TIME_ENV_PREFIXES = ("TRITON_",)
+
+
+def _import_time_env(environ) -> dict:
+    return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME_ENV_PREFIXES)}
+
+
+_IMPORTED_UNDER = _import_time_env(os.environ)   # this process's environment when moe_comm was imported
+
+
+def _reimport_moe_comm():
+    """A rank whose import-time environment is not the fork server's: forget the server's moe_comm
+    modules (and their interpreted twins) and import moe_comm again; returns the new ``moe_comm.group``."""
+    import importlib  # noqa: PLC0415
+    for name in [m for m in sys.modules if m == "moe_comm" or m.startswith("moe_comm.")]:
+        del sys.modules[name]
+    return importlib.import_module("moe_comm.group")
 
 
 class _LauncherFd:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from moe_comm.triton_kernels import ptx_rules
 from moe_comm.triton_kernels.sync import block_any, now_ns
+from run_once import run_once
 
 pytestmark = pytest.mark.ptx
 
@@ -57,13 +58,17 @@ ONE_PROGRAM_CONTROL_KERNELS = {"prefill_dispatch_recv_kernel"}
 CONTROL_SPILL_BYTES = 64
 
 
-@pytest.fixture(scope="module")
-def report():
+def _compile_report():
     args = [] if _bitcode_problem() is None else ["--no-put"]
     out = subprocess.run([sys.executable, "-m", "moe_comm.triton_kernels.compile_report", "--json", *args],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def report(request, tmp_path_factory):
+    return run_once(request, tmp_path_factory, "sm90_compile_report", _compile_report)
 
 
 @pytest.mark.timeout(900)

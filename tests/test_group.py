@@ -3,6 +3,7 @@
 import importlib
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -226,3 +227,30 @@ def test_a_ranks_function_is_loaded_under_the_launchers_environment(monkeypatch)
     assert moe_comm.launch(_fresh_state, 1, backend="shm", timeout_s=20)[0][4] is None   # the server runs
     monkeypatch.setenv(LEFTOVER_ENV, "at import")
     assert moe_comm.launch(env_probe.imported_env, 2, backend="shm", timeout_s=20) == ["at import"] * 2
+
+
+def _kernels_as_imported(group):
+    """(twins preloaded before this function ran?, is a kernel of moe_comm interpreted at import?)"""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from moe_comm.triton_kernels import alltoallv
+    return group.rank, isinstance(alltoallv.a2a_send_kernel, InterpretedFunction)
+
+
+def _twins_loaded(group):
+    return "moe_comm._interpreted.triton_kernels.sync" in sys.modules
+
+
+@pytest.mark.timeout(90)
+def test_the_fork_servers_moe_comm_is_used_only_under_its_import_time_environment(monkeypatch):
+    """The fork server preloads moe_comm and its interpreted twins (``moe_comm._forkserver_preload``), so
+    a rank starts with them; a launch under another TRITON_INTERPRET than the server's (Triton's ``@jit``
+    reads it when a module is imported) imports moe_comm again: its kernels are what that environment
+    makes them, not the server's."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert moe_comm.launch(_twins_loaded, 2, backend="shm", timeout_s=20) == [True, True]   # the server runs
+    assert moe_comm.launch(_kernels_as_imported, 2, backend="shm", timeout_s=20) == [(0, False), (1, False)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert moe_comm.launch(_kernels_as_imported, 2, backend="shm", timeout_s=20) == [(0, True), (1, True)]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert moe_comm.launch(_kernels_as_imported, 2, backend="shm", timeout_s=20) == [(0, False), (1, False)]

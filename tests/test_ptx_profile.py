@@ -13,18 +13,23 @@ import subprocess
 import sys
 
 import pytest
+from run_once import run_once
 
 pytestmark = pytest.mark.ptx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPY, BOOKKEEPING = "t_begin < t_end", "blk == NBLK"   # the kernel's two top-level branches
 
 
-@pytest.fixture(scope="module")
-def profile():
+def _profile():
     out = subprocess.run([sys.executable, "bench/ptx_profile.py", "--tokens", "1", "--dtypes", "bf16", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return {p["phases"]: p for p in map(json.loads, out.stdout.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def profile(request, tmp_path_factory):
+    return run_once(request, tmp_path_factory, "ptx_profile", _profile)
 
 
 @pytest.mark.timeout(600)

@@ -71,19 +71,52 @@ SKIP_UNIT = tl.constexpr(1 << 16)  # arrive(): skipped programs are counted in t
 INTERPRET = bool(triton.knobs.runtime.interpret)
 
 if INTERPRET:
+    import threading
+
+    POLL_SLEEP_MIN_S = 0.0002   # the first polls of a wait: the flag is usually about to arrive
+    POLL_SLEEP_MAX_S = 0.004    # a long wait (a slow peer, a timeout): at most this late, and mostly asleep
+    POLL_RUN_GAP_NS = 20_000_000   # pauses closer than this are one wait's; a longer gap starts anew
+
+    class _PollPacer(threading.local):
+        """The host sleep between an interpreted wait's polls. One interpreted poll costs about a
+        millisecond of CPU (a dozen interpreted ops) and interpreted ranks outnumber cores: a waiting rank
+        that spun would take the CPU from the peer it waits for. Consecutive pauses double the sleep up to
+        POLL_SLEEP_MAX_S; a gap between pauses (the next wait) starts again at POLL_SLEEP_MIN_S. Per
+        thread: loopback ranks in threads pace apart."""
+
+        last_ns = 0
+        sleep_s = POLL_SLEEP_MIN_S
+
+        def __call__(self) -> None:
+            if time.monotonic_ns() - self.last_ns < POLL_RUN_GAP_NS:
+                self.sleep_s = min(2 * self.sleep_s, POLL_SLEEP_MAX_S)
+            else:
+                self.sleep_s = POLL_SLEEP_MIN_S
+            time.sleep(self.sleep_s)
+            self.last_ns = time.monotonic_ns()
+
+    _pace_poll = _PollPacer()
+
     @triton.jit
     def now_ns():
-        # The interpreter runs this body as Python, so it can read the host clock. It is called once
-        # per poll of a wait: a short sleep hands the CPU to the peer processes being waited for
-        # (interpreted ranks often outnumber cores).
-        time.sleep(0.0002)
+        # The interpreter runs this body as Python, so it can read the host clock.
         return time.monotonic_ns()
+
+    @triton.jit
+    def poll_pause():
+        """Between two polls of a wait: the interpreter hands the CPU to the ranks being waited for."""
+        _pace_poll()
 else:
     @triton.jit
     def now_ns():
         # %globaltimer: a nanosecond clock readable by every SM.
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                          is_pure=False, pack=1)
+
+    @triton.jit
+    def poll_pause():
+        """Between two polls of a wait: nothing on a GPU (the poll itself is the wait)."""
+        pass
 
 
 if INTERPRET:
@@ -346,6 +379,7 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
                                    PUT)
                 state = 2
             else:
+                poll_pause()
                 v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
                 if seen_ptr is not None:
                     seen_at = tl.where(pending & (v == target), now_ns(), seen_at)
