@@ -68,8 +68,10 @@ class Channel:
               kernel, so a CUDA graph replay keeps counting; the host never reads it)
     recv_seq  int64 [1] on device: calls whose receive phase ran (advanced by the receive kernel). The
               receive owns its counter, so send and receive may run on different streams.
-    done      int32 [world + 2] on device: arrival counters of "last program publishes" (zero between
-              launches): [j] per destination of a send, [world] the send total, [world + 1] the receive
+    done      int32 [world + 3] on device: arrival counters of "last program publishes" (zero between
+              launches): [j] per destination of a send, [world] the send total, [world + 1] the receive;
+              [world + 2] the receive's entry counter (flight recorder only: its first program to enter
+              records the start, ``triton_kernels/trace.py``)
     stage, stage_ctrl
               put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
               [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
@@ -106,7 +108,7 @@ class Channel:
         self.ctrl = heap.alloc(f"{name}.ctrl", (2, world, ctrl_words), torch.int64)
         self.send_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.recv_seq = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.done = torch.zeros(world + 2, dtype=torch.int32, device=dev)
+        self.done = torch.zeros(world + 3, dtype=torch.int32, device=dev)
         self.trace = new_ring(world, group.trace_calls, dev)
         self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
         self.calls_before_reset = 0

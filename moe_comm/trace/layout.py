@@ -10,9 +10,11 @@ not at all (a rank that died), so each phase tags the words it writes with its o
 Each half (send, receive) of a row is a seqlock, so that a reader (a dump, after a hang too) never pairs
 one call's tag with another call's words (``triton_kernels/trace.py`` writes it):
 
-- the phase's first program reads the tag, sets it to 0 (invalid) and fences before it writes the
-  header words, then publishes the tag (a CTA barrier and a system-scope release): ``flag`` while the
-  phase runs, with STALE_BIT when the per-peer words were not prepared for this call;
+- the program that opens the phase (the send's program 0; the receive's first program to enter, so
+  that its start precedes every time another program of the receive records, in any program order)
+  reads the tag, sets it to 0 (invalid) and fences before it writes the header words, then publishes
+  the tag (a CTA barrier and a system-scope release): ``flag`` while the phase runs, with STALE_BIT
+  when the per-peer words were not prepared for this call;
 - the per-peer words (rows, SEEN, WAITED) start at 0: the phase of the call before, at its end, set the
   next row's tag to ``flag(epoch, call + 1) | PREP_BIT`` (no record: the old one there is given up,
   so a ring of N rows keeps the last N - 1 calls) and then cleared that row's per-peer words. A call
@@ -42,7 +44,8 @@ T_SEND_TAG = 1         # flag(epoch, call) of the send phase that wrote words T_
 T_SEND_START = 2       # ns: the send kernel began (its program 0)
 T_SEND_END = 3         # ns: the send kernel's last program finished (after publishing); valid under DONE_BIT
 T_RECV_TAG = 4         # flag(epoch, call) of the receive phase that wrote words T_RECV_*, SEEN, RECV_ROWS
-T_RECV_START = 5       # ns: the receive kernel began (its program 0)
+T_RECV_START = 5       # ns: the receive kernel began (its first program to enter, whichever): <= every SEEN
+#                        and the end time, in any program order (``triton_kernels/trace.py``)
 T_RECV_END = 6         # ns: the receive kernel's last program finished; valid under DONE_BIT
 T_OUTCOME = 7          # error code in this rank's error word when the receive ended (errors.ERR_*; 0 ok)
 T_ERR_PEER = 8         # that error's peer word (the rank waited for, the expert, ...)

@@ -96,7 +96,7 @@ def a2a_send_kernel(
     stage_ptr,         # put transport: this rank's staging, words [WORLD dest, max_rows, ROW_WORDS] (symmetric)
     stage_ctrl_ptr,    # put transport: int64 [WORLD dest, 2] staged control words (symmetric)
     seq_ptr,           # int64 [1]: the channel's send count (advanced here)
-    done_ptr,          # int32 [WORLD + 2]: arrival counters, zero between launches
+    done_ptr,          # int32 [WORLD + 3]: arrival counters, zero between launches
     grp, status_ptr,   # group state and this rank's status buffer (moe_comm/protocol.py)
     rank, max_rows,
     trace_ptr,         # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
@@ -107,7 +107,7 @@ def a2a_send_kernel(
     peer = tl.program_id(0)
     blk = tl.program_id(1)
     call = tl.load(seq_ptr) + 1
-    trace.phase_begin(trace_ptr, grp, call, OP, (peer == 0) & (blk == 0), False, WORLD, TRACE_N, TRACE)
+    trace.send_begin(trace_ptr, grp, call, OP, (peer == 0) & (blk == 0), WORLD, TRACE_N, TRACE)
     zone = call % 2
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     if FORWARD:
@@ -160,7 +160,7 @@ def a2a_recv_kernel(
     data_ptr,          # words [2, WORLD, max_rows, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,          # int64 [2, WORLD, 2]: this rank's control words
     seq_ptr,           # int64 [1]: the channel's receive count (advanced here)
-    done_ptr,          # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
+    done_ptr,          # int32 [WORLD + 3]: arrival counters ([WORLD + 1]: this kernel's; [WORLD + 2]: its entry)
     grp, status_ptr, rank, max_rows,
     trace_ptr,         # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
     wait_ptr,          # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
@@ -173,7 +173,7 @@ def a2a_recv_kernel(
     call = tl.load(seq_ptr) + 1
     zone = call % 2
     ctrl = ctrl_ptr + (zone * WORLD + src) * 2
-    trace.phase_begin(trace_ptr, grp, call, OP, (src == 0) & (blk == 0), True, WORLD, TRACE_N, TRACE)
+    trace.recv_begin(trace_ptr, grp, call, OP, done_ptr, WORLD, TRACE_N, TRACE)
     seen = trace.seen_ptr(trace_ptr, call, WORLD, TRACE_N)
     t_wait = trace.wait_begin(TRACE)
     live = is_live(grp, src)
@@ -212,7 +212,7 @@ def a2a_recv_kernel(
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 w = tl.arange(0, WORLD_P2)
                 tl.store(recv_counts_ptr + w, 0, mask=w < WORLD)
-    trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
+    trace.recv_end(trace_ptr, grp, call, last, done_ptr, WORLD, WORLD_P2, TRACE_N, TRACE)
 
 
 @triton.jit

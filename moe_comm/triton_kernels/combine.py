@@ -205,7 +205,7 @@ def combine_send_kernel(
     stage_ptr,        # put transport: int32 [WORLD dest, M * TOPK, SLOT_WORDS], the run staged per dest (symmetric)
     stage_ctrl_ptr,   # put transport: int64 [WORLD, 2] (unused: the flag travels as the run's signal)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
     rank,
     trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
@@ -218,7 +218,7 @@ def combine_send_kernel(
 ):
     blk = tl.program_id(0)
     call = tl.load(seq_ptr) + 1
-    trace.phase_begin(trace_ptr, grp, call, OP, blk == 0, False, WORLD, TRACE_N, TRACE)
+    trace.send_begin(trace_ptr, grp, call, OP, blk == 0, WORLD, TRACE_N, TRACE)
     zone = call % 2
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     w = tl.arange(0, WORLD_P2)
@@ -294,7 +294,7 @@ def combine_recv_kernel(
     data_ptr,         # int32 words [2, ZONE_SLOTS, SLOT_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here; unused at world 1)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD + 1]: this kernel's; [WORLD + 2]: its entry)
     grp, status_ptr, rank, num_tokens,
     trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
     wait_ptr,         # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
@@ -318,8 +318,8 @@ def combine_recv_kernel(
         call = tl.load(seq_ptr) + 1
         zone = call % 2
         w = tl.arange(0, WORLD_P2)
-        first = (blk == 0) & (tl.program_id(1) == 0)   # also the one that records (flight recorder)
-        trace.phase_begin(trace_ptr, grp, call, OP, first, True, WORLD, TRACE_N, TRACE)
+        trace.recv_begin(trace_ptr, grp, call, OP, done_ptr, WORLD, TRACE_N, TRACE)
+        first = (blk == 0) & (tl.program_id(1) == 0)   # also the one that records rows and SEEN (flight recorder)
         if TRACE:
             if first:
                 trace.store_peer_words(trace.recv_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w,
@@ -405,4 +405,4 @@ def combine_recv_kernel(
             # program that reads no peer's rows does not wait, and cannot know (the error is raised).
             if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # adopted into this rank's word: raised
                 fill_nan(out_ptr, num_tokens, HIDDEN, BT, BH, ALIGNED)
-        trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
+        trace.recv_end(trace_ptr, grp, call, last, done_ptr, WORLD, WORLD_P2, TRACE_N, TRACE)

@@ -119,7 +119,7 @@ def dispatch_send_kernel(
     stage_ptr,        # put transport: int32 [WORLD dest, M, ROW_WORDS], this rank's rows for each dest (symmetric)
     stage_ctrl_ptr,   # put transport: int64 [WORLD dest, CTRL_WORDS] staged control words (symmetric)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
     rank, num_tokens, num_experts,
     trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
@@ -136,7 +136,7 @@ def dispatch_send_kernel(
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
-    trace.phase_begin(trace_ptr, grp, call, OP, (blk == 0) & (col == 0), False, WORLD, TRACE_N, TRACE)
+    trace.send_begin(trace_ptr, grp, call, OP, (blk == 0) & (col == 0), WORLD, TRACE_N, TRACE)
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
@@ -261,7 +261,7 @@ def dispatch_recv_kernel(
     data_ptr,         # int32 [2, WORLD * M, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD + 1]: this kernel's; [WORLD + 2]: its entry)
     grp, status_ptr, rank,
     trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
     wait_ptr,         # int64 [2, WORLD]: wait statistics per source (TRACE only, triton_kernels/trace.py)
@@ -278,7 +278,7 @@ def dispatch_recv_kernel(
     ctrl = ctrl_ptr + zone * WORLD * CTRL_WORDS
     META: tl.constexpr = X_WORDS + S_WORDS
     target = flag_value(tl.load(grp + S_EPOCH), call)
-    trace.phase_begin(trace_ptr, grp, call, OP, (blk == 0) & (src == 0), True, WORLD, TRACE_N, TRACE)
+    trace.recv_begin(trace_ptr, grp, call, OP, done_ptr, WORLD, TRACE_N, TRACE)
 
     # Source src's rows go after those of sources 0..src-1: their counts and src's rows are all this
     # program needs. An excluded or failed source counts as sending nothing (a failed wait fails the
@@ -367,4 +367,4 @@ def dispatch_recv_kernel(
         tl.store(seq_ptr, call)
         if check_failed(grp, status_ptr, WORLD, WORLD_P2):  # the error is in this rank's word: raised
             tl.store(out_counts_ptr + e, 0, mask=e_live)
-    trace.recv_end(trace_ptr, grp, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
+    trace.recv_end(trace_ptr, grp, call, last, done_ptr, WORLD, WORLD_P2, TRACE_N, TRACE)

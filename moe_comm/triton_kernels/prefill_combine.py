@@ -105,7 +105,7 @@ def prefill_combine_send_kernel(
     src_tokens_ptr,   # int32 [WORLD]: tokens of every source in the dispatch being answered
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's combine control words, int64 [2, WORLD, 2]
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's)
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's)
     grp, status_ptr, rank,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     OUT_WORDS: tl.constexpr, X_OFFSET: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
@@ -158,7 +158,7 @@ def prefill_combine_forward_kernel(
     ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's combine control words
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's combine control words
     seq_ptr,          # int64 [1]: the channel's send count (the send kernel advanced it to this call)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: the send phase's)
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: the send phase's)
     grp, status_ptr, rank,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr, OUT_WORDS: tl.constexpr,
@@ -230,7 +230,7 @@ def prefill_combine_recv_kernel(
     ctrl_ptr,         # int64 [2, WORLD, 2]: this rank's combine control words
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's combine control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: this kernel's)
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD + 1]: this kernel's)
     grp, status_ptr, rank, num_tokens,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, HIDDEN: tl.constexpr, ROW_BYTES: tl.constexpr, X_OFFSET: tl.constexpr, BT: tl.constexpr,

@@ -167,7 +167,7 @@ def prefill_dispatch_send_kernel(
     released_ptr,     # int64 [2, WORLD, 2]: this rank's combine control words (word 0: released)
     combine_seq_ptr,  # int64 [1]: this rank's combine receive count
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD]: this kernel's), zero between launches
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     stamp_ptr,        # int64 [1] (PUT): this zone's stamp, the flag of the call (its pull and combine read it)
     block_done_ptr,   # int32 [NBLK] (PUT): arrival counters of each token block's column programs
     stage_ctrl_ptr,   # int64 [WORLD, CTRL_WORDS] symmetric (PUT): control words staged for each rail
@@ -366,7 +366,7 @@ def prefill_dispatch_pull_kernel(
     ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words (word CTRL_WORDS - 2: pulled)
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (the receive kernel advanced it to this call)
-    done_ptr,         # int32 [WORLD + 2]: arrival counters ([WORLD + 1]: the receive phase's)
+    done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD + 1]: the receive phase's)
     grp, status_ptr, rank,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, X_WORDS: tl.constexpr, S_WORDS: tl.constexpr,

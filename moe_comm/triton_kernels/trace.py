@@ -1,20 +1,35 @@
 """Flight recorder, device side: the few stores each phase of a call makes into its channel's ring.
 
 Layout and meaning of every word: ``moe_comm/trace/layout.py``. Every function here does nothing unless
-the kernel was compiled with ``TRACE`` (off: no extra store, no clock read). Each is called by one
-program of a launch (``first``/``last`` below), except the per-peer row counts, stored by the program
-that owns that peer.
+the kernel was compiled with ``TRACE`` (off: no extra store, no clock read). Each writes the ring from
+one program of a launch (``first``/``last`` below), except the per-peer row counts, stored by the
+program that owns that peer; every program of a receive calls ``recv_begin``, which finds the one that
+opens the record.
 
-Each half of a record is a seqlock (``layout``): ``phase_begin`` reads the tag, invalidates it and fences
-before the header words change, then publishes the tag (``sync.publish``: a CTA barrier, then a
+Each half of a record is a seqlock (``layout``): ``open_half`` (``send_begin``: the send's program
+``first``; ``recv_begin``: the receive's first program to enter) reads the tag, invalidates it and
+fences before the header words change, then publishes the tag (``sync.publish``: a CTA barrier, then a
 system-scope release, which pinned host memory takes without atomics); ``send_end`` / ``recv_end``
 write the end words, then publish the tag with DONE_BIT, then prepare the next call's row (its tag
-PREP, a fence, its per-peer words 0). Their branches are on program ids and on words no program of
-the launch writes meanwhile (the tag is read before a CTA barrier, written after it; the end reads the
-tag its first program published before that program's ``arrive``), so they are block-uniform
-(``sync.py``'s docstring). Wait statistics (``wait_ptr``, int64 [2, WORLD]: [0, j] cumulative ns this rank's
-receive waited for source j's flag, [1, j] how many waits that got it) are accumulated by the program
-that recorded the source's SEEN word, so each call counts once per source.
+PREP, a fence, its per-peer words 0). Their branches are on program ids, on an atomic's result (the
+receive's entry counter, broadcast to every thread) and on words no program of the launch writes
+meanwhile (the tag is read before a CTA barrier, written after it; the end reads the tag the opening
+program published before its ``arrive``), so they are block-uniform (``sync.py``'s docstring).
+
+The receive's start is that of the receive as a whole, whatever order its programs run in (a GPU runs
+them in any order; so does the interpreter under ``MOE_COMM_INTERPRET_ORDER``): every program reads the
+clock, then (after a CTA barrier) adds 1 to the receive's entry counter (``Channel.done`` word
+WORLD + 2, device memory; the last program of the launch sets it back to 0); the program that found 0
+opens the record with the time it read. Every time another program records (SEEN, the end time) is
+read after its own entry, which the counter orders after the opener's (its result reaches every thread
+through a CTA barrier), so the start is no later than any of them. (An atomic minimum of every
+program's start into the start word would need the word initialised before the launch, which a row
+nobody prepared is not, and an atomic on the ring, pinned host memory, which many hosts do not
+support.)
+
+Wait statistics (``wait_ptr``, int64 [2, WORLD]: [0, j] cumulative ns this rank's receive waited for
+source j's flag, [1, j] how many waits that got it) are accumulated by the program that recorded the
+source's SEEN word, so each call counts once per source.
 """
 
 import triton
@@ -80,31 +95,54 @@ def seen_ptr(trace_ptr, call, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
 
 
 @triton.jit
-def phase_begin(trace_ptr, grp, call, op, first, RECV: tl.constexpr, WORLD: tl.constexpr,
-                TRACE_N: tl.constexpr, TRACE: tl.constexpr):
-    """Program ``first`` of a send (RECV False) or receive phase: the call's half of its row, the start
-    time (and the op), under its tag; STALE_BIT if the row was not prepared for this call (its per-peer
-    words may be an older call's)."""
+def open_half(trace_ptr, grp, call, op, start, RECV: tl.constexpr, WORLD: tl.constexpr, TRACE_N: tl.constexpr):
+    """Open the call's send (RECV False) or receive half of its row: its start time ``start`` (and the
+    op), under its tag; STALE_BIT if the row was not prepared for this call (its per-peer words may be an
+    older call's). By one program per launch."""
+    rec = record_of(trace_ptr, call, WORLD, TRACE_N)
+    if RECV:
+        tag_at = rec + T_RECV_TAG
+    else:
+        tag_at = rec + T_SEND_TAG
+    tag = flag_value(tl.load(grp + S_EPOCH), call)
+    was = tl.load(tag_at)   # written by earlier launches only
+    stale = (was != 0) & (was != (tag | PREP_BIT))
+    tl.debug_barrier()      # every thread has read the tag before any writes it
+    tl.store(tag_at, 0)     # invalid first ...
+    fence_sys()             # ... before the header words change
+    if RECV:
+        tl.store(rec + T_RECV_START, start)
+    else:   # T_OP and T_SEND_START, around the tag word: one store
+        f = tl.arange(0, 4)
+        tl.store(rec + f, tl.where(f == T_OP, op, start).to(tl.int64), mask=(f == T_OP) | (f == T_SEND_START))
+    publish(tag_at, tag | tl.where(stale, STALE_BIT, 0))
+
+
+@triton.jit
+def send_begin(trace_ptr, grp, call, op, first, WORLD: tl.constexpr, TRACE_N: tl.constexpr, TRACE: tl.constexpr):
+    """Program ``first`` of a send: the call's send half opened, started now."""
     if TRACE:
         if first:
-            rec = record_of(trace_ptr, call, WORLD, TRACE_N)
-            if RECV:
-                tag_at = rec + T_RECV_TAG
-            else:
-                tag_at = rec + T_SEND_TAG
-            tag = flag_value(tl.load(grp + S_EPOCH), call)
-            was = tl.load(tag_at)   # written by earlier launches only
-            stale = (was != 0) & (was != (tag | PREP_BIT))
-            tl.debug_barrier()      # every thread has read the tag before any writes it
-            tl.store(tag_at, 0)     # invalid first ...
-            fence_sys()             # ... before the header words change
-            if RECV:
-                tl.store(rec + T_RECV_START, now_ns())
-            else:   # T_OP and T_SEND_START, around the tag word: one store
-                f = tl.arange(0, 4)
-                tl.store(rec + f, tl.where(f == T_OP, op, now_ns()).to(tl.int64),
-                         mask=(f == T_OP) | (f == T_SEND_START))
-            publish(tag_at, tag | tl.where(stale, STALE_BIT, 0))
+            open_half(trace_ptr, grp, call, op, now_ns(), False, WORLD, TRACE_N)
+
+
+@triton.jit
+def recv_entry(done_ptr, WORLD: tl.constexpr):
+    """The receive's entry counter: word WORLD + 2 of the channel's arrival counters (``Channel.done``),
+    0 between launches."""
+    return done_ptr + WORLD + 2
+
+
+@triton.jit
+def recv_begin(trace_ptr, grp, call, op, done_ptr, WORLD: tl.constexpr, TRACE_N: tl.constexpr,
+               TRACE: tl.constexpr):
+    """Every program of a receive, before it records anything: the first program to enter opens the
+    call's receive half, with the time it read before entering (module docstring)."""
+    if TRACE:
+        start = now_ns()
+        tl.debug_barrier()   # every thread has read the clock before the program enters
+        if tl.atomic_add(recv_entry(done_ptr, WORLD), 1, sem="relaxed", scope="gpu") == 0:
+            open_half(trace_ptr, grp, call, op, start, True, WORLD, TRACE_N)
 
 
 @triton.jit
@@ -134,21 +172,23 @@ def send_end(trace_ptr, call, last, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
     if TRACE:
         if last:
             rec = record_of(trace_ptr, call, WORLD, TRACE_N)
-            tag = tl.load(rec + T_SEND_TAG)   # published by the first program before its arrive
+            tag = tl.load(rec + T_SEND_TAG)   # published by the opening program before its arrive
             tl.store(rec + T_SEND_END, now_ns())
             publish(rec + T_SEND_TAG, tag | DONE_BIT)
             prepare_next(trace_ptr, call, tag, False, WORLD, WORLD_P2, TRACE_N)
 
 
 @triton.jit
-def recv_end(trace_ptr, grp, call, last, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, TRACE_N: tl.constexpr,
-             TRACE: tl.constexpr):
+def recv_end(trace_ptr, grp, call, last, done_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+             TRACE_N: tl.constexpr, TRACE: tl.constexpr):
     """The last program of a receive phase: the end time and the outcome (this rank's error word: code,
-    peer, value, bound), the tag with DONE_BIT, then the next call's row prepared."""
+    peer, value, bound), the tag with DONE_BIT, then the next call's row prepared and the entry counter
+    set back to 0 (every program entered before it arrived)."""
     if TRACE:
         if last:
+            tl.atomic_xchg(recv_entry(done_ptr, WORLD), 0, sem="relaxed", scope="gpu")
             rec = record_of(trace_ptr, call, WORLD, TRACE_N)
-            tag = tl.load(rec + T_RECV_TAG)   # published by the first program before its arrive
+            tag = tl.load(rec + T_RECV_TAG)   # published by the opening program before its arrive
             err = as_ptr(tl.load(grp + S_ERR_ADDR), tl.int64)
             f = tl.arange(0, 8)   # T_RECV_END, T_OUTCOME, T_ERR_PEER, T_ERR_VALUE, T_ERR_BOUND
             fields = tl.load(err + ERR_PEER_WORD + f - 2, mask=(f >= 2) & (f < 5), other=0, volatile=True)
