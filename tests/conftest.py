@@ -18,6 +18,12 @@ GPU_SHAPES = os.environ.get(SHAPES_ENV) == "gpu"
 GPU_SHAPES_TIMEOUT_SCALE = 4
 
 
+def pytest_configure(config):
+    from time_log import TIME_LOG_ENV, TimeLog  # noqa: PLC0415  (docs/testing.md, "Where the time goes")
+    if os.environ.get(TIME_LOG_ENV):
+        config.pluginmanager.register(TimeLog(os.environ[TIME_LOG_ENV]), "moe_comm_time_log")
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA")
     no_ptx = pytest.mark.skip(reason="compiles PTX: not possible while TRITON_INTERPRET=1 interprets every kernel")
