@@ -180,31 +180,58 @@ def test_slow_rank_and_dead_rank_are_named_from_the_dumps(tmp_path, monkeypatch)
 
 def test_a_dump_while_a_receive_waits_never_pairs_its_tag_with_an_older_calls_words(monkeypatch):
     """A ring of two calls (three rows) on loopback world 2: calls 1-3, then call 4 reuses call 1's row.
-    Rank 1 does not come to call 4, and while rank 0's receive waits for it, dumps read rank 0's ring
-    (from inside the wait's polls: the interpreter runs them between two statements of the kernel; the
-    last one, during the wait for rank 1, is checked). The call-4 receive is there, running (no end, no
-    outcome), and its per-peer words are its own: its own flag seen in this call, nothing yet of rank 1,
-    not call 1's rows and times (they used to be reported under call 4's tag)."""
+    Rank 1 does not come to call 4, and while rank 0's receive waits, a dump reads rank 0's ring at
+    every poll (the interpreter runs the poll between two statements of the kernel). The call-4 receive
+    is there, running (no end, no outcome), and its per-peer words are its own, never call 1's (they
+    used to be reported under call 4's tag).
+
+    Which waits had ended at a dump depends on the order the receive's programs run in (a GPU runs them
+    in any order; so does the interpreter under ``MOE_COMM_INTERPRET_ORDER``), so every dump is checked
+    against what holds in every order. A source's words are written together by the program that
+    recorded it (SEEN, WAITED, then its rows; no poll in between): at a dump each source's words are
+    either not written yet (no SEEN, 0 rows, 0 WAITED) or call 4's. Call 4 sees rank 0's flag at or
+    after its start, never rank 1's; calls 1-3 sent other counts and saw both flags before call 4
+    began, so a word of call 1 shows as a SEEN before call 4's start, a SEEN of rank 1, other rows, or
+    a WAITED beside no SEEN of rank 0. Rank 1's wait ends only by the timeout, recorded in rank 0's
+    error word before any wait gives up: at the dumps before it (there are some in every order: the
+    first wait for rank 1 polls for the whole timeout) rank 1's WAITED is 0 too. Rank 0's own flag
+    seen in this call is checked on the record the call leaves (in some orders no dump comes after
+    rank 0's words: under ``reverse`` its program runs last)."""
     from moe_comm.interpreter import twin_module
     groups, ops = _loopback_a2a(2, trace=2, timeout_s=1.0)
-    counts = [torch.tensor([1, 3]), torch.tensor([2, 4])]
+    older = [torch.tensor([2, 2]), torch.tensor([3, 1])]   # calls 1-3: rank 0 sends [2, 2], gets [2, 3]
+    counts = [torch.tensor([1, 3]), torch.tensor([2, 4])]  # call 4: rank 0 sends [1, 3], gets [1, 0]
     for _ in range(3):
-        _round(ops, counts, back=False)
+        _round(ops, older, back=False)
     twin = twin_module("moe_comm.triton_kernels.sync")
     now, dumps = twin.now_ns, []
 
     def poll():
-        dumps[:] = [channel_records(ops[0]._fwd)]
+        dumps.append((int(groups[0].error_word[0]), channel_records(ops[0]._fwd)))
         return now()
     monkeypatch.setattr(twin, "now_ns", poll)
     ops[0](torch.randn(4, *ROW), counts[0], phase="send")
     with pytest.raises(CommTimeoutError, match="peer rank 1"):
         ops[0](phase="recv")
-    (rec,) = [r for r in dumps[0] if r.call == 4]
-    assert rec.recv_start is not None and rec.recv_end is None and rec.outcome is None
-    assert rec.seen[1] is None and rec.recv_rows[1] == 0 and rec.waited[1] == 0, rec
-    assert rec.seen[0] is not None and rec.seen[0] >= rec.recv_start and rec.recv_rows[0] == 1, rec
-    assert [r.call for r in dumps[0]] == [2, 3, 4]
+    monkeypatch.undo()
+    assert any(err == 0 for err, _ in dumps), "no dump while the first wait for rank 1 polled"
+    for err, recs in dumps:
+        assert [r.call for r in recs] == [2, 3, 4], recs
+        rec = recs[-1]
+        assert rec.recv_start is not None and rec.recv_end is None and rec.outcome is None, rec
+        assert rec.sent_rows == [1, 3], rec
+        if rec.seen[0] is None:
+            assert rec.recv_rows[0] == 0 and rec.waited[0] == 0, rec
+        else:
+            assert rec.seen[0] >= rec.recv_start and rec.recv_rows[0] == 1, rec
+            assert 0 <= rec.waited[0] <= rec.seen[0] - rec.recv_start, rec
+        assert rec.seen[1] is None and rec.recv_rows[1] == 0, rec
+        if err == 0:
+            assert rec.waited[1] == 0, rec
+    (rec,) = [r for r in channel_records(ops[0]._fwd) if r.call == 4]
+    assert rec.outcome == "timeout" and rec.recv_start <= rec.recv_end, rec
+    assert rec.seen[0] is not None and rec.recv_start <= rec.seen[0] <= rec.recv_end, rec
+    assert rec.seen[1] is None and rec.recv_rows == [1, 0] and rec.sent_rows == [1, 3], rec
 
 
 def test_rows_are_prepared_and_a_call_on_an_unprepared_row_reports_no_per_peer_words():
