@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from .interpreter import kernel_for
-from .planner import next_pow2
+from .planner import channel_done_words, next_pow2
 from .triton_kernels import nvshmem_bitcode
 from .trace.recorder import new_ring
 from .triton_kernels.sync import abort_kernel, drain_kernel
@@ -108,7 +108,7 @@ class Channel:
         self.ctrl = heap.alloc(f"{name}.ctrl", (2, world, ctrl_words), torch.int64)
         self.send_seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.recv_seq = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.done = torch.zeros(world + 3, dtype=torch.int32, device=dev)
+        self.done = torch.zeros(channel_done_words(world), dtype=torch.int32, device=dev)
         self.trace = new_ring(world, group.trace_calls, dev)
         self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
         self.calls_before_reset = 0

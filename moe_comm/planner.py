@@ -22,6 +22,18 @@ from . import formats
 from .formats import FP8_GROUP, NVFP4_GROUP, fp8_row_words
 from .protocol import VEC_BYTES
 
+
+def channel_done_words(world: int) -> int:
+    """int32 words of a Channel's arrival counters ``done`` (``moe_comm/channel.py``): one per destination,
+    the send total, the receive, the receive's entry (flight recorder)."""
+    return world + 3
+
+
+def channel_counter_bytes(world: int) -> int:
+    """Bytes of one Channel's counters: send and receive counts (int64 each) and ``done``."""
+    return 8 + 8 + 4 * channel_done_words(world)
+
+
 SHAPES_ENV = "MOE_COMM_LAUNCH_SHAPES"
 SHAPES = ("auto", "gpu")   # auto: by the device; gpu: CUDA launch shapes on every device
 
@@ -344,7 +356,7 @@ class EPPlan:
         if self.put:   # per set: runs per source (w * (L + 1)), slot keys (m * k), the id histogram (bins)
             metadata += 2 * 4 * (w * (L + 1) + m * k + max(32, next_pow2(self.num_experts)))
         # two channels of (send count, receive count, arrival counters); excluded-slot count; launch scratch
-        counters = 2 * (8 + 8 + 4 * (w + 2)) + 8 + 4 * self.scratch_words
+        counters = 2 * channel_counter_bytes(w) + 8 + 4 * self.scratch_words
         return outputs + metadata + counters
 
     @property
@@ -627,7 +639,7 @@ class PrefillPlan:
         if self.put:
             per_zone += 8                                                       # the zone's stamp
         metadata = self.zones * per_zone + p.experts_per_rank * 8 + 8
-        counters = 2 * (8 + 8 + 4 * (w + 2)) + (4 * p.send_programs if self.put else 0)
+        counters = 2 * channel_counter_bytes(w) + (4 * p.send_programs if self.put else 0)
         return metadata + counters + 4 * self.scratch_words
 
     @property
