@@ -190,7 +190,7 @@ class EPPlan:
                  (M*K rows), and the channels' staging (``Channel.symmetric_bytes``)
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
                  routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
-                 counters, scratch 2 * (16 + 4*(W+2)) + 8 + 4*max(H, K)
+                 counters, scratch 2 * (16 + 4*(W+3)) + 8 + 4*max(H, K)
 
     The DeepSeek-V3 decode shape (W=8, M=128, K=8, L=32, H=7168, bf16) needs 0.49 GiB per GPU (0.28 GiB
     with fp8 dispatch), d.x included; DeepEP's low-latency buffer for the same shape is 1.78 GiB, before
