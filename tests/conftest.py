@@ -19,9 +19,8 @@ GPU_SHAPES_TIMEOUT_SCALE = 4
 
 
 def pytest_configure(config):
-    from time_log import TIME_LOG_ENV, TimeLog  # noqa: PLC0415  (docs/testing.md, "Where the time goes")
-    if os.environ.get(TIME_LOG_ENV):
-        config.pluginmanager.register(TimeLog(os.environ[TIME_LOG_ENV]), "moe_comm_time_log")
+    from time_log import register  # noqa: PLC0415  (docs/testing.md, "Where the time goes")
+    register(config)
 
 
 def pytest_collection_modifyitems(config, items):

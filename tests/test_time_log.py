@@ -34,11 +34,10 @@ def test_b_ranks_burn():
 def test_the_time_log_counts_rank_processes(tmp_path):
     (tmp_path / "test_burn.py").write_text(BURNING_TEST)
     (tmp_path / "conftest.py").write_text(f"import os, sys\nsys.path.insert(0, {TESTS!r})\n"
-                                         "from time_log import TIME_LOG_ENV, TimeLog\n\n"
-                                         "def pytest_configure(config):\n"
-                                         "    config.pluginmanager.register(TimeLog(os.environ[TIME_LOG_ENV]))\n")
+                                         "from time_log import register as pytest_configure  # noqa: F401\n")
     log = tmp_path / "times.jsonl"
-    env = dict(os.environ, MOE_COMM_TEST_TIME_LOG=str(log))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_COMM_TEST_TIME_LOG")}
+    env["MOE_COMM_TEST_TIME_LOG"] = str(log)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                           str(tmp_path / "test_burn.py")], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=110)

@@ -15,6 +15,17 @@ import time
 import pytest
 
 TIME_LOG_ENV = "MOE_COMM_TEST_TIME_LOG"
+RUN_ENV = "MOE_COMM_TEST_TIME_LOG_RUN"   # the pid of the pytest process that started the logged run
+
+
+def register(config) -> None:
+    """Log the tests of the run started with TIME_LOG_ENV set: in that pytest process, or in its
+    pytest-xdist workers; not in a pytest that a test starts (its CPU is its test's ``children``)."""
+    if not os.environ.get(TIME_LOG_ENV):
+        return
+    run = int(os.environ.setdefault(RUN_ENV, str(os.getpid())))
+    if os.getpid() == run or (os.getppid() == run and hasattr(config, "workerinput")):
+        config.pluginmanager.register(TimeLog(os.environ[TIME_LOG_ENV]), "moe_comm_time_log")
 
 
 def _fork_server_children_s() -> float:
@@ -40,7 +51,7 @@ def _sample():
 
 
 class TimeLog:
-    """The pytest plugin (registered by conftest.py when TIME_LOG_ENV is set)."""
+    """The pytest plugin (``register``)."""
 
     def __init__(self, path: str):
         self.out = open(path, "a")
