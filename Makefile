@@ -34,8 +34,11 @@ NEWEST_TESTS := "tests/test_alltoallv.py::test_matrix_loopback[3]" tests/test_al
 	"tests/test_prefill.py::test_matrix_loopback[3]" tests/test_prefill.py::test_timeout_is_sticky_poisons_and_recovers_after_reset \
 	tests/test_prefill.py::test_two_zones_a_refused_combine_releases_its_own_call tests/test_group.py
 
-# test-long: the same suite with the soak, exclusion, round-trip and order tests at full size (tests/budget.py).
-.PHONY: test test-long test-newest demo test-vllm test-sglang gpu-check gpu-quick clean
+# test: every behaviour at its representative cases; test-sweeps: the tests marked `sweep`, their variants (other
+# worlds and node layouts, GPU launch shapes at world 3, program orders, TRITON_INTERPRET, the randomized soaks,
+# the GPU script's dry run); CI runs both. test-long: all of it, the soak, exclusion, round-trip and order tests
+# at full size (tests/budget.py).
+.PHONY: test test-sweeps test-long test-newest demo test-vllm test-sglang gpu-check gpu-quick clean
 OUT ?= bench/results/gpu-check
 
 $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
@@ -47,7 +50,10 @@ $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 test: $(VENV)/.ready
-	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=30 tests
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=30 -m "not sweep" tests
+
+test-sweeps: $(VENV)/.ready
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=15 -m sweep tests
 
 $(NEWEST_VENV)/.ready: pyproject.toml $(NEWEST_CONSTRAINTS)
 	$(PYTHON) -m venv $(NEWEST_VENV)

@@ -13,7 +13,7 @@ import pytest
 from moe_comm.interpret_order import DELAY_ENV, ORDER_ENV, SEED_ENV
 from moe_comm.planner import SHAPES_ENV
 
-from budget import LONG
+from budget import LONG, SWEEP
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -31,11 +31,12 @@ CASES = (
     "test_ep_faults.py::test_silent_peer_on_loopback_times_out_naming_it",
     "test_ep_faults.py::test_killed_peer_is_named[combine]",
 )
-# make test: reversed and one shuffle; make test-long (tests/budget.py): reversed and three shuffles.
+# make test-sweeps: reversed and one shuffle; make test-long (tests/budget.py): reversed and three shuffles.
 MODES = [("reverse", 0), ("random", 0), ("random", 1), ("random", 2)] if LONG else [("reverse", 0), ("random", 1)]
 RUN_TIMEOUT_S = 600
 
 
+@SWEEP
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("order, seed", MODES, ids=[f"{o}-{s}" for o, s in MODES])
 def test_subset_under_adversarial_order(order, seed):

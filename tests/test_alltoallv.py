@@ -11,12 +11,12 @@ from moe_comm import AllToAllvDynamic, CapacityError, CommTimeoutError, LaunchEr
 from moe_comm.planner import plan_alltoallv
 
 from a2a_cases import make_counts, make_sends, poison, run_loopback_cases, run_shm_cases
-from budget import size
+from budget import size, sweep
 from shm_files import own_shm_files
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", size([1, 2, 4], [1, 2, 3, 4]))   # world 3: loopback, and shm under test-long
+@pytest.mark.parametrize("world", size([1, 2, sweep(4)], [1, 2, 3, 4]))   # world 3: loopback, and shm under test-long
 def test_matrix_shm(world):
     """bf16/float32/int32 x rows (64,)/(3,32) x random/zeros/one-destination/full counts, both directions."""
     errs = moe_comm.launch(run_shm_cases, world, backend="shm", timeout_s=60)
@@ -25,7 +25,7 @@ def test_matrix_shm(world):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, sweep(4)])
 def test_matrix_loopback(world):
     assert run_loopback_cases(moe_comm.init(backend="loopback", world_size=world)) == []
 

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from budget import SWEEP
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABEL = "dry run, CPU interpreter, not a GPU measurement"
 
@@ -23,6 +25,7 @@ def _run(*args, timeout=300):
                           timeout=timeout)
 
 
+@SWEEP
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")
 def test_kernels_dry_run_writes_labelled_lines_png_and_summary(tmp_path):
     proc = _run("bench/kernels.py", "--dry", "--out-dir", str(tmp_path), "--a2a-rows", "1,3", "--tokens", "0,3",

@@ -472,3 +472,28 @@ def test_the_uniformity_rule_reads_past_a_multi_line_inline_asm_block():
     ptx = UNIFORM_PTX.replace("{SOURCE}", "mov.u64 %rd2, %globaltimer;").replace(
         "{DECIDE}", "mov.pred %p2, %p1;\n\t{ \ncvt.rn.f16x2.e4m3x2 %r4, %rs1; \n}")
     assert ptx_rules.divergent_barriers(ptx, "k")   # the timer branch after the block is still found
+
+
+@pytest.mark.timeout(300)
+def test_a_ptxas_report_is_kept_per_ptx_text(tmp_path, monkeypatch):
+    """compile_report keeps what ``ptxas -v`` printed in Triton's cache, keyed by the PTX: the same PTX is
+    answered from the cache with the same words, another PTX (another kernel) is assembled again."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from moe_comm.triton_kernels import compile_report
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    types = dict(data_ptr="*i32", n="i32", counter_ptr="*i32", flag_ptr="*i32")
+    ptx = {b: triton.compile(ASTSource(_stores_then_arrive, dict(types, BLOCK="constexpr"), dict(BLOCK=b)),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"] for b in (256, 1024)}
+    ptxas = get_ptxas(90).path
+    runs = []
+    real_run = subprocess.run
+    monkeypatch.setattr(compile_report.subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
+    first = compile_report.ptxas_report(ptxas, "-arch=sm_90a", ptx[256])
+    assert "Used" in first and "registers" in first and len(runs) == 1, first
+    assert compile_report.ptxas_report(ptxas, "-arch=sm_90a", ptx[256]) == first and len(runs) == 1
+    other = compile_report.ptxas_report(ptxas, "-arch=sm_90a", ptx[1024])
+    assert len(runs) == 2 and "Used" in other
+    assert list(tmp_path.rglob(compile_report.PTXAS_REPORT_FILE)) != []

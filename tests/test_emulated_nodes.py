@@ -86,8 +86,9 @@ def _cases(group, which):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), (3, 1, "ep"), (4, 2, "a2a"), (3, 1, "a2a"),
-                                                     (4, 2, "compat"), (3, 1, "compat")])
+@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), budget.sweep(3, 1, "ep"), (4, 2, "a2a"),
+                                                     budget.sweep(3, 1, "a2a"), (4, 2, "compat"),
+                                                     budget.sweep(3, 1, "compat")])
 def test_ops_are_exact_across_emulated_nodes(monkeypatch, world, per_node, which):
     """ep: every bf16 and fp8 dispatch/combine case of tests/ep_cases.py; a2a: every AllToAllvDynamic case
     of tests/a2a_cases.py; compat: DeepEP's low-latency API (moe_comm.compat.deep_ep) through a
@@ -399,7 +400,7 @@ def _prefill_wire(group, variants):
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), budget.sweep(2, 3), budget.sweep(3, 2)])
 def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node):
     """PrefillBuffer across emulated nodes (docs/prefill.md "Across nodes"): on every rank, the bytes the
     wire carries between nodes equal the per-node floor (bench/wire_bytes.py ``prefill_floor_bytes``: one
@@ -407,7 +408,7 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
     back, and the control words), ratio 1.00, bf16, fp8 and power-of-two fp8 dispatch (odd sizes, unrouted slots), with results
     equal to the reference in the node order; with node-limited routing (each token's experts on one
     node of 2, two of 3) it carries fewer rows than one copy per destination rank, which EPBuffer's put
-    path, measured on the same inputs, sends. 2x2 in ``make test``; 2x3 and 3x2 under MOE_COMM_LONG_TESTS."""
+    path, measured on the same inputs, sends. 2x2 in ``make test``; 2x3 and 3x2 in ``make test-sweeps``."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))

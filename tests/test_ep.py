@@ -18,7 +18,7 @@ from moe_comm.triton_kernels.routing import compute_routing
 
 from ep_cases import (Config, check_dispatch, expert_fn, expert_outputs, make_inputs, offset_copy, poison,
                       record_launches, run_loopback_cases, run_shm_cases, snapshot)
-from budget import size
+from budget import SWEEP, size, sweep
 from shm_files import own_shm_files
 
 
@@ -52,7 +52,7 @@ def _expected(cfg, world, xs, idxs, ws):
 # ---- the matrix: every config x routing on worlds 1-4 ------------------------------------------------
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", size([1, 2, 4], [1, 2, 3, 4]))   # world 3: loopback, and shm under test-long
+@pytest.mark.parametrize("world", size([1, 2, sweep(4)], [1, 2, 3, 4]))   # world 3: loopback, and shm under test-long
 def test_matrix_shm(world):
     """Per world: 5 configs (experts/rank 4-16, hidden 128/256, topk 1/2/4, bf16/fp16/fp32, fp8) x
     routings (random with -1, skewed to one expert, all experts on one rank, a duplicated expert, none),
@@ -63,7 +63,7 @@ def test_matrix_shm(world):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, sweep(4)])
 def test_matrix_loopback(world):
     assert run_loopback_cases(moe_comm.init(backend="loopback", world_size=world, device="cpu")) == []
 
@@ -102,6 +102,7 @@ def test_phase_split_equals_both_world1():
 
 # ---- buffer alternation, reproducibility -----------------------------------------------------------
 
+@SWEEP
 @pytest.mark.timeout(400)
 def test_many_round_trips_loopback():
     """ROUND_TRIPS consecutive dispatch -> combine round trips, fresh random routing each, world 2; every one
@@ -215,7 +216,7 @@ def test_bitwise_reproducible_across_runs_and_world_sizes():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,fp8,send_programs", [(1, False, 5), (1, True, 2), (2, False, 2), (3, True, 5)])
+@pytest.mark.parametrize("world,fp8,send_programs", [(1, False, 5), (1, True, 2), (2, False, 2), sweep(3, True, 5)])
 def test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs):
     """The GPU plan (many programs per kernel, one token or one landing row per iteration, routing split
     over programs, several routing chunks, one column block per combine program) run by the interpreter

@@ -17,7 +17,7 @@ import pytest
 import moe_comm
 from moe_comm import LaunchError
 
-from budget import size
+from budget import SWEEP, size
 from fault_cases import serve as _serve
 from shm_files import own_shm_files
 
@@ -25,6 +25,7 @@ TIMEOUT_S = 1.5
 WHERE = ("before_send", "between_phases", "inside_wait", "between_ops")
 
 
+@SWEEP
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("world,steps,seed", size([(4, 70, 2)], [(3, 300, 1), (4, 120, 2)]))
 def test_killed_ranks_are_excluded_and_the_rest_stays_exact(world, steps, seed):

@@ -1,5 +1,5 @@
-"""Randomized fault soak: world 3 over shared memory, a serving loop of 70 steps (300 under
-``make test-long``), each a barrier, a
+"""Randomized fault soak (``make test-sweeps``): world 3 over shared memory, a serving loop of 40 steps
+(300 under ``make test-long``), each a barrier, a
 dispatch -> combine and an AllToAllvDynamic round trip, with random faults injected on random ranks:
 
 - ``host_error``   one rank passes x of the wrong dtype (TypeError; it takes part by aborting);
@@ -27,7 +27,7 @@ import torch
 import moe_comm
 from moe_comm import AllToAllvDynamic, CapacityError, EPBuffer, GroupError, InvalidIndexError
 
-from budget import size
+from budget import SWEEP, size
 from fault_cases import check_rank, expert, step_inputs
 from shm_files import own_shm_files
 
@@ -110,6 +110,7 @@ class _Skipped(Exception):
     """The injected fault: this rank leaves the step before its combine."""
 
 
+@SWEEP
 @pytest.mark.timeout(1500)
 def test_randomized_fault_soak_world3_shm():
     plan = _plan(seed=7)

@@ -30,7 +30,7 @@ from moe_comm import EPBuffer, PrefillBuffer, formats, reference
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV
 
 import format_cases
-from budget import size
+from budget import size, sweep
 from ep_cases import FORMAT_CONFIGS, Config, make_inputs, run_shm_cases
 from prefill_cases import check_dispatch, make_buffer, partial_rows, poison, round_trip
 from shm_files import own_shm_files
@@ -41,9 +41,9 @@ H = 512   # one UE8M0 word per row: the smallest hidden every fp8 format takes
 # any share up to 4); make test-long runs them all.
 LOOPBACK_EVERY = size(4, 1)
 SHM_EVERY = size(4, 1)
-# Emulated nodes: one node per rank (every peer by puts) in make test; also two ranks per node (stores and
-# puts in one group) in make test-long.
-NODE_LAYOUTS = size([(3, 1)], [(3, 1), (4, 2)])
+# Emulated nodes: one node per rank (every peer by puts) in make test-sweeps; also two ranks per node (stores
+# and puts in one group) in make test-long.
+NODE_LAYOUTS = size([sweep(3, 1)], [(3, 1), (4, 2)])
 
 
 
@@ -188,7 +188,7 @@ def test_bad_prequantized_input_raises_on_every_rank_before_any_send_then_exact(
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, sweep(3)])
 def test_ep_formats_shm(world):
     errs = moe_comm.launch(format_cases.run_ep_shm, world, SHM_EVERY, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
@@ -196,14 +196,14 @@ def test_ep_formats_shm(world):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, sweep(3)])
 def test_ep_formats_loopback(world):
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     assert format_cases.run_ep_loopback(groups, LOOPBACK_EVERY) == []
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, sweep(3)])
 def test_prefill_formats_shm(world):
     errs = moe_comm.launch(format_cases.run_prefill_shm, world, SHM_EVERY, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
@@ -211,7 +211,7 @@ def test_prefill_formats_shm(world):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, sweep(3)])
 def test_prefill_formats_loopback(world):
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     assert format_cases.run_prefill_loopback(groups, LOOPBACK_EVERY) == []

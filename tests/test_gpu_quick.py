@@ -37,6 +37,7 @@ def _load(name):
 
 gpu_quick = _load("gpu_quick")   # puts scripts/ on sys.path, as run from there
 import gpu_summary  # noqa: E402
+from budget import SWEEP  # noqa: E402
 
 
 def _jsonl(path):
@@ -45,6 +46,7 @@ def _jsonl(path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is what a machine without a GPU runs")
+@SWEEP
 @pytest.mark.timeout(1800)
 def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     out = tmp_path / "run"

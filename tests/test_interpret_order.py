@@ -121,3 +121,36 @@ def test_gpu_launch_shapes_on_cpu(monkeypatch):
     monkeypatch.setenv(planner.SHAPES_ENV, "GPUs")
     with pytest.raises(ValueError, match="MOE_COMM_LAUNCH_SHAPES='GPUs' is not valid: set it to one of auto, gpu"):
         planner.plan_ep(2, 8, 128, 4, 2, torch.bfloat16, False, "cpu")
+
+
+_SEEN = {}
+
+
+def _note_np_dtype_function():
+    """Plain Python, called from an interpreted kernel: which ``_get_np_dtype`` the launch runs with."""
+    from triton.runtime import interpreter  # noqa: PLC0415
+    _SEEN["inside"] = interpreter._get_np_dtype
+
+
+@triton.jit
+def np_dtype_probe_kernel(out_ptr):
+    _note_np_dtype_function()
+    tl.store(out_ptr, 1)
+
+
+def test_the_cached_numpy_dtype_answers_as_the_interpreters_and_only_inside_a_launch():
+    """moe_comm.interpreter keeps the interpreter's NumPy dtype per Triton element type during a launch
+    (it is asked several times per interpreted operation): the same answer for every type, scalar, block
+    and pointer; Triton's own function outside the launch."""
+    from triton.runtime import interpreter  # noqa: PLC0415
+    stock = interpreter._get_np_dtype
+    out = torch.zeros(1, dtype=torch.int32)
+    kernel_for(np_dtype_probe_kernel, out.device)[(1,)](out)
+    inside = _SEEN.pop("inside")
+    assert out.item() == 1 and inside is not stock and interpreter._get_np_dtype is stock
+    types = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+             tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types += [tl.pointer_type(t) for t in types[:3]]
+    for t in types + [tl.block_type(t, [4]) for t in types] + [tl.block_type(t, [2, 8]) for t in types]:
+        for _ in range(2):   # the second answer comes from the cache
+            assert inside(t) == stock(t), t

@@ -29,7 +29,7 @@ def _loopback(world, cfg=CONFIGS[0], timeout_s=20.0):
 # ---- exact against the reference ---------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, budget.sweep(4)])
 def test_matrix_shm(world):
     errs = moe_comm.launch(run_shm_cases, world, backend="shm", timeout_s=60)
     assert [e for r in errs for e in r] == []
@@ -37,7 +37,7 @@ def test_matrix_shm(world):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, budget.sweep(4)])
 def test_matrix_loopback(world):
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     assert run_loopback_cases(groups) == []

@@ -21,6 +21,7 @@ from moe_comm.transport import ENV, choose_transports
 
 import a2a_cases
 import ep_cases
+from budget import sweep
 
 PUT, STORE = protocol.TRANSPORT_PUT, protocol.TRANSPORT_STORE
 
@@ -156,14 +157,6 @@ def _unquieted_reuse(events):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cases", [a2a_cases, ep_cases], ids=["alltoallv", "ep"])
-def test_loopback_world3_over_puts(put_forced, monkeypatch, cases):
-    puts = _Puts(monkeypatch)
-    assert cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=3)) == []
-    assert puts.count > 0
-
-
-@pytest.mark.timeout(300)
 def test_ep_shm_processes_over_puts(put_forced):
     """One process per rank (the environment variable reaches the launched ranks)."""
     errs = moe_comm.launch(_ep_shm_cases, 2, backend="shm", timeout_s=60)
@@ -177,7 +170,8 @@ def _ep_shm_cases(group):
 
 def test_dropped_puts_are_seen(put_forced, monkeypatch):
     """Control: if the puts carried nothing (the signals still arrive), the receivers would get the wrong
-    counts: the rows and counts of the cases above did travel by the put path."""
+    counts: the rows and counts of the world-3 cases (``test_loopback_world3_over_puts_...``) did travel
+    by the put path."""
     puts = _Puts(monkeypatch, drop=True)
     groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
     ops = [AllToAllvDynamic(g, 4, (8,), torch.float32) for g in groups]
@@ -277,11 +271,16 @@ def _unordered_signals(events):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cases", [a2a_cases, ep_cases], ids=["alltoallv", "ep"])
-def test_put_path_fences_rows_before_every_signal(put_forced, monkeypatch, cases):
+def test_loopback_world3_over_puts_is_exact_and_fences_rows_before_every_signal(put_forced, monkeypatch, cases):
+    """Every case of the op on a loopback world 3 with every peer reached by puts: exact, the rows did travel
+    by puts, and in the put path's event order every signal follows its rows' puts and a staging slot is
+    reused only after a quiet."""
+    puts = _Puts(monkeypatch)
     twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
     events = []
     monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
     assert cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=3)) == []
+    assert puts.count > 0
     assert any(e == "put" for e, _ in events) and any(e == "signal" for e, _ in events)
     assert _unordered_signals(events) == [], events[:40]
     assert _unquieted_reuse(events) == [], events[:40]
@@ -365,7 +364,7 @@ def test_the_reuse_check_finds_a_missing_quiet():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, fp8, send_programs", [(3, True, 5), (2, False, 2)])
+@pytest.mark.parametrize("world, fp8, send_programs", [sweep(3, True, 5), (2, False, 2)])
 def test_gpu_launch_shapes_over_puts(put_forced, world, fp8, send_programs):
     """The GPU launch shapes run by the interpreter, every peer over puts: several send programs, so a
     program's packed rows continue those of the tokens of earlier programs (``reach_of_tokens``), and

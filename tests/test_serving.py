@@ -28,6 +28,8 @@ from moe_comm.serving import (
 )
 from moe_comm.serving.backends import positions_by_key
 
+import budget
+
 RTOL = 1e-4
 HAS_EP = importlib.util.find_spec("moe_comm.ep") is not None
 BACKENDS = ["sync", "padded", "dynamic"] + (["fused"] if HAS_EP else [])
@@ -91,7 +93,7 @@ def _assert_matches_reference(config: str, world: int, per_backend: dict, ranks:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,config", [(1, "llama4-maverick"), (2, "mixtral"), (4, "deepseek-v3")])
+@pytest.mark.parametrize("world,config", [(1, "llama4-maverick"), (2, "mixtral"), budget.sweep(4, "deepseek-v3")])
 def test_process_ranks_match_reference(world, config):
     """One process per rank over the shm heap (gloo for the baselines); the last rank is idle when world > 1."""
     results = moe_comm.launch(_serve_rank, world, config, BACKENDS, backend="shm", timeout_s=120)
@@ -233,6 +235,7 @@ def test_decode_profile_splits_the_step_into_parts(tmp_path, capsys):
             assert got["other"] == pytest.approx(got["step"] - sum(got[p] for p in PARTS), abs=1e-6)
 
 
+@budget.SWEEP
 @pytest.mark.timeout(300)
 def test_decode_bench_under_torchrun(tmp_path):
     """The several-GPU launch path (torchrun, one process per rank, torch.distributed bootstrap), run on

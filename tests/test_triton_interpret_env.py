@@ -12,6 +12,8 @@ import torch
 
 from moe_comm.interpreter import kernel_for
 
+from budget import SWEEP
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One test of each kind of kernel: EPBuffer over loopback (world 2), AllToAllvDynamic's one-kernel path,
 # device-side count errors, the SGLang dispatcher, the expert GEMM, the decode attention, the row copy.
@@ -32,6 +34,7 @@ def _env() -> dict:
         p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
 
 
+@SWEEP
 @pytest.mark.timeout(300)
 def test_info_and_selftest_with_triton_interpret_exported():
     """``info`` reports the setting; ``selftest`` (loopback and two processes over /dev/shm) passes."""
@@ -44,6 +47,7 @@ def test_info_and_selftest_with_triton_interpret_exported():
     assert " 0 failed" in out.stdout and "FAIL" not in out.stdout and "shm world 2" in out.stdout, out.stdout
 
 
+@SWEEP
 @pytest.mark.timeout(300)
 def test_representative_cases_pass_with_triton_interpret_exported():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CASES], cwd=ROOT,

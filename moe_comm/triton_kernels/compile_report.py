@@ -12,6 +12,7 @@ moe-comm itself never turns it on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import os
@@ -348,6 +349,31 @@ def _copy_configs() -> list[KernelConfig]:
 _PTXAS_RE = re.compile(r"Used (\d+) registers")
 _SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM_RE = re.compile(r"(\d+) bytes smem")
+PTXAS_REPORT_FILE = "ptxas_v.txt"   # the name of a cached ``ptxas -v`` report in its Triton cache entry
+
+
+def ptxas_report(ptxas: str, arch_flag: str, ptx: str) -> str:
+    """What ``ptxas -v`` prints for ``ptx``, kept in Triton's cache like Triton's own compiles (keyed by the
+    ptxas binary, its arguments and the PTX): an unchanged kernel is assembled once per machine, not on
+    every report (77 kernels: about 20 CPU-seconds)."""
+    from triton.runtime.cache import get_cache_manager  # noqa: PLC0415
+    st = os.stat(ptxas)
+    key = hashlib.sha256(f"{ptxas}|{st.st_size}|{st.st_mtime_ns}|{arch_flag}|-v|".encode() + ptx.encode())
+    cache = get_cache_manager(key.hexdigest())
+    cached = cache.get_file(PTXAS_REPORT_FILE)
+    if cached is not None:
+        with open(cached) as f:
+            return f.read()
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([ptxas, arch_flag, "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
+                             check=True)
+    finally:
+        os.unlink(f.name)
+    rep = out.stdout + out.stderr
+    cache.put(rep, PTXAS_REPORT_FILE, binary=False)
+    return rep
 
 
 def compile_one(cfg: KernelConfig, arch: int) -> dict:
@@ -377,15 +403,8 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if types[a].startswith("*")}
     compiled = triton.compile(ASTSource(fn, types, constexprs, aligned), target=GPUTarget("cuda", arch, 32),
                               options=options)
-    ptxas = get_ptxas(arch).path
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        rep = subprocess.run([ptxas, f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}", "-v", f.name,
-                              "-o", os.devnull], capture_output=True, text=True, check=True)
-        rep = rep.stdout + rep.stderr
-    finally:
-        os.unlink(f.name)
+    rep = ptxas_report(get_ptxas(arch).path, f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}",
+                       compiled.asm["ptx"])
     regs, spill, smem = _PTXAS_RE.search(rep), _SPILL_RE.search(rep), _SMEM_RE.search(rep)
     args = [a for a in fn.arg_names if a not in constexprs]
     ptx = compiled.asm["ptx"]

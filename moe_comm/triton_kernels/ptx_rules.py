@@ -40,17 +40,30 @@ REG = re.compile(r"%\w+")
 CONTROL_PARAMS = ("grp", "status_ptr")
 
 
+def _matcher(pattern: re.Pattern, hint: str):
+    """``pattern.search(line)`` as a bool, not run on lines without ``hint`` (a substring of every match):
+    most PTX lines hold none, and ``in`` costs a fraction of a search."""
+    return lambda line: hint in line and pattern.search(line) is not None
+
+
+is_publish = _matcher(PUBLISH, "rel")        # .release / .acq_rel
+is_acquire = _matcher(ACQUIRE, "acq")        # .acquire / .acq_rel
+is_barrier = _matcher(BARRIER, ".sync")
+is_global_store = _matcher(GLOBAL_STORE, "global")
+is_global_load = _matcher(GLOBAL_LOAD, "global")
+
+
 def _control_registers(lines: list[str], kernel: str, arg_names: list[str]) -> set[str]:
     """Registers holding an address derived from (or loaded through) the control parameters."""
     params = {f"{kernel}_param_{i}" for i, a in enumerate(arg_names) if a in CONTROL_PARAMS}
     regs = {m.group(1) for m in map(PARAM_LOAD.search, lines) if m and m.group(2) in params}
+    defs = [(m.group(1), REG.findall(m.group(2))) for m in map(DEST_SRCS.match, lines) if m]   # parsed once
     changed = True
     while changed:
         changed = False
-        for line in lines:
-            m = DEST_SRCS.match(line)
-            if m and m.group(1) not in regs and any(r in regs for r in REG.findall(m.group(2))):
-                regs.add(m.group(1))
+        for dest, srcs in defs:
+            if dest not in regs and any(r in regs for r in srcs):
+                regs.add(dest)
                 changed = True
     return regs
 
@@ -62,19 +75,20 @@ def check(ptx: str, kernel: str, arg_names: list[str]) -> list[str]:
     control = _control_registers(lines, kernel, arg_names)
     problems = []
     for i, line in enumerate(lines):
-        if PUBLISH.search(line):
+        publish = is_publish(line)
+        if publish:
             for j in range(i - 1, -1, -1):
-                if BARRIER.search(lines[j]):
+                if is_barrier(lines[j]):
                     break
-                if GLOBAL_STORE.search(lines[j]):
+                if is_global_store(lines[j]):
                     problems.append(f"publish at line {i + 1} ({line.strip()}) follows the store at line "
                                     f"{j + 1} ({lines[j].strip()}) with no CTA barrier between")
                     break
-        if ACQUIRE.search(line) and not PUBLISH.search(line):
+        if not publish and is_acquire(line):
             for j in range(i + 1, len(lines)):
-                if BARRIER.search(lines[j]):
+                if is_barrier(lines[j]):
                     break
-                if GLOBAL_LOAD.search(lines[j]) and not ACQUIRE.search(lines[j]):
+                if is_global_load(lines[j]) and not is_acquire(lines[j]):
                     addr = ADDR.search(lines[j])
                     if addr and addr.group(1) in control:
                         continue
@@ -119,10 +133,10 @@ def payload_accesses(ptx: str) -> dict:
     for line, f in zip(lines, source_files(ptx)):
         if not (f and f.endswith(PAYLOAD_FILE)):
             continue
-        if GLOBAL_STORE.search(line):
+        if is_global_store(line):
             stores += 1
             v4_stores += bool(V4_STORE.search(line))
-        elif GLOBAL_LOAD.search(line):
+        elif is_global_load(line):
             loads += 1
             v4_loads += bool(V4_LOAD.search(line))
     return dict(payload_stores=stores, payload_v4_stores=v4_stores, payload_loads=loads, payload_v4_loads=v4_loads)
@@ -133,16 +147,17 @@ def counts(ptx: str) -> dict:
     approximate float32 divisions (Triton's ``/``) the PTX holds, and the payload copy's accesses
     (``payload_accesses``)."""
     lines = ptx.splitlines()
-    return dict(**payload_accesses(ptx), publishes=sum(bool(PUBLISH.search(x)) for x in lines),
-                release_stores=sum(bool(RELEASE_STORE.search(x)) for x in lines),
-                release_exchanges=sum(bool(RELEASE_EXCH.search(x)) for x in lines),
-                acquires=sum(bool(ACQUIRE.search(x)) and not bool(PUBLISH.search(x)) for x in lines),
-                barriers=sum(bool(BARRIER.search(x)) for x in lines),
-                global_stores=sum(bool(GLOBAL_STORE.search(x)) for x in lines),
-                v4_stores=sum(bool(V4_STORE.search(x)) for x in lines),
-                v4_loads=sum(bool(V4_LOAD.search(x)) for x in lines),
-                f64_ops=sum(bool(F64_OP.search(x)) for x in lines),
-                approx_divs=sum(bool(APPROX_DIV.search(x)) for x in lines))
+    count = lambda is_a: sum(map(is_a, lines))  # noqa: E731
+    return dict(**payload_accesses(ptx), publishes=count(is_publish),
+                release_stores=count(_matcher(RELEASE_STORE, "release")),
+                release_exchanges=count(_matcher(RELEASE_EXCH, "exch")),
+                acquires=count(lambda x: is_acquire(x) and not is_publish(x)),
+                barriers=count(is_barrier),
+                global_stores=count(is_global_store),
+                v4_stores=count(_matcher(V4_STORE, ".v4.b32")),
+                v4_loads=count(_matcher(V4_LOAD, ".v4.b32")),
+                f64_ops=count(_matcher(F64_OP, ".f64")),
+                approx_divs=count(_matcher(APPROX_DIV, "f32")))
 
 
 # ---- Rule 3: every barrier and block-wide call is reached by every thread of the program alike -------------
@@ -250,23 +265,33 @@ def _post_dominators(succ):
     """Immediate post-dominator of each block (None: the exit), by the iterative set algorithm."""
     n = len(succ)
     exit_ = n   # a virtual exit after every block with no successor
-    full = set(range(n + 1))
-    pdom = [set(full) for _ in range(n)] + [{exit_}]
+    full = (1 << (n + 1)) - 1
+    pdom = [full] * n + [1 << exit_]   # sets of blocks as bit masks: bit c set = block c post-dominates
     changed = True
     while changed:
         changed = False
         for b in reversed(range(n)):
-            nexts = succ[b] or {exit_}
-            new = {b} | set.intersection(*(pdom[s] for s in nexts))
+            new = full
+            for s in succ[b] or (exit_,):
+                new &= pdom[s]
+            new |= 1 << b
             if new != pdom[b]:
                 pdom[b], changed = new, True
     ipdom = []
     for b in range(n):
-        strict = pdom[b] - {b}
+        strict = pdom[b] & ~(1 << b)
         # the immediate one: the strict post-dominator that every other strict one post-dominates
-        cand = [c for c in strict if all(o in pdom[c] for o in strict)]
+        cand = [c for c in _bits(strict) if strict & ~pdom[c] == 0]
         ipdom.append(None if not cand or cand[0] == exit_ else cand[0])
     return ipdom
+
+
+def _bits(mask: int):
+    """The indices of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def _cta_threads(ptx: str, kernel: str) -> int | None:
@@ -291,18 +316,20 @@ def divergent_barriers(ptx: str, kernel: str) -> list[str]:
     branch's immediate post-dominator (a loop whose exit is tainted: its whole body)."""
     body = _body(ptx, kernel)
     one_warp = _cta_threads(ptx, kernel) == WARP_THREADS
+    defs = []   # (line, statement, destinations, sources and guard, is a taint source): parsed once
+    for line, stmt in body:
+        if stmt.endswith(":"):
+            continue
+        guard, dests, srcs = _dest_srcs(stmt)
+        if not dests or UNIFORM_RESULT.search(stmt) or (one_warp and WARP_BROADCAST.search(stmt)):
+            continue
+        defs.append((line, stmt, dests, srcs + ([guard] if guard else []), bool(TAINT_SOURCE.search(stmt))))
     origin = {}   # tainted register -> (line, statement) of a taint source it depends on
     changed = True
     while changed:
         changed = False
-        for line, stmt in body:
-            if stmt.endswith(":"):
-                continue
-            guard, dests, srcs = _dest_srcs(stmt)
-            if not dests or UNIFORM_RESULT.search(stmt) or (one_warp and WARP_BROADCAST.search(stmt)):
-                continue
-            why = (line, stmt) if TAINT_SOURCE.search(stmt) else next(
-                (origin[r] for r in srcs + ([guard] if guard else []) if r in origin), None)
+        for line, stmt, dests, uses, source in defs:
+            why = (line, stmt) if source else next((origin[r] for r in uses if r in origin), None)
             if why:
                 for d in dests:
                     if d not in origin:
