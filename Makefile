@@ -5,9 +5,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 CONSTRAINTS := requirements/constraints.txt
 PY := $(VENV)/bin/python
-# Test processes (pytest-xdist workers): one per core. Rank processes and interpreted kernels keep the cores
-# busy; more workers than cores only add contention (docs/testing.md, "Where the time goes").
-TEST_JOBS ?= 2
+# Test processes (pytest-xdist workers): three on a 2-core machine. A test that waits (a timeout, an emulated
+# NIC's give-up, a subprocess's start) leaves its core to the third (docs/testing.md, "Where the time goes").
+# test-long keeps two, as measured: its full-size soaks hold 3-4 rank processes busy for minutes.
+TEST_JOBS ?= 3
+LONG_JOBS ?= 2
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
 # test-newest: the newest Triton and torch (requirements/constraints-newest.txt) in .venv-newest, running
@@ -66,7 +68,7 @@ test-newest: $(NEWEST_VENV)/.ready
 	$(NEWEST_PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=15 $(NEWEST_TESTS)
 
 test-long: $(VENV)/.ready
-	MOE_COMM_LONG_TESTS=1 $(PY) -m pytest -q -ra -n $(TEST_JOBS) --durations=30 tests
+	MOE_COMM_LONG_TESTS=1 $(PY) -m pytest -q -ra -n $(LONG_JOBS) --durations=30 tests
 
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench

@@ -65,8 +65,9 @@ def _consecutive(group, calls):
 
 
 @pytest.mark.timeout(300)
-def test_back_to_back_and_many_calls_shm():
-    errs = moe_comm.launch(_consecutive, 2, size(40, 200), backend="shm", timeout_s=60)
+@pytest.mark.parametrize("calls", size([10, sweep(40)], [200]))
+def test_back_to_back_and_many_calls_shm(calls):
+    errs = moe_comm.launch(_consecutive, 2, calls, backend="shm", timeout_s=60)
     assert errs == [[], []]
 
 

@@ -86,9 +86,9 @@ def _cases(group, which):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), budget.sweep(3, 1, "ep"), (4, 2, "a2a"),
-                                                     budget.sweep(3, 1, "a2a"), (4, 2, "compat"),
-                                                     budget.sweep(3, 1, "compat")])
+@pytest.mark.parametrize("world, per_node, which", [(4, 2, "ep"), budget.sweep(3, 1, "ep"),
+                                                     budget.sweep(4, 2, "a2a"), budget.sweep(3, 1, "a2a"),
+                                                     (4, 2, "compat"), budget.sweep(3, 1, "compat")])
 def test_ops_are_exact_across_emulated_nodes(monkeypatch, world, per_node, which):
     """ep: every bf16 and fp8 dispatch/combine case of tests/ep_cases.py; a2a: every AllToAllvDynamic case
     of tests/a2a_cases.py; compat: DeepEP's low-latency API (moe_comm.compat.deep_ep) through a

@@ -9,6 +9,7 @@ import torch
 import moe_comm
 from moe_comm import ops, reference
 
+from budget import SWEEP
 from moe_cases import close, make_inputs, reference_moe, toy_experts
 
 from moe_comm.ep import EPBuffer
@@ -149,6 +150,7 @@ def _shm_rank(group, seed):
     return errs
 
 
+@SWEEP
 @pytest.mark.timeout(300)
 def test_ep_ops_compiled_shm_world2():
     errs = moe_comm.launch(_shm_rank, 2, 0, backend="shm", timeout_s=120)
