@@ -497,3 +497,32 @@ def test_a_ptxas_report_is_kept_per_ptx_text(tmp_path, monkeypatch):
     other = compile_report.ptxas_report(ptxas, "-arch=sm_90a", ptx[1024])
     assert len(runs) == 2 and "Used" in other
     assert list(tmp_path.rglob(compile_report.PTXAS_REPORT_FILE)) != []
+
+
+_HINT_LINES = [   # lines every rule and count must see, besides a compiled kernel's PTX
+    "\tst.release.sys.global.b64 [%rd3], %rd4;", "\tatom.global.acq_rel.sys.exch.b64 %rd3, [%rd2], %rd4;",
+    "\t@%p1 atom.global.sys.release.exch.b64 %rd3, [ %rd2 + 0 ], %rd4;", "\tred.release.gpu.global.add.s32 [%rd1], 1;",
+    "\tld.acquire.sys.global.b64 %rd5, [%rd4];", "\tatom.acquire.gpu.global.add.s32 %r1, [%rd1], 0;",
+    "\tbar.sync \t0;", "\tbarrier.sync 0;", "\tst.volatile.global.b32 [%rd1], %r1;",
+    "\tld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];", "\tst.global.v4.b32 [%rd2], {%r1, %r2, %r3, %r4};",
+    "\tcvt.rn.f32.f64 \t%r874, %rd325;", "\tdiv.full.f32 \t%r2, %r5, %r1;",
+    "\trcp.approx.ftz.f32 \t%r2, %r1;", "\tst.shared.b32 [%r1], %r2;", "\tmov.u32 %r1, 0;"]
+
+
+def test_every_line_matcher_sees_what_its_pattern_sees():
+    """ptx_rules skips a search on lines without a matcher's hint: the hint must be inside every match, or
+    a rule or count would miss lines (checked on a compiled kernel's PTX and on every kind of line the rules
+    and counts look for)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    types = dict(data_ptr="*i32", n="i32", counter_ptr="*i32", flag_ptr="*i32")
+    ptx = triton.compile(ASTSource(_stores_then_arrive, dict(types, BLOCK="constexpr"), dict(BLOCK=1024)),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    lines = ptx.splitlines() + _HINT_LINES
+    assert len(ptx_rules.MATCHERS) >= 10
+    for pattern, hint, matches in ptx_rules.MATCHERS:
+        seen = [line for line in lines if pattern.search(line)]
+        assert seen, pattern.pattern   # the lines above hold every kind: the check below is not vacuous
+        for line in lines:
+            assert matches(line) == bool(pattern.search(line)), (pattern.pattern, hint, line)
+            assert all(hint in m.group(0) for m in pattern.finditer(line)), (pattern.pattern, hint, line)

@@ -40,10 +40,16 @@ REG = re.compile(r"%\w+")
 CONTROL_PARAMS = ("grp", "status_ptr")
 
 
+MATCHERS = []   # (pattern, hint, matcher) of every line test below (tests/test_compile_sm90.py checks the hints)
+
+
 def _matcher(pattern: re.Pattern, hint: str):
     """``pattern.search(line)`` as a bool, not run on lines without ``hint`` (a substring of every match):
     most PTX lines hold none, and ``in`` costs a fraction of a search."""
-    return lambda line: hint in line and pattern.search(line) is not None
+    def matches(line: str) -> bool:
+        return hint in line and pattern.search(line) is not None
+    MATCHERS.append((pattern, hint, matches))
+    return matches
 
 
 is_publish = _matcher(PUBLISH, "rel")        # .release / .acq_rel
@@ -125,6 +131,14 @@ def source_files(ptx: str) -> list[str | None]:
     return out
 
 
+LINE_COUNTS = dict(   # what ``counts`` counts: the lines each test holds
+    publishes=is_publish, release_stores=_matcher(RELEASE_STORE, "release"),
+    release_exchanges=_matcher(RELEASE_EXCH, "exch"), acquires=lambda x: is_acquire(x) and not is_publish(x),
+    barriers=is_barrier, global_stores=is_global_store, v4_stores=_matcher(V4_STORE, ".v4.b32"),
+    v4_loads=_matcher(V4_LOAD, ".v4.b32"), f64_ops=_matcher(F64_OP, ".f64"),
+    approx_divs=_matcher(APPROX_DIV, "f32"))
+
+
 def payload_accesses(ptx: str) -> dict:
     """Global loads and stores issued by the payload copy code (``copy.py``), and how many of them are
     16-byte vectors."""
@@ -147,17 +161,7 @@ def counts(ptx: str) -> dict:
     approximate float32 divisions (Triton's ``/``) the PTX holds, and the payload copy's accesses
     (``payload_accesses``)."""
     lines = ptx.splitlines()
-    count = lambda is_a: sum(map(is_a, lines))  # noqa: E731
-    return dict(**payload_accesses(ptx), publishes=count(is_publish),
-                release_stores=count(_matcher(RELEASE_STORE, "release")),
-                release_exchanges=count(_matcher(RELEASE_EXCH, "exch")),
-                acquires=count(lambda x: is_acquire(x) and not is_publish(x)),
-                barriers=count(is_barrier),
-                global_stores=count(is_global_store),
-                v4_stores=count(_matcher(V4_STORE, ".v4.b32")),
-                v4_loads=count(_matcher(V4_LOAD, ".v4.b32")),
-                f64_ops=count(_matcher(F64_OP, ".f64")),
-                approx_divs=count(_matcher(APPROX_DIV, "f32")))
+    return dict(**payload_accesses(ptx), **{name: sum(map(is_a, lines)) for name, is_a in LINE_COUNTS.items()})
 
 
 # ---- Rule 3: every barrier and block-wide call is reached by every thread of the program alike -------------
