@@ -185,6 +185,13 @@ def low_latency_format(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str
     return formats.E4M3_UE8M0 if use_ue8m0 else formats.E4M3_POW2 if round_scale else formats.E4M3
 
 
+def normal_input_formats(hidden: int) -> tuple:
+    """The PrefillBuffer dispatch formats of the normal mode's inputs at ``hidden``: None (bfloat16 x), and
+    DeepEP's pre-quantized tuples the hidden allows (float32 scales per 128 columns: "e4m3"; packed UE8M0
+    int32 per 512: "e4m3-ue8m0")."""
+    return (None,) + tuple(f for f in (formats.E4M3, formats.E4M3_UE8M0) if hidden % formats.hidden_multiple(f) == 0)
+
+
 def _check_int(name: str, v, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
@@ -244,6 +251,19 @@ def _event_after(device: torch.device, tensors) -> EventOverlap:
         ev.record(torch.cuda.current_stream(device))
         return EventOverlap(ev, tensors)
     return EventOverlap(None, tensors, valid=True)
+
+
+def _wait_previous(previous_event) -> None:
+    """DeepEP's ``previous_event``: the work it marks comes before this call's kernels. They run on the
+    caller's current stream, so that stream waits on its CUDA event (an EventOverlap made without
+    ``async_finish``, or on CPU, holds none: nothing to wait for, its work is ordered or done)."""
+    if previous_event is None:
+        return
+    if not isinstance(previous_event, EventOverlap):
+        raise TypeError(f"previous_event must be an EventOverlap (from a call with async_finish=True, or "
+                        f"Buffer.capture()), got {type(previous_event).__name__}")
+    if previous_event.event is not None:
+        previous_event.current_stream_wait()
 
 
 class _Hook:
@@ -317,7 +337,8 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self._pairs: dict[tuple, list] = {}     # (M, H, E, K, format) -> [EPBuffers, calls]
         self._prefill: dict[tuple, PrefillBuffer] = {}   # (H, E, K, format) -> the normal mode's buffer
-        self._nvl_bytes_used = 0
+        self._normal_tokens: dict[tuple, int] = {}       # (H, E, K) -> its capacity, shared by every input format
+        self._nvl_bytes_used = 0                         # num_nvl_bytes reserved by those capacities
         self._staging: dict[int, torch.Tensor] = {}   # id(EPBuffer) -> zero-copy combine input
         self._symmetric_bytes = 0
         self._destroyed = False
@@ -540,36 +561,59 @@ class Buffer:
         Buffer.num_sms = new_num_sms
 
     # ---- normal (high-throughput) mode: PrefillBuffer --------------------------------------------
+    @staticmethod
+    def get_normal_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                             num_topk: int, ranks_per_node: int | None = None) -> int:
+        """``num_nvl_bytes`` that buys the normal mode a capacity of ``num_max_tokens_per_rank`` tokens per
+        rank per call at these sizes in every input format it takes (``normal_input_formats``: bf16, and
+        the fp8 tuples ``hidden`` allows), one PrefillBuffer each; ``ranks_per_node``: G of a group
+        spanning nodes. moe-comm's own figure (DeepEP sizes its normal-mode ring from chunk configs)."""
+        M = _check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        W, E = _check_int("num_ranks", num_ranks, 1), _check_int("num_experts", num_experts, 1)
+        _check_divisible(E, W)
+        return sum(PrefillBuffer.required_bytes(W, E, hidden, M, num_topk, DTYPE, dispatch_format=fmt,
+                                                ranks_per_node=ranks_per_node)
+                   for fmt in normal_input_formats(hidden))
+
     def _prefill_for(self, hidden: int, num_experts: int, topk: int, fmt: str | None = None) -> PrefillBuffer:
-        """The PrefillBuffer of the normal-mode calls with these sizes and format (None: bf16; an fp8
-        format for pre-quantized input), made on first use with the largest capacity (tokens per rank per
-        call) whose memory fits in what is left of ``num_nvl_bytes``. The same on every rank (same
-        arguments, same order), as the buffer is collective."""
+        """The PrefillBuffer of the normal-mode calls with these sizes and input format (None: bf16; an fp8
+        format for pre-quantized input), made at its first call with the capacity of its sizes
+        (``_normal_capacity``: shared by every input format). The same on every rank (same arguments, same
+        order), as the buffer is collective."""
         key = (hidden, num_experts, topk, fmt)
         if key not in self._prefill:
-            W, left = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used
+            M = self._normal_capacity(hidden, num_experts, topk)
+            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, M, topk, dtype=DTYPE,
+                                               dispatch_format=fmt)
+        return self._prefill[key]
 
-            nodes = _ranks_per_node(self.comm_group)
+    def _normal_capacity(self, hidden: int, num_experts: int, topk: int) -> int:
+        """Tokens per rank per call of the normal mode at these sizes, fixed at the first call with them: the
+        largest M whose ``get_normal_size_hint`` (a buffer of every input format at M) fits in what is left
+        of ``num_nvl_bytes``, reserved then, so that one Buffer serves bf16 and fp8 input alike, as DeepEP's
+        one buffer does (each format's buffer is allocated at its own first call)."""
+        shape = (hidden, num_experts, topk)
+        if shape not in self._normal_tokens:
+            W, left, G = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used, _ranks_per_node(self.comm_group)
 
             def need(m):
-                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, dispatch_format=fmt,
-                                                    ranks_per_node=nodes)
+                return self.get_normal_size_hint(m, hidden, W, num_experts, topk, G)
             if need(1) > left:
                 raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
                                  f"hidden={hidden}, num_experts={num_experts}, topk={topk}: {need(1)} bytes hold one "
-                                 f"token per rank ({self._nvl_bytes_used} in use by the buffers of other sizes or "
-                                 f"input formats, one each, bf16 or fp8); size it with moe_comm."
-                                 f"PrefillBuffer.required_bytes({W}, {num_experts}, {hidden}, tokens_per_rank, {topk})")
+                                 f"token per rank in each input format ({self._nvl_bytes_used} in use by the "
+                                 f"buffers of other sizes); size it with deep_ep.Buffer.get_normal_size_hint("
+                                 f"tokens_per_rank, {hidden}, {W}, {num_experts}, {topk}"
+                                 + ("" if G is None else f", ranks_per_node={G}") + ")")
             lo, hi = 1, 2
             while hi < NORMAL_MAX_TOKENS and need(hi) <= left:
                 lo, hi = hi, hi * 2
             while hi - lo > 1:   # need(lo) fits, need(hi) does not (or hi is the cap)
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if need(mid) <= left else (lo, mid)
-            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, lo, topk, dtype=DTYPE,
-                                               dispatch_format=fmt)
+            self._normal_tokens[shape] = lo
             self._nvl_bytes_used += need(lo)
-        return self._prefill[key]
+        return self._normal_tokens[shape]
 
     def _check_normal_call(self) -> None:
         if self._destroyed:
@@ -591,6 +635,7 @@ class Buffer:
         E, W = _check_int("num_experts", num_experts, 1), self.group_size
         _check_divisible(E, W)
         check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (None, None))
+        _wait_previous(previous_event)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = layout.dispatch_layout(topk_idx, E, W)
         g = _ranks_per_node(self.comm_group)
         per_node = None if g is None else layout.tokens_per_node(is_token_in_rank, g)
@@ -604,6 +649,7 @@ class Buffer:
         """DeepEP's normal-mode dispatch on a PrefillBuffer; returns (recv_x, recv_topk_idx,
         recv_topk_weights, num_recv_tokens_per_expert_list, handle, event) (module docstring)."""
         self._check_normal_call()
+        _wait_previous(previous_event)   # the caller's stream waits for it; nothing is launched before
         if handle is not None:
             raise _unsupported("a cached dispatch (handle=)", "every PrefillBuffer dispatch is answered by its "
                                "combine before the next one, so a layout is not kept to be replayed: dispatch "
@@ -627,8 +673,11 @@ class Buffer:
         if T > buf.max_tokens_per_rank:
             raise ValueError(f"{T} tokens: this Buffer's normal mode holds {buf.max_tokens_per_rank} tokens per rank "
                              f"per call at hidden={hidden}, num_experts={E}, topk={topk} within num_nvl_bytes="
-                             f"{self.num_nvl_bytes}; raise num_nvl_bytes to moe_comm.PrefillBuffer.required_bytes("
-                             f"{self.group_size}, {E}, {hidden}, {T}, {topk}) or more, or dispatch in chunks")
+                             f"{self.num_nvl_bytes}; raise num_nvl_bytes to deep_ep.Buffer.get_normal_size_hint("
+                             f"{T}, {hidden}, {self.group_size}, {E}, {topk}"
+                             + ("" if _ranks_per_node(self.comm_group) is None
+                                else f", ranks_per_node={_ranks_per_node(self.comm_group)}")
+                             + ") or more, or dispatch in chunks")
         weights = (torch.zeros(topk_idx.shape, dtype=torch.float32, device=dev) if topk_weights is None
                    else topk_weights)
         recv = layout.PackedReceive(buf.dispatch(x, topk_idx, weights), align, worst)  # N read on the host unless worst
@@ -660,9 +709,8 @@ class Buffer:
         if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.shape[0] != T:
             raise ValueError(f"x[1] (the scales) must be a 2-D tensor with a row per token: {takes}, got "
                              f"{getattr(scales, 'dtype', type(scales).__name__)} {tuple(getattr(scales, 'shape', ()))}")
-        for fmt in (formats.E4M3, formats.E4M3_UE8M0):
-            if (scales.dtype == formats.scale_dtype(fmt) and H % formats.hidden_multiple(fmt) == 0
-                    and scales.shape[1] == formats.scale_columns(fmt, H)):
+        for fmt in normal_input_formats(H)[1:]:
+            if scales.dtype == formats.scale_dtype(fmt) and scales.shape[1] == formats.scale_columns(fmt, H):
                 check_tensor("x[1] (the scales)", scales, dev, (scales.dtype,), None)
                 return data, fmt
         raise ValueError(f"x[1] (the scales) is {scales.dtype} {tuple(scales.shape)}; the normal mode takes {takes} "
@@ -695,6 +743,7 @@ class Buffer:
         if bias is not None:
             raise _unsupported("bias in combine", "add the bias to the combined output")
         check_tensor("x", x, self.comm_group.device, (DTYPE,), (handle.recv.x.shape[0], handle.buf.hidden))
+        _wait_previous(previous_event)
         y = handle.recv.combine(handle.buf, x)
         event = _event_after(self.comm_group.device, (x, y)) if async_finish else EventOverlap()
         return y, None, event
