@@ -32,9 +32,13 @@ low_latency_combine(x, topk_idx, topk_weights, handle, *, zero_copy=False, async
     returns (combined_x [T, H] bfloat16, event, hook): combined_x[t] = sum over the token's routed slots k,
     ascending, of topk_weights[t, k] * its expert's row, in float32, then rounded (bitwise reproducible).
 
-Normal mode (``num_nvl_bytes`` is the budget of its PrefillBuffer, one per (H, E, K), made at the first
-call with the largest capacity M, tokens per rank per call, whose ``PrefillBuffer.required_bytes`` fits;
-a call with more tokens raises ValueError naming the size to ask). Intranode and internode alike: on a
+Normal mode (``num_nvl_bytes`` is the budget of its PrefillBuffers, one per (H, E, K, input format). The
+first call of an (H, E, K) fixes its capacity M, tokens per rank per call, for every input format: the
+largest whose ``Buffer.get_normal_size_hint`` (a buffer of each input format ``normal_input_formats(H)``
+takes: bf16 and the fp8 tuples H allows) fits in what is left, reserved then; each format's buffer is
+allocated at its own first call. So one Buffer serves bf16 and fp8 input alike, as DeepEP's does; a call
+with more tokens raises ValueError naming the size to ask. ``previous_event`` (an EventOverlap): the
+caller's stream waits on its event before the call's kernels). Intranode and internode alike: on a
 group whose ranks span nodes (peers reached by NVSHMEM puts; on the CPU, emulated nodes) the PrefillBuffer
 sends each token once per destination node and forwards it inside the node (docs/prefill.md "Across
 nodes"), the normal mode's internode path; ``internode_dispatch`` / ``internode_combine`` are the same
@@ -92,8 +96,7 @@ recorded on the current stream.
 Differences from DeepEP (none is silent: an unsupported argument raises NotImplementedError):
 
 - Both modes work on every Buffer; ``low_latency_mode`` (default True, DeepEP's is False) is stored only.
-  The rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
-  ``CommGroup.exclude``), ``use_logfmt=True``, ``allow_nvlink_for_low_latency_mode=False``,
+  ``use_logfmt=True``, ``allow_nvlink_for_low_latency_mode=False``,
   ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor`` raise
   NotImplementedError.
 - ``group``: a moe_comm ``CommGroup`` (any backend), or torch.distributed's default (world) group, for
@@ -139,6 +142,17 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
   the group's timeout (DeepEP: undefined / hang). Input errors that this module finds itself (the
   statistics tensor, ``topk_idx``'s shape at combine, unsupported arguments) raise before the op is
   entered, as in DeepEP; make every rank pass the same arguments.
+- Rank masking (``enable_shrink=True``; without it the three methods raise RuntimeError, as DeepEP
+  asserts) is moe-comm's exclusion (``CommGroup.exclude``): ``low_latency_update_mask_buffer(r, True)``
+  excludes rank r, after which no kernel sends to or waits for it and the slots routed to its experts are
+  dropped (combine sums the token's other experts; both modes, the exclusion is the group's);
+  ``low_latency_query_mask_buffer(mask)`` writes int32 [W] 1 = masked, on the device. DeepEP masks a rank
+  inside the kernel that timed out on it and returns that call's data without the rank's; here that call
+  raises CommTimeoutError naming the rank (its outputs are not exact: never silent), and the caller masks
+  it: ``update_mask_buffer`` is collective over the survivors (every live rank masks the same rank, as
+  each has timed out on it), then the next calls are exact among them. A masked rank cannot be unmasked
+  (``mask=False``, ``low_latency_clean_mask_buffer`` with a rank masked: NotImplementedError): an
+  excluded rank never rejoins a moe-comm group.
 """
 
 from __future__ import annotations
@@ -325,8 +339,6 @@ class Buffer:
                                "reached by load/store")
         if allow_mnnvl:
             raise _unsupported("allow_mnnvl=True", "pass False")
-        if enable_shrink:
-            raise _unsupported("enable_shrink=True (rank masking)", "use CommGroup.exclude(ranks)")
         self.num_rdma_bytes = _check_int("num_rdma_bytes", num_rdma_bytes, 0)
         self.num_nvl_bytes = _check_int("num_nvl_bytes", num_nvl_bytes, 0)
         self.num_qps_per_rank = _check_int("num_qps_per_rank", num_qps_per_rank, 1)
@@ -334,6 +346,7 @@ class Buffer:
         self.group = group
         self.rank, self.group_size = self.comm_group.rank, self.comm_group.world_size
         self.low_latency_mode = bool(low_latency_mode)
+        self.enable_shrink = bool(enable_shrink)   # the rank-mask methods are available (as in DeepEP)
         self.explicitly_destroy = bool(explicitly_destroy)
         self._pairs: dict[tuple, list] = {}     # (M, H, E, K, format) -> [EPBuffers, calls]
         self._prefill: dict[tuple, PrefillBuffer] = {}   # (H, E, K, format) -> the normal mode's buffer
@@ -772,11 +785,47 @@ class Buffer:
 
     get_combine_config = get_dispatch_config
 
-    def _masking(self, *args, **kwargs):
-        raise _unsupported("rank masking (low_latency_*_mask_buffer)", "use CommGroup.exclude(ranks), which "
-                           "stops routing to the excluded ranks' experts")
+    # ---- rank masking (shrink mode): moe-comm's exclusion ---------------------------------------------
+    def _check_shrink(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+        if not self.enable_shrink:
+            raise RuntimeError("the rank mask needs a Buffer built with enable_shrink=True (as DeepEP asserts)")
 
-    low_latency_update_mask_buffer = low_latency_query_mask_buffer = low_latency_clean_mask_buffer = _masking
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``): ``CommGroup.exclude([rank_to_mask])``, so no kernel sends
+        to or waits for it and the slots routed to its experts are dropped (low-latency and normal mode
+        alike: the exclusion is the group's). Collective over the survivors: every live rank masks the same
+        rank (DeepEP's mask is per rank; after a rank dies every survivor has timed out on it and masks it).
+        Masking a masked rank does nothing. Unmasking (``mask=False``) a masked rank is refused: an excluded
+        rank never rejoins a moe-comm group (build a new group and Buffer with it); unmasking a live rank
+        does nothing."""
+        self._check_shrink()
+        r = _check_int("rank_to_mask", rank_to_mask, 0)
+        if r >= self.group_size:
+            raise ValueError(f"rank_to_mask={r} is not a rank of this group of {self.group_size}")
+        live = r in self.comm_group.live_ranks
+        if mask and live:
+            self.comm_group.exclude([r])
+        elif not mask and not live:
+            raise _unsupported(f"unmasking rank {r}", "an excluded rank never rejoins a moe-comm group: build a new "
+                               "group and Buffer over the ranks to serve with")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask into ``mask_status`` (int32 [num_ranks] on the group's device): 1 for each masked
+        (excluded) rank, 0 for each live one. Read on the device (``CommGroup.excluded_mask``), no host read."""
+        self._check_shrink()
+        check_tensor("mask_status", mask_status, self.comm_group.device, (torch.int32,), (self.group_size,))
+        self.comm_group.excluded_mask(out=mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank: nothing to do while none is masked; refused once one is (see
+        ``low_latency_update_mask_buffer``)."""
+        self._check_shrink()
+        gone = sorted(set(range(self.group_size)) - set(self.comm_group.live_ranks))
+        if gone:
+            raise _unsupported(f"unmasking ranks {gone}", "an excluded rank never rejoins a moe-comm group: build a "
+                               "new group and Buffer over the ranks to serve with")
 
     def get_comm_stream(self):
         raise _unsupported("get_comm_stream()", "kernels run on the caller's current stream")
