@@ -32,7 +32,10 @@ def _layer(ep, x, idx, w):
     return d, ep.combine((d.x.float() * 2).to(torch.bfloat16), w, d.handle)
 
 
-def _serve(group):
+def _serve(group, on_error=lambda e: ("error", e.peer, ep_group.recover()), extra=lambda: ()):
+    """Four steps of one layer on this rank, rank 2 dying before its step 1; per step ("exact" | "MISMATCH",
+    excluded ranks, *extra()) or, for a step that raised CommTimeoutError, what ``on_error(err)`` returns
+    (it recovers)."""
     ep_group.use_group(group)
     ep = ep_group.shared_buffer(group, E, H, M, K, torch.bfloat16, None)
     me, log = group.rank, []
@@ -44,14 +47,14 @@ def _serve(group):
         try:
             d, y = _layer(ep, xs[me], idxs[me], ws[me])
         except CommTimeoutError as e:
-            log.append(("error", e.peer, ep_group.recover()))
+            log.append(on_error(e))
             continue
         exp = reference.dispatch(xs, idxs, E, M, excluded=dead)
         eos = [(e["x"].float() * 2).to(torch.bfloat16) for e in exp]
         exact = torch.equal(d.counts, exp[me]["counts"]) and all(
             torch.equal(d.x[e, :n], exp[me]["x"][e, :n]) for e, n in enumerate(exp[me]["counts"].tolist()))
         exact = exact and torch.equal(y, reference.combine(eos, ws, idxs, E, M, excluded=dead)[me])
-        log.append(("exact" if exact else "MISMATCH", sorted(dead)))
+        log.append(("exact" if exact else "MISMATCH", sorted(dead), *extra()))
     return log
 
 
@@ -93,25 +96,14 @@ def _serve_vllm_queries(group):
     for name in vllm_plugin.FT_METHODS:
         setattr(_VllmManager, name, vllm_plugin._wrap_fault_query(name, getattr(_VllmManager, name)))
     manager = _VllmManager()
-    ep_group.use_group(group)
-    ep = ep_group.shared_buffer(group, E, H, M, K, torch.bfloat16, None)
-    me, log = group.rank, []
-    for step in range(4):
-        xs, idxs, ws = _inputs(step, group.world_size)
-        if step == 1 and me == 2:
-            os._exit(3)
-        try:
-            d, y = _layer(ep, xs[me], idxs[me], ws[me])
-        except CommTimeoutError as e:
-            manager.clean_buffers()
-            log.append(("error", e.peer, manager.query_active_mask().tolist(), bool(manager.query_fault())))
-            continue
-        dead = set(range(group.world_size)) - set(group.live_ranks)
-        exp = reference.dispatch(xs, idxs, E, M, excluded=dead)
-        eos = [(e["x"].float() * 2).to(torch.bfloat16) for e in exp]
-        exact = torch.equal(y, reference.combine(eos, ws, idxs, E, M, excluded=dead)[me])
-        log.append(("exact" if exact else "MISMATCH", manager.query_active_mask().tolist(), bool(manager.query_fault())))
-    return log
+
+    def queries():
+        return manager.query_active_mask().tolist(), bool(manager.query_fault())
+
+    def retry(err):
+        manager.clean_buffers()
+        return ("error", err.peer, *queries())
+    return _serve(group, retry, queries)
 
 
 @pytest.mark.timeout(240)
@@ -129,8 +121,8 @@ def test_vllm_fault_queries_answer_from_the_exclusion():
     err = info.value
     assert sorted(err.failures) == [2] and "exit code 3" in err.failures[2]
     for rank in (0, 1):
-        assert err.results[rank] == [("exact", [0, 0, 0], False), ("error", 2, [0, 0, 1], False),
-                                     ("exact", [0, 0, 1], False), ("exact", [0, 0, 1], False)], err.results[rank]
+        assert err.results[rank] == [("exact", [], [0, 0, 0], False), ("error", 2, [0, 0, 1], False),
+                                     ("exact", [2], [0, 0, 1], False), ("exact", [2], [0, 0, 1], False)], err.results[rank]
 
 
 def test_fault_query_sees_an_exclusion_until_clean_buffers(monkeypatch):
