@@ -107,6 +107,16 @@ class CommGroup:
         """Ranks not excluded (``exclude``), in order."""
         return [r for r in range(self.world_size) if self._live[r]]
 
+    def excluded_mask(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """int32 [world] on the group's device: 1 for each excluded rank, 0 for each live one (DeepEP's rank
+        mask, ``compat.deep_ep``), read on the device from the live mask the kernels use: no host read,
+        so a CUDA graph can capture it and it follows ``exclude()`` without a new capture. Into ``out``
+        (int32 [world] on the device) when given."""
+        live = self.state[protocol.S_LIVE:protocol.S_LIVE + self.world_size]
+        if out is None:
+            out = torch.empty(self.world_size, dtype=torch.int32, device=self.device)
+        return out.copy_(live == 0)
+
     @property
     def closed(self) -> bool:
         return self._closed

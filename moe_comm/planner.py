@@ -374,10 +374,19 @@ EP_LAYOUT_FIELDS = ("world", "num_experts", "experts_per_rank", "hidden", "max_t
                     "out_words", "combine_words", "put", "dispatch_format")
 
 
+VEC_WORDS = VEC_BYTES // 4   # int32 words of one 16-byte vector
+
+
+def vector_words(words: int) -> int:
+    """``words`` rounded up to whole 16-byte vectors: what an offset in int32 words must be for the rows
+    that start there to take 16-byte stores."""
+    return -(-words // VEC_WORDS) * VEC_WORDS
+
+
 def route_row_words(payload_words: int, topk: int, put: bool) -> int:
     """Words of a dispatch landing row: payload (and scales), K routing words, with puts the token index
     word, padded to whole 16-byte vectors."""
-    return -(-(payload_words + topk + int(put)) // 4) * 4
+    return vector_words(payload_words + topk + int(put))
 
 
 def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
@@ -528,7 +537,8 @@ class PrefillPlan:
 
     Memory (bytes, per rank; b element size of ``dtype``, p = payload bytes per row: H*b, or H + H/32 with
     fp8 (H + H/128 with packed UE8M0 scales), H/2 + H/16 with nvfp4; c = bytes of a partial row: H*b, or
-    H + H/32 rounded up to 16 with combine_fp8; Z = zones): symmetric  Z*(4*x_offset + R*max(p, c))   (the zones)
+    H + H/32 rounded up to 16 with combine_fp8; Z = zones): symmetric  Z*(4*x_offset + R*max(p, c))   (the zones,
+                                                                                       each rounded up to 16 bytes)
                      + 2*W*(L + 2)*8 + 2*W*2*8 + 4  (control words; the combine channel's one data word)
               local  Z*(M*K*4 (the combine's mask) + W*4 + L*4) + L*8 + 8 + counters + scratch
     With put peers (``put``; nodes of G = ``ranks_per_node`` ranks, N = W / G, docs/prefill.md "Across
@@ -582,14 +592,17 @@ class PrefillPlan:
     def route_offset(self) -> int:
         """First word of the routing plane: after the rows, on a 16-byte boundary."""
         p = self.ep
-        return -(-(self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words)) // 4) * 4
+        return vector_words(self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words))
 
     @property
     def zone_words(self) -> int:
+        """Words of one landing zone, whole 16-byte vectors: zone z starts at word z * zone_words, and its
+        rows take 16-byte stores only if that start is a vector boundary (with W * M odd the routing plane's
+        2K + 2 words a row, or an fp8 row's odd scale words, would leave zone 1 eight bytes off)."""
         p = self.ep
         if self.put:
-            return self.route_offset + self.rows * self.route_words
-        return self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words)
+            return vector_words(self.route_offset + self.rows * self.route_words)
+        return vector_words(self.x_offset + self.rows * max(p.x_words + p.scale_words, p.combine_words))
 
     @property
     def count_span(self) -> int:
@@ -698,7 +711,7 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
     device = torch.device(device)
     ep = plan_ep(world, num_experts, hidden, max_tokens, topk, dtype, fp8, device, dispatch_format, combine_format)
     rows = world * max_tokens
-    x_offset = -(-2 * rows * topk // 4) * 4
+    x_offset = vector_words(2 * rows * topk)
     if device.type == "cuda":  # one 16 KB row block per iteration, many programs
         words = min(next_pow2(ep.out_words), GPU_EP_COPY_WORDS)
         block_rows, programs = 1, max(1, min(rows, GPU_TARGET_PROGRAMS))

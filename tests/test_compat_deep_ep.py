@@ -12,11 +12,13 @@ is called (no hooks, async_finish events, then hooks).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import moe_comm
-from moe_comm import formats
+from moe_comm import CommTimeoutError, LaunchError, formats
 from moe_comm import reference
 from moe_comm.compat import deep_ep
 from moe_comm.compat.deep_ep_layout import split_range
@@ -264,8 +266,7 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     world = 2
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     E, _ = _sizes(world)
-    for kw in (dict(enable_shrink=True),
-               dict(allow_nvlink_for_low_latency_mode=False), dict(allow_mnnvl=True), dict(comm=object())):
+    for kw in (dict(allow_nvlink_for_low_latency_mode=False), dict(allow_mnnvl=True), dict(comm=object())):
         with pytest.raises(NotImplementedError, match="not supported"):
             deep_ep.Buffer(groups[0], num_rdma_bytes=1 << 20, **kw)
     bufs = make_buffers(groups)
@@ -283,9 +284,8 @@ def test_unsupported_arguments_raise_and_leave_the_group_usable():
     with pytest.raises(ValueError, match="MOE_COMM_TRACE=1"):   # wait costs need the flight recorder
         b.low_latency_dispatch(xs[0], idxs[0], MAX_TOKENS, E, return_recv_hook=True,
                                dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
-    for name in ("low_latency_update_mask_buffer", "get_comm_stream"):
-        with pytest.raises(NotImplementedError, match="not supported"):
-            getattr(b, name)()
+    with pytest.raises(NotImplementedError, match="not supported"):
+        b.get_comm_stream()
     # internode_dispatch is the normal mode's dispatch (across nodes, test_compat_deep_ep_internode.py): on a
     # loopback group of several ranks the normal mode is refused by name
     with pytest.raises(NotImplementedError, match="loopback group of several ranks.* is not supported"):
@@ -420,3 +420,116 @@ def test_wait_recv_cost_stats_add_each_calls_waits_per_source():
         assert torch.equal(c_cost, sum(ep.combine_wait_stats[0] for ep in eps))
         assert sum(ep.dispatch_wait_stats[1] for ep in eps).tolist() == [3, 3]
         assert (d_cost > 0).all() and (c_cost > 0).all()
+
+
+# ---- rank masking (enable_shrink): a rank killed mid-decode, named, masked, the survivors exact ----------
+
+def _masked_step(buf, group, step, kill_at):
+    """One decode step of DeepEP-door code on this rank: dispatch, experts (x2), combine; rank 2 is killed
+    at ``kill_at`` of step 1 ("dispatch": before its dispatch; "combine": between its dispatch and its
+    combine, mid-decode). Returns ("exact" | "MISMATCH", masked ranks) against the reference with the
+    masked ranks excluded, or ("named", rank, mask after masking it) when the step raised CommTimeoutError."""
+    world, me = group.world_size, group.rank
+    E, _ = _sizes(world)
+    xs, idxs, ws = make_inputs(world, 60 + step, False)
+    mask = torch.full((world,), -1, dtype=torch.int32)   # poisoned: the query must write every entry
+    buf.low_latency_query_mask_buffer(mask)
+    masked = {r for r in range(world) if mask[r]}
+    try:
+        if step == 1 and me == 2 and kill_at == "dispatch":
+            os._exit(3)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], MAX_TOKENS, E, use_fp8=False)
+        if step == 1 and me == 2 and kill_at == "combine":
+            os._exit(3)
+        y, _, _ = buf.low_latency_combine((recv.float() * 2).to(torch.bfloat16), idxs[me], ws[me], handle)
+    except CommTimeoutError as e:
+        buf.low_latency_update_mask_buffer(e.peer, True)      # every survivor masks the rank it names
+        buf.low_latency_update_mask_buffer(e.peer, True)      # masking a masked rank does nothing
+        buf.low_latency_query_mask_buffer(mask)
+        return ("named", e.peer, mask.tolist())
+    exp = reference.dispatch(xs, idxs, E, MAX_TOKENS, excluded=masked)[me]
+    exact = torch.equal(count, exp["counts"]) and all(
+        torch.equal(recv[e, :n], exp["x"][e, :n]) for e, n in enumerate(exp["counts"].tolist()))
+    eos = [(d["x"].float() * 2).to(torch.bfloat16) for d in reference.dispatch(xs, idxs, E, MAX_TOKENS, excluded=masked)]
+    exact = exact and torch.equal(y, reference.combine(eos, ws, idxs, E, MAX_TOKENS, excluded=masked)[me])
+    return ("exact" if exact else "MISMATCH", sorted(masked))
+
+
+def _masking_rank(group, kill_at):
+    buf = deep_ep.Buffer(group, 0, rdma_bytes(group.world_size), low_latency_mode=True,
+                         num_qps_per_rank=LOCAL_EXPERTS, enable_shrink=True)
+    return [_masked_step(buf, group, step, kill_at) for step in range(4)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill_at", ["combine", sweep("dispatch")])
+def test_shrink_a_killed_rank_is_named_masked_and_the_survivors_stay_exact(kill_at):
+    """Issue 45 item 4, DeepEP's shrink test (tests/legacy/test_low_latency.py --shrink-test) on moe-comm's
+    exclusion: three shm ranks serve decode steps through the door with enable_shrink=True; rank 2 is
+    SIGKILL-equivalently ended (os._exit) in step 1, mid-decode (after its dispatch, before its combine)
+    or before its dispatch. Every survivor's step 1 raises CommTimeoutError naming rank 2 (DeepEP would
+    mask it inside the kernel and return; here the call is never silent), the survivor masks it with
+    low_latency_update_mask_buffer, the query shows [0, 0, 1] (DeepEP's int32 mask, on the device), and
+    steps 2 and 3 are exact among the survivors: the slots routed to rank 2's experts dropped, against
+    moe_comm.reference with rank 2 excluded. What this shows: the mask API maps onto exclusion on one
+    node (stores); not a NIC, nor a rank lost across nodes (issue 45 items 1-3)."""
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_masking_rank, 3, kill_at, backend="shm", timeout_s=1.5, grace_s=90)
+    err = info.value
+    assert sorted(err.failures) == [2] and "exit code 3" in err.failures[2]
+    for rank in (0, 1):
+        log = err.results[rank]
+        assert log == [("exact", []), ("named", 2, [0, 0, 1]), ("exact", [2]), ("exact", [2])], (rank, log)
+
+
+def test_mask_api_needs_shrink_and_maps_onto_exclusion():
+    """Without enable_shrink the three mask methods raise (DeepEP asserts); with it: a bad rank or mask
+    tensor is refused, masking a live rank excludes it (collective: every live rank masks it), the query
+    writes DeepEP's int32 mask on the device, unmasking a live rank and cleaning an empty mask do nothing,
+    unmasking a masked one (or cleaning then) is refused by name, and the survivors' calls are exact
+    without the masked rank's slots."""
+    world = 3
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=5.0)
+    plain = make_buffers(groups[:1])[0]
+    for call in (lambda: plain.low_latency_update_mask_buffer(1, True),
+                 lambda: plain.low_latency_query_mask_buffer(torch.zeros(world, dtype=torch.int32)),
+                 plain.low_latency_clean_mask_buffer):
+        with pytest.raises(RuntimeError, match="enable_shrink=True"):
+            call()
+    bufs = make_buffers(groups, enable_shrink=True)
+    mask = torch.full((world,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not a rank of this group"):
+        bufs[0].low_latency_update_mask_buffer(world, True)
+    with pytest.raises(TypeError):
+        bufs[0].low_latency_query_mask_buffer(torch.zeros(world, dtype=torch.int64))
+    bufs[0].low_latency_update_mask_buffer(1, False)   # live: nothing to unmask
+    bufs[0].low_latency_clean_mask_buffer()            # nothing masked: nothing to do
+    bufs[0].low_latency_query_mask_buffer(mask)
+    assert mask.tolist() == [0, 0, 0]
+    # rank 2 masked by the survivors, each in its own thread (a loopback world: every rank in this process)
+    import threading
+    threads = [threading.Thread(target=b.low_latency_update_mask_buffer, args=(2, True)) for b in bufs[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for b in bufs[:2]:
+        b.low_latency_query_mask_buffer(mask)
+        assert mask.tolist() == [0, 0, 1]
+        with pytest.raises(NotImplementedError, match="never rejoins"):
+            b.low_latency_update_mask_buffer(2, False)
+        with pytest.raises(NotImplementedError, match="never rejoins"):
+            b.low_latency_clean_mask_buffer()
+    xs, idxs, ws = make_inputs(world, 7, False)
+    E, _ = _sizes(world)
+    live = bufs[:2]
+    outs = [b.low_latency_dispatch(x, i, MAX_TOKENS, E, use_fp8=False, return_recv_hook=True)
+            for b, x, i in zip(live, xs, idxs)]
+    for o in outs:
+        o[4]()
+    exp = reference.dispatch(xs, idxs, E, MAX_TOKENS, excluded={2})
+    for r, o in enumerate(outs):
+        assert torch.equal(o[1], exp[r]["counts"])
+    ys = _combine_all(live, [o[0].clone() for o in outs], idxs[:2], ws[:2], outs)
+    want = reference.combine([d["x"] for d in exp], ws, idxs, E, MAX_TOKENS, excluded={2})
+    assert all(torch.equal(y, w) for y, w in zip(ys, want))

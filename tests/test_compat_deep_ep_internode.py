@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_comm import PrefillBuffer, reference
+from moe_comm import reference
 from moe_comm.compat import deep_ep
 
 NUM_TOKENS, HIDDEN, NUM_TOPK, EXPERTS_PER_RANK = 6, 128, 4, 4
@@ -81,8 +81,8 @@ def internode_rank(group) -> list[str]:
     num_local_ranks = node_layout(group.transports, rank).ranks_per_node
     num_nodes = num_ranks // num_local_ranks
     num_experts = EXPERTS_PER_RANK * num_ranks
-    budget = PrefillBuffer.required_bytes(num_ranks, num_experts, HIDDEN, NUM_TOKENS, NUM_TOPK,
-                                          ranks_per_node=num_local_ranks)
+    budget = deep_ep.Buffer.get_normal_size_hint(NUM_TOKENS, HIDDEN, num_ranks, num_experts, NUM_TOPK,
+                                                 ranks_per_node=num_local_ranks)
     buffer = deep_ep.Buffer(dist.group.WORLD, budget, 0, low_latency_mode=False, explicitly_destroy=True)
     errs = []
     for round_, num_topk_groups in enumerate(sorted({1, min(num_nodes, 4)})):

@@ -115,11 +115,10 @@ def run_round(buf, rank, inputs, align=1, worst=0):
     return errs
 
 
-def make_buffer(group, hidden=HIDDEN, fmt=None):
-    """A Buffer whose budget buys exactly M tokens per rank for inputs of format ``fmt`` (None: bf16; a
-    normal-mode Buffer makes one PrefillBuffer per input format, each of what is left of the budget)."""
-    E = L * group.world_size
-    budget = PrefillBuffer.required_bytes(group.world_size, E, hidden, M, K, dispatch_format=fmt)
+def make_buffer(group, hidden=HIDDEN):
+    """A Buffer whose budget buys exactly M tokens per rank in every input format (bf16 and the fp8 tuples
+    the hidden allows: one capacity shared by all, ``Buffer.get_normal_size_hint``)."""
+    budget = deep_ep.Buffer.get_normal_size_hint(M, hidden, group.world_size, L * group.world_size, K)
     return deep_ep.Buffer(group, num_nvl_bytes=budget, num_rdma_bytes=0, low_latency_mode=False)
 
 
@@ -141,15 +140,20 @@ def _rank(group, rounds=4):
 
 
 def _fp8_rank(group):
-    """DeepEP's pre-quantized fp8 input, float32 scales (column-major) and packed UE8M0 scales, then a
-    fixed-size receive of each."""
+    """One Buffer, as DeepEP's serves every format (issue 46 item 8): bf16 input first, then DeepEP's
+    pre-quantized fp8 input, float32 scales (column-major) and packed UE8M0 scales, a fixed-size receive of
+    each, and bf16 again; every format at the full capacity M the budget was sized for."""
     world = group.world_size
-    errs = []
+    buf = make_buffer(group, FP8_HIDDEN)
+    errs = [f"bf16: {e}" for e in run_round(buf, group.rank, make_inputs(world, 19, hidden=FP8_HIDDEN))]
     for seed, fmt in enumerate(("e4m3", "e4m3-ue8m0")):
-        buf = make_buffer(group, FP8_HIDDEN, fmt)
         inputs = quantized(make_inputs(world, 20 + seed, hidden=FP8_HIDDEN), fmt)
         errs += [f"{fmt}: {e}" for e in run_round(buf, group.rank, inputs)]
         errs += [f"{fmt} worst: {e}" for e in run_round(buf, group.rank, inputs, worst=world * M + 1)]
+    errs += [f"bf16 again: {e}" for e in run_round(buf, group.rank, make_inputs(world, 23, hidden=FP8_HIDDEN))]
+    capacities = {fmt: b.max_tokens_per_rank for (_, _, _, fmt), b in buf._prefill.items()}
+    if capacities != {None: M, "e4m3": M, "e4m3-ue8m0": M}:
+        errs.append(f"rank {group.rank}: capacities {capacities}")
     return errs
 
 
@@ -201,6 +205,72 @@ def test_num_worst_tokens_overflow_is_a_named_capacity_error_then_exact():
     assert [r["next"] for r in res] == [[], []]
 
 
+def test_the_budget_is_shared_by_every_input_format():
+    """Issue 46 item 8: a budget fixed up front (as DeepEP's callers size its one buffer) serves bf16 and
+    then fp8 tuples: the first call of a shape reserves one capacity for every input format (the largest
+    whose buffers all fit), not the whole budget for the first format, so the fp8 call after a bf16 one is
+    not refused; the reservation is the size hint of that capacity, within the budget."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    hint = deep_ep.Buffer.get_normal_size_hint(M, FP8_HIDDEN, 1, L, K)
+    assert hint == sum(PrefillBuffer.required_bytes(1, L, FP8_HIDDEN, M, K, dispatch_format=f)
+                       for f in (None, "e4m3", "e4m3-ue8m0"))
+    assert deep_ep.Buffer.get_normal_size_hint(M, HIDDEN, 1, L, K) == PrefillBuffer.required_bytes(1, L, HIDDEN, M, K)
+    buf = deep_ep.Buffer(g, num_nvl_bytes=hint + hint // 3, num_rdma_bytes=0, low_latency_mode=False)
+    assert run_round(buf, 0, make_inputs(1, 40, hidden=FP8_HIDDEN)) == []
+    assert run_round(buf, 0, quantized(make_inputs(1, 41, hidden=FP8_HIDDEN), "e4m3")) == []
+    assert run_round(buf, 0, quantized(make_inputs(1, 42, hidden=FP8_HIDDEN), "e4m3-ue8m0")) == []
+    caps = {b.max_tokens_per_rank for b in buf._prefill.values()}
+    assert len(buf._prefill) == 3 and len(caps) == 1 and caps.pop() >= M
+    assert buf._nvl_bytes_used <= buf.num_nvl_bytes
+
+
+class _SpyEvent(deep_ep.EventOverlap):
+    """An EventOverlap holding an event whose wait is recorded (on CPU there is no CUDA event to wait on)."""
+
+    def __init__(self, log):
+        super().__init__(event=object())
+        self.log = log
+
+    def current_stream_wait(self) -> None:
+        self.log.append("waited")
+
+
+def test_previous_event_is_waited_on_before_the_call():
+    """Issue 46 item 8: DeepEP's previous_event orders the call after the work it marks: get_dispatch_layout,
+    dispatch and combine make the caller's stream wait on it before launching (recorded here by a spy, as
+    the CPU has no CUDA event); one without an event (no async_finish) waits on nothing; anything else is
+    a TypeError before anything is launched, and the next call is exact."""
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    buf = make_buffer(g)
+    x, idx, w = make_inputs(1, 43)[0]
+    log, launched = [], []
+    spy = _SpyEvent(log)
+    original = PrefillBuffer.dispatch
+    PrefillBuffer.dispatch = lambda self, *a, **k: (launched.append(list(log)), original(self, *a, **k))[1]
+    try:
+        _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, L, previous_event=spy)
+        assert log == ["waited"]
+        layout = dict(num_tokens_per_expert=per_expert, is_token_in_rank=in_rank, topk_idx=idx, topk_weights=w)
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(x, previous_event=spy, **layout)
+        assert launched == [["waited", "waited"]]   # waited before the dispatch was launched
+        buf.combine(experts(recv_x, recv_idx, recv_w, 0), handle, previous_event=spy)
+        assert log == ["waited"] * 3
+        with pytest.raises(TypeError, match="previous_event must be an EventOverlap"):
+            buf.dispatch(x, previous_event=object(), **layout)
+        assert len(launched) == 1
+        _, _, _, _, handle, _ = buf.dispatch(x, previous_event=deep_ep.EventOverlap(), **layout)
+        buf.combine(experts(*buf_outputs(handle), 0), handle)
+    finally:
+        PrefillBuffer.dispatch = original
+    assert run_round(buf, 0, make_inputs(1, 44)) == []
+
+
+def buf_outputs(handle):
+    """(rows, local ids, weights) a normal-mode handle's dispatch returned."""
+    r = handle.recv
+    return r.x, r.topk_idx, r.topk_weights
+
+
 def test_what_does_not_map_raises_by_name():
     (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
     buf = make_buffer(g)
@@ -218,7 +288,7 @@ def test_what_does_not_map_raises_by_name():
     with pytest.raises(ValueError, match="needs num_tokens_per_expert"):
         buf.dispatch(x, topk_idx=idx)
     big = torch.randn(M + 1, HIDDEN).bfloat16()
-    with pytest.raises(ValueError, match=r"raise num_nvl_bytes to moe_comm.PrefillBuffer.required_bytes\(1, 3, 64, 6, 3\)"):
+    with pytest.raises(ValueError, match=r"raise num_nvl_bytes to deep_ep.Buffer.get_normal_size_hint\(6, 64, 1, 3, 3\)"):
         buf.dispatch(big, **dict(layout, topk_idx=torch.zeros(M + 1, K, dtype=torch.int64), topk_weights=None))
     recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(x, **layout)
     with pytest.raises(NotImplementedError, match="backward pass"):

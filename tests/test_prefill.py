@@ -121,6 +121,64 @@ def test_memory_at_deepseek_v3():
         PrefillBuffer(groups[0], 8, 128, 3, 2, zones=3)
 
 
+
+def _vector_starts(plan) -> dict:
+    """{(zone, region): first word} of every region of the landing zones (and, with puts, the node inboxes)
+    whose rows the kernels move as 16-byte vectors, offsets from the start of the channel's data; plus the
+    row strides of those regions as ("stride", region)."""
+    p, out = plan.ep, {}
+    vector_scales = p.fp8 and p.scale_words % 4 == 0   # the kernels' own condition (ALIGNED & S_WORDS % 4 == 0)
+    for z in range(plan.zones):
+        base = z * plan.zone_words
+        out[z, "zone"] = base
+        out[z, "recv_x / partial rows"] = base + plan.x_offset
+        if vector_scales:
+            out[z, "recv_scales"] = base + plan.scales_offset
+        if plan.put:
+            out[z, "routing plane"] = base + plan.route_offset
+            out[z, "node inbox"] = z * plan.inbox_words
+    out["stride", "recv_x"], out["stride", "partial rows"] = p.x_words, p.combine_words
+    if plan.put:
+        out["stride", "inbox rows"] = p.out_words
+    return out
+
+
+@pytest.mark.parametrize("fmt,hidden", [(None, 64), ("e4m3", 128), ("e4m3-ue8m0", 512), ("nvfp4", 64)])
+def test_every_zone_of_the_plan_starts_on_a_16_byte_vector(fmt, hidden):
+    """Issue 46 item 5: with zones=2, zone 1 starts zone_words after zone 0, and the kernels store its rows
+    with 16-byte vectors (st.v4 on a GPU, where a misaligned one faults): every region of every zone, and
+    the node inboxes with puts, must start on a 16-byte boundary for every (W, M, K, G) and format, W * M
+    odd included (W 3, M 5, K 2 put the routing plane's 2K + 2 words a row, 90 words, before zone 1). The
+    CPU cannot fault on a misaligned vector, so this checks the plan's arithmetic; a real allocation of that
+    case is checked below."""
+    bad = []
+    for world in (1, 2, 3, 4, 5, 6):
+        for nodes_of in [None] + [g for g in (1, 2, 3) if world % g == 0 and world > 1]:
+            if fmt == "nvfp4" and nodes_of is not None:
+                continue   # one node only (PrefillBuffer._plan refuses it across nodes)
+            for m in (1, 2, 3, 5):
+                for k in (1, 2, 3):
+                    plan = PrefillBuffer._plan(world, 2 * world, hidden, m, k, torch.bfloat16, False, "cpu", zones=2,
+                                               ranks_per_node=nodes_of, dispatch_format=fmt)
+                    bad += [(world, m, k, nodes_of, where, words) for where, words in _vector_starts(plan).items()
+                            if words % 4]
+    assert bad == [], bad[:8]
+
+
+def test_put_zones_of_an_odd_world_times_tokens_are_vector_aligned(monkeypatch):
+    """The case of issue 46 item 5 allocated (W 3, M 5, K 2, every peer by puts, zones=2): every zone's views
+    and its peer pointers start on a 16-byte boundary."""
+    monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
+    groups = moe_comm.init(backend="loopback", world_size=3, device="cpu")
+    buf = PrefillBuffer(groups[0], 6, 64, 5, 2, zones=2)
+    buf._allocate()
+    assert buf.plan.put and buf.plan.rows * buf.plan.route_words % 4
+    starts = [(z, name, t.data_ptr() % 16) for z, zone in enumerate(buf._zones)
+              for name, t in (("words", zone.words), ("recv_x", zone.recv_x), ("inbox", zone.inbox))]
+    starts += [(z, "peer", int(p) % 16) for z, zone in enumerate(buf._zones) for p in zone.peer_ptrs.tolist()]
+    assert [s for s in starts if s[2]] == []
+
+
 # ---- faults ---------------------------------------------------------------------------------------
 
 def test_bad_inputs_raise_before_launch_with_the_fix():

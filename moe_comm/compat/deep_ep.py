@@ -32,9 +32,13 @@ low_latency_combine(x, topk_idx, topk_weights, handle, *, zero_copy=False, async
     returns (combined_x [T, H] bfloat16, event, hook): combined_x[t] = sum over the token's routed slots k,
     ascending, of topk_weights[t, k] * its expert's row, in float32, then rounded (bitwise reproducible).
 
-Normal mode (``num_nvl_bytes`` is the budget of its PrefillBuffer, one per (H, E, K), made at the first
-call with the largest capacity M, tokens per rank per call, whose ``PrefillBuffer.required_bytes`` fits;
-a call with more tokens raises ValueError naming the size to ask). Intranode and internode alike: on a
+Normal mode (``num_nvl_bytes`` is the budget of its PrefillBuffers, one per (H, E, K, input format). The
+first call of an (H, E, K) fixes its capacity M, tokens per rank per call, for every input format: the
+largest whose ``Buffer.get_normal_size_hint`` (a buffer of each input format ``normal_input_formats(H)``
+takes: bf16 and the fp8 tuples H allows) fits in what is left, reserved then; each format's buffer is
+allocated at its own first call. So one Buffer serves bf16 and fp8 input alike, as DeepEP's does; a call
+with more tokens raises ValueError naming the size to ask. ``previous_event`` (an EventOverlap): the
+caller's stream waits on its event before the call's kernels). Intranode and internode alike: on a
 group whose ranks span nodes (peers reached by NVSHMEM puts; on the CPU, emulated nodes) the PrefillBuffer
 sends each token once per destination node and forwards it inside the node (docs/prefill.md "Across
 nodes"), the normal mode's internode path; ``internode_dispatch`` / ``internode_combine`` are the same
@@ -92,8 +96,7 @@ recorded on the current stream.
 Differences from DeepEP (none is silent: an unsupported argument raises NotImplementedError):
 
 - Both modes work on every Buffer; ``low_latency_mode`` (default True, DeepEP's is False) is stored only.
-  The rank-masking methods (``low_latency_*_mask_buffer``, ``enable_shrink=True``: use
-  ``CommGroup.exclude``), ``use_logfmt=True``, ``allow_nvlink_for_low_latency_mode=False``,
+  ``use_logfmt=True``, ``allow_nvlink_for_low_latency_mode=False``,
   ``allow_mnnvl=True``, ``comm=`` (mpi4py), ``get_comm_stream`` and ``get_local_buffer_tensor`` raise
   NotImplementedError.
 - ``group``: a moe_comm ``CommGroup`` (any backend), or torch.distributed's default (world) group, for
@@ -139,6 +142,17 @@ Differences from DeepEP (none is silent: an unsupported argument raises NotImple
   the group's timeout (DeepEP: undefined / hang). Input errors that this module finds itself (the
   statistics tensor, ``topk_idx``'s shape at combine, unsupported arguments) raise before the op is
   entered, as in DeepEP; make every rank pass the same arguments.
+- Rank masking (``enable_shrink=True``; without it the three methods raise RuntimeError, as DeepEP
+  asserts) is moe-comm's exclusion (``CommGroup.exclude``): ``low_latency_update_mask_buffer(r, True)``
+  excludes rank r, after which no kernel sends to or waits for it and the slots routed to its experts are
+  dropped (combine sums the token's other experts; both modes, the exclusion is the group's);
+  ``low_latency_query_mask_buffer(mask)`` writes int32 [W] 1 = masked, on the device. DeepEP masks a rank
+  inside the kernel that timed out on it and returns that call's data without the rank's; here that call
+  raises CommTimeoutError naming the rank (its outputs are not exact: never silent), and the caller masks
+  it: ``update_mask_buffer`` is collective over the survivors (every live rank masks the same rank, as
+  each has timed out on it), then the next calls are exact among them. A masked rank cannot be unmasked
+  (``mask=False``, ``low_latency_clean_mask_buffer`` with a rank masked: NotImplementedError): an
+  excluded rank never rejoins a moe-comm group.
 """
 
 from __future__ import annotations
@@ -183,6 +197,13 @@ def low_latency_format(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str
         raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 holds power-of-two scales only, as DeepEP "
                          "asserts): pass round_scale=True too")
     return formats.E4M3_UE8M0 if use_ue8m0 else formats.E4M3_POW2 if round_scale else formats.E4M3
+
+
+def normal_input_formats(hidden: int) -> tuple:
+    """The PrefillBuffer dispatch formats of the normal mode's inputs at ``hidden``: None (bfloat16 x), and
+    DeepEP's pre-quantized tuples the hidden allows (float32 scales per 128 columns: "e4m3"; packed UE8M0
+    int32 per 512: "e4m3-ue8m0")."""
+    return (None,) + tuple(f for f in (formats.E4M3, formats.E4M3_UE8M0) if hidden % formats.hidden_multiple(f) == 0)
 
 
 def _check_int(name: str, v, minimum: int) -> int:
@@ -246,6 +267,19 @@ def _event_after(device: torch.device, tensors) -> EventOverlap:
     return EventOverlap(None, tensors, valid=True)
 
 
+def _wait_previous(previous_event) -> None:
+    """DeepEP's ``previous_event``: the work it marks comes before this call's kernels. They run on the
+    caller's current stream, so that stream waits on its CUDA event (an EventOverlap made without
+    ``async_finish``, or on CPU, holds none: nothing to wait for, its work is ordered or done)."""
+    if previous_event is None:
+        return
+    if not isinstance(previous_event, EventOverlap):
+        raise TypeError(f"previous_event must be an EventOverlap (from a call with async_finish=True, or "
+                        f"Buffer.capture()), got {type(previous_event).__name__}")
+    if previous_event.event is not None:
+        previous_event.current_stream_wait()
+
+
 class _Hook:
     """DeepEP's receive hook: runs a receive phase, once."""
 
@@ -305,8 +339,6 @@ class Buffer:
                                "reached by load/store")
         if allow_mnnvl:
             raise _unsupported("allow_mnnvl=True", "pass False")
-        if enable_shrink:
-            raise _unsupported("enable_shrink=True (rank masking)", "use CommGroup.exclude(ranks)")
         self.num_rdma_bytes = _check_int("num_rdma_bytes", num_rdma_bytes, 0)
         self.num_nvl_bytes = _check_int("num_nvl_bytes", num_nvl_bytes, 0)
         self.num_qps_per_rank = _check_int("num_qps_per_rank", num_qps_per_rank, 1)
@@ -314,10 +346,12 @@ class Buffer:
         self.group = group
         self.rank, self.group_size = self.comm_group.rank, self.comm_group.world_size
         self.low_latency_mode = bool(low_latency_mode)
+        self.enable_shrink = bool(enable_shrink)   # the rank-mask methods are available (as in DeepEP)
         self.explicitly_destroy = bool(explicitly_destroy)
         self._pairs: dict[tuple, list] = {}     # (M, H, E, K, format) -> [EPBuffers, calls]
         self._prefill: dict[tuple, PrefillBuffer] = {}   # (H, E, K, format) -> the normal mode's buffer
-        self._nvl_bytes_used = 0
+        self._normal_tokens: dict[tuple, int] = {}       # (H, E, K) -> its capacity, shared by every input format
+        self._nvl_bytes_used = 0                         # num_nvl_bytes reserved by those capacities
         self._staging: dict[int, torch.Tensor] = {}   # id(EPBuffer) -> zero-copy combine input
         self._symmetric_bytes = 0
         self._destroyed = False
@@ -540,36 +574,59 @@ class Buffer:
         Buffer.num_sms = new_num_sms
 
     # ---- normal (high-throughput) mode: PrefillBuffer --------------------------------------------
+    @staticmethod
+    def get_normal_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                             num_topk: int, ranks_per_node: int | None = None) -> int:
+        """``num_nvl_bytes`` that buys the normal mode a capacity of ``num_max_tokens_per_rank`` tokens per
+        rank per call at these sizes in every input format it takes (``normal_input_formats``: bf16, and
+        the fp8 tuples ``hidden`` allows), one PrefillBuffer each; ``ranks_per_node``: G of a group
+        spanning nodes. moe-comm's own figure (DeepEP sizes its normal-mode ring from chunk configs)."""
+        M = _check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        W, E = _check_int("num_ranks", num_ranks, 1), _check_int("num_experts", num_experts, 1)
+        _check_divisible(E, W)
+        return sum(PrefillBuffer.required_bytes(W, E, hidden, M, num_topk, DTYPE, dispatch_format=fmt,
+                                                ranks_per_node=ranks_per_node)
+                   for fmt in normal_input_formats(hidden))
+
     def _prefill_for(self, hidden: int, num_experts: int, topk: int, fmt: str | None = None) -> PrefillBuffer:
-        """The PrefillBuffer of the normal-mode calls with these sizes and format (None: bf16; an fp8
-        format for pre-quantized input), made on first use with the largest capacity (tokens per rank per
-        call) whose memory fits in what is left of ``num_nvl_bytes``. The same on every rank (same
-        arguments, same order), as the buffer is collective."""
+        """The PrefillBuffer of the normal-mode calls with these sizes and input format (None: bf16; an fp8
+        format for pre-quantized input), made at its first call with the capacity of its sizes
+        (``_normal_capacity``: shared by every input format). The same on every rank (same arguments, same
+        order), as the buffer is collective."""
         key = (hidden, num_experts, topk, fmt)
         if key not in self._prefill:
-            W, left = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used
+            M = self._normal_capacity(hidden, num_experts, topk)
+            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, M, topk, dtype=DTYPE,
+                                               dispatch_format=fmt)
+        return self._prefill[key]
 
-            nodes = _ranks_per_node(self.comm_group)
+    def _normal_capacity(self, hidden: int, num_experts: int, topk: int) -> int:
+        """Tokens per rank per call of the normal mode at these sizes, fixed at the first call with them: the
+        largest M whose ``get_normal_size_hint`` (a buffer of every input format at M) fits in what is left
+        of ``num_nvl_bytes``, reserved then, so that one Buffer serves bf16 and fp8 input alike, as DeepEP's
+        one buffer does (each format's buffer is allocated at its own first call)."""
+        shape = (hidden, num_experts, topk)
+        if shape not in self._normal_tokens:
+            W, left, G = self.group_size, self.num_nvl_bytes - self._nvl_bytes_used, _ranks_per_node(self.comm_group)
 
             def need(m):
-                return PrefillBuffer.required_bytes(W, num_experts, hidden, m, topk, DTYPE, dispatch_format=fmt,
-                                                    ranks_per_node=nodes)
+                return self.get_normal_size_hint(m, hidden, W, num_experts, topk, G)
             if need(1) > left:
                 raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for DeepEP's normal mode with "
                                  f"hidden={hidden}, num_experts={num_experts}, topk={topk}: {need(1)} bytes hold one "
-                                 f"token per rank ({self._nvl_bytes_used} in use by the buffers of other sizes or "
-                                 f"input formats, one each, bf16 or fp8); size it with moe_comm."
-                                 f"PrefillBuffer.required_bytes({W}, {num_experts}, {hidden}, tokens_per_rank, {topk})")
+                                 f"token per rank in each input format ({self._nvl_bytes_used} in use by the "
+                                 f"buffers of other sizes); size it with deep_ep.Buffer.get_normal_size_hint("
+                                 f"tokens_per_rank, {hidden}, {W}, {num_experts}, {topk}"
+                                 + ("" if G is None else f", ranks_per_node={G}") + ")")
             lo, hi = 1, 2
             while hi < NORMAL_MAX_TOKENS and need(hi) <= left:
                 lo, hi = hi, hi * 2
             while hi - lo > 1:   # need(lo) fits, need(hi) does not (or hi is the cap)
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if need(mid) <= left else (lo, mid)
-            self._prefill[key] = PrefillBuffer(self.comm_group, num_experts, hidden, lo, topk, dtype=DTYPE,
-                                               dispatch_format=fmt)
+            self._normal_tokens[shape] = lo
             self._nvl_bytes_used += need(lo)
-        return self._prefill[key]
+        return self._normal_tokens[shape]
 
     def _check_normal_call(self) -> None:
         if self._destroyed:
@@ -591,6 +648,7 @@ class Buffer:
         E, W = _check_int("num_experts", num_experts, 1), self.group_size
         _check_divisible(E, W)
         check_tensor("topk_idx", topk_idx, self.comm_group.device, (torch.int32, torch.int64), (None, None))
+        _wait_previous(previous_event)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = layout.dispatch_layout(topk_idx, E, W)
         g = _ranks_per_node(self.comm_group)
         per_node = None if g is None else layout.tokens_per_node(is_token_in_rank, g)
@@ -604,6 +662,7 @@ class Buffer:
         """DeepEP's normal-mode dispatch on a PrefillBuffer; returns (recv_x, recv_topk_idx,
         recv_topk_weights, num_recv_tokens_per_expert_list, handle, event) (module docstring)."""
         self._check_normal_call()
+        _wait_previous(previous_event)   # the caller's stream waits for it; nothing is launched before
         if handle is not None:
             raise _unsupported("a cached dispatch (handle=)", "every PrefillBuffer dispatch is answered by its "
                                "combine before the next one, so a layout is not kept to be replayed: dispatch "
@@ -627,8 +686,11 @@ class Buffer:
         if T > buf.max_tokens_per_rank:
             raise ValueError(f"{T} tokens: this Buffer's normal mode holds {buf.max_tokens_per_rank} tokens per rank "
                              f"per call at hidden={hidden}, num_experts={E}, topk={topk} within num_nvl_bytes="
-                             f"{self.num_nvl_bytes}; raise num_nvl_bytes to moe_comm.PrefillBuffer.required_bytes("
-                             f"{self.group_size}, {E}, {hidden}, {T}, {topk}) or more, or dispatch in chunks")
+                             f"{self.num_nvl_bytes}; raise num_nvl_bytes to deep_ep.Buffer.get_normal_size_hint("
+                             f"{T}, {hidden}, {self.group_size}, {E}, {topk}"
+                             + ("" if _ranks_per_node(self.comm_group) is None
+                                else f", ranks_per_node={_ranks_per_node(self.comm_group)}")
+                             + ") or more, or dispatch in chunks")
         weights = (torch.zeros(topk_idx.shape, dtype=torch.float32, device=dev) if topk_weights is None
                    else topk_weights)
         recv = layout.PackedReceive(buf.dispatch(x, topk_idx, weights), align, worst)  # N read on the host unless worst
@@ -660,9 +722,8 @@ class Buffer:
         if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.shape[0] != T:
             raise ValueError(f"x[1] (the scales) must be a 2-D tensor with a row per token: {takes}, got "
                              f"{getattr(scales, 'dtype', type(scales).__name__)} {tuple(getattr(scales, 'shape', ()))}")
-        for fmt in (formats.E4M3, formats.E4M3_UE8M0):
-            if (scales.dtype == formats.scale_dtype(fmt) and H % formats.hidden_multiple(fmt) == 0
-                    and scales.shape[1] == formats.scale_columns(fmt, H)):
+        for fmt in normal_input_formats(H)[1:]:
+            if scales.dtype == formats.scale_dtype(fmt) and scales.shape[1] == formats.scale_columns(fmt, H):
                 check_tensor("x[1] (the scales)", scales, dev, (scales.dtype,), None)
                 return data, fmt
         raise ValueError(f"x[1] (the scales) is {scales.dtype} {tuple(scales.shape)}; the normal mode takes {takes} "
@@ -695,6 +756,7 @@ class Buffer:
         if bias is not None:
             raise _unsupported("bias in combine", "add the bias to the combined output")
         check_tensor("x", x, self.comm_group.device, (DTYPE,), (handle.recv.x.shape[0], handle.buf.hidden))
+        _wait_previous(previous_event)
         y = handle.recv.combine(handle.buf, x)
         event = _event_after(self.comm_group.device, (x, y)) if async_finish else EventOverlap()
         return y, None, event
@@ -723,11 +785,47 @@ class Buffer:
 
     get_combine_config = get_dispatch_config
 
-    def _masking(self, *args, **kwargs):
-        raise _unsupported("rank masking (low_latency_*_mask_buffer)", "use CommGroup.exclude(ranks), which "
-                           "stops routing to the excluded ranks' experts")
+    # ---- rank masking (shrink mode): moe-comm's exclusion ---------------------------------------------
+    def _check_shrink(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+        if not self.enable_shrink:
+            raise RuntimeError("the rank mask needs a Buffer built with enable_shrink=True (as DeepEP asserts)")
 
-    low_latency_update_mask_buffer = low_latency_query_mask_buffer = low_latency_clean_mask_buffer = _masking
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``): ``CommGroup.exclude([rank_to_mask])``, so no kernel sends
+        to or waits for it and the slots routed to its experts are dropped (low-latency and normal mode
+        alike: the exclusion is the group's). Collective over the survivors: every live rank masks the same
+        rank (DeepEP's mask is per rank; after a rank dies every survivor has timed out on it and masks it).
+        Masking a masked rank does nothing. Unmasking (``mask=False``) a masked rank is refused: an excluded
+        rank never rejoins a moe-comm group (build a new group and Buffer with it); unmasking a live rank
+        does nothing."""
+        self._check_shrink()
+        r = _check_int("rank_to_mask", rank_to_mask, 0)
+        if r >= self.group_size:
+            raise ValueError(f"rank_to_mask={r} is not a rank of this group of {self.group_size}")
+        live = r in self.comm_group.live_ranks
+        if mask and live:
+            self.comm_group.exclude([r])
+        elif not mask and not live:
+            raise _unsupported(f"unmasking rank {r}", "an excluded rank never rejoins a moe-comm group: build a new "
+                               "group and Buffer over the ranks to serve with")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask into ``mask_status`` (int32 [num_ranks] on the group's device): 1 for each masked
+        (excluded) rank, 0 for each live one. Read on the device (``CommGroup.excluded_mask``), no host read."""
+        self._check_shrink()
+        check_tensor("mask_status", mask_status, self.comm_group.device, (torch.int32,), (self.group_size,))
+        self.comm_group.excluded_mask(out=mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank: nothing to do while none is masked; refused once one is (see
+        ``low_latency_update_mask_buffer``)."""
+        self._check_shrink()
+        gone = sorted(set(range(self.group_size)) - set(self.comm_group.live_ranks))
+        if gone:
+            raise _unsupported(f"unmasking ranks {gone}", "an excluded rank never rejoins a moe-comm group: build a "
+                               "new group and Buffer over the ranks to serve with")
 
     def get_comm_stream(self):
         raise _unsupported("get_comm_stream()", "kernels run on the caller's current stream")

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-__all__ = ["check_group", "expose_metrics", "process_group", "recover", "shared_buffer", "use_group"]
+__all__ = ["check_group", "clean_buffers", "expose_metrics", "process_group", "query_active_mask", "query_fault",
+           "recover", "shared_buffer", "use_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,14 +24,17 @@ ENV_METRICS_PORT = "MOE_COMM_METRICS_PORT"  # P: each rank also serves moe_comm.
 _GROUP = None
 _BUFFERS: dict[tuple, object] = {}
 _METRICS_EXPOSED = False
+_MASK = None       # int32 [world] on the device: the excluded-rank mask query_active_mask fills
+_BASELINE = None   # the mask at the last recovery point (clean_buffers), what query_fault compares with
 
 
 def use_group(group) -> None:
     """Use ``group`` instead of creating this process's own CommGroup (and forget the buffers made on
     the previous one)."""
-    global _GROUP
+    global _GROUP, _MASK, _BASELINE
     _GROUP = group
     _BUFFERS.clear()
+    _MASK = _BASELINE = None
 
 
 def process_group(backend: str = "auto", timeout_s: float = 30.0):
@@ -110,3 +114,33 @@ def recover() -> list[int]:
     if _GROUP is None:
         raise RuntimeError("no moe-comm group in this process yet (nothing to recover)")
     return policy([_GROUP])
+
+
+# ---- a framework's fault-tolerance queries (vLLM's all2all manager: query_active_mask / query_fault /
+# clean_buffers, as its DeepEP low-latency manager answers them from DeepEP's shrink mask), answered by
+# moe-comm's exclusion: the mask is the group's excluded ranks (compat.deep_ep's rank mask too).
+
+def query_active_mask():
+    """int32 [world] on the device: 1 for each rank excluded from this process's group, 0 for each live one
+    (``CommGroup.excluded_mask``; no host read, CUDA-graph capturable)."""
+    global _MASK
+    g = process_group()
+    if _MASK is None:
+        _MASK = torch.zeros(g.world_size, dtype=torch.int32, device=g.device)
+    return g.excluded_mask(out=_MASK)
+
+
+def query_fault():
+    """bool scalar on the device: True when a rank was excluded since the last ``clean_buffers`` (a fault
+    recovered by exclusion elsewhere, e.g. ``compat.deep_ep``'s mask or ``recover()``)."""
+    mask = query_active_mask()
+    return (mask != (torch.zeros_like(mask) if _BASELINE is None else _BASELINE)).any()
+
+
+def clean_buffers() -> None:
+    """A framework's post-fault clean-up: ``recover()`` (collective over the live ranks: reset the group,
+    or exclude a dead rank), then the mask of the recovered group is the new baseline of ``query_fault``.
+    moe-comm's buffers need no zeroing (flags carry epochs); an excluded rank stays masked."""
+    global _BASELINE
+    recover()
+    _BASELINE = query_active_mask().clone()

@@ -23,6 +23,11 @@ experts' format). Both fall through to vLLM's own code when moe-comm is not requ
 A fault (a dead or stuck peer, a bad expert id) recorded by moe-comm's kernels in one step is raised by
 name (CommTimeoutError, ...) at the next MoE layer's prepare, so vLLM's worker stops on it; the group
 stays failed until ``moe_comm.serving.ep_group.recover()`` on every live rank (reset, or exclude a dead rank).
+vLLM's own fault tolerance (0.32: ``--enable-fault-tolerance`` with ``--all2all-backend deepep_low_latency``,
+whose all2all manager vLLM still builds, so DeepEP must be importable) asks that manager ``query_fault()``
+after every step, ``query_active_mask()`` and, on retry, ``clean_buffers()``: with moe-comm requested the
+hook answers them from moe-comm's exclusion (``ep_group.query_fault`` / ``query_active_mask`` /
+``clean_buffers``: the mask is the group's excluded ranks, and the retry recovers, excluding a dead rank).
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ import sys
 logger = logging.getLogger(__name__)
 
 _A2A_UTILS = "vllm.model_executor.layers.fused_moe.all2all_utils"
+_ALL2ALL = "vllm.distributed.device_communicators.all2all"
+# vLLM's fault-tolerant all2all managers (its --all2all-backend deepep_low_latency with
+# --enable-fault-tolerance) and the fault queries its model runner and sentinel call on them
+FT_MANAGERS = ("DeepEPLLAll2AllManager",)
+FT_METHODS = ("query_active_mask", "query_fault", "clean_buffers")
 _MOE_CONFIG = "vllm.model_executor.layers.fused_moe.config"
 CONFIG_KEY = "moe_comm"
 
@@ -83,6 +93,33 @@ def _wrap_batched_format(original: property) -> property:
     return property(use_batched_activation_format)
 
 
+def _wrap_fault_query(name: str, original):
+    """vLLM's all2all-manager method ``name`` answered by moe-comm's exclusion (``ep_group.<name>``) when
+    moe-comm is requested; vLLM's own otherwise."""
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if requested_options() is None:
+            return original(self, *args, **kwargs)
+        from . import ep_group  # noqa: PLC0415
+        return getattr(ep_group, name)(*args, **kwargs)
+
+    method.moe_comm_original = original
+    return method
+
+
+def _hook_fault_queries() -> None:
+    """Answer vLLM's fault-tolerance queries from moe-comm (where this vLLM has them: 0.32 has)."""
+    try:
+        all2all = importlib.import_module(_ALL2ALL)
+    except ImportError:
+        return
+    for cls in (getattr(all2all, n, None) for n in FT_MANAGERS):
+        for name in FT_METHODS:
+            original = getattr(cls, name, None) if cls is not None else None
+            if original is not None and not hasattr(original, "moe_comm_original"):
+                setattr(cls, name, _wrap_fault_query(name, original))
+
+
 def register() -> None:
     """Install the hook (idempotent: vLLM may load plugins more than once per process)."""
     try:
@@ -102,3 +139,4 @@ def register() -> None:
     prop = cls.__dict__.get("use_batched_activation_format")
     if isinstance(prop, property) and not hasattr(prop.fget, "moe_comm_original"):
         cls.use_batched_activation_format = _wrap_batched_format(prop)
+    _hook_fault_queries()
