@@ -132,6 +132,92 @@ def test_a_scrape_matches_the_recorded_calls_and_the_device_counters():
         assert value(got, "moe_comm_waits_total", rank=r, op="alltoallv", peer=1 - r) == 4   # totals: every call
 
 
+def _a2a_calls(ops, counts, calls=1):
+    """``calls`` AllToAllvDynamic forward calls on every live loopback rank of ``ops``; counts[r] = rank r's."""
+    for _ in range(calls):
+        for op, c in zip(ops, counts):
+            op(torch.randn(int(c.sum()), *ROW), c, phase="send")
+        for op in ops:
+            op(phase="recv")
+
+
+def _rows_received(got, ranks, world):
+    return {r: [value(got, "moe_comm_rows_received_total", rank=r, op="alltoallv", peer=j) for j in range(world)]
+            for r in ranks}
+
+
+def test_per_call_metrics_keep_counting_after_a_reset_an_exclusion_and_an_abort():
+    """Issue 46's reproducer, then the same after an exclusion and an abort: the ring is read in call order
+    (epoch, call), whatever status bits a record carries, so a scrape after every call counts that call.
+    Loopback world 2, recorder on (2 records: the ring wraps, so rows are reused), AllToAllvDynamic rank 0 sending [1, 1], rank 1 [1, 2]: one
+    call, a scrape, ``reset()`` on both, three calls with a scrape after each: rank 1 has received 2/4,
+    3/6, 4/8 rows from ranks 0/1 (it stayed at 2/4 when the first call of the new epoch, tagged DONE|STALE,
+    outranked every later record). Then an aborted call (an input error on every rank, nothing recorded)
+    and the call after it (STALE: its per-peer words are not its own): both missed, no rows; the next calls
+    count again. A call not scraped before a reset, whose record the new epoch's calls overwrite, is missed
+    (the calls of each ended epoch are known). World 3 with rank 2 silent: a timeout, ``exclude([2])``,
+    then every call counts."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0, trace=2)
+    exp = metrics.Exporter(groups)
+    ops = [AllToAllvDynamic(g, CAP, ROW, torch.float32) for g in groups]
+    counts = [torch.tensor([1, 1]), torch.tensor([1, 2])]
+    _a2a_calls(ops, counts)
+    assert _rows_received(samples(exp.text()), (1,), 2) == {1: [1, 2]}
+    for g in groups:
+        g.reset()
+    for n in (2, 3, 4):
+        _a2a_calls(ops, counts)
+        got = samples(exp.text())
+        assert _rows_received(got, (0, 1), 2) == {0: [n, n], 1: [n, 2 * n]}, n
+        for r in range(2):
+            assert value(got, "moe_comm_rows_sent_total", rank=r, op="alltoallv", peer=1) == n * (1 if r == 0 else 2)
+            assert value(got, "moe_comm_bytes_received_total", rank=r, op="alltoallv", peer=0) == 32 * n
+            assert value(got, "moe_comm_call_wait_seconds_count", rank=r, op="alltoallv", peer=1 - r) == n
+            assert value(got, "moe_comm_recorder_missed_calls_total", rank=r, op="alltoallv") == 0
+    for op in ops:   # an input error on every rank: each takes part by aborting, nobody waits
+        with pytest.raises(TypeError, match="dtype"):
+            op(torch.randn(2, *ROW).double(), torch.tensor([1, 1]), phase="send")
+    _a2a_calls(ops, counts)      # on a row nobody prepared: STALE, its rows are not reported
+    got = samples(exp.text())
+    assert _rows_received(got, (0, 1), 2) == {0: [4, 4], 1: [4, 8]}
+    for r in range(2):
+        assert value(got, "moe_comm_recorder_missed_calls_total", rank=r, op="alltoallv") == 2
+        assert value(got, "moe_comm_calls_total", rank=r, op="alltoallv") == 6
+    for n in (5, 6):
+        _a2a_calls(ops, counts)
+        got = samples(exp.text())
+        assert _rows_received(got, (0, 1), 2) == {0: [n, n], 1: [n, 2 * n]}, n
+        assert value(got, "moe_comm_call_wait_seconds_count", rank=1, op="alltoallv", peer=0) == n
+    _a2a_calls(ops, counts)      # not scraped before the reset: the new epoch's calls overwrite its record
+    for g in groups:
+        g.reset()
+    _a2a_calls(ops, counts, calls=2)
+    got = samples(exp.text())
+    assert _rows_received(got, (0, 1), 2) == {0: [8, 8], 1: [8, 16]}
+    assert value(got, "moe_comm_recorder_missed_calls_total", rank=1, op="alltoallv") == 3
+
+    groups = moe_comm.init(backend="loopback", world_size=3, device="cpu", timeout_s=0.3, trace=8)
+    exp = metrics.Exporter(groups)
+    ops = [AllToAllvDynamic(g, CAP, ROW, torch.float32) for g in groups]
+    counts = [torch.tensor([1, 2, 1]), torch.tensor([3, 1, 1]), torch.tensor([1, 1, 1])]
+    _a2a_calls(ops, counts)
+    exp.refresh()
+    for op, c in zip(ops[:2], counts):   # rank 2 silent
+        op(torch.randn(int(c.sum()), *ROW), c, phase="send")
+    for op in ops[:2]:
+        with pytest.raises(CommTimeoutError, match="waiting for peer rank 2"):
+            op(phase="recv")
+    exp.refresh()
+    for g in groups[:2]:
+        assert g.exclude([2]) == [2]
+    for n in (1, 2, 3):
+        _a2a_calls(ops[:2], counts[:2])
+        got = samples(exp.text())   # the timed-out call received its rows from ranks 0 and 1 too
+        assert _rows_received(got, (0, 1), 3) == {0: [2 + n, 6 + 3 * n, 1], 1: [4 + 2 * n, 2 + n, 1]}, n
+        assert value(got, "moe_comm_rows_sent_total", rank=0, op="alltoallv", peer=2) == 2   # dropped since
+        assert value(got, "moe_comm_recorder_missed_calls_total", rank=0, op="alltoallv") == 0
+
+
 def test_with_the_recorder_off_calls_errors_and_expert_load_still_count():
     """Recorder off: calls, expert load and the group's state are exported; the recorder's metrics
     (rows, bytes, waits) have no series, and moe_comm_recorder_records says 0. Two buffers of one group
@@ -174,6 +260,7 @@ def test_errors_epochs_and_exclusions_are_counted_once():
     for op in ops[:2]:
         with pytest.raises(CommTimeoutError, match="waiting for peer rank 2"):
             op(phase="recv")
+    exp.refresh()
     for g in groups[:2]:
         for _ in range(3):
             with pytest.raises(CommTimeoutError):
