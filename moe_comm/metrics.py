@@ -58,6 +58,11 @@ NS_PER_S = 1e9
 # milliseconds, a timeout (and the CPU interpreter) seconds. Few, since every (op, peer) has them all.
 WAIT_BUCKETS_S = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 INSTALL_FIX = "pip install 'moe-comm[metrics]' (prometheus-client)"
+# How prometheus_client's multiprocess mode merges a gauge's files (one per process): the value written
+# last. A rank label has one live process, but a restarted rank is a new process next to the dead one's
+# file: "max" would keep the dead process's epoch and exclusions for ever ("live*" modes drop a process's
+# file only when someone calls mark_process_dead(pid) for it). tests/test_metrics.py restarts a rank.
+GAUGE_MODE = "mostrecent"
 
 
 @dataclass(frozen=True)
@@ -255,8 +260,8 @@ class Exporter:
         for s in SPECS:
             if s.kind == "counter":
                 self.m[s.name] = pc.Counter(s.name, s.help, s.labels, registry=None)
-            elif s.kind == "gauge":   # one process per rank label: "max" merges nothing in multiprocess mode
-                self.m[s.name] = pc.Gauge(s.name, s.help, s.labels, registry=None, multiprocess_mode="max")
+            elif s.kind == "gauge":
+                self.m[s.name] = pc.Gauge(s.name, s.help, s.labels, registry=None, multiprocess_mode=GAUGE_MODE)
             else:
                 self.m[s.name] = pc.Histogram(s.name, s.help, s.labels, registry=None, buckets=WAIT_BUCKETS_S)
         self.registries: list = []

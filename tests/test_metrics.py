@@ -5,8 +5,12 @@ answers over HTTP in a slow-rank and a dead-rank run; the serving adapters' regi
 registry a framework serves (prometheus_client's, as vLLM and SGLang build it: tests/vllm and
 tests/sglang run the frameworks' own code)."""
 
+import os
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from moe_comm.trace.recorder import channel_records  # noqa: E402
 
 from fault_cases import slow_then_dead  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 ROW = (8,)            # float32 AllToAllvDynamic rows: 32 bytes
 CAP = 4
 E, H, M, K = 6, 64, 2, 2
@@ -408,6 +413,41 @@ def test_serving_adapters_reach_a_multiprocess_registry(tmp_path, monkeypatch):
         assert value(got, "moe_comm_calls_total", rank=r, op="dispatch") == 1
         for e, n in enumerate(counts[r]):
             assert value(got, "moe_comm_expert_rows_total", rank=r, op="dispatch", expert=r * 3 + e) == n
+
+
+# One rank's process in prometheus_client's multiprocess mode (the directory set before the import): rank 0
+# of a loopback world 2, which excludes rank 1 if told to (epoch 1, peer 1 excluded), then one refresh.
+_RANK_PROCESS = """
+import sys
+import moe_comm
+from moe_comm import metrics
+assert metrics.multiprocess_mode()
+groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+if sys.argv[1] == "exclude":
+    assert groups[0].exclude([1]) == [1]
+metrics.exporter().refresh()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_rank_process_sets_its_gauges_in_multiprocess_mode(tmp_path):
+    """PROMETHEUS_MULTIPROC_DIR set: rank 0's process excludes rank 1 (moe_comm_epoch 1,
+    moe_comm_peer_excluded 1) and exits; the restarted rank 0 (a new process, a new group: epoch 0, nobody
+    excluded) refreshes. The registry the server builds over the directory shows the restarted process's
+    values: the gauges keep the most recent value (``multiprocess_mode="mostrecent"``), not the largest
+    value any process of the rank ever wrote (with "max" the epoch could never go down, nor an exclusion
+    be cleared). Each process is a fresh interpreter, as a restarted rank is."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for how in ("exclude", "restart"):
+        subprocess.run([sys.executable, "-c", _RANK_PROCESS, how], env=env, check=True, timeout=240)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        got = samples(generate_latest(registry).decode())
+        excluded = how == "exclude"
+        assert value(got, "moe_comm_epoch", rank=0) == (1 if excluded else 0), how
+        assert value(got, "moe_comm_peer_excluded", rank=0, peer=1) == (1 if excluded else 0), how
+        assert value(got, "moe_comm_resets_total", rank=0) == 1, how   # a counter: both processes' resets
 
 
 def test_observe_many_equals_observe_one_value_at_a_time():
