@@ -81,9 +81,10 @@ SPECS = (
          "Calls of the op on this rank whose receive phase ran (aborted calls included; CUDA graph replays "
          "included). World 1 runs one kernel per call and counts none."),
     Spec("counter", "moe_comm_errors_total", ("rank", "op", "kind", "peer"), False,
-         "Errors this rank raised, by kind (timeout, abort, desync, excluded, capacity, invalid_index, other) "
-         "and peer (the rank waited for or out of step; the destination of a capacity error; empty for "
-         "invalid_index). A group-wide error counts once per epoch however often it is raised again."),
+         "Errors this rank raised, by kind (timeout, abort, desync, excluded, capacity, invalid_index, "
+         "global_scale, other) and peer (the rank waited for or out of step; the destination of a capacity "
+         "error; the source of a global_scale error; empty for invalid_index). A group-wide error counts "
+         "once per epoch however often it is raised again."),
     Spec("gauge", "moe_comm_epoch", ("rank",), False, "The group's epoch: 0, then one more per reset."),
     Spec("counter", "moe_comm_resets_total", ("rank",), False,
          "group.reset() calls completed on this rank (exclude() ends with one)."),

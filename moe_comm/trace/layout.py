@@ -95,7 +95,7 @@ def is_record(tag: int) -> bool:
 
 
 OUTCOMES = {0: "ok", 1: "timeout", 2: "data error (capacity)", 3: "data error (index)", 4: "abort",
-            5: "desync"}
+            5: "desync", 6: "data error (global scale)"}
 
 
 def split_tag(tag: int) -> tuple[int, int]:

@@ -160,3 +160,39 @@ def test_prefill_moe_with_local_experts_on_the_device(fmt):
                 want[t] += w[t, k] * expert(int(idx[t, k]), xin[t:t + 1])[0].float()
     assert y.device == x.device and torch.equal(y, want.to(torch.bfloat16)), fmt
     buf.close()
+
+
+def test_nvfp4_global_scales_that_differ_raise_compiled():
+    """The compiled receive checks every source's global scale (issue 46): loopback world 2, rank 1's x 100
+    times rank 0's, every token to expert 0, each rank's scale from its own x: both ranks raise
+    GlobalScaleError naming the other; the next call, with one scale, is bit for bit the reference."""
+    m = M
+    groups = moe_comm.init(backend="loopback", world_size=2, device=DEV, timeout_s=30.0)
+    eps = [moe_comm.EPBuffer(g, 2 * L, H, m, 1, dispatch_format="nvfp4") for g in groups]
+    g = torch.Generator().manual_seed(46)
+    xs = [(torch.randn(m, H, generator=g) * f).to(torch.bfloat16).to(DEV) for f in (1.0, 100.0)]
+    idx = torch.zeros(m, 1, dtype=torch.int64, device=DEV)
+    ones = torch.ones(m, 1, device=DEV)
+    for scales, bad in (([reference.nvfp4_global_scale(x) for x in xs], True),
+                        ([reference.nvfp4_global_scale(torch.cat(xs))] * 2, False)):
+        for ep, x, gs in zip(eps, xs, scales):
+            ep.dispatch(x, idx, phase="send", global_scale=gs)
+        ds = []
+        for r, ep in enumerate(eps):
+            if bad:
+                with pytest.raises(moe_comm.GlobalScaleError, match=f"rank {1 - r} quantized") as info:
+                    ep.dispatch(phase="recv")
+                ds.append(info.value.result)
+            else:
+                ds.append(ep.dispatch(phase="recv"))
+        if not bad:   # expert 0 is rank 0's: its rows from both sources, each the source's quantization
+            for s in range(2):
+                want = reference.quantize_nvfp4(xs[s], scales[0])
+                assert torch.equal(ds[0].x[0, s * m:(s + 1) * m], want[0]) and torch.equal(
+                    ds[0].scales[0, s * m:(s + 1) * m].view(torch.uint8), want[1].view(torch.uint8)), s
+        for ep, d in zip(eps, ds):
+            ep.combine(torch.zeros(*d.x.shape[:2], H, dtype=torch.bfloat16, device=DEV), ones, d.handle, phase="send")
+        for ep in eps:
+            ep.combine(phase="recv")
+    for gr in groups:
+        gr.check()
