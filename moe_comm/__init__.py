@@ -8,7 +8,7 @@ from . import metrics, reference
 from .alltoallv import A2AHandle, A2AResult, AllToAllvDynamic
 from .ep import DispatchResult, EPBuffer, EPHandle
 from .errors import (CapacityError, ClosedError, CommAbortedError, CommDesyncError, CommTimeoutError, ExcludedError,
-                     GroupError, InvalidIndexError, LaunchError, MoECommError)
+                     GlobalScaleError, GroupError, InvalidIndexError, LaunchError, MoECommError)
 from .group import CommGroup, init, launch
 from .prefill import PrefillBuffer, PrefillDispatchResult, PrefillHandle
 
@@ -28,6 +28,7 @@ __all__ = [
     "EPBuffer",
     "EPHandle",
     "ExcludedError",
+    "GlobalScaleError",
     "GroupError",
     "InvalidIndexError",
     "LaunchError",

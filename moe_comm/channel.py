@@ -9,7 +9,7 @@ import torch
 from .interpreter import kernel_for
 from .planner import channel_done_words, next_pow2
 from .triton_kernels import nvshmem_bitcode
-from .trace.recorder import new_ring
+from .trace.recorder import new_ring, prepare_first_row
 from .triton_kernels.sync import abort_kernel, drain_kernel
 
 # Kernels that carry NVSHMEM calls when launched with PUT: the send kernels (the put transport) and every
@@ -86,6 +86,9 @@ class Channel:
               host int: ``recv_seq`` summed over the epochs before this one (``reset()`` adds it before
               zeroing the counter), so that calls since the channel was made = this + recv_seq
               (``moe_comm.metrics``; world 1 launches one kernel per call and counts none)
+    epoch_calls
+              host dict: epoch -> ``recv_seq`` at the reset that ended it (``moe_comm.metrics`` counts the
+              calls of an epoch whose records a later epoch's calls overwrote unread)
 
     Ordering on CUDA: every launch of the channel (send, receive, abort) waits
     (``torch.cuda.Stream.wait_event``) for the previous one on this rank, whatever streams they were
@@ -112,6 +115,7 @@ class Channel:
         self.trace = new_ring(world, group.trace_calls, dev)
         self.wait_stats = torch.zeros((2, world), dtype=torch.int64, device=dev)
         self.calls_before_reset = 0
+        self.epoch_calls: dict[int, int] = {}
         self.row_bytes = 0
         self.put = group.uses_put
         self.stage = self.stage_ctrl = None
@@ -204,12 +208,16 @@ class Channel:
             WORLD_P2=next_pow2(g.world_size), **g.put_launch_args())
 
     def reset(self) -> None:
-        """Local part of ``group.reset()`` (the device is idle): counters and this rank's flags to zero."""
-        self.calls_before_reset += int(self.recv_seq)
+        """Local part of ``group.reset()`` (the device is idle): counters and this rank's flags to zero,
+        and the flight recorder's row of the new epoch's first call cleared (``prepare_first_row``)."""
+        calls = int(self.recv_seq)
+        self.calls_before_reset += calls
+        self.epoch_calls[self.group.epoch] = calls   # (the group bumps its epoch after its members' reset)
         self.send_seq.zero_()
         self.recv_seq.zero_()
         self.done.zero_()
         self.ctrl.local.zero_()
+        prepare_first_row(self.trace)
         self._last_event = None
         self._drain_op = None
 

@@ -68,7 +68,8 @@ class DispatchResult:
     handle  EPHandle for ``combine``. counts, src and handle alternate between two sets: they stay
             valid until two more dispatch calls have started.
     global_scale  with nvfp4, the float32 [1] tensor given to the dispatch (every rank passes the same:
-            x ~= e2m1 * scale / global_scale, ``reference.dequantize_nvfp4``), else None.
+            x ~= e2m1 * scale / global_scale, ``reference.dequantize_nvfp4``; a source whose scale
+            differs raises GlobalScaleError, its rows kept as sent), else None.
     """
 
     x: torch.Tensor
@@ -89,8 +90,8 @@ def check_global_scale(global_scale, nvfp4: bool, device) -> None:
         return
     if global_scale is None:
         raise TypeError("dispatch_format='nvfp4' needs global_scale=: a float32 tensor of one element on the "
-                        "group's device, the same on every rank (e.g. moe_comm.reference.nvfp4_global_scale(x), "
-                        "or the layer's calibrated input scale)")
+                        "group's device, the same on every rank (the layer's calibrated input scale, or "
+                        "moe_comm.reference.nvfp4_global_scale of the max |x| all-reduced over the ranks)")
     check_tensor("global_scale", global_scale, device, (torch.float32,))
     if global_scale.numel() != 1:
         raise ValueError(f"global_scale has shape {tuple(global_scale.shape)}: pass one element (shape (1,) or ())")
@@ -145,8 +146,12 @@ class EPBuffer(OpBuffer):
         topk_idx  [T, topk] int32/int64: expert ids; -1 = slot not routed. Ids outside [-1, num_experts)
                   are not routed either and raise InvalidIndexError (a ValueError) at the next check.
         global_scale  nvfp4 only (required there): float32 tensor of one element on group.device, finite
-                  and > 0, the same on every rank (TensorRT-LLM's 448 * 6 / amax, a layer's calibrated
-                  input scale; ``reference.nvfp4_global_scale``); read on the device (capturable)
+                  and > 0, the same on every rank (TensorRT-LLM's 448 * 6 / amax: a layer's calibrated
+                  input scale, or ``reference.nvfp4_global_scale`` of the max |x| all-reduced over the
+                  ranks); read on the device (capturable). It travels with the control words and every
+                  receiver compares each live source's with its own (whether rows came or not): every
+                  rank whose scale differs from another rank's raises GlobalScaleError (a ValueError
+                  carrying the result, the rows kept as sent) at the end of the call
         Each token is read once and crosses to a rank at most once, however many of its experts live
         there; with an fp8 dispatch format it is quantized on the way (float8_e4m3fn, one scale per 128
         columns, in the format dispatch_format names: DeepEP's formats, bit for bit, see
@@ -414,7 +419,7 @@ class EPBuffer(OpBuffer):
                     EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
                     X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
                     ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots,
-                    BW=p.recv_block_words, **sig, **common, **dch.trace_args(recv=True)),
+                    BW=p.recv_block_words, NVFP4=p.nvfp4, **sig, **common, **dch.trace_args(recv=True)),
                 combine_send=Launch(
                     combine_send_kernel, dev, (p.recv_programs,), row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens,
                     runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,

@@ -9,12 +9,15 @@ Two families (the fault model, docs/faults.md):
 - ``GroupError`` (CommTimeoutError, CommAbortedError, CommDesyncError, ExcludedError): the group is out
   of step or a peer is gone. Sticky: every later op on every rank raises it until ``group.reset()`` (or
   ``group.exclude()``).
-- Data errors (CapacityError, InvalidIndexError): a device value was out of range; the op completed on
-  every rank without the offending slots/rows, and the error is raised once, on the rank that found it,
-  carrying the result of the call that recorded it (``err.result``).
+- Data errors (CapacityError, InvalidIndexError, GlobalScaleError): a device value was out of range (or
+  an nvfp4 global scale differed between ranks); the op completed on every rank without the offending
+  slots/rows (GlobalScaleError: with them, as sent), and the error is raised once, on the rank that found
+  it, carrying the result of the call that recorded it (``err.result``).
 """
 
 from __future__ import annotations
+
+import struct
 
 
 class MoECommError(RuntimeError):
@@ -101,6 +104,27 @@ class InvalidIndexError(MoECommError, ValueError):
             f"{op}: rank {rank} got index {value}, valid range is [-1, {bound}); that slot was skipped")
 
 
+class GlobalScaleError(MoECommError, ValueError):
+    """An nvfp4 dispatch got rows from ``peer`` quantized with another global scale than ``rank``'s own:
+    ``peer_scale`` and ``own_scale`` (float32 values). The rows were delivered as they are; the receiver
+    dequantizes with its own scale, so those rows come out peer_scale / own_scale times their value."""
+
+    def __init__(self, op: str, rank: int, peer: int, peer_scale: float, own_scale: float):
+        self.op, self.rank, self.peer, self.peer_scale, self.own_scale = op, rank, peer, peer_scale, own_scale
+        super().__init__(
+            f"{op}: rank {rank}: rank {peer} quantized its nvfp4 rows with global_scale {peer_scale:g}, this "
+            f"rank's is {own_scale:g}; every rank must pass the same global_scale (one dequantization for "
+            f"every row of an expert): the layer's calibrated input scale, or 448 * 6 / the max |x| "
+            f"all-reduced (MAX) over the ranks. This call's rows from rank {peer} (kept as sent) come out "
+            f"{peer_scale / own_scale if own_scale else float('inf'):g} times their value when dequantized "
+            f"with this rank's scale")
+
+
+def f32_of_bits(bits: int) -> float:
+    """The float32 whose bit pattern is the low 32 bits of ``bits`` (a device word)."""
+    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
 class LaunchError(MoECommError):
     """One or more ranks of ``moe_comm.launch`` raised or died.
 
@@ -118,9 +142,10 @@ class LaunchError(MoECommError):
 
 def error_kind(err: MoECommError) -> str:
     """Short name of an error's kind, as the metrics label it (``moe_comm.metrics``): timeout, abort,
-    desync, excluded, capacity, invalid_index, or other."""
+    desync, excluded, capacity, invalid_index, global_scale, or other."""
     for cls, kind in ((CommTimeoutError, "timeout"), (CommAbortedError, "abort"), (CommDesyncError, "desync"),
-                      (ExcludedError, "excluded"), (CapacityError, "capacity"), (InvalidIndexError, "invalid_index")):
+                      (ExcludedError, "excluded"), (CapacityError, "capacity"), (InvalidIndexError, "invalid_index"),
+                      (GlobalScaleError, "global_scale")):
         if isinstance(err, cls):
             return kind
     return "other"
@@ -134,6 +159,7 @@ def error_kind(err: MoECommError) -> str:
 ERR_WORDS = 8
 ERR_DROPPED = 6
 ERR_NONE, ERR_TIMEOUT, ERR_CAPACITY, ERR_INDEX, ERR_ABORTED, ERR_DESYNC = 0, 1, 2, 3, 4, 5
+ERR_SCALE = 6   # data error: a source's nvfp4 global scale (value, its bits) differs from this rank's (bound)
 GROUP_CODES = (ERR_TIMEOUT, ERR_ABORTED, ERR_DESYNC)   # group-wide: sticky until reset()
 
 # Op ids the kernels record; index = id.
@@ -161,4 +187,6 @@ def decode_error(word, timeout_s: float) -> MoECommError | None:
         return CommAbortedError(name, rank, peer)
     if code == ERR_DESYNC:
         return CommDesyncError(name, rank, peer, value, bound)
+    if code == ERR_SCALE:
+        return GlobalScaleError(name, rank, peer, f32_of_bits(value), f32_of_bits(bound))
     return MoECommError(f"{name}: rank {rank}: unknown device error code {code}")

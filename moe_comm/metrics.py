@@ -15,8 +15,9 @@ Where the numbers come from (nothing here adds device work or a device sync to a
   ``calls_before_reset``), rows per local expert and rows addressed to excluded ranks
   (``PhasedOp.counters``), wait totals per source (``Channel.wait_stats``, recorder on);
 - the flight recorder's rings (pinned host memory on CUDA): per call, rows and bytes per peer and the
-  wait for each source (the histogram). A refresh reads the records it has not read yet; a call whose
-  record was overwritten first is counted in ``moe_comm_recorder_missed_calls_total``.
+  wait for each source (the histogram). A refresh reads the ended records it has not read yet, in call
+  order (epoch, then call); a call whose record was overwritten first, or has no per-peer words (STALE:
+  the call after an aborted one), is counted in ``moe_comm_recorder_missed_calls_total``.
 
 Reading without blocking a step. A refresh runs in the scraping thread (or, in prometheus_client's
 multiprocess mode, a refresher thread) under a lock no op takes. Host state and the rings are plain
@@ -46,6 +47,7 @@ import torch
 from .group import live_groups
 from .phased import PhasedOp
 from .trace import layout
+from .trace.recorder import consistent_rows
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,11 @@ NS_PER_S = 1e9
 # milliseconds, a timeout (and the CPU interpreter) seconds. Few, since every (op, peer) has them all.
 WAIT_BUCKETS_S = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 INSTALL_FIX = "pip install 'moe-comm[metrics]' (prometheus-client)"
+# How prometheus_client's multiprocess mode merges a gauge's files (one per process): the value written
+# last. A rank label has one live process, but a restarted rank is a new process next to the dead one's
+# file: "max" would keep the dead process's epoch and exclusions for ever ("live*" modes drop a process's
+# file only when someone calls mark_process_dead(pid) for it). tests/test_metrics.py restarts a rank.
+GAUGE_MODE = "mostrecent"
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,10 @@ SPECS = (
          "Calls of the op on this rank whose receive phase ran (aborted calls included; CUDA graph replays "
          "included). World 1 runs one kernel per call and counts none."),
     Spec("counter", "moe_comm_errors_total", ("rank", "op", "kind", "peer"), False,
-         "Errors this rank raised, by kind (timeout, abort, desync, excluded, capacity, invalid_index, other) "
-         "and peer (the rank waited for or out of step; the destination of a capacity error; empty for "
-         "invalid_index). A group-wide error counts once per epoch however often it is raised again."),
+         "Errors this rank raised, by kind (timeout, abort, desync, excluded, capacity, invalid_index, "
+         "global_scale, other) and peer (the rank waited for or out of step; the destination of a capacity "
+         "error; the source of a global_scale error; empty for invalid_index). A group-wide error counts "
+         "once per epoch however often it is raised again."),
     Spec("gauge", "moe_comm_epoch", ("rank",), False, "The group's epoch: 0, then one more per reset."),
     Spec("counter", "moe_comm_resets_total", ("rank",), False,
          "group.reset() calls completed on this rank (exclude() ends with one)."),
@@ -103,8 +111,9 @@ SPECS = (
     Spec("counter", "moe_comm_bytes_received_total", ("rank", "op", "peer"), True,
          "Bytes of moe_comm_rows_received_total."),
     Spec("counter", "moe_comm_recorder_missed_calls_total", ("rank", "op"), True,
-         "Calls whose record the flight recorder's ring overwrote before a refresh read it (at least): "
-         "their rows, bytes and per-call waits are not in the counters above (the wait totals are)."),
+         "Calls whose record the flight recorder's ring overwrote before a refresh read it (at least), or "
+         "whose record has no per-peer words (the call after an aborted one): their rows, bytes and per-call "
+         "waits are not in the counters above (the wait totals are)."),
 )
 
 
@@ -200,12 +209,26 @@ class DeviceReads:
 # ---- the exporter ----------------------------------------------------------------------------------
 
 class _Cursor:
-    """How far a refresh has read one op's flight-recorder ring."""
+    """How far a refresh has read one op's flight-recorder ring: the newest ended record read of each
+    half, by its call's flag (``protocol.flag(epoch, call)``, no status bits: it orders calls by (epoch,
+    call)), and the (epoch, call) of that receive (a gap to the next one was missed)."""
 
     def __init__(self):
-        self.recv_tag = 0          # newest receive phase read (its tag: flag(epoch, call))
-        self.send_tag = 0          # newest send phase read
-        self.epoch = self.call = 0  # (epoch, call) of that receive: a gap to the next one was missed
+        self.recv_flag = 0          # newest ended receive phase read
+        self.send_flag = 0          # newest ended send phase read
+        self.epoch = self.call = 0  # (epoch, call) of recv_flag
+
+
+def _ended_after(tags: np.ndarray, after: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Of one half's tags (a ring snapshot's, ``layout``): the rows holding an ended record (DONE) of a
+    call after flag ``after``, in call order; those of them whose per-peer words are the call's (not
+    STALE); and the newest flag among them (``after`` if none)."""
+    flags = tags & ~layout.TAG_BITS
+    ended = ((tags & layout.DONE_BIT) != 0) & ((tags & layout.PREP_BIT) == 0) & (flags > after)
+    rows = np.nonzero(ended)[0]
+    rows = rows[np.argsort(flags[rows], kind="stable")]
+    fresh = rows[(tags[rows] & layout.STALE_BIT) == 0]
+    return rows, fresh, int(flags[rows[-1]]) if len(rows) else after
 
 
 class _GroupState:
@@ -238,8 +261,8 @@ class Exporter:
         for s in SPECS:
             if s.kind == "counter":
                 self.m[s.name] = pc.Counter(s.name, s.help, s.labels, registry=None)
-            elif s.kind == "gauge":   # one process per rank label: "max" merges nothing in multiprocess mode
-                self.m[s.name] = pc.Gauge(s.name, s.help, s.labels, registry=None, multiprocess_mode="max")
+            elif s.kind == "gauge":
+                self.m[s.name] = pc.Gauge(s.name, s.help, s.labels, registry=None, multiprocess_mode=GAUGE_MODE)
             else:
                 self.m[s.name] = pc.Histogram(s.name, s.help, s.labels, registry=None, buckets=WAIT_BUCKETS_S)
         self.registries: list = []
@@ -337,21 +360,23 @@ class Exporter:
         self._read_ring(g, st, op, rank)
 
     def _read_ring(self, g, st: _GroupState, op: PhasedOp, rank: str) -> None:
-        """The records of ``op``'s ring that no refresh has read: each ended receive phase (its waits per
-        source into the histogram, its rows per source) and each ended send phase (rows per peer)."""
+        """The records of ``op``'s ring that no refresh has read, in call order (epoch, then call): each
+        ended receive phase (its waits per source into the histogram, its rows per source) and each ended
+        send phase (rows per peer). A STALE record (the call after an aborted one: its per-peer words are
+        not its own) adds no rows nor waits and counts as missed."""
         ch, name, world, me = op.channel, op.name, g.world_size, g.rank
         cur = st.cursors.get(op)
         if cur is None:
             cur = st.cursors[op] = _Cursor()
-        rows = ch.trace.numpy().copy()   # host memory (pinned on CUDA): a snapshot, then decoded
-        tags = rows[:, layout.T_RECV_TAG]
-        new = np.nonzero((tags > cur.recv_tag) & (rows[:, layout.T_RECV_END] != 0))[0]
-        new = new[np.argsort(tags[new])]
-        missed = 0
-        for tag in tags[new].tolist():   # calls of the same epoch are consecutive: a gap was overwritten
-            epoch, call = layout.split_tag(tag)
+        rows = consistent_rows(ch.trace)   # host memory (pinned on CUDA): a snapshot, then decoded
+        ended, new, cur.recv_flag = _ended_after(rows[:, layout.T_RECV_TAG], cur.recv_flag)
+        missed = len(ended) - len(new)
+        for tag in rows[ended, layout.T_RECV_TAG].tolist():   # calls of an epoch are consecutive: a gap was
+            epoch, call = layout.split_tag(tag & ~layout.TAG_BITS)   # overwritten (or aborted: no record)
+            if epoch != cur.epoch:   # and so were the rest of the epochs in between (calls of each at its reset)
+                missed += sum(ch.epoch_calls.get(e, 0) for e in range(cur.epoch, epoch)) - cur.call
             missed += call - 1 - (cur.call if epoch == cur.epoch else 0)
-            cur.recv_tag, cur.epoch, cur.call = tag, epoch, call
+            cur.epoch, cur.call = epoch, call
         at = layout.seen_word(world), layout.waited_word(world), layout.recv_rows_word(world)
         seen, waited, recv = (rows[new, w:w + world] for w in at)
         waited_for = (waited != 0) | (seen != 0)
@@ -359,10 +384,7 @@ class Exporter:
             if j != me and waited_for[:, j].any():   # a peer is another rank
                 observe_many(self._child(st, "moe_comm_call_wait_seconds", (rank, name, str(j))),
                              waited[waited_for[:, j], j] / NS_PER_S)
-        tags = rows[:, layout.T_SEND_TAG]
-        sent_new = np.nonzero((tags > cur.send_tag) & (rows[:, layout.T_SEND_END] != 0))[0]
-        if len(sent_new):
-            cur.send_tag = int(tags[sent_new].max())
+        _, sent_new, cur.send_flag = _ended_after(rows[:, layout.T_SEND_TAG], cur.send_flag)
         w = layout.sent_rows_word(world)
         for direction, counts in (("sent", rows[sent_new, w:w + world].sum(axis=0)), ("received", recv.sum(axis=0))):
             for j, n in enumerate(counts.tolist()):

@@ -214,7 +214,8 @@ class EPPlan:
     #                           int32 with "e4m3-ue8m0", four e4m3 per word H / 64 with nvfp4, else 0)
     row_words: int            # dispatch landing row: payload, scales, K int32 routing words, padded to
     #                           whole 16-byte vectors (every row starts 16-byte aligned)
-    dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, flag]
+    dispatch_ctrl_words: int  # per (zone, source) int64: [tokens, L per-expert counts, (put: run base,)
+    #                           (nvfp4: the global scale's float32 bits, checked by every receiver,) flag]
     out_words: int            # 32-bit words of one expert-output row (H * b / 4)
     combine_words: int        # 32-bit words of one combine landing row: out_words, or with combine_fp8 the
     #                           fp8 bytes and float32 scales padded to 16 bytes (``formats.fp8_row_words``)
@@ -274,7 +275,7 @@ class EPPlan:
     def with_put(self) -> "EPPlan":
         """This plan for a group that reaches some peer by puts (``group.uses_put``)."""
         return replace(self, put=True, row_words=route_row_words(self.x_words + self.scale_words, self.topk, True),
-                       dispatch_ctrl_words=self.experts_per_rank + 3)
+                       dispatch_ctrl_words=self.experts_per_rank + 3 + self.nvfp4)
 
     @property
     def combine_zone_slots(self) -> int:
@@ -446,7 +447,8 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         fp8_block_groups = max(fp8_block_groups, formats.UE8M0_PER_WORD)
     return EPPlan(world, num_experts, L, hidden, max_tokens, topk, dtype, fp8, nvfp4, combine_fp8, dispatch_format=fmt,
                   capacity=world * max_tokens, x_words=x_words, scale_words=scale_words,
-                  row_words=route_row_words(x_words + scale_words, topk, False), dispatch_ctrl_words=L + 2,
+                  row_words=route_row_words(x_words + scale_words, topk, False),
+                  dispatch_ctrl_words=L + 2 + nvfp4,
                   out_words=hidden * b // 4, combine_words=combine_words, block_tokens=block_tokens,
                   block_slots=block_slots, send_block_words=send_block_words, recv_block_words=recv_block_words,
                   out_block_words=out_block_words, block_hidden=block_hidden, fp8_block_groups=fp8_block_groups,
@@ -614,8 +616,9 @@ class PrefillPlan:
     def dispatch_ctrl_words(self) -> int:
         """Per (zone, source) int64 control words: [tokens, count_span per-expert slot counts, flag]; with
         puts [tokens, counts, pulled, flag] (``pulled``: the source, a rank of this node, has read every
-        row it needs from this rank's zone)."""
-        return self.count_span + (3 if self.put else 2)
+        row it needs from this rank's zone); with nvfp4 (one node only) [tokens, counts, the global scale's
+        float32 bits (every receiver checks it is its own), flag]."""
+        return self.count_span + (3 if self.put else 2) + self.ep.nvfp4
 
     @property
     def inbox_words(self) -> int:

@@ -69,8 +69,8 @@ class PrefillDispatchResult:
     src_tokens         int32 [world] on the device: tokens each source dispatched (0 for an excluded one).
     expert_counts      int32 [L] on the device: valid (row, k) slots per local expert.
     handle             PrefillHandle for ``combine``.
-    global_scale       with nvfp4, the float32 [1] tensor given to the dispatch (the same on every rank),
-                       else None.
+    global_scale       with nvfp4, the float32 [1] tensor given to the dispatch (the same on every rank:
+                       one that differs raises GlobalScaleError, as in EPBuffer.dispatch), else None.
     All of them are views of this rank's landing zone of the call (or of small device tensors of that
     zone): valid until this rank's combine send phase of the same call, which writes the partial rows
     over recv_x. Once every rank's combine has returned, peers may write a later call's rows into the
@@ -403,7 +403,8 @@ class PrefillBuffer(OpBuffer):
                 prefill_dispatch_recv_kernel, (1,), src_tokens_ptr=zone.src_tokens, counts_ptr=zone.counts,
                 stats_ptr=self._stats, ctrl_ptr=dch.ctrl.local, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, seq_ptr=dch.recv_seq,
                 OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank,
-                EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, **nodes, **shape, **sig),
+                EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, NVFP4=ep.nvfp4,
+                **nodes, **shape, **sig),
             combine_send=launch(
                 prefill_combine_send_kernel, (p.copy_programs,), zone_ptr=zone.words,
                 src_tokens_ptr=zone.src_tokens, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,

@@ -93,7 +93,7 @@ def quantize_fp8(x: torch.Tensor, group: int = 128, fmt: str | bool = formats.E4
     fmt = formats.fp8_name(fmt)
     xf = x.float().unflatten(-1, (-1, group))
     amax = xf.abs().amax(dim=-1).clamp(min=FP8_AMAX_MIN)
-    amax_inv = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+    amax_inv = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32, device=x.device)
     if fmt == formats.E4M3:
         # torch.div, not 448 / amax: a scalar divided by a tensor is computed as reciprocal() * 448 (two roundings).
         inverse = torch.div(torch.full_like(amax, FP8_E4M3_MAX), amax)
@@ -110,13 +110,14 @@ def quantize_fp8(x: torch.Tensor, group: int = 128, fmt: str | bool = formats.E4
 def pack_ue8m0(biased: torch.Tensor) -> torch.Tensor:
     """int [..., G] exponent bytes (e + 127, G % 4 == 0) -> int32 [..., G / 4], byte j of word i = group 4i + j."""
     b = biased.to(torch.int64).unflatten(-1, (-1, formats.UE8M0_PER_WORD))
-    word = (b << (8 * torch.arange(formats.UE8M0_PER_WORD))).sum(-1)
+    word = (b << (8 * torch.arange(formats.UE8M0_PER_WORD, device=b.device))).sum(-1)
     return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
 def unpack_ue8m0(words: torch.Tensor) -> torch.Tensor:
     """int32 [..., W] packed UE8M0 scales -> float32 [..., 4 * W] the scales 2**e they stand for."""
-    b = (words.to(torch.int64).unsqueeze(-1) >> (8 * torch.arange(formats.UE8M0_PER_WORD))) & 0xFF
+    shifts = 8 * torch.arange(formats.UE8M0_PER_WORD, device=words.device)
+    b = (words.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF
     return (b.flatten(-2).to(torch.int32) << F32_MANTISSA_BITS).view(torch.float32)
 
 
@@ -139,7 +140,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     checkpoint's input scale holds; 448 * 6 for an all-zero or empty x)."""
     amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return torch.div(torch.tensor(FP8_E4M3_MAX * E2M1_MAX, dtype=torch.float32), amax).reshape(1)
+    return torch.div(torch.full_like(amax, FP8_E4M3_MAX * E2M1_MAX), amax).reshape(1)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor):

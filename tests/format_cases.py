@@ -163,27 +163,36 @@ def run_ep_shm(group, every: int = 2) -> list[str]:
             except TypeError as e:
                 if "global_scale" not in str(e):
                     errs.append(f"rank{rank}: refused without naming global_scale: {e}")
-        exp_d, exp_y = expected_ep(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
         for split in ((False, True) if case.routing == "random" else (False,)):
-            tag = f"rank{rank} cfg{case.ci} {case.routing} seed{case.seed} split={split}"
-            poison_ep(ep)
-            if split:
-                assert ep.dispatch(xs[rank], idxs[rank], phase="send", global_scale=gs) is None
-                d = ep.dispatch(phase="recv")
-            else:
-                d = ep.dispatch(xs[rank], idxs[rank], global_scale=gs)
-            errs += check_ep_dispatch(rank, d, exp_d[rank], tag)
-            d = snapshot(d)
-            out = torch.full_like(xs[rank], float("nan"))
-            if split:
-                ep.combine(expert_outputs(d, rank, cfg), ws[rank], d.handle, out=out, phase="send")
-                y = ep.combine(phase="recv")
-            else:
-                y = ep.combine(expert_outputs(d, rank, cfg), ws[rank], d.handle, out=out)
-            if not torch.equal(y, exp_y[rank]):
-                errs.append(f"{tag}: combine differs from the reference by {(y.float() - exp_y[rank].float()).abs().max()}")
+            errs += ep_call(ep, rank, case, split)
     for ep in bufs.values():
         ep.close()
+    return errs
+
+
+def ep_call(ep, rank: int, case: Case, split: bool = False) -> list[str]:
+    """One checked dispatch -> combine of ``case`` on rank ``rank`` of a launched group (phase='both', or
+    split in two phases)."""
+    world = ep.group.world_size
+    cfg, fmt, cfmt, xs, idxs, ws, gs = inputs(case, world)
+    exp_d, exp_y = expected_ep(cfg, fmt, cfmt, xs, idxs, ws, gs, world)
+    tag = f"rank{rank} cfg{case.ci} {case.routing} seed{case.seed} split={split}"
+    poison_ep(ep)
+    if split:
+        assert ep.dispatch(xs[rank], idxs[rank], phase="send", global_scale=gs) is None
+        d = ep.dispatch(phase="recv")
+    else:
+        d = ep.dispatch(xs[rank], idxs[rank], global_scale=gs)
+    errs = check_ep_dispatch(rank, d, exp_d[rank], tag)
+    d = snapshot(d)
+    out = torch.full_like(xs[rank], float("nan"))
+    if split:
+        ep.combine(expert_outputs(d, rank, cfg), ws[rank], d.handle, out=out, phase="send")
+        y = ep.combine(phase="recv")
+    else:
+        y = ep.combine(expert_outputs(d, rank, cfg), ws[rank], d.handle, out=out)
+    if not torch.equal(y, exp_y[rank]):
+        errs.append(f"{tag}: combine differs from the reference by {(y.float() - exp_y[rank].float()).abs().max()}")
     return errs
 
 

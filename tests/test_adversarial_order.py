@@ -30,6 +30,7 @@ CASES = (
     "test_faults.py::test_data_error_found_by_a_receive_carries_the_result_and_the_group_goes_on",
     "test_ep_faults.py::test_silent_peer_on_loopback_times_out_naming_it",
     "test_ep_faults.py::test_killed_peer_is_named[combine]",
+    "test_formats.py::test_nvfp4_global_scales_that_differ_between_ranks_raise_then_the_next_call_is_exact[ep]",
 )
 # make test-sweeps: reversed and one shuffle; make test-long (tests/budget.py): reversed and three shuffles.
 MODES = [("reverse", 0), ("random", 0), ("random", 1), ("random", 2)] if LONG else [("reverse", 0), ("random", 1)]

@@ -53,7 +53,8 @@ def _bitcode_problem():
 
 # Kernels of one program that move no payload, only counts and flags, once per call: a few spilled words
 # there cost a few local-memory accesses per call, not per row. prefill_dispatch_recv_kernel (the node's
-# per-expert counts of every source) spills 36 bytes with Triton 3.6 and 32 with 3.9.
+# per-expert counts of every source) spills 36 bytes with Triton 3.6 and 32 with 3.9; its nvfp4 variant
+# (which also checks every source's global scale) 48 with Triton 3.6.
 ONE_PROGRAM_CONTROL_KERNELS = {"prefill_dispatch_recv_kernel"}
 CONTROL_SPILL_BYTES = 64
 

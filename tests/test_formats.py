@@ -30,7 +30,7 @@ from moe_comm import EPBuffer, PrefillBuffer, formats, reference
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV
 
 import format_cases
-from budget import size, sweep
+from budget import SWEEP, size, sweep
 from ep_cases import FORMAT_CONFIGS, Config, make_inputs, run_shm_cases
 from prefill_cases import check_dispatch, make_buffer, partial_rows, poison, round_trip
 from shm_files import own_shm_files
@@ -234,6 +234,130 @@ def test_ep_formats_across_emulated_nodes(world, per_node, monkeypatch):
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     errs = moe_comm.launch(_across_nodes, world, backend="shm", timeout_s=120)
     assert [e for r in errs for e in r] == []
+
+
+# ---- nvfp4: one global scale on every rank, checked by every receiver ----------------------------------------
+
+def _scale_round(bufs, xs, idxs, gss, prefill):
+    """One nvfp4 dispatch -> combine on a loopback world, rank r with global scale gss[r], every token to
+    expert 0 (rank 0's), phase by phase: per rank the dispatch result (or the GlobalScaleError it raised,
+    whose ``result`` is that call's), and rank 0's rows from each source (codes, scales), copied before the
+    combine (PrefillBuffer's combine writes its zone)."""
+    ws = [torch.ones(i.shape) for i in idxs]
+    for r, b in enumerate(bufs):
+        args = (xs[r], idxs[r], ws[r]) if prefill else (xs[r], idxs[r])
+        b.dispatch(*args, phase="send", global_scale=gss[r])
+    out = []
+    for b in bufs:
+        try:
+            out.append(b.dispatch(phase="recv"))
+        except moe_comm.GlobalScaleError as e:
+            out.append(e)
+    d0 = out[0].result if isinstance(out[0], Exception) else out[0]
+    m = xs[0].shape[0]
+    rows = [tuple(t.clone() for t in _rows_from(d0, s, m, prefill)) for s in range(len(bufs))]
+    for r, (b, d) in enumerate(zip(bufs, out)):   # the handle of a call that raised a data error works
+        d = d.result if isinstance(d, Exception) else d
+        if prefill:
+            b.combine(torch.zeros(d.recv_x.shape[0], b.hidden, dtype=torch.bfloat16), d.handle, phase="send")
+        else:
+            b.combine(torch.zeros(*d.x.shape[:2], b.hidden, dtype=torch.bfloat16), ws[r], d.handle, phase="send")
+    for b in bufs:
+        b.combine(phase="recv")
+    return out, rows
+
+
+def _rows_from(d, source, m, prefill):
+    """(codes, scales) of the rows a dispatch result holds from ``source`` (every token to expert 0)."""
+    if prefill:
+        return d.recv_x[source * m:(source + 1) * m], d.recv_scales[source * m:(source + 1) * m]
+    return d.x[0, source * m:(source + 1) * m], d.scales[0, source * m:(source + 1) * m]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("prefill, transport", [(False, "store"), (False, "put"), (True, "store")],
+                         ids=["ep", "ep-put", "prefill"])
+def test_nvfp4_global_scales_that_differ_between_ranks_raise_then_the_next_call_is_exact(prefill, transport,
+                                                                                        monkeypatch):
+    """Issue 46's reproducer: loopback world 2, rank 1's x 100 times rank 0's, every token to expert 0,
+    each rank's global scale computed from its own x (``reference.nvfp4_global_scale(x)``, the usage the
+    docs used to show): the receiver dequantizes every row with its own scale, so rank 1's rows came out at
+    about 0.01 of their value on rank 0, and nothing said so. Now every source's scale travels with its
+    control words and every receiver compares it with its own: both ranks raise GlobalScaleError naming
+    the other rank and both scales, carrying the call's result (the rows kept as sent: rank 1's are its own
+    quantization, and dequantized with rank 0's scale they are peer_scale / own_scale of their value). The
+    next call, with the all-reduced scale on every rank, is exact: rank 1's rows dequantize to its x's
+    quantization. EPBuffer also with every peer reached by puts (MOE_COMM_TRANSPORT=put: the scale travels
+    in the staged control words); PrefillBuffer's nvfp4 is one node only."""
+    monkeypatch.setenv("MOE_COMM_TRANSPORT", transport)
+    m, hidden = 4, 128
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0)
+    assert groups[0].uses_put == (transport == "put")
+    cls = PrefillBuffer if prefill else EPBuffer
+    bufs = [cls(g, 4, hidden, m, 1, dispatch_format="nvfp4") for g in groups]
+    g = torch.Generator().manual_seed(46)
+    xs = [(torch.randn(m, hidden, generator=g) * f).to(torch.bfloat16) for f in (1.0, 100.0)]
+    idxs = [torch.zeros(m, 1, dtype=torch.int64)] * 2
+    own = [reference.nvfp4_global_scale(x) for x in xs]
+    got, rows = _scale_round(bufs, xs, idxs, own, prefill)
+    for r, err in enumerate(got):   # rank 1 holds no row (expert 0 is rank 0's), and raises all the same
+        assert isinstance(err, moe_comm.GlobalScaleError), (r, err)
+        assert (err.rank, err.peer, err.peer_scale, err.own_scale) == (r, 1 - r, float(own[1 - r]), float(own[r]))
+        assert "same global_scale" in str(err) and "all-reduced" in str(err) and "calibrated" in str(err)
+    for s, (codes, scales) in enumerate(rows):   # rank 0's rows, as sent: each source's own quantization
+        want = reference.quantize_nvfp4(xs[s], own[s])
+        assert torch.equal(codes, want[0]) and torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8))
+    ratio = reference.dequantize_nvfp4(*rows[1], own[0]).norm() / reference.dequantize_nvfp4(*rows[1], own[1]).norm()
+    assert float(ratio) == pytest.approx(float(own[1] / own[0]), rel=1e-6)
+    assert groups[0].error_counts == {("global_scale", "prefill.dispatch" if prefill else "dispatch", "1"): 1}
+
+    gs = reference.nvfp4_global_scale(torch.cat(xs))   # the max |x| over the ranks: one scale everywhere
+    ds, rows = _scale_round(bufs, xs, idxs, [gs, gs], prefill)
+    assert not [d for d in ds if isinstance(d, Exception)], ds
+    for s, (codes, scales) in enumerate(rows):
+        want = reference.quantize_nvfp4(xs[s], gs)
+        assert torch.equal(codes, want[0]) and torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8))
+        assert torch.equal(reference.dequantize_nvfp4(codes, scales, gs), reference.dequantize_nvfp4(*want, gs))
+    for gr in groups:
+        gr.check()
+
+
+def _one_scale_differs(group):
+    """A rank of a launched group, EPBuffer nvfp4 (format_cases config 0): the last rank passes twice the
+    others' global scale. Every rank raises GlobalScaleError naming a source whose scale differs from its
+    own (the others: the last rank; the last rank: rank 0) and both scales; its result's handle combines.
+    Then two calls with one scale everywhere are exact (format_cases.ep_call). Returns the problems."""
+    rank, odd, ci = group.rank, group.world_size - 1, 0
+    ep = format_cases.make_ep(group, ci)
+    case = format_cases.Case(ci, "random", 4600)
+    cfg, fmt, cfmt, xs, idxs, ws, gs = format_cases.inputs(case, group.world_size)
+    scale = [gs * 2 if r == odd else gs for r in range(group.world_size)]
+    errs = []
+    try:
+        ep.dispatch(xs[rank], idxs[rank], global_scale=scale[rank])
+        errs.append(f"rank {rank}: no GlobalScaleError")
+    except moe_comm.GlobalScaleError as e:
+        peer = 0 if rank == odd else odd
+        if (e.rank, e.peer, e.peer_scale, e.own_scale) != (rank, peer, float(scale[peer]), float(scale[rank])):
+            errs.append(f"rank {rank}: {e!r} names the wrong source or scales")
+        d = format_cases.snapshot(e.result)
+        ep.combine(format_cases.expert_outputs(d, rank, cfg), ws[rank], d.handle)
+    return errs + format_cases.ep_call(ep, rank, format_cases.Case(ci, "skewed", 4601)) + \
+        format_cases.ep_call(ep, rank, format_cases.Case(ci, "random", 4602), split=True)
+
+
+@SWEEP
+@pytest.mark.timeout(600)
+def test_nvfp4_global_scales_that_differ_raise_across_emulated_nodes(monkeypatch):
+    """EPBuffer's nvfp4 dispatch across emulated nodes, world 4 in 2 nodes of 2 (shm processes): the control
+    words, the scale among them, cross the emulated wire as the put of the staged words with the flag as
+    its signal. One rank's scale differs: every rank raises naming it (it names rank 0), and the next
+    calls, with one scale, are exact on every rank. (make test runs the loopback case, stores and puts.)"""
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    errs = moe_comm.launch(_one_scale_differs, 4, backend="shm", timeout_s=120)
+    assert [e for r in errs for e in r] == []
+    assert own_shm_files() == []
 
 
 # ---- bad combinations: refused before anything is sent, naming the fix ------------------------------------

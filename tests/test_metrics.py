@@ -5,8 +5,12 @@ answers over HTTP in a slow-rank and a dead-rank run; the serving adapters' regi
 registry a framework serves (prometheus_client's, as vLLM and SGLang build it: tests/vllm and
 tests/sglang run the frameworks' own code)."""
 
+import os
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from moe_comm.trace.recorder import channel_records  # noqa: E402
 
 from fault_cases import slow_then_dead  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 ROW = (8,)            # float32 AllToAllvDynamic rows: 32 bytes
 CAP = 4
 E, H, M, K = 6, 64, 2, 2
@@ -132,6 +137,92 @@ def test_a_scrape_matches_the_recorded_calls_and_the_device_counters():
         assert value(got, "moe_comm_waits_total", rank=r, op="alltoallv", peer=1 - r) == 4   # totals: every call
 
 
+def _a2a_calls(ops, counts, calls=1):
+    """``calls`` AllToAllvDynamic forward calls on every live loopback rank of ``ops``; counts[r] = rank r's."""
+    for _ in range(calls):
+        for op, c in zip(ops, counts):
+            op(torch.randn(int(c.sum()), *ROW), c, phase="send")
+        for op in ops:
+            op(phase="recv")
+
+
+def _rows_received(got, ranks, world):
+    return {r: [value(got, "moe_comm_rows_received_total", rank=r, op="alltoallv", peer=j) for j in range(world)]
+            for r in ranks}
+
+
+def test_per_call_metrics_keep_counting_after_a_reset_an_exclusion_and_an_abort():
+    """Issue 46's reproducer, then the same after an exclusion and an abort: the ring is read in call order
+    (epoch, call), whatever status bits a record carries, so a scrape after every call counts that call.
+    Loopback world 2, recorder on (2 records: the ring wraps, so rows are reused), AllToAllvDynamic rank 0 sending [1, 1], rank 1 [1, 2]: one
+    call, a scrape, ``reset()`` on both, three calls with a scrape after each: rank 1 has received 2/4,
+    3/6, 4/8 rows from ranks 0/1 (it stayed at 2/4 when the first call of the new epoch, tagged DONE|STALE,
+    outranked every later record). Then an aborted call (an input error on every rank, nothing recorded)
+    and the call after it (STALE: its per-peer words are not its own): both missed, no rows; the next calls
+    count again. A call not scraped before a reset, whose record the new epoch's calls overwrite, is missed
+    (the calls of each ended epoch are known). World 3 with rank 2 silent: a timeout, ``exclude([2])``,
+    then every call counts."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=5.0, trace=2)
+    exp = metrics.Exporter(groups)
+    ops = [AllToAllvDynamic(g, CAP, ROW, torch.float32) for g in groups]
+    counts = [torch.tensor([1, 1]), torch.tensor([1, 2])]
+    _a2a_calls(ops, counts)
+    assert _rows_received(samples(exp.text()), (1,), 2) == {1: [1, 2]}
+    for g in groups:
+        g.reset()
+    for n in (2, 3, 4):
+        _a2a_calls(ops, counts)
+        got = samples(exp.text())
+        assert _rows_received(got, (0, 1), 2) == {0: [n, n], 1: [n, 2 * n]}, n
+        for r in range(2):
+            assert value(got, "moe_comm_rows_sent_total", rank=r, op="alltoallv", peer=1) == n * (1 if r == 0 else 2)
+            assert value(got, "moe_comm_bytes_received_total", rank=r, op="alltoallv", peer=0) == 32 * n
+            assert value(got, "moe_comm_call_wait_seconds_count", rank=r, op="alltoallv", peer=1 - r) == n
+            assert value(got, "moe_comm_recorder_missed_calls_total", rank=r, op="alltoallv") == 0
+    for op in ops:   # an input error on every rank: each takes part by aborting, nobody waits
+        with pytest.raises(TypeError, match="dtype"):
+            op(torch.randn(2, *ROW).double(), torch.tensor([1, 1]), phase="send")
+    _a2a_calls(ops, counts)      # on a row nobody prepared: STALE, its rows are not reported
+    got = samples(exp.text())
+    assert _rows_received(got, (0, 1), 2) == {0: [4, 4], 1: [4, 8]}
+    for r in range(2):
+        assert value(got, "moe_comm_recorder_missed_calls_total", rank=r, op="alltoallv") == 2
+        assert value(got, "moe_comm_calls_total", rank=r, op="alltoallv") == 6
+    for n in (5, 6):
+        _a2a_calls(ops, counts)
+        got = samples(exp.text())
+        assert _rows_received(got, (0, 1), 2) == {0: [n, n], 1: [n, 2 * n]}, n
+        assert value(got, "moe_comm_call_wait_seconds_count", rank=1, op="alltoallv", peer=0) == n
+    _a2a_calls(ops, counts)      # not scraped before the reset: the new epoch's calls overwrite its record
+    for g in groups:
+        g.reset()
+    _a2a_calls(ops, counts, calls=2)
+    got = samples(exp.text())
+    assert _rows_received(got, (0, 1), 2) == {0: [8, 8], 1: [8, 16]}
+    assert value(got, "moe_comm_recorder_missed_calls_total", rank=1, op="alltoallv") == 3
+
+    groups = moe_comm.init(backend="loopback", world_size=3, device="cpu", timeout_s=0.3, trace=8)
+    exp = metrics.Exporter(groups)
+    ops = [AllToAllvDynamic(g, CAP, ROW, torch.float32) for g in groups]
+    counts = [torch.tensor([1, 2, 1]), torch.tensor([3, 1, 1]), torch.tensor([1, 1, 1])]
+    _a2a_calls(ops, counts)
+    exp.refresh()
+    for op, c in zip(ops[:2], counts):   # rank 2 silent
+        op(torch.randn(int(c.sum()), *ROW), c, phase="send")
+    for op in ops[:2]:
+        with pytest.raises(CommTimeoutError, match="waiting for peer rank 2"):
+            op(phase="recv")
+    exp.refresh()
+    for g in groups[:2]:
+        assert g.exclude([2]) == [2]
+    for n in (1, 2, 3):
+        _a2a_calls(ops[:2], counts[:2])
+        got = samples(exp.text())   # the timed-out call received its rows from ranks 0 and 1 too
+        assert _rows_received(got, (0, 1), 3) == {0: [2 + n, 6 + 3 * n, 1], 1: [4 + 2 * n, 2 + n, 1]}, n
+        assert value(got, "moe_comm_rows_sent_total", rank=0, op="alltoallv", peer=2) == 2   # dropped since
+        assert value(got, "moe_comm_recorder_missed_calls_total", rank=0, op="alltoallv") == 0
+
+
 def test_with_the_recorder_off_calls_errors_and_expert_load_still_count():
     """Recorder off: calls, expert load and the group's state are exported; the recorder's metrics
     (rows, bytes, waits) have no series, and moe_comm_recorder_records says 0. Two buffers of one group
@@ -174,6 +265,7 @@ def test_errors_epochs_and_exclusions_are_counted_once():
     for op in ops[:2]:
         with pytest.raises(CommTimeoutError, match="waiting for peer rank 2"):
             op(phase="recv")
+    exp.refresh()
     for g in groups[:2]:
         for _ in range(3):
             with pytest.raises(CommTimeoutError):
@@ -321,6 +413,41 @@ def test_serving_adapters_reach_a_multiprocess_registry(tmp_path, monkeypatch):
         assert value(got, "moe_comm_calls_total", rank=r, op="dispatch") == 1
         for e, n in enumerate(counts[r]):
             assert value(got, "moe_comm_expert_rows_total", rank=r, op="dispatch", expert=r * 3 + e) == n
+
+
+# One rank's process in prometheus_client's multiprocess mode (the directory set before the import): rank 0
+# of a loopback world 2, which excludes rank 1 if told to (epoch 1, peer 1 excluded), then one refresh.
+_RANK_PROCESS = """
+import sys
+import moe_comm
+from moe_comm import metrics
+assert metrics.multiprocess_mode()
+groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+if sys.argv[1] == "exclude":
+    assert groups[0].exclude([1]) == [1]
+metrics.exporter().refresh()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_rank_process_sets_its_gauges_in_multiprocess_mode(tmp_path):
+    """PROMETHEUS_MULTIPROC_DIR set: rank 0's process excludes rank 1 (moe_comm_epoch 1,
+    moe_comm_peer_excluded 1) and exits; the restarted rank 0 (a new process, a new group: epoch 0, nobody
+    excluded) refreshes. The registry the server builds over the directory shows the restarted process's
+    values: the gauges keep the most recent value (``multiprocess_mode="mostrecent"``), not the largest
+    value any process of the rank ever wrote (with "max" the epoch could never go down, nor an exclusion
+    be cleared). Each process is a fresh interpreter, as a restarted rank is."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for how in ("exclude", "restart"):
+        subprocess.run([sys.executable, "-c", _RANK_PROCESS, how], env=env, check=True, timeout=240)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        got = samples(generate_latest(registry).decode())
+        excluded = how == "exclude"
+        assert value(got, "moe_comm_epoch", rank=0) == (1 if excluded else 0), how
+        assert value(got, "moe_comm_peer_excluded", rank=0, peer=1) == (1 if excluded else 0), how
+        assert value(got, "moe_comm_resets_total", rank=0) == 1, how   # a counter: both processes' resets
 
 
 def test_observe_many_equals_observe_one_value_at_a_time():

@@ -236,9 +236,9 @@ def test_a_dump_while_a_receive_waits_never_pairs_its_tag_with_an_older_calls_wo
 
 def test_rows_are_prepared_and_a_call_on_an_unprepared_row_reports_no_per_peer_words():
     """After every phase the next call's row is prepared (tag PREP of that call, per-peer words 0) and
-    the phase's own tag carries DONE. A call whose row nobody prepared (the one after an aborted call;
-    the first after ``reset()``) is marked STALE: its header is reported, its per-peer words are not
-    (they may be an older call's)."""
+    the phase's own tag carries DONE. A call whose row nobody prepared (the one after an aborted call)
+    is marked STALE: its header is reported, its per-peer words are not (they may be an older call's).
+    ``reset()`` prepares the row of the new epoch's first call: its record is complete."""
     groups, ops = _loopback_a2a(2, trace=2)
     counts = [torch.tensor([1, 3]), torch.tensor([2, 4])]
     _round(ops, counts, back=False)
@@ -260,9 +260,10 @@ def test_rows_are_prepared_and_a_call_on_an_unprepared_row_reports_no_per_peer_w
     assert (recs[5].outcome, recs[5].recv_rows, recs[5].seen, recs[5].sent_rows) == ("ok", [], [], [])
     for g in groups:
         g.reset()
-    _round(ops, counts, back=False)               # epoch 1, call 1: row 1 was prepared for epoch 0
+    assert not ops[0]._fwd.trace[1].any()        # row 1, epoch 0's call 4 prepared by call 3: cleared
+    _round(ops, counts, back=False)               # epoch 1, call 1: on the row the reset prepared
     (after,) = [r for r in channel_records(ops[0]._fwd) if r.epoch == 1]
-    assert (after.call, after.outcome, after.recv_rows) == (1, "ok", [])
+    assert (after.call, after.outcome, after.recv_rows, after.sent_rows) == (1, "ok", [1, 2], [1, 3])
     _round(ops, counts, back=False)               # call 2 was prepared by call 1
     (two,) = [r for r in channel_records(ops[0]._fwd) if (r.epoch, r.call) == (1, 2)]
     assert two.recv_rows == [1, 2] and two.sent_rows == [1, 3]

@@ -17,9 +17,10 @@ one call's tag with another call's words (``triton_kernels/trace.py`` writes it)
   when the per-peer words were not prepared for this call;
 - the per-peer words (rows, SEEN, WAITED) start at 0: the phase of the call before, at its end, set the
   next row's tag to ``flag(epoch, call + 1) | PREP_BIT`` (no record: the old one there is given up,
-  so a ring of N rows keeps the last N - 1 calls) and then cleared that row's per-peer words. A call
-  after one that did not trace (an aborted call, the first after a reset) finds its row unprepared:
-  STALE_BIT, and its per-peer words are not reported;
+  so a ring of N rows keeps the last N - 1 calls) and then cleared that row's per-peer words
+  (``reset()`` clears the row of the new epoch's first call: ``recorder.prepare_first_row``). A call
+  after one that did not trace (an aborted call) finds its row unprepared: STALE_BIT, and its per-peer
+  words are not reported;
 - the last program writes the end words (end time, outcome, error), then publishes the tag again with
   DONE_BIT: the end words are valid only under it.
 
@@ -94,7 +95,7 @@ def is_record(tag: int) -> bool:
 
 
 OUTCOMES = {0: "ok", 1: "timeout", 2: "data error (capacity)", 3: "data error (index)", 4: "abort",
-            5: "desync"}
+            5: "desync", 6: "data error (global scale)"}
 
 
 def split_tag(tag: int) -> tuple[int, int]:

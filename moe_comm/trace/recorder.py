@@ -13,6 +13,7 @@ import json
 import os
 import time
 
+import numpy as np
 import torch
 
 from . import layout
@@ -66,6 +67,14 @@ def new_ring(world: int, calls: int, device: torch.device) -> torch.Tensor:
     return torch.zeros((calls + 1 if calls else 1, layout.record_words(world)), dtype=torch.int64, pin_memory=pin)
 
 
+def prepare_first_row(ring: torch.Tensor) -> None:
+    """``reset()`` (the device idle): the row of call 1, the new epoch's first call, cleared (no record,
+    per-peer words 0), as a phase's end prepares the next call's row (``layout``), so that call's record
+    is complete, not STALE. The older record in that row is given up, as every call gives up the row
+    after its own."""
+    ring[1 % ring.shape[0]].zero_()
+
+
 READ_TRIES = 8          # reads of a row whose tags change meanwhile before its halves are given up
 TAG_WORDS = (layout.T_SEND_TAG, layout.T_RECV_TAG)
 
@@ -85,6 +94,21 @@ def consistent_row(ring: torch.Tensor, i: int, tries: int = READ_TRIES) -> list[
     for t, a, b in zip(TAG_WORDS, before, after):
         words[t] = a if a == b == words[t] else 0
     return words
+
+
+def consistent_rows(ring: torch.Tensor) -> np.ndarray:
+    """Every row of a ring that kernels may be writing, as one int64 NumPy snapshot: each half's tag, the
+    words, the tags again (``consistent_row``'s seqlock, for the whole ring at once and without retries:
+    ``moe_comm.metrics`` reads a half that moved at its next refresh); a half whose tag changed comes back
+    with tag 0 (no record)."""
+    words = ring.numpy()
+    before = words[:, TAG_WORDS].copy()
+    rows = words.copy()
+    after = words[:, TAG_WORDS]
+    for i, t in enumerate(TAG_WORDS):
+        moved = (before[:, i] != after[:, i]) | (rows[:, t] != before[:, i])
+        rows[moved, t] = 0
+    return rows
 
 
 def channel_records(ch) -> list[layout.TraceRecord]:

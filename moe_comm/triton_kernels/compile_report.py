@@ -63,7 +63,7 @@ def with_put(cfg: KernelConfig, nvshmem: bool = True) -> KernelConfig:
         from ..planner import route_row_words  # noqa: PLC0415
         c["ROW_WORDS"] = route_row_words(c["X_WORDS"] + c["S_WORDS"], c["TOPK"], True)
     if {"CTRL_WORDS", "EXPERTS_PER_RANK"} <= c.keys():
-        c["CTRL_WORDS"] = c["EXPERTS_PER_RANK"] + 3
+        c["CTRL_WORDS"] = c["EXPERTS_PER_RANK"] + 3 + int(c.get("NVFP4", False))
     if "ZONE_SLOTS" in c:
         c["ZONE_SLOTS"] = 2 * c["M"] * c["TOPK"]
     return KernelConfig(cfg.module, cfg.kernel, cfg.label + " put", cfg.types, c, nvshmem=nvshmem,
@@ -145,7 +145,7 @@ def _ep_configs() -> list[KernelConfig]:
             ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
-            ALIGNED=True)))
+            ALIGNED=True, NVFP4=p.nvfp4)))
         p1 = _dispatch_plan(1, fmt)
         out.append(KernelConfig("dispatch_local", "dispatch_local_kernel", f"DSV3 EP1 {name}", dict(
             x_ptr="*bf16", idx_ptr="*i64", out_x_ptr="*fp8e4nv" if p1.fp8 else "*i32",
@@ -241,11 +241,15 @@ def _prefill_configs() -> list[KernelConfig]:
                     X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
                     BT=p.pull_tokens, BW=p.pull_words, S_BW=next_pow2(max(1, ep.scale_words)),
                     ALIGNED=True, **route, **nodes), nvshmem=put))
-        out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP{world} M{m}" + (
-            " nodes of 8" if put else ""), dict(src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", **ctrl,
-                                                 **SIGNAL), dict(
-            w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=ep.experts_per_rank,
-            EXPERTS_P2=next_pow2(ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, **nodes), nvshmem=put))
+        for fmt in (None,) if put else (None, "nvfp4"):   # nvfp4: the sources' global scales checked (one node)
+            p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, False, "cuda", ranks_per_node=8 if put else None,
+                             dispatch_format=fmt)
+            out.append(KernelConfig("prefill_dispatch", "prefill_dispatch_recv_kernel", f"DSV3 EP{world} M{m}" + (
+                " nodes of 8" if put else " nvfp4" if fmt else ""), dict(
+                src_tokens_ptr="*i32", counts_ptr="*i32", stats_ptr="*i64", **ctrl, **SIGNAL), dict(
+                w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, EXPERTS_PER_RANK=p.ep.experts_per_rank,
+                EXPERTS_P2=next_pow2(p.ep.experts_per_rank), CTRL_WORDS=p.dispatch_ctrl_words, NVFP4=p.ep.nvfp4,
+                **nodes), nvshmem=put))
         for combine in (None,) if put else (None, "e4m3"):   # the fp8 combine is one node only
             p = plan_prefill(world, 256, 7168, m, 8, torch.bfloat16, False, "cuda", ranks_per_node=8 if put else None,
                              combine_format=combine)
@@ -285,6 +289,7 @@ PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with
     ("combine_send_kernel", "DSV3 EP8 bf16"), ("combine_send_kernel", "DSV3 EP8 fp8"),
     ("abort_kernel", "EP8 dispatch channel"),
     ("a2a_recv_kernel", "fwd 7168 bf16 EP8"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
+    ("dispatch_recv_kernel", "DSV3 EP8 nvfp4"),   # EPBuffer's nvfp4 runs across nodes: the scales' check
     ("combine_recv_kernel", "DSV3 EP8 bf16"), ("drain_kernel", "EP8 dispatch channel"),
     ("fail_group_kernel", "EP8 barrier timeout")}
 

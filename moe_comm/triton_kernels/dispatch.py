@@ -7,7 +7,8 @@ routing words ``local_expert + L * position`` for each k routed to this rank (el
 compaction, and a token crosses to a rank at most once however many of its top-k experts live there.
 Control words ``ctrl[zone, source, :]`` (int64) = (tokens T of the source, L per-local-expert slot counts
 from it, flag); with puts (``EPPlan.with_put``) = (rows, L counts, run base, flag), rows = T from a store
-source, the tokens routed here from a put source (below). Zone = call % 2.
+source, the tokens routed here from a put source (below); with NVFP4 the bits of the source's global
+scale before the flag (the receive checks them against its own: ``quant.check_scales``). Zone = call % 2.
 
 Send (grid = NBLK token blocks x column blocks, ``EPPlan.send_grid``): each program takes a contiguous
 range of tokens, computes the positions of their slots from a histogram of the earlier tokens' ids
@@ -51,7 +52,7 @@ import triton.language as tl
 
 from . import trace
 from .copy import address, as_words, copy_rows, load_tile, store_nvfp4_tile, store_tile
-from .quant import quantize_e4m3_groups
+from .quant import check_scales, quantize_e4m3_groups
 from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
                       token_destinations)
 from .transport import dest, drain, flush, order_transports, put_peers, store_only
@@ -70,13 +71,14 @@ def count_and_check(idx_ptr, routed_ptr, excluded_ptr, id_base_ptr, ctrl_ptrs_pt
                     rank, num_tokens, num_experts, send, OP: tl.constexpr, WORLD: tl.constexpr,
                     WORLD_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                     EXPERTS_PER_RANK: tl.constexpr, CHUNK_T: tl.constexpr, BINS: tl.constexpr,
-                    CTRL_WORDS: tl.constexpr, PUT: tl.constexpr):
+                    CTRL_WORDS: tl.constexpr, PUT: tl.constexpr, gscale_ptr, NVFP4: tl.constexpr):
     """The combine's mask (routed), the excluded-slot count and the first bad id, in one pass over the
     slots; then, unless the group failed, every live rank's control words (rows: T, or for a rank reached
     by puts the tokens routed to it; per-local-expert counts: a histogram of the valid ids with BINS >= E
-    bins; for a put rank its run base, the slots routed to lower ranks' experts): in the rank's memory,
-    or staged here for a rank reached by puts. With PUT, ``id_base`` [BINS] gets the slots of lower expert
-    ids (the combine's receive finds the put runs' rows by it)."""
+    bins; for a put rank its run base, the slots routed to lower ranks' experts; with NVFP4 the bits of
+    the global scale the rows are quantized with, word CTRL_WORDS - 2): in the rank's memory, or staged
+    here for a rank reached by puts. With PUT, ``id_base`` [BINS] gets the slots of lower expert ids (the
+    combine's receive finds the put runs' rows by it)."""
     counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2,
                       EXPERTS_PER_RANK, CHUNK_T, BINS)
     # (tl.where, not `&`: Triton's interpreter turns `bool vector & bool scalar` into int32, no mask)
@@ -96,6 +98,9 @@ def count_and_check(idx_ptr, routed_ptr, excluded_ptr, id_base_ptr, ctrl_ptrs_pt
         tl.store(id_base_ptr + expert, below)
     else:
         tl.store(ctrl, num_tokens, mask=live)
+    if NVFP4:
+        scale_bits = tl.load(gscale_ptr).to(tl.int32, bitcast=True).to(tl.int64)
+        tl.store(ctrl + CTRL_WORDS - 2, scale_bits + tl.zeros([WORLD_P2], tl.int64), mask=live)
     owner = tl.minimum(expert // EXPERTS_PER_RANK, WORLD - 1)
     owner_live = tl.where(send, tl.load(grp + S_LIVE + owner) != 0, False)
     ctrl_of_expert = dest(put_peers(grp, owner, owner_live, WORLD, PUT), stage_ctrl_ptr + owner * CTRL_WORDS,
@@ -156,7 +161,8 @@ def dispatch_send_kernel(
     if (blk == NBLK - 1) & (col == 0):
         counts = count_and_check(idx_ptr, routed_ptr, excluded_ptr, id_base_ptr, ctrl_ptrs_ptr, stage_ctrl_ptr,
                                  (zone * WORLD + rank) * CTRL_WORDS, grp, rank, num_tokens, num_experts, failed == 0,
-                                 OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT)
+                                 OP, WORLD, WORLD_P2, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROUTE_T, BINS, CTRL_WORDS, PUT,
+                                 gscale_ptr, NVFP4)
         trace.store_slots_per_rank(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), counts, peer_live,
                                    EXPERTS_PER_RANK, WORLD, WORLD_P2, BINS, TRACE)
 
@@ -270,6 +276,7 @@ def dispatch_recv_kernel(
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
     CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
     TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    NVFP4: tl.constexpr,  # every source's global scale (control word CTRL_WORDS - 2) is checked against this rank's
 ):
     blk = tl.program_id(0)
     src = tl.program_id(1)   # the source this program unpacks
@@ -313,6 +320,8 @@ def dispatch_recv_kernel(
                                w < WORLD, TRACE)
         if tl.max(total) > CAP:
             record_error(grp, ERR_CAPACITY, OP, rank, tl.argmax(total, axis=0), tl.max(total), CAP)
+        if NVFP4:
+            check_scales(ctrl + w * CTRL_WORDS + CTRL_WORDS - 2, arrived, w, grp, OP, rank)
 
     # This source's base and count per local expert: rows of expert e from sources before src.
     base = tl.sum(tl.where((w < src)[:, None], counts, 0), axis=0)      # [EXPERTS_P2]

@@ -4,7 +4,8 @@ the pull of the rows that came from other nodes.
 The landing zone of every rank is the output (one zone, symmetric int32 words; layout in
 ``planner.PrefillPlan``): row ``q = source * M + t`` of the planes recv_topk_idx [R, K], recv_topk_weights
 [R, K], recv_x [R, X_WORDS] (and recv_scales [R, S_WORDS] with FP8). Control words
-``ctrl[call % 2, source, :]`` (int64) = (tokens T of the source, per-expert slot counts from it, flag).
+``ctrl[call % 2, source, :]`` (int64) = (tokens T of the source, per-expert slot counts from it, with
+NVFP4 the bits of its global scale, flag).
 
 Send (grid = NBLK token blocks x column blocks, ``EPPlan.send_grid``): first every program waits until
 every live rank released the zones of the previous call (the ``released`` word of the combine channel
@@ -38,7 +39,7 @@ import triton.language as tl
 
 from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_nvfp4_tile, store_tile
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
-from .quant import quantize_e4m3_groups
+from .quant import check_scales, quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
 from .sync import (S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
                    wait_flags)
@@ -79,17 +80,23 @@ def node_rails(grp, rank, WORLD: tl.constexpr, G: tl.constexpr, G_P2: tl.constex
 @triton.jit
 def write_counts(counts, ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, grp, num_tokens, send, rails, far,
                  WORLD: tl.constexpr, WORLD_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, BINS: tl.constexpr,
-                 CTRL_WORDS: tl.constexpr, COUNT_SPAN: tl.constexpr, NODES_P2: tl.constexpr, PUT: tl.constexpr):
+                 CTRL_WORDS: tl.constexpr, COUNT_SPAN: tl.constexpr, NODES_P2: tl.constexpr, PUT: tl.constexpr,
+                 gscale_ptr, NVFP4: tl.constexpr):
     """The control words of one call, unless ``send`` is False: each live rank of this node (stores at
     ``ctrl_offset`` of its control words) gets the tokens and the counts of its experts, at 1 + e %
-    COUNT_SPAN (COUNT_SPAN = L, or with puts G*L: a rank finds its counts at 1 + local index * L); with
-    PUT, each rail of a ``far`` node gets the tokens and its node's G*L counts, staged in its row of
-    ``stage_ctrl`` (put by the last program). ``counts`` [BINS]: valid slots per expert id."""
+    COUNT_SPAN (COUNT_SPAN = L, or with puts G*L: a rank finds its counts at 1 + local index * L), and with
+    NVFP4 (one node only: every rank is near) the bits of the global scale the rows are quantized with, at
+    CTRL_WORDS - 2; with PUT, each rail of a ``far`` node gets the tokens and its node's G*L counts,
+    staged in its row of ``stage_ctrl`` (put by the last program). ``counts`` [BINS]: valid slots per
+    expert id."""
     w = tl.arange(0, WORLD_P2)
     near = tl.where(send, live_ranks(grp, WORLD, WORLD_P2), False)
     near = store_only(put_peers(grp, w, w < WORLD, WORLD, PUT), near, PUT)
     ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=near, other=0), tl.int64) + ctrl_offset
     tl.store(ctrl, num_tokens, mask=near)
+    if NVFP4:
+        scale_bits = tl.load(gscale_ptr).to(tl.int32, bitcast=True).to(tl.int64)
+        tl.store(ctrl + CTRL_WORDS - 2, scale_bits + tl.zeros([WORLD_P2], tl.int64), mask=near)
     expert = tl.arange(0, BINS)
     owner = tl.minimum(expert // EXPERTS_PER_RANK, WORLD - 1)
     exists = expert < WORLD * EXPERTS_PER_RANK
@@ -203,7 +210,7 @@ def prefill_dispatch_send_kernel(
                           EXPERTS_PER_RANK, ROUTE_T, BINS)
         write_counts(counts, ctrl_ptrs_ptr, stage_ctrl_ptr, (zone * WORLD + rank) * CTRL_WORDS, grp, num_tokens,
                      failed == 0, rails, far, WORLD, WORLD_P2, EXPERTS_PER_RANK, BINS, CTRL_WORDS, COUNT_SPAN,
-                     NODES_P2, PUT)
+                     NODES_P2, PUT, gscale_ptr, NVFP4)
         if PUT:
             tl.store(stamp_ptr, flag)
 
@@ -319,6 +326,7 @@ def prefill_dispatch_recv_kernel(
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CTRL_WORDS: tl.constexpr, PUT: tl.constexpr,
     G: tl.constexpr, G_P2: tl.constexpr,
+    NVFP4: tl.constexpr,  # every source's global scale (control word CTRL_WORDS - 2) is checked against this rank's
 ):
     call = tl.load(seq_ptr) + 1
     row0 = (call % 2) * WORLD
@@ -355,6 +363,8 @@ def prefill_dispatch_recv_kernel(
     tl.store(src_tokens_ptr + w, tl.minimum(tl.maximum(tokens, 0), M).to(tl.int32), mask=w < WORLD)
     tl.store(counts_ptr + e, counts, mask=e_live)
     tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e_live) + counts.to(tl.int64), mask=e_live)
+    if NVFP4:   # one node only: every source's control words are this rank's
+        check_scales(base + CTRL_WORDS - 2, arrived, w, grp, OP, rank)
     tl.store(seq_ptr, call)
 
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import formats
+from .sync import ERR_SCALE, record_error
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 FP8_E4M3_MAX_INV = tl.constexpr(1.0 / 448.0)  # rounded to float32 where used, as DeepEP's kFP8AmaxInv
@@ -202,3 +203,22 @@ def quantize_nvfp4_groups(x, global_scale, BLOCK_T: tl.constexpr, GROUPS: tl.con
     values = pack_codes(tl.reshape(codes, (BLOCK_T, GROUPS * 16)), BLOCK_T, GROUPS * 2, 8)
     sf_codes = sf.to(tl.float8e4nv).to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
     return values, pack_codes(sf_codes, BLOCK_T, GROUPS // 4, 4)
+
+
+# The global scale is one per call and the same on every rank (every row of an expert is dequantized
+# with the receiver's): each nvfp4 source sends its scale's bits in a control word, and the receive checks
+# them against its own send's (which it reads from its own control words: no extra argument).
+@triton.jit
+def check_scales(scale_words, arrived, src, grp, op, rank):
+    """The receive's program that waited for every source, after its acquire: ``scale_words`` [WORLD_P2]
+    pointers to each source's global-scale control word (published before the flag it acquired; read
+    only where ``arrived``), ``src`` their source ranks. A source whose scale differs from this rank's
+    records a data error (GlobalScaleError: the first such source, its bits, this rank's bits); the rows
+    are kept as sent. The branch is on values every thread loaded alike (block-uniform)."""
+    bits = tl.load(scale_words, mask=arrived, other=0)
+    own_arrived = tl.max(tl.where(src == rank, arrived, False).to(tl.int32)) > 0
+    own = tl.sum(tl.where((src == rank) & arrived, bits, 0))
+    odd = tl.where(own_arrived, arrived & (bits != own), False)
+    if tl.max(odd.to(tl.int32)) > 0:
+        first = tl.min(tl.where(odd, src, 1 << 30))
+        record_error(grp, ERR_SCALE, op, rank, first, tl.sum(tl.where(src == first, bits, 0)), own)
