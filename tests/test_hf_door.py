@@ -20,9 +20,10 @@ import moe_comm
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV
 
 import budget
-import hf_cases
 
 pytest.importorskip("transformers")
+
+import hf_cases  # noqa: E402
 
 TIMEOUT_S = 60.0
 

@@ -59,7 +59,11 @@ class ShardReport:
 
 def register() -> None:
     """Register ``"moe_comm"`` in transformers' ExpertsInterface (done when this module is imported)."""
-    from transformers.integrations.moe import ExpertsInterface  # noqa: PLC0415
+    try:
+        from transformers.integrations.moe import ExpertsInterface  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError(f"moe_comm.serving.hf needs transformers >= 5.24 ({e}): pip install "
+                          f"'moe-comm[transformers]'") from e
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
 
 
