@@ -21,6 +21,8 @@ from torch import nn
 import moe_comm
 from moe_comm.errors import CommTimeoutError, GroupError, LaunchError, MoECommError
 
+import budget
+
 pytest.importorskip("transformers")
 
 import moe_comm.serving.hf as hf  # noqa: E402
@@ -153,13 +155,14 @@ def test_ranks_bound_with_different_settings_get_a_named_error():
         assert f"rank {1 - r} bound a different model or settings than rank {r}" in msg, msg
 
 
-def _killed_mid_generation(group):
-    """World 3: rank 1 is killed in its third step, inside the MoE layer (the others are in the dispatch)."""
+def _killed_mid_generation(group, where):
+    """World 3: rank 1 is killed in its third step: inside its first MoE layer (where="layer": the others
+    wait in the dispatch) or as it comes to the step's meeting (where="meeting": the others wait there)."""
     from moe_comm.serving.hf import door as door_mod  # noqa: PLC0415
     model = tiny_model("deepseek_v3", layers=2, experts=6, experts_implementation="moe_comm")
     hf.shard_experts(model, group, decode_tokens=8, prefill_tokens=8)
     marks = _timed_steps(model)
-    if group.rank == 1:
+    if group.rank == 1 and where == "layer":
         run_layer = door_mod.run_layer
 
         def dying(layer, *a):
@@ -168,6 +171,15 @@ def _killed_mid_generation(group):
             return run_layer(layer, *a)
 
         door_mod.run_layer = dying
+    if group.rank == 1 and where == "meeting":
+        meet = door_mod.StepMeetings.meet
+
+        def dying_meet(self, kind, tokens, step):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return meet(self, kind, tokens, step)
+
+        door_mod.StepMeetings.meet = dying_meet
     try:
         gen.generate(model, gen.prompts_for(group.rank, 3), 8)
         return "no error"
@@ -182,9 +194,10 @@ def _killed_mid_generation(group):
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_killed_mid_generation_is_named_by_every_survivor():
+@pytest.mark.parametrize("where", ["meeting", budget.sweep("layer", id="layer")])
+def test_a_rank_killed_mid_generation_is_named_by_every_survivor(where):
     with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_killed_mid_generation, 3, timeout_s=TIMEOUT_S)
+        moe_comm.launch(_killed_mid_generation, 3, where, timeout_s=TIMEOUT_S)
     err = info.value
     assert list(err.failures) == [1] and "died" in err.failures[1], err.failures
     for r in (0, 2):
