@@ -55,14 +55,15 @@ def gamma(n: int) -> float:
 
 
 def config(family: str, world: int, dtype: str = "float32", layers: int = 2, new_tokens: int = 16,
-           options: dict | None = None, seed: int = 0, hidden: int = 64) -> dict:
+           options: dict | None = None, seed: int = 0, hidden: int = 64, idle_rank: int | None = None) -> dict:
     """One case. Experts: 8, or 6 at world 3 (a world must divide them). decode_tokens 4 and prefill_tokens
     4 unless ``options`` say otherwise: prompts (up to 2 x 6 tokens on a rank) go through the PrefillBuffer
-    in several chunks, the decode steps (1-2 tokens per rank) through the EPBuffer."""
+    in several chunks, the decode steps (1-2 tokens per rank) through the EPBuffer. ``idle_rank``: a rank
+    with no prompts (it takes part in every step through ``finish``)."""
     opts = dict(decode_tokens=4, prefill_tokens=4)
     opts.update(options or {})
     return dict(family=family, world=world, dtype=dtype, layers=layers, new_tokens=new_tokens, options=opts,
-                seed=seed, model=dict(layers=layers, experts=6 if world % 3 == 0 else 8, hidden=hidden))
+                seed=seed, idle_rank=idle_rank, model=dict(layers=layers, experts=6 if world % 3 == 0 else 8, hidden=hidden))
 
 
 def build(case: dict, impl: str = "eager"):
@@ -71,7 +72,7 @@ def build(case: dict, impl: str = "eager"):
 
 
 def prompts(case: dict, rank: int) -> list[list[int]]:
-    return gen.prompts_for(rank, case["world"], case["seed"])
+    return [] if rank == case["idle_rank"] else gen.prompts_for(rank, case["world"], case["seed"])
 
 
 def rank_run(group, case: dict) -> dict:
@@ -109,6 +110,9 @@ def rank_run(group, case: dict) -> dict:
 def check_rank(case: dict, rank: int, res: dict) -> dict:
     """Checks 1-3 of the module docstring for one rank's result; returns what was measured."""
     mine = prompts(case, rank)
+    if not mine:
+        assert res["tokens"] is None and not res["calls"], f"rank {rank} had no prompts but made MoE calls"
+        return dict(calls=0)
     torch.set_num_threads(1)
     fmt = case["options"].get("dispatch_format")
     model = build(case)
