@@ -47,7 +47,7 @@ $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip setuptools
 	$(PIP) torch
-	$(PIP) --no-build-isolation -e '.[test,bench]'
+	$(PIP) --no-build-isolation -e '.[test,bench,transformers]'
 	$(PIP) --no-deps nvidia-nvshmem-cu13  # NVSHMEM device bitcode only: the put transport's sm_90 compile check
 	touch $@
 
@@ -72,6 +72,7 @@ test-long: $(VENV)/.ready
 
 demo: $(VENV)/.ready
 	$(PY) -m moe_comm.serving.latency_bench
+	$(PY) -m moe_comm generate  # a transformers MoE model on 2 ranks through moe-comm, beside transformers' tokens
 
 # vLLM / SGLang integration against their real classes on CPU ranks: each in its own venv (.venv-vllm,
 # .venv-sglang: 3-4 GB each), not part of `make test`.

@@ -1,0 +1,77 @@
+"""The transformers door (moe_comm.serving.hf): transformers' own MoE models generate through moe-comm.
+
+Tiny random models of Qwen3-MoE, Mixtral, DeepSeek-V3 (shared experts, grouped top-k) and gpt-oss
+(biases, transposed weights, its own gate) run on shm ranks, each rank its own prompts (different lengths,
+the last rank fewer), through both paths (prompts: PrefillBuffer in chunks; decode steps: EPBuffer), and
+every MoE call, logit and token is checked against transformers' "eager" run in this process
+(``hf_cases``: tokens equal; logits bitwise equal once the door's expert outputs are replayed into
+transformers' model; each expert output within a bound derived from the roundings of both computations).
+In the DeepSeek-V3 case one rank has no prompts: it takes part in every step through ``finish``.
+`make test` runs one case per family (one or two MoE layers, few tokens); the sweep runs 16 tokens on 2, 3
+and 2 x 2 emulated-node ranks for every family in float32 and bfloat16, and the fp8 dispatch.
+What the emulated nodes show: the door's steps over the put path (messages on a wire between nodes);
+not a real NIC.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import moe_comm
+from moe_comm.heap.shm import RANKS_PER_NODE_ENV
+
+import budget
+
+pytest.importorskip("transformers")
+
+import hf_cases  # noqa: E402
+
+TIMEOUT_S = 60.0
+
+REPRESENTATIVE = [
+    hf_cases.config("qwen3_moe", 2, "float32", layers=1, new_tokens=4, options=dict(expert_kernel="masked")),
+    hf_cases.config("mixtral", 2, "bfloat16", layers=1, new_tokens=4),
+    hf_cases.config("deepseek_v3", 2, "float32", layers=2, new_tokens=4, idle_rank=1),   # layer 0 dense
+    hf_cases.config("gpt_oss", 2, "bfloat16", layers=1, new_tokens=4),
+]
+SWEEP = [budget.sweep(hf_cases.config(f, w, d), id=f"{f}-{d}-w{w}")
+         for f in ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss") for d in ("float32", "bfloat16") for w in (2, 3)]
+NODES = [budget.sweep(hf_cases.config(f, 4, "bfloat16" if i % 2 else "float32"), id=f"{f}-2x2nodes")
+         for i, f in enumerate(("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"))]
+
+
+def _run_and_check(case):
+    results = moe_comm.launch(hf_cases.rank_run, case["world"], case, timeout_s=TIMEOUT_S)
+    measured = [hf_cases.check_rank(case, r, res) for r, res in enumerate(results)]
+    for res in results:
+        rep = res["report"]
+        assert rep.expert_bytes_after * case["world"] == rep.expert_bytes_before, rep
+        assert res["full_weights_freed"], "the full expert weights are still referenced after sharding"
+        assert res["taken"]["prefill"] >= 1 and res["taken"]["decode"] >= 1, res["taken"]
+        assert res["taken"]["chunks"] > res["taken"]["prefill"], "no prefill step ran in chunks"
+    assert all(m["calls"] > 0 for r, m in enumerate(measured) if r != case["idle_rank"])
+    assert all(res["taken"] == results[0]["taken"] for res in results), [res["taken"] for res in results]
+    return results, measured
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c['family']}-{c['dtype']}-short") for c in REPRESENTATIVE] + SWEEP)
+def test_generation_equals_transformers(case):
+    _run_and_check(case)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", NODES)
+def test_generation_across_emulated_nodes(case, monkeypatch):
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    _run_and_check(case)
+
+
+@budget.SWEEP
+@pytest.mark.timeout(400)
+def test_fp8_dispatch_within_its_bound():
+    """bf16 model, hidden 128, rows dispatched as e4m3 with float32 scales: each expert output within the bound
+    plus the quantization error the bound carries; tokens may differ (not asserted)."""
+    case = hf_cases.config("qwen3_moe", 2, "bfloat16", layers=1, new_tokens=4, hidden=128,
+                           options=dict(dispatch_format="e4m3"))
+    _run_and_check(case)
