@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from typing import NamedTuple
 
@@ -79,6 +80,9 @@ from .ep_group import check_group, process_group, shared_buffer
 __all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "ModeDispatcher", "NormalDispatchOutput",
            "PrefillBufferDispatcher", "dispatcher_class", "elastic_active_ranks", "env_options", "make_dispatcher",
            "options_from_env", "switch_from_env"]
+
+logger = logging.getLogger(__name__)
+_announced: set = set()   # the dispatcher classes this process has logged building
 
 _DISPATCHER = "sglang.srt.layers.moe.token_dispatcher"
 _EPLB = "sglang.srt.eplb.expert_distribution"
@@ -534,5 +538,11 @@ def make_dispatcher(moe_runner_config, options: dict, customized: bool = False):
                                 cfg.top_k, cfg.params_dtype, fmt, prefill=True)
     if customized:
         from .sglang_standard import standard_dispatcher_class  # noqa: PLC0415
-        return standard_dispatcher_class()(prefill)
-    return dispatcher_class()(ep, prefill)
+        dispatcher = standard_dispatcher_class()(prefill)
+    else:
+        dispatcher = dispatcher_class()(ep, prefill)
+    name = type(dispatcher).__name__
+    if name not in _announced:   # once per process: which of moe-comm's dispatchers SGLang's layers got
+        _announced.add(name)
+        logger.info("moe-comm: SGLang MoE layers get %s (rank %d of %d)", name, group.rank, group.world_size)
+    return dispatcher

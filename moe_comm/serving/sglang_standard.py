@@ -25,7 +25,9 @@ max_tokens_per_rank -> SGLang's ``StandardDispatchOutput``:
                          count an id repeated in a row once), the smallest local ids the row does not hold
                          (``fill_unrouted_slots``; needs E_local >= topk): those experts' outputs on the
                          row are computed (extra work) and enter the row's sum times 0, adding exactly 0
-                         while they are finite.
+                         while they are finite. Also with ``fill_unrouted``, an empty receive (N = 0)
+                         comes as one row of zeros whose slots all weigh 0 (moe_forward_native cannot
+                         take 0 rows), and the combine leaves that row's output out.
 combine(StandardCombineInput(hidden_states [N, hidden]: each row the token's local experts, weighted and
 summed, as SGLang's experts return it)) -> [T, hidden]: every rank's row of a token summed at the token's
 rank, in float32 in rank order (PrefillBuffer.combine).
@@ -94,6 +96,7 @@ class StandardFormatDispatcher(PrefillBufferDispatcher):
         super().__init__(buf)
         self.fill_unrouted = buf.group.device.type == "cpu" if fill_unrouted is None else bool(fill_unrouted)
         self.num_local_experts = buf.num_experts // buf.group.world_size
+        self._padded = False   # this dispatch's output carries the placeholder row (an empty receive on CPU)
         if self.fill_unrouted:
             fill_unrouted_slots(torch.empty((0, buf.topk), dtype=LOCAL_ID_DTYPE), self.num_local_experts)  # checks
 
@@ -102,9 +105,18 @@ class StandardFormatDispatcher(PrefillBufferDispatcher):
 
     def _output(self, x, scales, topk_ids, topk_weights, counts):
         ids = topk_ids.to(LOCAL_ID_DTYPE)
+        self._padded = self.fill_unrouted and x.shape[0] == 0
+        if self._padded:   # SGLang's CPU experts cannot take 0 rows: one zero row, every slot of weight 0
+            x, topk_weights = x.new_zeros((1, x.shape[1])), topk_weights.new_zeros((1, topk_weights.shape[1]))
+            ids = torch.full((1, ids.shape[1]), -1, dtype=LOCAL_ID_DTYPE, device=ids.device)
         if self.fill_unrouted:
             ids = fill_unrouted_slots(ids, self.num_local_experts)
         return StandardDispatchOutput(x, scales, self._topk(topk_weights, ids, None))
+
+    def _combine_send(self, recv, combine_input, out):
+        if self._padded:   # the placeholder row's output is not a received token's: leave it out
+            combine_input = StandardDispatchOutput(combine_input.hidden_states[:0], None, None)
+        super()._combine_send(recv, combine_input, out)
 
     def dispatch_a(self, hidden_states, topk_output) -> None:
         if self.op.group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
