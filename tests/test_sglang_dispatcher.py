@@ -315,3 +315,68 @@ def test_fp8_option_from_the_environment():
     assert options_from_env({**on, "MOE_COMM_SGLANG_FP8": "e4m3-ue8m0"})["dispatch_format"] == "e4m3-ue8m0"
     with pytest.raises(ValueError, match=r"MOE_COMM_SGLANG_FP8='ue8m0': use 0, 1 or an fp8 format"):
         options_from_env({**on, "MOE_COMM_SGLANG_FP8": "ue8m0"})
+
+
+# ---- --moe-a2a-backend customized: SGLang's Standard format ------------------------------------------
+
+from moe_comm.serving.sglang_standard import StandardFormatDispatcher, fill_unrouted_slots  # noqa: E402
+
+
+def test_fill_unrouted_slots():
+    ids = torch.tensor([[2, -1, -1, 0], [-1, -1, -1, -1], [3, 1, 0, 2], [-1, 0, -1, 3]], dtype=torch.int32)
+    assert fill_unrouted_slots(ids, 4).tolist() == [[2, 1, 3, 0], [0, 1, 2, 3], [3, 1, 0, 2], [1, 0, 2, 3]]
+    assert fill_unrouted_slots(ids[:0], 4).shape == (0, 4)
+    with pytest.raises(ValueError, match="at least top-k experts per rank"):
+        fill_unrouted_slots(ids, 3)
+
+
+@pytest.mark.parametrize("all_to_rank0", [False, True])
+def test_standard_format_equals_reference_with_filled_slots(all_to_rank0):
+    """The customized backend's dispatcher on CPU (loopback world 2): SGLang's Standard layout (the
+    received rows in (source, token) order, int32 local ids, float32 weights) with every -1 slot filled
+    by a distinct unused local id of weight 0, exact against the reference; with every token on rank 0's
+    experts, rank 1's empty receive comes as one zero row of weight-0 slots whose expert output (NaN
+    here) the combine leaves out. The combine equals the reference bitwise."""
+    world = 2
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    disps = [StandardFormatDispatcher(PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16)) for g in groups]
+    xs, idxs, ws = make_inputs(world, [MAXT, 3], E, TOPK, HIDDEN, 7)
+    if all_to_rank0:
+        idxs = [torch.tensor([[0, -1]] * x.shape[0], dtype=torch.int64).view(-1, 2) for x in xs]
+    want_disp = reference.prefill_dispatch(xs, idxs, ws, E, MAXT)
+    for d, x, i, w in zip(disps, xs, idxs, ws):
+        d.dispatch_a(x, _topk(i, w))
+    outs = [d.dispatch_b() for d in disps]
+    partials = []
+    for r, (out, want) in enumerate(zip(outs, want_disp)):
+        v, topk = want["valid"], out.topk_output
+        assert topk.topk_ids.dtype == torch.int32 and out.hidden_states_scale is None
+        assert all(len(set(row)) == TOPK and min(row) >= 0 and max(row) < E // world for row in topk.topk_ids.tolist())
+        if not bool(v.any()):
+            assert torch.equal(out.hidden_states, torch.zeros(1, HIDDEN, dtype=torch.bfloat16)), r
+            assert not bool(topk.topk_weights.any()), r
+            partials.append(torch.zeros((world * MAXT, HIDDEN), dtype=torch.bfloat16))
+            d_out = torch.full((1, HIDDEN), float("nan"), dtype=torch.bfloat16)   # must not reach the combine
+        else:
+            live = want["topk_idx"][v] >= 0
+            assert torch.equal(out.hidden_states, want["x"][v]), r
+            assert torch.equal(topk.topk_ids[live], want["topk_idx"][v][live]), r
+            assert torch.equal(topk.topk_weights, want["topk_weights"][v]), r
+            d_out = normal_experts(r, E // world, SimpleNamespace(hidden_states=out.hidden_states,
+                                   topk_ids=topk.topk_ids.long(), topk_weights=topk.topk_weights)).hidden_states
+            rows = torch.zeros((world * MAXT, HIDDEN), dtype=torch.bfloat16)
+            rows[v] = d_out
+            partials.append(rows)
+        disps[r].combine_a(SimpleNamespace(hidden_states=d_out))
+    ys = [d.combine_b() for d in disps]
+    for r, (y, want) in enumerate(zip(ys, reference.prefill_combine(partials, idxs, E, MAXT))):
+        assert torch.equal(y, want), r
+        assert close(y, reference_moe(xs[r], idxs[r], ws[r])), r
+
+
+def test_standard_format_refuses_fewer_local_experts_than_topk():
+    groups = moe_comm.init(backend="loopback", world_size=4, device="cpu")   # 1 local expert, top-2
+    with pytest.raises(ValueError, match="at least top-k experts per rank"):
+        StandardFormatDispatcher(PrefillBuffer(groups[0], E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    assert StandardFormatDispatcher(PrefillBuffer(groups[0], E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16),
+                                    fill_unrouted=False).fill_unrouted is False

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from typing import NamedTuple
 
@@ -77,8 +78,11 @@ from ..compat.deep_ep_layout import PackedReceive, column_major_scales, dispatch
 from .ep_group import check_group, process_group, shared_buffer
 
 __all__ = ["EPBufferDispatcher", "LowLatencyDispatchOutput", "ModeDispatcher", "NormalDispatchOutput",
-           "PrefillBufferDispatcher", "dispatcher_class", "elastic_active_ranks", "make_dispatcher",
-           "options_from_env"]
+           "PrefillBufferDispatcher", "dispatcher_class", "elastic_active_ranks", "env_options", "make_dispatcher",
+           "options_from_env", "switch_from_env"]
+
+logger = logging.getLogger(__name__)
+_announced: set = set()   # the dispatcher classes this process has logged building
 
 _DISPATCHER = "sglang.srt.layers.moe.token_dispatcher"
 _EPLB = "sglang.srt.eplb.expert_distribution"
@@ -450,20 +454,23 @@ def elastic_active_ranks() -> torch.Tensor | None:
 
 # ---- configuration and the factory ---------------------------------------------------------------
 
-def options_from_env(environ=None) -> dict | None:
-    """moe-comm's SGLang options, or None when it was not requested.
-
-    MOE_COMM_SGLANG=1 switches it on; MOE_COMM_SGLANG_BACKEND (auto), MOE_COMM_SGLANG_TIMEOUT_S (30),
-    MOE_COMM_SGLANG_FP8 (0: dispatch bf16; 1: float8_e4m3fn in 1x128 blocks, float32 scales; or an fp8
-    format of moe_comm.formats: e4m3, e4m3-pow2 (power-of-two float32 scales), e4m3-ue8m0 (packed UE8M0
-    scales: DeepGEMM's UE8M0 path, hidden % 512 == 0); the option ``dispatch_format``),
-    MOE_COMM_SGLANG_MAX_TOKENS (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, else 128: tokens per rank
-    per low-latency dispatch), MOE_COMM_SGLANG_PREFILL_MAX_TOKENS (4096: tokens per rank per normal-mode
-    dispatch, at least SGLang's per-rank prefill chunk). The mode is SGLang's --deepep-mode.
-    """
+def switch_from_env(environ=None) -> bool | None:
+    """MOE_COMM_SGLANG: True (1, true, yes, on), False (0, false, no, off, empty) or None (unset)."""
     env = os.environ if environ is None else environ
-    if env.get(_ENV_PREFIX, "0").strip().lower() in ("", "0", "false", "no", "off"):
-        return None
+    value = env.get(_ENV_PREFIX)
+    return None if value is None else value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def env_options(environ=None) -> dict:
+    """moe-comm's SGLang options from the environment: MOE_COMM_SGLANG_BACKEND (auto),
+    MOE_COMM_SGLANG_TIMEOUT_S (30), MOE_COMM_SGLANG_FP8 (0: dispatch bf16; 1: float8_e4m3fn in 1x128 blocks,
+    float32 scales; or an fp8 format of moe_comm.formats: e4m3, e4m3-pow2 (power-of-two float32 scales),
+    e4m3-ue8m0 (packed UE8M0 scales: DeepGEMM's UE8M0 path, hidden % 512 == 0); the option
+    ``dispatch_format``; DeepEP formats only), MOE_COMM_SGLANG_MAX_TOKENS
+    (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, else 128: tokens per rank per low-latency dispatch),
+    MOE_COMM_SGLANG_PREFILL_MAX_TOKENS (4096: tokens per rank per normal-mode or Standard-format dispatch,
+    at least SGLang's per-rank prefill chunk). The DeepEP mode is SGLang's --deepep-mode."""
+    env = os.environ if environ is None else environ
     max_tokens = env.get(f"{_ENV_PREFIX}_MAX_TOKENS") or env.get("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")
     return dict(backend=env.get(f"{_ENV_PREFIX}_BACKEND", "auto"),
                 timeout_s=float(env.get(f"{_ENV_PREFIX}_TIMEOUT_S", "30")),
@@ -471,6 +478,12 @@ def options_from_env(environ=None) -> dict | None:
                 max_tokens_per_rank=int(max_tokens or DEFAULT_MAX_TOKENS_PER_RANK),
                 prefill_max_tokens_per_rank=int(env.get(f"{_ENV_PREFIX}_PREFILL_MAX_TOKENS")
                                                 or DEFAULT_PREFILL_MAX_TOKENS_PER_RANK))
+
+
+def options_from_env(environ=None) -> dict | None:
+    """``env_options`` when MOE_COMM_SGLANG=1 switches moe-comm on under SGLang's DeepEP backend, else None
+    (``--moe-a2a-backend customized`` needs no switch: moe_comm.serving.sglang_plugin)."""
+    return env_options(environ) if switch_from_env(environ) else None
 
 
 def _fp8_option(value: str):
@@ -484,15 +497,17 @@ def _fp8_option(value: str):
     return value
 
 
-def make_dispatcher(moe_runner_config, options: dict):
-    """MoECommDispatcher for one SGLang MoE layer (its MoeRunnerConfig), for SGLang's --deepep-mode
-    (``options["deepep_mode"]`` overrides it): an EPBuffer for low_latency, a PrefillBuffer for normal, both
-    for auto. Layers with the same shapes share them. Expert parallelism must span the whole
-    torch.distributed world, experts placed linearly (rank r owns [r*E_local, (r+1)*E_local)), as with
-    SGLang's DeepEP backend."""
+def make_dispatcher(moe_runner_config, options: dict, customized: bool = False):
+    """moe-comm's dispatcher for one SGLang MoE layer (its MoeRunnerConfig). Under SGLang's DeepEP backend
+    (customized=False) a MoECommDispatcher for SGLang's --deepep-mode (``options["deepep_mode"]`` overrides
+    it): an EPBuffer for low_latency, a PrefillBuffer for normal, both for auto. Under
+    ``--moe-a2a-backend customized`` a MoECommStandardDispatcher on a PrefillBuffer
+    (moe_comm.serving.sglang_standard). Layers with the same shapes share the buffers. Expert parallelism
+    must span the whole torch.distributed world, experts placed linearly (rank r owns [r*E_local,
+    (r+1)*E_local)), as with SGLang's DeepEP backend."""
     cfg = moe_runner_config
     moe_utils = importlib.import_module(_MOE_UTILS)
-    mode = options.get("deepep_mode") or moe_utils.get_deepep_mode().value
+    mode = "normal" if customized else options.get("deepep_mode") or moe_utils.get_deepep_mode().value
     if mode not in MODES:
         raise ValueError(f"deepep_mode={mode!r}: use one of {MODES}")
     if moe_utils.is_tbo_enabled():
@@ -501,14 +516,18 @@ def make_dispatcher(moe_runner_config, options: dict):
     if cfg.num_fused_shared_experts:
         raise NotImplementedError("moe-comm dispatches routed experts only: run SGLang without shared-experts "
                                   "fusion (--disable-shared-experts-fusion), as with its DeepEP backend")
+    # dispatch_format, or the earlier option fp8_dispatch=True ("e4m3"); both: ValueError unless they agree
+    fmt = formats.dispatch_format_of(bool(options.get("fp8_dispatch", False)), options.get("dispatch_format"))
+    if customized and fmt is not None:
+        raise ValueError(f"dispatch_format={fmt!r}: SGLang's Standard format (--moe-a2a-backend customized) takes "
+                         "the model's dtype; fp8 dispatch needs the DeepEP formats (--moe-a2a-backend deepep "
+                         "with MOE_COMM_SGLANG=1), or set MOE_COMM_SGLANG_FP8=0")
     group = process_group(options.get("backend", "auto"), options.get("timeout_s", 30.0))
     if cfg.num_local_experts * group.world_size != cfg.num_experts:
         raise NotImplementedError(
             f"moe-comm needs expert parallelism over the whole world: SGLang has {cfg.num_experts} experts, "
             f"{cfg.num_local_experts} per rank, torch.distributed has {group.world_size} ranks "
             "(set --ep-size to the world size)")
-    # dispatch_format, or the earlier option fp8_dispatch=True ("e4m3"); both: ValueError unless they agree
-    fmt = formats.dispatch_format_of(bool(options.get("fp8_dispatch", False)), options.get("dispatch_format"))
     ep = prefill = None
     if mode != "normal":
         ep = shared_buffer(group, cfg.num_experts, cfg.hidden_size, int(options["max_tokens_per_rank"]),
@@ -517,4 +536,13 @@ def make_dispatcher(moe_runner_config, options: dict):
         prefill = shared_buffer(group, cfg.num_experts, cfg.hidden_size,
                                 int(options.get("prefill_max_tokens_per_rank", DEFAULT_PREFILL_MAX_TOKENS_PER_RANK)),
                                 cfg.top_k, cfg.params_dtype, fmt, prefill=True)
-    return dispatcher_class()(ep, prefill)
+    if customized:
+        from .sglang_standard import standard_dispatcher_class  # noqa: PLC0415
+        dispatcher = standard_dispatcher_class()(prefill)
+    else:
+        dispatcher = dispatcher_class()(ep, prefill)
+    name = type(dispatcher).__name__
+    if name not in _announced:   # once per process: which of moe-comm's dispatchers SGLang's layers got
+        _announced.add(name)
+        logger.info("moe-comm: SGLang MoE layers get %s (rank %d of %d)", name, group.rank, group.world_size)
+    return dispatcher

@@ -97,13 +97,16 @@ def test_entry_point_is_installed():
 def test_options_from_env():
     assert adapter.options_from_env({}) is None
     assert adapter.options_from_env({"MOE_COMM_SGLANG": "0"}) is None
+    assert [adapter.switch_from_env(e) for e in ({}, {"MOE_COMM_SGLANG": "0"}, {"MOE_COMM_SGLANG": "1"})] == \
+        [None, False, True]
     opts = adapter.options_from_env({"MOE_COMM_SGLANG": "1", "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "64"})
-    assert opts == dict(backend="auto", timeout_s=30.0, fp8_dispatch=False, max_tokens_per_rank=64,
+    assert opts == dict(backend="auto", timeout_s=30.0, dispatch_format=None, max_tokens_per_rank=64,
                         prefill_max_tokens_per_rank=adapter.DEFAULT_PREFILL_MAX_TOKENS_PER_RANK)
+    assert adapter.env_options({}) == dict(opts, max_tokens_per_rank=adapter.DEFAULT_MAX_TOKENS_PER_RANK)
     opts = adapter.options_from_env({"MOE_COMM_SGLANG": "1", "MOE_COMM_SGLANG_FP8": "1",
                                      "MOE_COMM_SGLANG_MAX_TOKENS": "8", "MOE_COMM_SGLANG_BACKEND": "shm",
                                      "MOE_COMM_SGLANG_PREFILL_MAX_TOKENS": "32"})
-    assert opts["fp8_dispatch"] and opts["max_tokens_per_rank"] == 8 and opts["backend"] == "shm"
+    assert opts["dispatch_format"] == "e4m3" and opts["max_tokens_per_rank"] == 8 and opts["backend"] == "shm"
     assert opts["prefill_max_tokens_per_rank"] == 32
 
 
