@@ -171,21 +171,24 @@ def resume_step(group, next_step: int) -> int:
 @contextlib.contextmanager
 def delayed_sends(a2a, delay_s: float):
     """Within the block (``delay_s`` > 0), every program of ``a2a``'s send kernels on this rank sleeps
-    ``delay_s`` first (``MOE_COMM_INTERPRET_DELAY_S``, read when an op builds its launches: a replaced
-    plan rebuilds them), so the rank's sends reach its peers one ``delay_s`` apart, in rank order: a
-    slow but live rank. What it can show: a peer served before the timeout and a peer timed out by the
-    same send. What it cannot: programs sending at once (the interpreter runs them one at a time)."""
+    ``delay_s`` first, in grid order (``MOE_COMM_INTERPRET_DELAY_S`` and ``_ORDER=asis``, read when an op
+    builds its launches: a replaced plan rebuilds them), so the rank's sends reach its peers one ``delay_s``
+    apart, in rank order: a slow but live rank. What it can show: a peer served before the timeout and a
+    peer timed out by the same send. What it cannot: programs sending at once (the interpreter runs them
+    one at a time)."""
     if delay_s <= 0:
         yield
         return
-    before = os.environ.get(interpret_order.DELAY_ENV)
-    os.environ[interpret_order.DELAY_ENV] = str(delay_s)
+    settings = {interpret_order.DELAY_ENV: str(delay_s), interpret_order.ORDER_ENV: "asis"}
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     a2a.plan = dataclasses.replace(a2a.plan)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[interpret_order.DELAY_ENV]
-        else:
-            os.environ[interpret_order.DELAY_ENV] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
         a2a.plan = dataclasses.replace(a2a.plan)
