@@ -3,13 +3,15 @@ every rank (dispatch -> combine and an AllToAllvDynamic round trip) and the chec
 against the references, with invalid ids unrouted and excluded ranks' experts and rows dropped. And the
 slow-rank / dead-rank run of the observability tests (test_trace.py, test_metrics.py)."""
 
+import contextlib
+import dataclasses
 import os
 import threading
 import time
 
 import torch
 
-from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, GroupError, reference
+from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, GroupError, interpret_order, reference
 from moe_comm.recovery import recover
 
 
@@ -103,22 +105,28 @@ def _die(where, now):
         os._exit(9)
 
 
-def serve(group, steps, kills):
+def serve(group, steps, kills, slow=None):
     """A serving loop of dispatch -> combine and AllToAllvDynamic round trips on one rank, recovering
-    (``recover``: reset, exclude who does not come) after every group error. kills: {step: (rank, where)}
-    with where in before_send | between_phases | inside_wait | between_ops. Returns per step 'exact' |
-    'error:<name>' | 'error:<name>;excluded:<ranks>', the mismatches and the survivors' statistics."""
+    (``recover``: reset, exclude who does not come) after every group error, then resuming every live rank
+    at the same step (``resume_step``). kills: {step: (rank, where)} with where in before_send |
+    between_phases | inside_wait | between_ops. slow: {step: (rank, delay_s)}: that rank's
+    AllToAllvDynamic reverse sends sleep ``delay_s`` before each program at that step (``delayed_sends``).
+    Returns ``log``, per step the outcome of its last run: 'exact' | 'error:<name>' |
+    'error:<name>;excluded:<ranks>'; ``rewound``: (step, outcome) of each run a resumption repeated; the
+    mismatches and the survivors' statistics."""
     world, me = group.world_size, group.rank
     E = E_PER_RANK * world
     ep = EPBuffer(group, E, H, M, K)
     a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
-    log, mismatches = [], []
-    for step in range(steps):
+    log, rewound, mismatches = [], [], []
+    step = 0
+    while step < steps:
         inputs = step_inputs(5000 + step, world, E, M, K, H, CAP_A2A, ROW)
         xs, idxs, ws, sends, counts = inputs
         dead = set(range(world)) - set(group.live_ranks)
         who, where = kills.get(step, (None, None))
         mine = who == me
+        slow_rank, delay_s = (slow or {}).get(step, (None, 0.0))
         try:
             if mine and where == "before_send":
                 _die(where, True)
@@ -130,14 +138,57 @@ def serve(group, steps, kills):
                 _die(where, True)
             y = ep.combine(expert(d.x), ws[me], d.handle)
             res = a2a(sends[me], counts[me])
-            back = a2a.combine(res.recv * 3, res.handle)
+            with delayed_sends(a2a, delay_s if slow_rank == me else 0.0):
+                back = a2a.combine(res.recv * 3, res.handle)
             errs = check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
             mismatches += [f"step {step}: {e}" for e in errs]
             log.append("exact")
+            step += 1
         except GroupError as err:
             log.append(f"error:{type(err).__name__}")
             excluded = recover([group])   # reset; a rank that does not come to it is gone: exclude it
             if excluded:
                 log[-1] += f";excluded:{excluded}"
-    return dict(log=log, mismatches=mismatches, live=group.live_ranks,
+            step = resume_step(group, step + 1)
+            rewound += [(s, log[s]) for s in range(step, len(log))]
+            del log[step:]
+    return dict(log=log, rewound=rewound, mismatches=mismatches, live=group.live_ranks,
                 excluded_slots=int(ep.excluded_slots), dropped_rows=int(a2a.dropped_rows))
+
+
+def resume_step(group, next_step: int) -> int:
+    """After ``recover``: the step every live rank goes on with, the lowest of their ``next_step``s
+    (``group.exchange``). Ranks leave a failed step at different steps: a rank whose waits of step s all
+    got their flags before a slow peer's send to another rank ran out of time (that peer's send
+    programs run one after another) returns step s exact while that other rank raises; it raises only at
+    step s + 1 (the record of the failure reaches it there). Going on from its own next step, it would
+    send step s + 2's inputs while its peers send step s + 1's: every op would then return, exactly, data
+    of another step than the one its caller's reference is computed for. So it runs step s + 1 again
+    with them, as ``DecodeEngine`` resumes from the oldest step not known good on every rank."""
+    return min(v[0] for v in group.exchange([next_step]).values())
+
+
+@contextlib.contextmanager
+def delayed_sends(a2a, delay_s: float):
+    """Within the block (``delay_s`` > 0), every program of ``a2a``'s send kernels on this rank sleeps
+    ``delay_s`` first, in grid order (``MOE_COMM_INTERPRET_DELAY_S`` and ``_ORDER=asis``, read when an op
+    builds its launches: a replaced plan rebuilds them), so the rank's sends reach its peers one ``delay_s``
+    apart, in rank order: a slow but live rank. What it can show: a peer served before the timeout and a
+    peer timed out by the same send. What it cannot: programs sending at once (the interpreter runs them
+    one at a time)."""
+    if delay_s <= 0:
+        yield
+        return
+    settings = {interpret_order.DELAY_ENV: str(delay_s), interpret_order.ORDER_ENV: "asis"}
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    a2a.plan = dataclasses.replace(a2a.plan)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+        a2a.plan = dataclasses.replace(a2a.plan)

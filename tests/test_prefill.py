@@ -295,6 +295,58 @@ def test_timeout_is_sticky_poisons_and_recovers_after_reset():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow_in,transport", [("combine", "store"), ("dispatch", "store"), ("dispatch", "put"),
+                                               ("pull", "put")])
+def test_a_receive_whose_flags_came_before_the_group_failed_raises(monkeypatch, slow_in, transport):
+    """A slow but live rank: rank 1 stops between the send and the receive of a call, every flag of that
+    call already in its control words, while rank 0 goes on and times out waiting for it (``combine``:
+    rank 0's next dispatch waits for rank 1 to release the zones; ``dispatch``: rank 0's combine waits for
+    rank 1's partial rows; ``pull``, every peer by puts: the same, between rank 1's dispatch receive kernel
+    and its pull of the rows). Rank 1's receive then waits for nothing, and the group has failed: it raises
+    the group's error (rank 0's record, adopted), never the call's poisoned output (NaN rows, zero counts,
+    rows not pulled) as a result. After reset() rounds are exact."""
+    if transport == "put":
+        monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
+    cfg = CONFIGS[0]
+    groups, bufs = _loopback(2, cfg, timeout_s=0.5)
+    assert bufs[0].plan.put == (transport == "put")
+    xs, idxs, ws = make_inputs(cfg, 2, "random", 6)   # rank 0 has M tokens
+    for b, x, i, w in zip(bufs, xs, idxs, ws):
+        b.dispatch(x, i, w, phase="send")
+    named = "rank 0 timed out after 0.5 s waiting for peer rank 1"
+    if slow_in == "combine":
+        ds = [b.dispatch(phase="recv") for b in bufs]
+        for b, d in zip(bufs, ds):
+            b.combine(d.recv_x, d.handle, phase="send")
+        assert not bufs[0].combine(phase="recv").isnan().any()
+        bufs[0].dispatch(xs[0], idxs[0], ws[0], phase="send")   # waits for rank 1's release: times out
+        with pytest.raises(CommTimeoutError, match=named) as info:
+            bufs[1].combine(phase="recv")
+        with pytest.raises(CommTimeoutError, match=named):
+            bufs[0].dispatch(phase="recv")
+    else:
+        d0 = bufs[0].dispatch(phase="recv")
+        bufs[0].combine(d0.recv_x, d0.handle, phase="send")
+
+        def rank0_times_out():   # rank 1's partial rows never come
+            with pytest.raises(CommTimeoutError, match=named):
+                bufs[0].combine(phase="recv")
+        if slow_in == "pull":    # after rank 1's receive kernel, before its pull
+            recv = bufs[1]._zones[0].launches["dispatch_recv"]
+            monkeypatch.setattr(recv, "run", lambda run=recv.run: (run(), rank0_times_out()))
+        else:
+            rank0_times_out()
+        with pytest.raises(CommTimeoutError, match=named) as info:
+            bufs[1].dispatch(phase="recv")
+        monkeypatch.undo()
+    assert info.value.rank == 0 and info.value.peer == 1
+    for g in groups:
+        g.reset()
+    for seed in (8, 9):
+        assert round_trip(bufs, cfg, *make_inputs(cfg, 2, "random", seed), f"seed{seed}") == []
+
+
+@pytest.mark.timeout(120)
 def test_excluded_rank_sends_and_receives_nothing():
     """World 3, rank 2 excluded: ranks 0 and 1 exchange exactly what the reference with rank 2 excluded
     gives; slots routed to rank 2's experts are counted in excluded_slots and skipped by the combine."""

@@ -44,7 +44,8 @@ from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_t
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .prefill_dispatch import rail_of, rails_of
 from .quant import cast_rne, dequantize_e4m3_groups
-from .sync import S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many, wait_flags
+from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
+                   publish_many, wait_flags)
 from .transport import drain, put_peers, store_only
 
 RELEASED = tl.constexpr(0)   # combine control words: (released, ready)
@@ -291,7 +292,9 @@ def prefill_combine_recv_kernel(
                    t_live[:, None], BH, 1, 1, ALIGNED)
     last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
     if last:
-        if group_failed(grp, status_ptr, WORLD, WORLD_P2):  # no partial sum (the error is raised)
+        # No partial sum, and the error raised: a record that came after every flag this launch waited
+        # for (a slow rank's receive: nothing to wait for) is adopted into this rank's word here.
+        if check_failed(grp, status_ptr, WORLD, WORLD_P2):
             fill_nan(out_ptr, num_tokens, HIDDEN, BT, BH, ALIGNED)
         else:
             publish_released(ctrl_ptrs_ptr, call, grp, rank, WORLD, WORLD_P2, PUT, G, G_P2)

@@ -41,8 +41,8 @@ from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_n
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .quant import check_scales, quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
-from .sync import (S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
-                   wait_flags)
+from .sync import (S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
+                   publish_many, wait_flags)
 from .transport import drain, flush, order_transports, put_peers, store_only
 
 
@@ -353,7 +353,9 @@ def prefill_dispatch_recv_kernel(
         base = ctrl_ptr + (row0 + w) * CTRL_WORDS
         arrived = wait_flags(base + CTRL_WORDS - 1, target, live, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2)
         count_at = 1
-    arrived = tl.where(group_failed(grp, status_ptr, WORLD, WORLD_P2), False, arrived)
+    # A failed group leaves zero counts, and its error raised: a record that came after every flag (a slow
+    # rank's receive waits for nothing) is adopted into this rank's word here.
+    arrived = tl.where(check_failed(grp, status_ptr, WORLD, WORLD_P2), False, arrived)
     e = tl.arange(0, EXPERTS_P2)
     e_live = e < EXPERTS_PER_RANK
     # Published before the flags this rank acquired: plain loads.
@@ -440,3 +442,6 @@ def prefill_dispatch_pull_kernel(
         publish_many(ctrl + ((call % 2) * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 2, flag, near)
         wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + CTRL_WORDS - 2, flag, near, w, grp, status_ptr, OP,
                    rank, WORLD, WORLD_P2, PUT=PUT)
+        # A program that found the group failed pulled nothing: the error is raised (adopted into this
+        # rank's word, if it came after the receive kernel and every pulled flag).
+        check_failed(grp, status_ptr, WORLD, WORLD_P2)
