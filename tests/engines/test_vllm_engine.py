@@ -115,9 +115,15 @@ def end_group(proc: subprocess.Popen) -> bool:
     return not group_alive(pgid)
 
 
-def tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+def tails(logs: list[str], lines: int = 25) -> str:
+    """The end of every rank's log, and its error lines (the cause may be on the other rank)."""
+    out = []
+    for r, path in enumerate(logs):
+        with open(path, errors="replace") as f:
+            text = f.readlines()
+        errors = [line for line in text if "Error" in line and "File " not in line][-5:]
+        out.append(f"--- rank {r}: error lines:\n{''.join(errors)}--- rank {r}: log ends:\n{''.join(text[-lines:])}")
+    return "\n".join(out)
 
 
 def run_engines(model_dir: str, mode: str, workdir) -> tuple[list, list[str]]:
@@ -144,12 +150,12 @@ def run_engines(model_dir: str, mode: str, workdir) -> tuple[list, list[str]]:
         while not all(os.path.exists(o) for o in outs):
             for r, p in enumerate(procs):
                 if p.poll() is not None and not os.path.exists(outs[r]):
-                    raise AssertionError(f"{mode}: rank {r} exited with {p.returncode} before answering; "
-                                         f"its log ends:\n{tail(logs[r])}")
+                    raise AssertionError(f"{mode}: rank {r} exited with {p.returncode} before answering\n"
+                                         f"{tails(logs)}")
             if time.monotonic() > deadline:
                 late = [r for r in range(WORLD) if not os.path.exists(outs[r])]
-                raise AssertionError(f"{mode}: rank(s) {late} gave no tokens within {ENGINE_TIMEOUT_S} s; rank "
-                                     f"{late[0]}'s log ends:\n{tail(logs[late[0]])}")
+                raise AssertionError(f"{mode}: rank(s) {late} gave no tokens within {ENGINE_TIMEOUT_S} s\n"
+                                     f"{tails(logs)}")
             time.sleep(0.5)
         tokens = []
         for o in outs:
@@ -172,5 +178,5 @@ def test_vllm_engine_generates_transformers_tokens_through_moe_comm(model, mode,
             log = f.read()
         for line in EXPECTED[mode]:
             assert line in log, f"{mode}: rank {r}'s vLLM did not log {line!r}: not served through moe-comm"
-        print(f"{mode} rank {r}: {got[r]}")
+        print(f"{mode} rank {r}: vLLM {got[r]}\n{' ' * len(mode)} rank {r}: transformers {want[r]}")
     assert got == want, f"{mode}: vLLM's tokens {got} differ from transformers' {want}"
