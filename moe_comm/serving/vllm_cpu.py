@@ -30,13 +30,36 @@ import importlib
 CPU_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 _MK = "vllm.model_executor.layers.fused_moe.modular_kernel"
 
-__all__ = ["CPU_EXPERTS_MODULE", "batched_experts_class", "takes_local_ids"]
+__all__ = ["CPU_EXPERTS_MODULE", "batched_experts_class", "takes_local_ids", "unquantized_silu_experts"]
 
 
 def takes_local_ids(fused_experts) -> bool:
     """Whether ``fused_experts`` (a vLLM experts instance) wants int32 local top-k ids with a valid
     expert in every slot (vLLM's CPU experts) instead of global ids with -1 and an ``expert_map``."""
     return type(fused_experts).__module__ == CPU_EXPERTS_MODULE
+
+
+@functools.cache
+def unquantized_silu_experts() -> type:
+    """vLLM's modular experts base with what unquantized SiLU-gated experts (no biases) support declared
+    for its oracle; subclasses add the format, the device and the parallel configs they take."""
+    mk = importlib.import_module(_MK)
+    act = importlib.import_module("vllm.model_executor.layers.fused_moe.activation")
+
+    class UnquantizedSiluExperts(mk.FusedMoEExpertsModular):
+        @staticmethod
+        def _supports_no_act_and_mul():
+            return False
+
+        @staticmethod
+        def _supports_quant_scheme(weight_key, activation_key):
+            return (weight_key, activation_key) == (None, None)
+
+        @staticmethod
+        def _supports_activation(activation):
+            return activation == act.MoEActivation.SILU
+
+    return UnquantizedSiluExperts
 
 
 @functools.cache
@@ -51,13 +74,12 @@ def batched_experts_class() -> type:
     (TopKWeightAndReduceDelegate). R = max_num_tokens * num_dispatchers, the EPBuffer's rows per expert.
     """
     mk = importlib.import_module(_MK)
-    act = importlib.import_module("vllm.model_executor.layers.fused_moe.activation")
     wr = importlib.import_module("vllm.model_executor.layers.fused_moe.topk_weight_and_reduce")
     platforms = importlib.import_module("vllm.platforms")
     from .experts import masked_expert_mlp  # noqa: PLC0415
     from .vllm_plugin import requested_options  # noqa: PLC0415
 
-    class MoECommBatchedExperts(mk.FusedMoEExpertsModular):
+    class MoECommBatchedExperts(unquantized_silu_experts()):
         __doc__ = batched_experts_class.__doc__
 
         @staticmethod
@@ -76,18 +98,6 @@ def batched_experts_class() -> type:
         @staticmethod
         def _supports_current_device():
             return platforms.current_platform.is_cpu()
-
-        @staticmethod
-        def _supports_no_act_and_mul():
-            return False
-
-        @staticmethod
-        def _supports_quant_scheme(weight_key, activation_key):
-            return (weight_key, activation_key) == (None, None)
-
-        @staticmethod
-        def _supports_activation(activation):
-            return activation == act.MoEActivation.SILU
 
         @staticmethod
         def _supports_parallel_config(moe_parallel_config):
