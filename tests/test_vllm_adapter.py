@@ -165,6 +165,7 @@ def test_plugin_batched_format_flag(monkeypatch):
 from moe_comm import reference  # noqa: E402
 from moe_comm.prefill import PrefillBuffer  # noqa: E402
 from moe_comm.serving.vllm import PrefillBufferPrepareFinalize, resolve_mode  # noqa: E402
+from moe_comm.serving.vllm_cpu import CPU_EXPERTS_MODULE  # noqa: E402
 
 
 def standard_experts(x, ids, weights, unreduced=False):
@@ -250,6 +251,49 @@ def test_standard_format_all_tokens_to_one_expert_and_unreduced_outputs():
         receiver()
     for r in range(2):
         assert close(outs[r], reference_moe(xs[r], idxs[r], ws[r])), f"rank {r}"
+
+
+class CpuModuleExperts:
+    """Stands in for an experts instance of vLLM's CPU experts module (only its class's module is read:
+    ``vllm_cpu.takes_local_ids``); vLLM's own CPU experts consume these ids in tests/engines (make test-engines)."""
+
+
+CpuModuleExperts.__module__ = CPU_EXPERTS_MODULE
+
+
+def test_standard_format_local_int32_ids_for_experts_that_ignore_expert_map():
+    """After post_init_setup with vLLM's CPU experts, prepare returns int32 *local* ids, local expert 0 with
+    weight 0 where the global ids have -1 (other ranks' experts, rows no source wrote): experts that
+    compute every slot then add exact zeros, and the finalized output is bitwise the reference's. Any other
+    experts keep the global int64 ids with -1."""
+    world, L = 2, E // 2
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    pfs = [PrefillBufferPrepareFinalize(PrefillBuffer(g, E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+           for g in groups]
+    other = PrefillBufferPrepareFinalize(PrefillBuffer(groups[0], E, HIDDEN, MAXT, TOPK, dtype=torch.bfloat16))
+    other.post_init_setup(SimpleNamespace())
+    assert not other.local_ids
+    for pf in pfs:
+        pf.post_init_setup(CpuModuleExperts())
+        assert pf.local_ids
+    xs, idxs, ws = make_inputs(world, [MAXT, 3], E, TOPK, HIDDEN, 11)
+    want_disp, want_ids, want_y = _prefill_expected(world, xs, idxs, ws)
+    pending = [pf.prepare_async(x, w, i, E, None, False, UNQUANTIZED) for pf, x, i, w in zip(pfs, xs, idxs, ws)]
+    results = [(hook(), receiver())[1] for hook, receiver in pending]
+    outs = [torch.full_like(x, float("nan")) for x in xs]
+    finals = []
+    for r, (pf, (a, _, meta, ids, weights)) in enumerate(zip(pfs, results)):
+        assert ids.dtype == torch.int32 and ids.min() >= 0 and ids.max() < L, r
+        assert torch.equal(ids.long(), torch.where(want_ids[r] >= 0, want_ids[r] - r * L, 0)), r
+        assert torch.equal(weights, torch.where(want_ids[r] >= 0, want_disp[r]["topk_weights"], 0.0)), r
+        assert torch.equal(meta.expert_num_tokens, want_disp[r]["expert_counts"]), r
+        # every slot computed, as vLLM's CPU experts do: global expert = local + r * L, weight 0 off-rank
+        finals.append(pf.finalize_async(outs[r], standard_experts(a, ids.long() + r * L, weights), ws[r], idxs[r],
+                                        False, None))
+    for _, receiver in finals:
+        receiver()
+    for r in range(world):
+        assert torch.equal(outs[r], want_y[r]), f"rank {r}"
 
 
 def standard_shm_rank(group, seed):

@@ -19,9 +19,10 @@ high-throughput):
   int32 [E_local] device slot counts, and the received top-k ids as *global* int64 expert ids with -1 for
   slots whose expert lives elsewhere and for every row no source wrote, plus their float32 weights (0
   there): the contract of vLLM's DeepEP V2 prepare in its graph mode, so experts that route over every
-  row skip those. Nothing is read on the host. finalize = the experts' TopKWeightAndReduce (vLLM's
-  experts mostly reduce themselves: NoOP) to one partial row per received token, then combine, which
-  sums every rank's partial rows at the source into vLLM's output.
+  row skip those (vLLM's CPU experts, which ignore expert_map, get int32 local ids instead:
+  ``moe_comm.serving.vllm_cpu``). Nothing is read on the host. finalize = the experts' TopKWeightAndReduce
+  (vLLM's experts mostly reduce themselves: NoOP) to one partial row per received token, then combine,
+  which sums every rank's partial rows at the source into vLLM's output.
 
 fp8 (the ``fp8_dispatch`` option, "auto" by default): "auto" dispatches fp8 in 1x128 blocks ("e4m3") when
 the experts take fp8 in 1x128 blocks, and, in the BatchedExperts format, switches to packed UE8M0 scales
@@ -59,6 +60,7 @@ from .. import formats
 from ..compat.deep_ep_layout import column_major_scales
 from ..ep import EPBuffer
 from .ep_group import check_group, process_group, shared_buffer, use_group
+from .vllm_cpu import takes_local_ids
 
 __all__ = ["EPBufferPrepareFinalize", "ExpertTokens", "MODES", "MoECommPrepareAndFinalize",
            "MoECommStandardPrepareAndFinalize", "PrefillBufferPrepareFinalize", "make_prepare_finalize",
@@ -292,6 +294,8 @@ class PrefillBufferPrepareFinalize(_PrepareFinalize):
         Row s*M + t is token t of source rank s. topk_ids is -1 for every slot whose expert is on another
         rank and on every row no source wrote (its a1q row is unspecified), so experts that route over
         all R rows compute nothing there; topk_weights is 0 there. No host read (graph-capturable).
+        Paired with experts that take local ids (vLLM's CPU experts, ``post_init_setup``): topk_ids int32
+        [R, topk] *local* ids, 0 (with weight 0) where the global ids have -1.
     finalize's fused_expert_output: [R, hidden] partial rows (the token's local experts weighted and
     summed, what vLLM's experts produce with TopKWeightAndReduceNoOP), or what the experts'
     TopKWeightAndReduce turns into that ([R, topk, hidden] unweighted with the delegate: weighted and
@@ -302,6 +306,13 @@ class PrefillBufferPrepareFinalize(_PrepareFinalize):
     def __init__(self, buf, ubatch_id=None):
         super().__init__(buf, ubatch_id)
         self._rank_offset = buf.group.rank * buf.num_local_experts
+        self.local_ids = False  # the experts take int32 local ids, never -1 (vLLM's CPU experts): post_init_setup
+
+    def post_init_setup(self, fused_experts) -> None:
+        """vLLM's hook once the experts are known: experts that index their local weights with the ids as
+        given (vLLM's CPU experts, ``vllm_cpu.takes_local_ids``) get int32 local ids (see ``_received``)."""
+        super().post_init_setup(fused_experts)
+        self.local_ids = takes_local_ids(fused_experts)
 
     def _reduce(self, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
                 weight_and_reduce_impl) -> torch.Tensor:
@@ -324,6 +335,8 @@ class PrefillBufferPrepareFinalize(_PrepareFinalize):
     def _received(self, d, quant_config, defer_input_quant):
         x, scales = self._quantized(d.recv_x, d.recv_scales, quant_config, defer_input_quant)
         ids, weights = d.masked_topk()
+        if self.local_ids:   # local expert 0 with weight 0 where no local expert: an exact zero in the sum
+            return x, scales, self._expert_tokens(d.expert_counts), ids.clamp(min=0).to(torch.int32), weights
         ids = torch.where(ids >= 0, ids.to(torch.int64) + self._rank_offset, -1)
         return x, scales, self._expert_tokens(d.expert_counts), ids, weights
 

@@ -18,7 +18,10 @@ options: see ``moe_comm.serving.vllm.make_prepare_finalize``.
 vLLM 0.32 and 0.33 have no registry for prepare/finalize implementations, so the hook wraps
 ``all2all_utils.maybe_make_prepare_finalize`` (where vLLM builds them, and every module that imported it)
 and ``FusedMoEParallelConfig.use_batched_activation_format`` (what the kernel oracles read to choose the
-experts' format). Both fall through to vLLM's own code when moe-comm is not requested.
+experts' format). Both fall through to vLLM's own code when moe-comm is not requested. On vLLM's CPU build
+it also offers the unquantized experts oracle ``moe_comm.serving.vllm_cpu``'s BatchedExperts experts
+(``oracle.unquantized.backend_to_kernel_cls`` for the CPU backend), which low-latency mode needs there;
+they decline unless moe-comm is requested and the format is BatchedExperts.
 
 A fault (a dead or stuck peer, a bad expert id) recorded by moe-comm's kernels in one step is raised by
 name (CommTimeoutError, ...) at the next MoE layer's prepare, so vLLM's worker stops on it; the group
@@ -46,6 +49,7 @@ _ALL2ALL = "vllm.distributed.device_communicators.all2all"
 FT_MANAGERS = ("DeepEPLLAll2AllManager",)
 FT_METHODS = ("query_active_mask", "query_fault", "clean_buffers")
 _MOE_CONFIG = "vllm.model_executor.layers.fused_moe.config"
+_UNQUANTIZED_ORACLE = "vllm.model_executor.layers.fused_moe.oracle.unquantized"
 CONFIG_KEY = "moe_comm"
 
 
@@ -120,6 +124,22 @@ def _hook_fault_queries() -> None:
                 setattr(cls, name, _wrap_fault_query(name, original))
 
 
+def _wrap_backend_to_kernel_cls(original, cpu_backend):
+    """The oracle's candidates for vLLM's CPU backend, with moe-comm's BatchedExperts experts first
+    (``moe_comm.serving.vllm_cpu``): vLLM-CPU has none of that format; ours declines every other format
+    and any engine that did not request moe-comm, so vLLM's own CPU experts serve those as before."""
+    @functools.wraps(original)
+    def backend_to_kernel_cls(backend):
+        classes = original(backend)
+        if backend != cpu_backend:
+            return classes
+        from .vllm_cpu import batched_experts_class  # noqa: PLC0415
+        return [batched_experts_class(), *classes]
+
+    backend_to_kernel_cls.moe_comm_original = original
+    return backend_to_kernel_cls
+
+
 def register() -> None:
     """Install the hook (idempotent: vLLM may load plugins more than once per process)."""
     try:
@@ -135,6 +155,15 @@ def register() -> None:
             if getattr(module, "__name__", "").startswith("vllm") and \
                     getattr(module, "maybe_make_prepare_finalize", None) is original:
                 module.maybe_make_prepare_finalize = wrapped
+    try:   # vLLM's unquantized experts oracle (0.32, 0.33): where CPU experts are picked
+        oracle = importlib.import_module(_UNQUANTIZED_ORACLE)
+    except ImportError as e:
+        logger.debug("moe-comm: no unquantized MoE oracle to extend (%s)", e)
+        oracle = None
+    cpu = getattr(getattr(oracle, "UnquantizedMoeBackend", None), "CPU", None)
+    pick = getattr(oracle, "backend_to_kernel_cls", None)
+    if cpu is not None and pick is not None and not hasattr(pick, "moe_comm_original"):
+        oracle.backend_to_kernel_cls = _wrap_backend_to_kernel_cls(pick, cpu)
     cls = moe_config.FusedMoEParallelConfig
     prop = cls.__dict__.get("use_batched_activation_format")
     if isinstance(prop, property) and not hasattr(prop.fget, "moe_comm_original"):

@@ -30,6 +30,7 @@ from vllm.model_executor.layers.fused_moe import topk_weight_and_reduce as wr  #
 
 from moe_comm.serving import vllm as adapter  # noqa: E402
 from moe_comm.serving import vllm_plugin  # noqa: E402
+from moe_comm.serving.vllm_cpu import unquantized_silu_experts  # noqa: E402
 
 from moe_comm.ep import EPBuffer  # noqa: E402
 from moe_comm.prefill import PrefillBuffer  # noqa: E402
@@ -45,7 +46,7 @@ class CpuNaiveBatchedExperts(fused_batched_moe.NaiveBatchedExperts):
         output.copy_(torch.nn.functional.silu(input[..., :n].float()) * input[..., n:].float())
 
 
-class TorchStandardExperts(mk.FusedMoEExpertsModular):
+class TorchStandardExperts(unquantized_silu_experts()):
     """Standard-format experts in torch (test only): rows [M, hidden] with global top-k ids [M, topk]."""
 
     reduced = False   # True: weight and sum here (NoOP reduce); False: [M, topk, hidden] for the delegate
@@ -57,18 +58,6 @@ class TorchStandardExperts(mk.FusedMoEExpertsModular):
     @staticmethod
     def _supports_current_device():
         return True
-
-    @staticmethod
-    def _supports_no_act_and_mul():
-        return False
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key):
-        return (weight_key, activation_key) == (None, None)
-
-    @staticmethod
-    def _supports_activation(activation):
-        return activation == MoEActivation.SILU
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config):
