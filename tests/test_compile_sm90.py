@@ -527,3 +527,21 @@ def test_every_line_matcher_sees_what_its_pattern_sees():
         for line in lines:
             assert matches(line) == bool(pattern.search(line)), (pattern.pattern, hint, line)
             assert all(hint in m.group(0) for m in pattern.finditer(line)), (pattern.pattern, hint, line)
+
+
+def test_launch_ints_specializes_integers_as_a_launch_does():
+    """``compile_report.launch_ints`` (how the transformers door's kernel configs are typed) gives every value
+    the type and specialization Triton's launcher gives it: 1 a constexpr, a multiple of 16 divisible, past
+    int32 an i64."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from moe_comm.triton_kernels.compile_report import launch_ints
+    values = {f"v{i}": v for i, v in enumerate((1, 0, 3, 16, 24, 48, 7168, 14680064, 2 ** 31 - 16, 2 ** 31, 2 ** 33 + 3))}
+    types, constexprs, divisible = launch_ints(values)
+    for name, v in values.items():
+        kind, key = native(BaseBackend, v, False, True, True)
+        if kind == "constexpr":
+            assert constexprs.get(name) == key and name not in types, (name, v)
+        else:
+            assert types[name] == kind and (name in divisible) == (key == "D"), (name, v, kind, key)

@@ -131,6 +131,17 @@ def masked_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tenso
     return masked_bmm(h, down, counts, expected_rows=expected_rows, max_active=max_active)
 
 
+def gated_views(gate_up: torch.Tensor, down: torch.Tensor, transposed: bool = False):
+    """(gate, up, down) as ``masked_expert_mlp`` takes them ([E, H, I], [E, H, I], [E, I, H]): views, no copy, of
+    expert weights held as transformers holds them, gate_up [E, 2I, H] (the gate's I rows first) and down
+    [E, H, I], or with ``transposed`` gate_up [E, H, 2I] and down [E, I, H]."""
+    if transposed:
+        i = gate_up.shape[2] // 2
+        return gate_up[:, :, :i], gate_up[:, :, i:], down
+    i = gate_up.shape[1] // 2
+    return gate_up[:, :i, :].transpose(1, 2), gate_up[:, i:, :].transpose(1, 2), down.transpose(1, 2)
+
+
 def dense_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                      down: torch.Tensor, expected_rows: int | None = None,
                      max_active: int | None = None) -> torch.Tensor:
@@ -154,6 +165,39 @@ def _compile_configs() -> list[dict]:
             out.append(dict(kernel="masked_bmm_kernel", label=f"{'gate+up' if gated else 'down'} bf16 BM={bm}",
                             types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64, E_P2=256,
                                                          PRECISION="tf32")))
+    return out + _door_configs()
+
+
+# (dtype, experts, hidden, expert width, EPBuffer rows per expert, row tiles) of the door's configs below
+DOOR_SHAPES = (("bf16", 256, 7168, 2048, 64, (16, 64)),   # DeepSeek-V3 at world 1, decode_tokens 64
+               ("fp32", 8, 64, 32, 4, (16,)))             # the tiny model of the GPU generation check
+
+
+def _door_configs() -> list[dict]:
+    """The kernel as the transformers door launches it (``serving/hf/experts.decode_experts``): its weights are
+    ``gated_views`` of transformers' gate_up_proj [E, 2I, H] and down_proj [E, H, I] (contiguous along K), and
+    every integer argument is specialized from the value the launch passes (``compile_report.launch_ints``:
+    strides of 1 become constexprs, multiples of 16 are known divisible)."""
+    from ..triton_kernels.compile_report import launch_ints  # noqa: PLC0415
+    out = []
+    for dtype, E, H, I, R, tiles in DOOR_SHAPES:
+        def meta(*shape):
+            return torch.empty(*shape, device="meta")
+        gate, _, down = gated_views(meta(E, 2 * I, H), meta(E, H, I))
+        x, h, y = meta(E, R, H), meta(E, R, I), meta(E, R, H)
+        for gated, a, b, c in ((True, x, gate, h), (False, h, down, y)):
+            ints = dict(R=R, K=a.shape[2], N=b.shape[2], E=E)
+            for names, t in ((("s_ae", "s_ar", "s_ak"), a), (("s_be", "s_bk", "s_bn"), b), (("s_ce", "s_cr", "s_cn"), c)):
+                ints.update(zip(names, t.stride()))
+            types, constexprs, divisible = launch_ints(ints)
+            ptr = "*" + dtype
+            types.update(a_ptr=ptr, b_ptr=ptr, b2_ptr=ptr, c_ptr=ptr, counts_ptr="*i32")
+            for bm in tiles:
+                out.append(dict(kernel="masked_bmm_kernel", label=f"door {'gate+up' if gated else 'down'} {dtype} "
+                                f"BM={bm}", types=types, divisible=divisible,
+                                constexprs=dict(constexprs, GATED=gated, BM=bm, BN=64, BK=64,
+                                                E_P2=triton.next_power_of_2(E),
+                                                PRECISION="tf32" if dtype == "bf16" else "ieee")))
     return out
 
 

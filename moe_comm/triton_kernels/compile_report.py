@@ -36,6 +36,22 @@ class KernelConfig:
     constexprs: dict   # constexpr argument name -> value
     nvshmem: bool = False  # carries NVSHMEM calls (PUT=True): compiled with NVSHMEM's device bitcode linked
     num_warps: int = 4     # as the launch passes it
+    divisible: tuple = ()  # integer arguments specialized as multiples of 16, as a launch does (``launch_ints``)
+
+
+def launch_ints(values: dict) -> tuple[dict, dict, tuple]:
+    """(types, constexprs, divisible) of integer arguments with these values, as a Triton launch specializes
+    them: a value of 1 becomes the constexpr 1, a multiple of 16 is known divisible by 16, a value past the
+    int32 range is i64. A config built from a launch's real values compiles the variant that launch runs."""
+    types, constexprs, divisible = {}, {}, []
+    for name, v in values.items():
+        if v == 1:
+            constexprs[name] = 1
+            continue
+        types[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        if v % 16 == 0:
+            divisible.append(name)
+    return types, constexprs, tuple(divisible)
 
 
 SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank kernel's group arguments
@@ -405,7 +421,8 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
         from .nvshmem_bitcode import launch_options  # noqa: PLC0415
         options.update(launch_options(arch))
     # Pointer arguments 16-byte aligned, as Triton specializes them at launch for torch's allocations.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if types[a].startswith("*")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if types[a].startswith("*") or a in cfg.divisible}
     compiled = triton.compile(ASTSource(fn, types, constexprs, aligned), target=GPUTarget("cuda", arch, 32),
                               options=options)
     rep = ptxas_report(get_ptxas(arch).path, f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}",
