@@ -45,7 +45,7 @@ from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .prefill_dispatch import rail_of, rails_of
 from .quant import cast_rne, dequantize_e4m3_groups
 from .sync import S_EPOCH, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many, wait_flags
-from .transport import drain, put_peers, store_only
+from .transport import put_peers, store_only
 
 RELEASED = tl.constexpr(0)   # combine control words: (released, ready)
 READY = tl.constexpr(1)
@@ -82,9 +82,8 @@ def publish_released(ctrl_ptrs_ptr, call, grp, rank, WORLD: tl.constexpr, WORLD_
     word = ((call % 2) * WORLD + rank) * 2 + RELEASED
     flag = flag_value(tl.load(grp + S_EPOCH), call)
     publish_many(ctrl + word, flag, near)
-    if PUT:
+    if PUT:   # bare signals: they carry their value, nothing is staged, nothing waits for them
         signal_each(ctrl_ptrs_ptr, word, flag, grp, rank, G, G_P2, WORLD, PUT, 0)
-        drain()
 
 
 @triton.jit
@@ -142,7 +141,6 @@ def prefill_combine_send_kernel(
             publish_many(ctrl + word, flag, near)
             if PUT:   # a bare ready to the other nodes' ranks whose rail here is another rank (aborts, drains)
                 signal_each(ctrl_ptrs_ptr, word, flag, grp, rank, G, G_P2, WORLD, PUT, -1)
-                drain()
         tl.store(seq_ptr, call)
 
 
@@ -170,9 +168,9 @@ def prefill_combine_forward_kernel(
     another node whose rail here is this rank, token blocks b, b + programs, ... of its T_s tokens: a
     token whose routing row here carries the zone's stamp came to this node; its partial rows on the
     ranks of this node holding one of its experts are summed in ascending rank order, in float32, rounded
-    to the output dtype over this rank's row s*M + t (no other rank reads it), and put into s's node
-    inbox at [this node, t]. Each program quiets; the last one signals ``ready`` to every source served
-    (unless the group failed)."""
+    to the output dtype over this rank's row s*M + t (no other rank reads it). The last program puts each
+    into its source's node inbox at [this node, t], then signals ``ready`` to every source served (unless
+    the group failed); nothing is quieted."""
     blk = tl.program_id(0)
     s = tl.program_id(1)
     call = tl.load(seq_ptr)
@@ -206,19 +204,23 @@ def prefill_combine_forward_kernel(
                 acc = tl.where(use[:, None], acc + v.to(tl.float32), acc)
             store_tile(cast_rne(acc, DT), c0, HIDDEN, address(rows_ptr + q * HIDDEN)[:, None], came[:, None], BH, 1, 1,
                        ALIGNED)
-        tl.debug_barrier()   # the rows this program stored, before its puts read them
-        for i in range(t0, tl.minimum(t0 + BT, n_tokens)):
-            qi = tl.cast(s * M + i, tl.int64)
-            if tl.load((zone_ptr + ROUTE_OFFSET + qi * RW + 2 * TOPK).to(tl.pointer_type(tl.int64))) == stamp:
-                putmem_nbi_block(inbox_ptr + tl.cast(node * M + i, tl.int64) * HIDDEN, rows_ptr + qi * HIDDEN,
-                                 OUT_WORDS * 4, s)
-    drain()   # complete before counting in: the last program's signals follow every program's rows
+    # The last program puts every served source's reduced rows, then its ``ready``: one program, so the rows
+    # to a source and its signal travel in order on one queue pair (nothing waits for them: the rows are
+    # rewritten only by the source's next dispatch into this zone, which waits for its own ``released``,
+    # published after it saw this ``ready``).
     last, skipped = arrive(done_ptr + WORLD, tl.num_programs(0) * tl.num_programs(1), failed)
     if last:
         if skipped == 0:
+            for src in range(WORLD):
+                if is_live(grp, src) & put_peers(grp, src, True, WORLD, PUT) & (rail_of(grp, src, node, G, G_P2) == rank):
+                    n = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + src), 0), M)
+                    for i in range(0, n):
+                        qi = tl.cast(src * M + i, tl.int64)
+                        if tl.load((zone_ptr + ROUTE_OFFSET + qi * RW + 2 * TOPK).to(tl.pointer_type(tl.int64))) == stamp:
+                            putmem_nbi_block(inbox_ptr + tl.cast(node * M + i, tl.int64) * HIDDEN, rows_ptr + qi * HIDDEN,
+                                             OUT_WORDS * 4, src)
             signal_each(ctrl_ptrs_ptr, ((call % 2) * WORLD + rank) * 2 + READY, flag, grp, rank, G, G_P2, WORLD, PUT,
                         1)
-            drain()
 
 
 @triton.jit
