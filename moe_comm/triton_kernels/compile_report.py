@@ -412,7 +412,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
                 trace=bool(constexprs.get("TRACE", False)),
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args),
-                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel), **ptx_rules.counts(ptx),
+                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
                 spill_load_bytes=int(spill.group(2)) if spill else None,
