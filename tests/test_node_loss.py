@@ -280,6 +280,30 @@ def _dead_receiver(wires, buf):
     time.sleep(0.3)
 
 
+def test_the_wire_quiet_waits_for_a_slow_receiver_past_the_group_timeout(monkeypatch):
+    """Either model: a receiver that acknowledges late (0.6 s, three times the group timeout of 0.2 s) but
+    within the emulated NIC's retries: a quiet waits for it, and every message lands."""
+    wires, buf, failed = _wire_pair(monkeypatch, "ibgda", 5.0)
+    deliver = wires[1]._deliver
+
+    def slow(conn):
+        time.sleep(0.6)
+        deliver(conn)
+    monkeypatch.setattr(wires[1], "_deliver", slow)
+    try:
+        wires[0].signal(1, 0, 8, 41, add=False)
+        t0 = time.monotonic()
+        wires[0].quiet()
+        took = time.monotonic() - t0
+        assert buf[1] == 41 and failed == [] and 0.3 < took < 5.0, (buf[1], failed, took)
+        wires[0].signal(1, 0, 8, 42, add=False)
+        wires[0].quiet()
+        assert buf[1] == 42
+    finally:
+        for w in wires:
+            w.close()
+
+
 @pytest.mark.parametrize("then", ["nothing", "quiet", "fence"])
 def test_ibgda_a_put_to_a_dead_rank_is_harmless_until_a_quiet_or_fence(monkeypatch, then):
     """IBGDA model: messages to a dead receiver sit unacknowledged; past the NIC's give-up time nothing has
