@@ -113,7 +113,8 @@ def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, fp8, hidden, no
     each routed token row once per destination rank, its bytes from the format alone (fp8 codes, 4-byte
     float32 scales or 1-byte UE8M0 ones per 128 columns), plus its control words; each routed slot's
     expert row once plus the flag), odd sizes and unrouted slots included, in at most 3 messages (rows,
-    control words, signal) per peer for the dispatch and 2 (run, signal) for the combine."""
+    control words, signal) per peer for the dispatch and 2 (run, signal) for the combine, and exactly the
+    puts the put path issues (rows if any, control words; a non-empty run)."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))   # measure() sets it too; restored after the test
@@ -126,6 +127,7 @@ def test_wire_carries_the_floor_in_one_run_per_peer(monkeypatch, fp8, hidden, no
     for r in rows:
         assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, r
         assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], r
+        assert r["dispatch_puts"] == r["dispatch_puts_floor"] and r["combine_puts"] == r["combine_puts_floor"], r
         assert r["dispatch_messages"] <= 3 * far and r["combine_messages"] <= 2 * far, r
     # The scale model charges each message the bytes of a row as measured here (moe_comm/scale_model.py;
     # it models the float32-scale fp8 rows).
@@ -272,7 +274,9 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
     """PrefillBuffer across emulated nodes (docs/prefill.md "Across nodes"): on every rank, the bytes the
     wire carries between nodes equal the per-node floor (bench/wire_bytes.py ``prefill_floor_bytes``: one
     payload row plus its routing words per (token, destination node), one output row per (token, node)
-    back, and the control words), ratio 1.00, bf16, fp8 and power-of-two fp8 dispatch (odd sizes, unrouted slots), with results
+    back, and the control words), ratio 1.00, bf16, fp8 and power-of-two fp8 dispatch (odd sizes, unrouted slots), in
+    the puts counted there (per (token, node) 2, or 3 with fp8 scales, and one per node of the control words;
+    one per (token, node) back), with results
     equal to the reference in the node order; with node-limited routing (each token's experts on one
     node of 2, two of 3) it carries fewer rows than one copy per destination rank, which EPBuffer's put
     path, measured on the same inputs, sends. 2x2 in ``make test``; 2x3 and 3x2 in ``make test-sweeps``."""
@@ -294,6 +298,7 @@ def test_prefill_wire_is_one_row_per_token_and_node(monkeypatch, nodes, per_node
             assert r["exact"], (v, r)
             assert r["dispatch_floor"] > 0 and r["combine_floor"] > 0, (v, r)
             assert r["dispatch_wire"] == r["dispatch_floor"] and r["combine_wire"] == r["combine_floor"], (v, r)
+            assert r["dispatch_puts"] == r["dispatch_puts_floor"] and r["combine_puts"] == r["combine_puts_floor"], (v, r)
         if args.node_limit:
             per_node_rows, per_rank_rows = (sum(r[k] for r in rows) for k in ("rows_per_node", "rows_per_rank"))
             assert per_rank_rows > per_node_rows > 0, rows

@@ -361,3 +361,72 @@ def test_gpu_launch_shapes_over_puts(put_forced, world, fp8, send_programs):
     the combine's runs are staged by many programs, exact against the references."""
     import test_ep
     test_ep.test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs)
+
+
+# ---- the happy path's work: launches and puts as before issue 45, and no wait -----------------------------
+
+def _expected_calls(me, idxs, experts_per_rank, counts, world):
+    """The NVSHMEM calls rank ``me`` issues in one decode step (every peer, itself included, a put peer), from
+    the inputs: per peer the dispatch puts the packed rows if any (rows: its tokens with an expert there),
+    then the control words with the flag; the combine puts the run of the peer's slots on this rank's
+    experts with the flag (an empty run, or this rank's own slots, read in place: the bare flag); AllToAllvDynamic's forward and reverse put the
+    rows if any, then the count with the flag. Counter of (event, peer)."""
+    from collections import Counter
+    out = Counter()
+    for p in range(world):
+        rows = int(((idxs[me] >= 0) & (idxs[me] // experts_per_rank == p)).any(dim=1).sum())
+        out[("put", p)] += rows > 0
+        out[("put_signal", p)] += 1
+        run = int(((idxs[p] >= 0) & (idxs[p] // experts_per_rank == me)).sum()) if p != me else 0   # own: in place
+        out[("put_signal" if run else "signal", p)] += 1
+        for n in (int(counts[me][p]), int(counts[p][me])):   # forward, then reverse
+            out[("put", p)] += n > 0
+            out[("put_signal", p)] += 1
+    return +out
+
+
+def test_happy_path_launches_and_puts_are_unchanged_and_nothing_waits(put_forced, monkeypatch):
+    """One decode step (dispatch -> combine, AllToAllvDynamic forward and reverse) on a loopback world 3, every
+    peer by puts: each rank launches its 8 kernels (send and receive of each direction), and issues exactly
+    the puts and signals the inputs call for (``_expected_calls``: what the put path issued before issue 45
+    too: it only dropped the quiet at the end of each send and the fence between rows and control
+    words), and no quiet or fence. (The prefill path's puts: tests/test_emulated_nodes.py, on the wire.)"""
+    from collections import Counter
+    world, cfg = 3, ep_cases.Config(2, 128, 3, 2)
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=10)
+    events = nvshmem_events(monkeypatch)
+    eps = [EPBuffer(g, cfg.experts_per_rank * world, cfg.hidden, cfg.max_tokens, cfg.topk) for g in groups]
+    a2as = [AllToAllvDynamic(g, 3, (8,), torch.float32) for g in groups]
+    xs, idxs, ws = ep_cases.make_inputs(cfg, world, "random", 11)
+    counts = a2a_cases.make_counts("random", world, 3, 11)
+    sends = a2a_cases.make_sends(counts, (8,), torch.float32, 11)
+    by_rank = {}
+
+    def phase(r, fn):
+        start = len(events)
+        out = fn()
+        by_rank.setdefault(r, []).extend(events[start:])
+        return out
+    for r in range(world):
+        phase(r, lambda: eps[r].dispatch(xs[r], idxs[r], phase="send"))
+    ds = [phase(r, lambda: eps[r].dispatch(phase="recv")) for r in range(world)]
+    for r in range(world):
+        phase(r, lambda: eps[r].combine(ds[r].x, ws[r], ds[r].handle, phase="send"))
+    for r in range(world):
+        phase(r, lambda: eps[r].combine(phase="recv"))
+    for r in range(world):
+        phase(r, lambda: a2as[r](sends[r], counts[r], phase="send"))
+    res = [phase(r, lambda: a2as[r](phase="recv")) for r in range(world)]
+    for r in range(world):
+        phase(r, lambda: a2as[r].combine(res[r].recv, res[r].handle, phase="send"))
+    for r in range(world):
+        phase(r, lambda: a2as[r].combine(phase="recv"))
+    for r in range(world):
+        got = by_rank[r]
+        assert [e[1] for e in got if e[0] == "launch"] == [
+            "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel",
+            "a2a_send_kernel", "a2a_recv_kernel", "a2a_send_kernel", "a2a_recv_kernel"], got
+        calls = Counter((e[0], e[1]) for i, e in enumerate(got) if e[0] in ("put", "put_signal", "signal")
+                        and not (e[0] == "signal" and got[i - 1][:2] == ("put_signal", e[1])))   # a put_signal's own
+        assert calls == _expected_calls(r, idxs, cfg.experts_per_rank, counts, world), (r, calls)
+        assert _waits(got) == [], got
