@@ -430,3 +430,17 @@ def test_happy_path_launches_and_puts_are_unchanged_and_nothing_waits(put_forced
                         and not (e[0] == "signal" and got[i - 1][:2] == ("put_signal", e[1])))   # a put_signal's own
         assert calls == _expected_calls(r, idxs, cfg.experts_per_rank, counts, world), (r, calls)
         assert _waits(got) == [], got
+
+
+@pytest.mark.parametrize("mode", ["store", "put"])
+def test_alltoallv_plan_counts_the_staging_it_holds(monkeypatch, mode):
+    """AllToAllvDynamic's plan counts each channel's staging (two zones, as its landing zone) with puts, so
+    its symmetric bytes are what the channels hold; a plan set later keeps it (``plan``)."""
+    monkeypatch.setenv(ENV, mode)
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    op = AllToAllvDynamic(groups[0], 3, (8,), torch.float32)
+    held = op._fwd.symmetric_bytes + op._rev.symmetric_bytes
+    assert op.plan.put == (mode == "put") and op.plan.symmetric_bytes == held
+    from moe_comm.planner import plan_alltoallv
+    op.plan = plan_alltoallv(2, 3, (8,), torch.float32, torch.device("cuda"))   # GPU launch shapes
+    assert op.plan.put == (mode == "put") and op.plan.symmetric_bytes == held

@@ -162,8 +162,8 @@ class ShmHeap(ControlledHeap):
         recovery sequence may have been cut short by a fault before), bounded by the heap's timeout; a
         rank that does not come (dead, hung, or closing without the others) is not waited for longer, and
         the wire closes anyway: a close never hangs and never raises. A dead rank's wire is gone whatever
-        this does (its put peers' quiets end their process, wire.py); a live rank that never closes keeps
-        acknowledging. Between two such meetings, each rank completes its own messages to the live ranks
+        this does (nothing waits for it: its messages are masked out of every quiet once it is excluded or
+        its connection lost); a live rank that never closes keeps acknowledging. Between two such meetings, each rank completes its own messages to the live ranks
         (``_quiet_live``; ``nvshmem_finalize`` quiets too), so no rank closes its wire while a live peer
         still waits for its acknowledgements; if the first meeting misses a rank, nothing is quieted (as
         the nvshmem heap skips ``finalize`` then)."""

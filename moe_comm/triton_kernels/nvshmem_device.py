@@ -17,12 +17,14 @@ program goes on before the program's puts are complete.
 Interpreted twin (CPU tests, ``moe_comm/interpreter.py``): the same functions run as plain memory
 operations in this process: a put is a byte copy into the peer's copy (found through
 ``moe_comm/heap/peer_map.py``, as NVSHMEM would find it), a signal is a release store / atomic add on
-the peer's word, ``fence`` and ``quiet`` do nothing (every interpreted put is complete when it
-returns). A peer on another emulated node (``MOE_COMM_RANKS_PER_NODE``) is not mapped: its puts and
-signals are messages on the wire (``moe_comm/heap/wire.py``), applied asynchronously by a proxy in the
-receiving process, and ``quiet`` waits until they are delivered, or ends the process when the emulated
-NIC gives up on one (a dead receiver), as NVSHMEM does. So CPU tests run the put transport's protocol (the order of payload, counts and signal)
-through the very calls the compiled kernels make; they cannot show RDMA timing.
+the peer's word, ``fence`` and ``quiet`` have nothing to wait for there. A peer on another emulated node
+(``MOE_COMM_RANKS_PER_NODE``) is not mapped: its puts and signals are posted to the wire
+(``moe_comm/heap/wire.py``), whose emulated NIC reads a put's source later and sends it to a proxy in the
+receiving process; ``quiet`` (and, with the IBGDA model, ``fence``) waits until they are delivered, or
+ends the process when the emulated NIC gives up on one (a dead receiver), as NVSHMEM does. The kernels
+call neither on a steady-state path (``transport.py``). So CPU tests run the put transport's protocol (the
+order of payload, counts and signal, and which program issues each: ``_order``) through the very calls
+the compiled kernels make; they cannot show RDMA timing.
 """
 
 import ctypes
