@@ -145,6 +145,19 @@ def put_rows(idx_ptr, own_zone, stage, SX: tl.constexpr, rails, far, grp, rank, 
 
 
 @triton.jit
+def scale_rows(base, stage, staged, t, row, X_OFFSET: tl.constexpr, R: tl.constexpr, X_WORDS: tl.constexpr,
+               S_WORDS: tl.constexpr, SX: tl.constexpr, PUT: tl.constexpr):
+    """Byte addresses [BT, TOPK_P2] of the scale words of each destination row (``base``: its zone): the
+    zone's scale plane, or with PUT where ``staged`` the staging's scale rows (from
+    word SX)."""
+    zone = base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4
+    if PUT:
+        return tl.where(staged, address(stage) + ((SX + t.to(tl.int64) * S_WORDS) * 4)[:, None], zone)
+    else:
+        return zone
+
+
+@triton.jit
 def wait_released(released_ptr, combine_seq_ptr, grp, status_ptr, op, rank, WORLD: tl.constexpr,
                   WORLD_P2: tl.constexpr, PUT: tl.constexpr):
     """Wait until every live rank's ``released`` word (int64 [2, WORLD, 2] combine control words, word 0)
@@ -196,8 +209,9 @@ def prefill_dispatch_send_kernel(
     zone = call % 2          # of the control words and the staging; the data has one zone
     R: tl.constexpr = WORLD * M
     SX: tl.constexpr = (M * X_WORDS + 3) // 4 * 4          # the staged scales' first word (PrefillPlan.stage_words)
-    stage = stage_zone(stage_ptr, zone, SX + (M * S_WORDS + 3) // 4 * 4)   # STAGE_ZONE (transport.py)
-    stage_ctrl_ptr = stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS)
+    STAGE_WORDS: tl.constexpr = SX + (M * S_WORDS + 3) // 4 * 4   # one parity of the staging
+    # The staging of this call's parity (STAGE_ZONE, transport.py), derived where used from the parameters
+    # (not kept live across the copy, which spills the fp8 send's registers).
     released = wait_released(released_ptr, combine_seq_ptr, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT)
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2) | (released == 0)  # a failed group sends nothing
     peer = tl.arange(0, WORLD_P2)
@@ -205,13 +219,13 @@ def prefill_dispatch_send_kernel(
     near_live = store_only(put_peers(grp, peer, peer < WORLD, WORLD, PUT), peer_live, PUT)   # this node's
     zone_all = as_ptr(tl.load(data_ptrs_ptr + peer, mask=near_live, other=0), tl.int32)   # [WORLD_P2]
     flag = flag_value(tl.load(grp + S_EPOCH), call)
-    own_zone = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32)
 
     if (blk == NBLK - 1) & (col == 0):   # the combine's mask, excluded slots, bad ids, control words
         rails, far = node_rails(grp, rank, WORLD, G, G_P2, NODES, NODES_P2, PUT)
         counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2,
                           EXPERTS_PER_RANK, ROUTE_T, BINS)
-        write_counts(counts, ctrl_ptrs_ptr, stage_ctrl_ptr, (zone * WORLD + rank) * CTRL_WORDS, grp, num_tokens,
+        write_counts(counts, ctrl_ptrs_ptr, stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS),
+                     (zone * WORLD + rank) * CTRL_WORDS, grp, num_tokens,
                      failed == 0, rails, far, WORLD, WORLD_P2, EXPERTS_PER_RANK, BINS, CTRL_WORDS, COUNT_SPAN,
                      NODES_P2, PUT)
         if PUT:
@@ -233,7 +247,7 @@ def prefill_dispatch_send_kernel(
             tl.store((slot + R * TOPK).to(tl.pointer_type(tl.float32)), tl.where(here, w[None, :], 0.0), mask=put)
             if PUT:   # the routing row (global ids of live owners, weights, stamp): what a rail's node reads
                 owner_ok = valid & (tl.load(grp + S_LIVE + tl.maximum(owner, 0), mask=valid, other=0) != 0)
-                route = own_zone + ROUTE_OFFSET + q * RW
+                route = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + ROUTE_OFFSET + q * RW   # this rank's zone
                 tl.store(route + ks, tl.where(owner_ok, idx, -1), mask=live)
                 tl.store((route + TOPK + ks).to(tl.pointer_type(tl.float32)), tl.where(owner_ok, w, 0.0), mask=live)
                 tl.store((route + 2 * TOPK).to(tl.pointer_type(tl.int64)), flag + tl.zeros_like(q), mask=live & (ks == 0))
@@ -250,17 +264,17 @@ def prefill_dispatch_send_kernel(
             earlier = far_slot[:, None, :] & (tl.arange(0, TOPK_P2)[None, None, :] < tl.arange(0, TOPK_P2)[None, :, None])
             staged = far_slot & (tl.max(earlier.to(tl.int32), axis=2) == 0) & (t < t_end)[:, None]
             staged = tl.where(failed, False, staged)
-            base = tl.load(data_ptrs_ptr + to, mask=write, other=0)             # [BT, TOPK_P2] zone addresses
-            dst = tl.where(staged, address(stage) + (t.to(tl.int64) * X_WORDS * 4)[:, None],
-                           base + (X_OFFSET + row * X_WORDS) * 4)              # bytes
-            sdst = tl.where(staged, address(stage) + ((SX + t.to(tl.int64) * S_WORDS) * 4)[:, None],
-                            base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4)
             write = write | staged
+            # the staging's rows as if it were a zone: the same offsets as a zone row then lead there
+            stage = stage_zone(stage_ptr, zone, STAGE_WORDS)
+            base = tl.where(staged, address(stage) - (X_OFFSET + row * X_WORDS) * 4 + (t.to(tl.int64) * X_WORDS * 4)[:, None],
+                            tl.load(data_ptrs_ptr + to, mask=write & (staged == 0), other=0))
         else:
             to, write = token_destinations(owner, t < t_end, grp, failed, BT, TOPK_P2)
+            staged = write != write
+            stage = stage_ptr
             base = tl.load(data_ptrs_ptr + to, mask=write, other=0)             # [BT, TOPK_P2] zone addresses
-            dst = base + (X_OFFSET + row * X_WORDS) * 4                         # bytes
-            sdst = base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4
+        dst = base + (X_OFFSET + row * X_WORDS) * 4                             # bytes
         read = tl.max(write.to(tl.int32), axis=1) > 0
         if FP8:  # column block `col` of the row: quantized in registers (or given), stored to every destination
             COLS: tl.constexpr = FP8_GROUPS * 128
@@ -272,12 +286,14 @@ def prefill_dispatch_send_kernel(
                 xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
                 qx, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS, SCALE)
             store_tile(qx, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
-            store_tile(scale, col * S_BLOCK, S_WORDS, sdst, write, S_BLOCK, TOPK, TOPK_P2,
+            store_tile(scale, col * S_BLOCK, S_WORDS, scale_rows(base, stage, staged, t, row, X_OFFSET, R, X_WORDS,
+                                                                S_WORDS, SX, PUT), write, S_BLOCK, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
         elif NVFP4:  # the same for NVFP4 (value words into recv_x, scale words into recv_scales)
             NCOLS: tl.constexpr = NVFP4_GROUPS * 16
             xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
-            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst, sdst, write, X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
+            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst,
+                             scale_rows(base, stage, staged, t, row, X_OFFSET, R, X_WORDS, S_WORDS, SX, PUT), write, X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)
@@ -292,9 +308,9 @@ def prefill_dispatch_send_kernel(
             publish_many(ctrl + (zone * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 1, flag, near_live)
             if PUT:   # the rows to the rails, then their flags: one program, one queue pair per rail
                 rails, far = node_rails(grp, rank, WORLD, G, G_P2, NODES, NODES_P2, PUT)
-                put_rows(idx_ptr, own_zone, stage, SX, rails, far, grp, rank, num_tokens, num_experts, TOPK, TOPK_P2,
+                put_rows(idx_ptr, as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32), stage_zone(stage_ptr, zone, STAGE_WORDS), SX, rails, far, grp, rank, num_tokens, num_experts, TOPK, TOPK_P2,
                          EXPERTS_PER_RANK, G, NODES, NODES_P2, M, R, X_OFFSET, X_WORDS, S_WORDS, ROUTE_OFFSET, RW)
-                publish_far(ctrl_ptrs_ptr, stage_ctrl_ptr, (zone * WORLD + rank) * CTRL_WORDS, flag, rails, far, grp,
+                publish_far(ctrl_ptrs_ptr, stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS), (zone * WORLD + rank) * CTRL_WORDS, flag, rails, far, grp,
                             rank, WORLD, CTRL_WORDS, G, NODES, NODES_P2, PUT)
         tl.store(seq_ptr, call)
 
