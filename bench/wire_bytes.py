@@ -236,7 +236,8 @@ def _prefill_rank(group, args):
         8 * (p.count_span + 1), 3 if p.ep.scale_words else 2)
     buf.close()
     e, v = exp[me], exp[me]["valid"]
-    ref = [e["src_tokens"], e["expert_counts"], e["topk_idx"][rows], e["topk_weights"][rows], e["x"][v].view(torch.uint8)]
+    ref = [e["src_tokens"], e["expert_counts"], e["topk_idx"][rows], e["topk_weights"][rows],
+           e["x"][v].view(torch.uint8)]
     if fmt:
         ref.append(e["scales"][v])
     wrong = [name for name, a, b in zip(("src_tokens", "expert_counts", "topk_idx", "topk_weights", "x", "scales"),

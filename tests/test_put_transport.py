@@ -369,8 +369,8 @@ def _expected_calls(me, idxs, experts_per_rank, counts, world):
     """The NVSHMEM calls rank ``me`` issues in one decode step (every peer, itself included, a put peer), from
     the inputs: per peer the dispatch puts the packed rows if any (rows: its tokens with an expert there),
     then the control words with the flag; the combine puts the run of the peer's slots on this rank's
-    experts with the flag (an empty run, or this rank's own slots, read in place: the bare flag); AllToAllvDynamic's forward and reverse put the
-    rows if any, then the count with the flag. Counter of (event, peer)."""
+    experts with the flag (an empty run, or this rank's own slots, read in place: the bare flag);
+    AllToAllvDynamic's forward and reverse put the rows if any, then the count with the flag. Counter of (event, peer)."""
     from collections import Counter
     out = Counter()
     for p in range(world):

@@ -18,7 +18,7 @@ import weakref
 
 _lock = threading.Lock()
 _starts: list[int] = []     # sorted start addresses
-_entries: list[tuple] = []  # (start, end, peer_ptrs, allocation index, wire, key, weakref to the local tensor), by start
+_entries: list[tuple] = []  # (start, end, peer_ptrs, allocation index, wire, key, weakref to local), by start
 _keys = itertools.count()   # one key per registration, so a stale finalizer never drops a newer entry
 wires: set = set()          # every wire a registered buffer uses (``quiet`` completes them all)
 

@@ -163,10 +163,11 @@ class ShmHeap(ControlledHeap):
         rank that does not come (dead, hung, or closing without the others) is not waited for longer, and
         the wire closes anyway: a close never hangs and never raises. A dead rank's wire is gone whatever
         this does (nothing waits for it: its messages are masked out of every quiet once it is excluded or
-        its connection lost); a live rank that never closes keeps acknowledging. Between two such meetings, each rank completes its own messages to the live ranks
-        (``_quiet_live``; ``nvshmem_finalize`` quiets too), so no rank closes its wire while a live peer
-        still waits for its acknowledgements; if the first meeting misses a rank, nothing is quieted (as
-        the nvshmem heap skips ``finalize`` then)."""
+        its connection lost); a live rank that never closes keeps acknowledging. Between two such
+        meetings, each rank completes its own messages to the live ranks (``_quiet_live``;
+        ``nvshmem_finalize`` quiets too), so no rank closes its wire while a live peer still waits for its
+        acknowledgements; if the first meeting misses a rank, nothing is quieted (as the nvshmem heap
+        skips ``finalize`` then)."""
         block = ControlBlock(self._control.store, FINALIZE, self.rank, self.world_size, self.timeout_s)
         live = [j for j in range(self.world_size) if j not in self._excluded]
         try:

@@ -123,7 +123,8 @@ def a2a_send_kernel(
     put = put_peers(grp, peer, True, WORLD, PUT)
     elem = src_ptr.dtype.element_ty
     region = (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS  # this source's rows on the peer
-    stage = stage_zone(stage_ptr, zone, tl.cast(max_rows, tl.int64) * WORLD * ROW_WORDS) + peer.to(tl.int64) * max_rows * ROW_WORDS
+    stage = (stage_zone(stage_ptr, zone, tl.cast(max_rows, tl.int64) * WORLD * ROW_WORDS)
+             + peer.to(tl.int64) * max_rows * ROW_WORDS)
     stage_ctrl_ptr = stage_zone(stage_ctrl_ptr, zone, WORLD * 2)   # STAGE_ZONE (transport.py)
     if live & (failed == 0):
         dst = dest(put, stage, as_ptr(tl.load(data_ptrs_ptr + peer), elem) + region, PUT)

@@ -212,13 +212,15 @@ def prefill_combine_forward_kernel(
     if last:
         if skipped == 0:
             for src in range(WORLD):
-                if is_live(grp, src) & put_peers(grp, src, True, WORLD, PUT) & (rail_of(grp, src, node, G, G_P2) == rank):
+                mine = rail_of(grp, src, node, G, G_P2) == rank
+                if is_live(grp, src) & put_peers(grp, src, True, WORLD, PUT) & mine:
                     n = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + src), 0), M)
                     for i in range(0, n):
                         qi = tl.cast(src * M + i, tl.int64)
-                        if tl.load((zone_ptr + ROUTE_OFFSET + qi * RW + 2 * TOPK).to(tl.pointer_type(tl.int64))) == stamp:
-                            putmem_nbi_block(inbox_ptr + tl.cast(node * M + i, tl.int64) * HIDDEN, rows_ptr + qi * HIDDEN,
-                                             OUT_WORDS * 4, src)
+                        stamped = zone_ptr + ROUTE_OFFSET + qi * RW + 2 * TOPK   # the token came to this node
+                        if tl.load(stamped.to(tl.pointer_type(tl.int64))) == stamp:
+                            putmem_nbi_block(inbox_ptr + tl.cast(node * M + i, tl.int64) * HIDDEN,
+                                             rows_ptr + qi * HIDDEN, OUT_WORDS * 4, src)
             signal_each(ctrl_ptrs_ptr, ((call % 2) * WORLD + rank) * 2 + READY, flag, grp, rank, G, G_P2, WORLD, PUT,
                         1)
 

@@ -118,10 +118,10 @@ def put_rows(idx_ptr, own_zone, stage, SX: tl.constexpr, rails, far, grp, rank, 
              NODES: tl.constexpr, NODES_P2: tl.constexpr, M: tl.constexpr, R: tl.constexpr, X_OFFSET: tl.constexpr,
              X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROUTE_OFFSET: tl.constexpr, RW: tl.constexpr):
     """Put this rank's tokens [0, num_tokens) (payload and fp8 scales from ``stage``, the scales at word SX;
-    routing row from its own zone) to its rail on every ``far`` node holding a live owner of one of the token's experts, at the
-    zone offsets of row ``rank * M + t``: one ``putmem_nbi`` per row and part, none to this rank itself (its
-    rows are in place). Every argument is the same in every thread of the program (the ids are the
-    caller's, plain loads)."""
+    routing row from its own zone) to its rail on every ``far`` node holding a live owner of one of the
+    token's experts, at the zone offsets of row ``rank * M + t``: one ``putmem_nbi`` per row and part, none
+    to this rank itself (its rows are in place). Every argument is the same in every thread of the program
+    (the ids are the caller's, plain loads)."""
     kk = tl.arange(0, TOPK_P2)
     n = tl.arange(0, NODES_P2)
     for t in range(0, num_tokens):
@@ -261,13 +261,15 @@ def prefill_dispatch_send_kernel(
                                  False)
             to, write = token_destinations(tl.where(owner_far, -1, owner), t < t_end, grp, failed, BT, TOPK_P2)
             far_slot = tl.reshape(owner_far, (BT, TOPK_P2))
-            earlier = far_slot[:, None, :] & (tl.arange(0, TOPK_P2)[None, None, :] < tl.arange(0, TOPK_P2)[None, :, None])
+            kk = tl.arange(0, TOPK_P2)
+            earlier = far_slot[:, None, :] & (kk[None, None, :] < kk[None, :, None])
             staged = far_slot & (tl.max(earlier.to(tl.int32), axis=2) == 0) & (t < t_end)[:, None]
             staged = tl.where(failed, False, staged)
             write = write | staged
             # the staging's rows as if it were a zone: the same offsets as a zone row then lead there
             stage = stage_zone(stage_ptr, zone, STAGE_WORDS)
-            base = tl.where(staged, address(stage) - (X_OFFSET + row * X_WORDS) * 4 + (t.to(tl.int64) * X_WORDS * 4)[:, None],
+            base = tl.where(staged, address(stage) - (X_OFFSET + row * X_WORDS) * 4
+                            + (t.to(tl.int64) * X_WORDS * 4)[:, None],
                             tl.load(data_ptrs_ptr + to, mask=write & (staged == 0), other=0))
         else:
             to, write = token_destinations(owner, t < t_end, grp, failed, BT, TOPK_P2)
@@ -293,7 +295,8 @@ def prefill_dispatch_send_kernel(
             NCOLS: tl.constexpr = NVFP4_GROUPS * 16
             xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
             store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst,
-                             scale_rows(base, stage, staged, t, row, X_OFFSET, R, X_WORDS, S_WORDS, SX, PUT), write, X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
+                             scale_rows(base, stage, staged, t, row, X_OFFSET, R, X_WORDS, S_WORDS, SX, PUT), write,
+                             X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)
@@ -308,10 +311,13 @@ def prefill_dispatch_send_kernel(
             publish_many(ctrl + (zone * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 1, flag, near_live)
             if PUT:   # the rows to the rails, then their flags: one program, one queue pair per rail
                 rails, far = node_rails(grp, rank, WORLD, G, G_P2, NODES, NODES_P2, PUT)
-                put_rows(idx_ptr, as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32), stage_zone(stage_ptr, zone, STAGE_WORDS), SX, rails, far, grp, rank, num_tokens, num_experts, TOPK, TOPK_P2,
-                         EXPERTS_PER_RANK, G, NODES, NODES_P2, M, R, X_OFFSET, X_WORDS, S_WORDS, ROUTE_OFFSET, RW)
-                publish_far(ctrl_ptrs_ptr, stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS), (zone * WORLD + rank) * CTRL_WORDS, flag, rails, far, grp,
-                            rank, WORLD, CTRL_WORDS, G, NODES, NODES_P2, PUT)
+                own_zone = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32)
+                put_rows(idx_ptr, own_zone, stage_zone(stage_ptr, zone, STAGE_WORDS), SX, rails, far, grp, rank,
+                         num_tokens, num_experts, TOPK, TOPK_P2, EXPERTS_PER_RANK, G, NODES, NODES_P2, M, R, X_OFFSET,
+                         X_WORDS, S_WORDS, ROUTE_OFFSET, RW)
+                publish_far(ctrl_ptrs_ptr, stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS),
+                            (zone * WORLD + rank) * CTRL_WORDS, flag, rails, far, grp, rank, WORLD, CTRL_WORDS, G,
+                            NODES, NODES_P2, PUT)
         tl.store(seq_ptr, call)
 
 

@@ -24,7 +24,9 @@ issue 33). So every such branch decides on one of these, and nothing else:
 
 - values every thread computes alike: kernel arguments, constexprs, program ids, and plain loads of words
   that do not change while the kernel runs (the group state; control words published before a flag this
-  program acquired, read after the wait's barrier);
+  program acquired, read after the wait's barrier). Not a word another channel's kernels write (they may
+  run meanwhile on another stream: the prefill dispatch's read of the combine's count), which is read
+  once (``read_once``; ``ptx_rules.OTHER_CHANNEL_PARAMS``);
 - an atomic's result (``read_once``, ``claim``, ``arrive``, the waits' polls): Triton issues it once per
   element and hands the value to every thread through shared memory after a barrier, so every thread sees
   the one value read. Words that change under a running kernel (flags, status tags) are read this way;
