@@ -33,14 +33,15 @@ from moe_comm import AllToAllvDynamic, CommTimeoutError, EPBuffer, LaunchError
 from moe_comm.heap import wire as wire_mod
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV
 from moe_comm.interpret_order import ORDER_ENV, SEED_ENV
+from moe_comm.planner import SHAPES_ENV
 
 import budget
 import ep_cases
 from fault_cases import CAP_A2A, E_PER_RANK, H, K, M, ROW, check_rank, expert, step_inputs
 from test_emulated_nodes import _fatal_ends
 
-DECODE_TIMEOUT_S = 3.0     # the group timeout of the decode tests
-PREFILL_TIMEOUT_S = 6.0    # the interpreted prefill kernels of one step take seconds on a loaded 2-core machine
+DECODE_TIMEOUT_S = 5.0     # the group timeout of the decode tests (generous: 2 cores shared, GPU launch shapes)
+PREFILL_TIMEOUT_S = 10.0   # the interpreted prefill kernels of one step take seconds on a loaded 2-core machine
 # A failing step names the dead rank within the timeout plus this: its send phase and (for a survivor that
 # finished the failing step before the status record reached it) one more step, interpreted under load.
 DECODE_SLACK_S, PREFILL_SLACK_S = 6.0, 12.0
@@ -153,6 +154,11 @@ def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="a
     monkeypatch.setenv(wire_mod.TRANSPORT_TIMEOUT_ENV, str(NIC_GIVE_UP_S))
     monkeypatch.setenv(ORDER_ENV, order)
     monkeypatch.setenv(SEED_ENV, "7")
+    # The interpreter's launch shapes: it runs a launch's programs one after another, so with the GPU
+    # shapes' many programs a wait that a GPU starts at launch starts seconds later here, and a survivor's
+    # wait that depends on a live rank blocked on the dead one can expire first and name that rank
+    # (docs/faults.md, "A dead peer across nodes"). The GPU shapes over puts: tests/test_put_transport.py.
+    monkeypatch.setenv(SHAPES_ENV, "auto")
     monkeypatch.delenv(wire_mod.NIC_ENV, raising=False)   # the default: ibgda
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     timeout, slack = (DECODE_TIMEOUT_S, DECODE_SLACK_S) if kind == "decode" else (PREFILL_TIMEOUT_S, PREFILL_SLACK_S)
@@ -222,7 +228,7 @@ def test_prefill_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, 
 
 # ---- the proxy transport: the documented fatal outcome ---------------------------------------------------
 
-PROXY_GIVE_UP_S = 5.0   # the emulated NIC's give-up time: longer than the group timeout, as NVSHMEM's 34 s are
+PROXY_GIVE_UP_S = 12.0  # the emulated NIC's give-up time: longer than the group timeout, as NVSHMEM's 34 s are
 PROXY_WAIT_S = PROXY_GIVE_UP_S + 4.0   # how long every rank stays after the failing step began
 
 
@@ -252,6 +258,7 @@ def test_under_the_proxy_transport_the_dead_ranks_put_peers_are_lost(monkeypatch
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     monkeypatch.setenv(wire_mod.NIC_ENV, "proxy")
     monkeypatch.setenv(wire_mod.TRANSPORT_TIMEOUT_ENV, str(PROXY_GIVE_UP_S))
+    monkeypatch.setenv(SHAPES_ENV, "auto")   # (rank 2's record must reach ranks 0-1 before they end)
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_named_then_wait, 4, backend="shm", timeout_s=DECODE_TIMEOUT_S, grace_s=600)
