@@ -146,7 +146,7 @@ def _lose(group, kind, victims, where):
 
 def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="asis"):
     """Launch ``_lose`` on emulated nodes (IBGDA model) and check: only the victims' processes end; every
-    survivor named the lowest victim within the timeout + slack, excluded exactly the victims and made
+    survivor named a victim (of a whole node, the one whose flag it missed first) within the timeout + slack, excluded exactly the victims and made
     three exact steps; no survivor's process ended at a wait on the dead rank (none quiets, fences or fills
     a send queue)."""
     world = nodes * per_node
@@ -173,7 +173,7 @@ def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="a
             continue
         first, named, took, excluded, steps = err.results[r]
         assert first == [], (r, first)
-        assert named == min(victims) and took < timeout + slack, (r, named, took)
+        assert named in victims and took < timeout + slack, (r, named, took)
         assert excluded == sorted(victims), (r, excluded)
         assert steps == [[]] * 3, (r, steps)
 
@@ -189,13 +189,13 @@ PREFILL_CASES = [(2, 2, (3,), "dispatch"), (2, 2, (3,), "forward"), (2, 2, (2,),
                  (2, 2, (2, 3), "dispatch"), (3, 2, (5,), "forward"), (3, 2, (2, 3), "combine")]
 
 
-def _matrix(cases, representative):
-    """Every case in every program order under the ``sweep`` mark; ``representative`` (case, order) in
+def _matrix(cases, *representatives):
+    """Every case in every program order under the ``sweep`` mark; the ``representatives`` (case, order) in
     ``make test``."""
     out = []
     for case in cases:
         for order in ORDERS:
-            if (case, order) == representative:
+            if (case, order) in representatives:
                 out.append(pytest.param(*case, order, id=f"{case[0]}x{case[1]}-{case[2]}-{case[3]}-{order}"))
             else:
                 out.append(budget.sweep(*case, order, id=f"{case[0]}x{case[1]}-{case[2]}-{case[3]}-{order}"))
@@ -207,7 +207,7 @@ def _matrix(cases, representative):
                          _matrix(DECODE_CASES, ((2, 2, (3,), "dispatch"), "asis")))
 def test_decode_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, per_node, victims, where, order):
     """IBGDA model. A rank (or a whole node) of another node than rank 0 SIGKILLed mid-decode: every
-    survivor raises CommTimeoutError naming it (the lowest victim) within the timeout + slack, no survivor
+    survivor raises CommTimeoutError naming it (a victim) within the timeout + slack, no survivor
     process is lost (none waits on the dead rank's puts), exclude() removes exactly the victims and three
     steps of dispatch -> combine -> AllToAllvDynamic are exact among the survivors. (Until issue 45 every
     rank that put to the dead rank ended at its send's quiet.)"""
@@ -216,13 +216,15 @@ def test_decode_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, p
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("nodes, per_node, victims, where, order",
-                         _matrix(PREFILL_CASES, ((2, 2, (3,), "forward"), "reverse")))
+                         _matrix(PREFILL_CASES, ((2, 2, (3,), "forward"), "reverse"), ((2, 2, (3,), "dispatch"), "asis")))
 def test_prefill_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, per_node, victims, where, order):
     """IBGDA model. PrefillBuffer across nodes: a rank (or a whole node) SIGKILLed mid-prefill, the dead
     rank a rail's forwarder among them (at 2 x 2 rank 3 is source 1's rail on node 1; killed at "forward"
     it dies with rank 1's rows in its zone, before it reduces and forwards them): every survivor names it
     within the timeout + slack, none is lost, exclude() removes exactly the victims (source 1's rail on
-    node 1 becomes rank 2) and three prefill steps are exact among the survivors."""
+    node 1 becomes rank 2) and three prefill steps are exact among the survivors. Killed at "dispatch" (after
+    its send) rank 3 is a rail that never pulls nor forwards: its node mate's pull barrier must name it,
+    not a rank of the other node, which publishes no ``pulled`` there (it named rank 0 until issue 45)."""
     _survive(monkeypatch, capfd, "prefill", nodes, per_node, victims, where, order)
 
 

@@ -177,8 +177,9 @@ def prefill_combine_forward_kernel(
     w = tl.arange(0, WORLD_P2)
     near = store_only(put_peers(grp, w, w < WORLD, WORLD, PUT), live_ranks(grp, WORLD, WORLD_P2), PUT)
     flag = flag_value(tl.load(grp + S_EPOCH), call)
-    ok = wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * 2 + READY, flag, near, w, grp, status_ptr, OP, rank, WORLD,
-                    WORLD_P2, PUT=PUT)
+    # (only this node's ranks are waited for, and candidates for the name: peer id WORLD_P2 for the others)
+    ok = wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * 2 + READY, flag, near, tl.where(near, w, WORLD_P2), grp,
+                    status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2) | (tl.min(tl.where(near, ok, True).to(tl.int32)) == 0)
     node = rank // G
     serve = is_live(grp, s) & put_peers(grp, s, True, WORLD, PUT) & (rail_of(grp, s, node, G, G_P2) == rank)
@@ -256,7 +257,7 @@ def prefill_combine_recv_kernel(
         put = w < 0
         need = live
     arrived = wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * 2 + READY, flag_value(tl.load(grp + S_EPOCH), call),
-                         need, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
+                         need, tl.where(need, w, WORLD_P2), grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
     kk = tl.arange(0, TOPK_P2)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     for t0 in range(blk * BT, num_tokens, NBLK * BT):

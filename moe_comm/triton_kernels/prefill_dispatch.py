@@ -30,8 +30,9 @@ staging is rewritten by the send of call + 2 at the earliest after ``wait_releas
 release of a combine that answered this call, so its NIC had read it (``transport.py``).
 
 Receive (grid (1,)): wait (bounded) for the flag of every live source (first the sources of this node,
-in this rank's control words, then the others, in their rail's control words on this node), then write
-the per-source token counts and the per-local-expert slot counts (clamped: no peer value can exceed M or
+in this rank's control words, then the others, in their rail's control words on this node: a flag missing
+there names the rail if the source's bare flag reached this rank, else the source), then write the
+per-source token counts and the per-local-expert slot counts (clamped: no peer value can exceed M or
 M * K). A failed call leaves counts of zero (no stale rows are valid). Pull (PUT, grid programs x
 sources): the rows of every source of another node that its rail on this node received (stamp = this
 call's flag) give this rank's ids and weights, and the rows with one of its experts are copied here.
@@ -44,8 +45,8 @@ from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_n
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .quant import quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
-from .sync import (S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live, live_ranks, publish_many,
-                   read_once, wait_flags)
+from .sync import (CALL_MASK, ERR_TIMEOUT, S_EPOCH, S_LIVE, arrive, as_ptr, flag_value, group_failed, is_live,
+                   live_ranks, publish_many, read_once, record_group_error, wait_flags)
 from .transport import flush, order_transports, put_peers, stage_zone, store_only
 
 
@@ -362,18 +363,30 @@ def prefill_dispatch_recv_kernel(
     target = flag_value(tl.load(grp + S_EPOCH), call)
     if PUT:
         # A source of this node: this rank's control words. Another source: its rail's on this node, whose
-        # NIC wrote the flag after the rows. The sources of this node first: a dead rail is one of them,
-        # and is named so (a lane whose peer id is WORLD_P2 or more is no candidate for the name).
+        # NIC wrote the flag after the rows. The sources of this node first (a dead rail is one of them,
+        # unless it died after its own send; a lane whose peer id is WORLD_P2 or more is no candidate for
+        # the name), then the others. A flag missing at a rail implicates the source or the rail: the
+        # source sent it if its bare flag (every rank of the node but the rail gets one) reached this rank,
+        # and then the rail is named, else the source.
         far = tl.where(live, put_peers(grp, w, w < WORLD, WORLD, PUT), False)
         near = tl.where(far, False, live)
         rail = rails_of(grp, w, tl.zeros([WORLD_P2], dtype=tl.int32) + rank // G, G, G_P2)
-        rail_ctrl = tl.load(ctrl_ptrs_ptr + tl.maximum(rail, 0), mask=far, other=0)
-        base = as_ptr(tl.where(far, rail_ctrl, address(ctrl_ptr)) + (row0 + w).to(tl.int64) * CTRL_WORDS * 8,
-                      tl.int64)
-        ok = wait_flags(base + CTRL_WORDS - 1, target, near, tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank,
+        via = tl.where(far, rail != rank, False)   # the source's rows and counts are in another rank's zone
+        rail_ctrl = tl.load(ctrl_ptrs_ptr + tl.maximum(rail, 0), mask=via, other=0)
+        own = ctrl_ptr + (row0 + w) * CTRL_WORDS
+        base = as_ptr(tl.where(via, rail_ctrl + (row0 + w).to(tl.int64) * CTRL_WORDS * 8, address(own)), tl.int64)
+        ok = wait_flags(own + CTRL_WORDS - 1, target, near, tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank,
                         WORLD, WORLD_P2, PUT=PUT)
         ok_far = wait_flags(base + CTRL_WORDS - 1, target, far, tl.where(far, w, WORLD_P2), grp, status_ptr, OP, rank,
-                            WORLD, WORLD_P2, PUT=PUT)
+                            WORLD, WORLD_P2, PUT=PUT, RECORD_TIMEOUT=False)
+        missing = tl.where(far, ok_far == 0, False)
+        if (tl.max(missing.to(tl.int32)) > 0) & (group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0):   # timed out
+            at_rail = read_once(base + CTRL_WORDS - 1, missing)
+            bare = read_once(own + CTRL_WORDS - 1, missing & via) == target   # the source's flag here: it sent
+            blame = tl.where(missing, tl.where(via & bare, rail, w), WORLD_P2)
+            late = tl.min(blame)
+            seen = tl.max(tl.where(missing & (blame == late), at_rail & CALL_MASK, 0))   # the call its flag shows
+            record_group_error(grp, ERR_TIMEOUT, OP, rank, late, seen, target & CALL_MASK, WORLD, WORLD_P2, PUT)
         arrived = tl.where(near, ok, ok_far)
         count_at = 1 + (rank % G) * EXPERTS_PER_RANK
     else:
@@ -463,5 +476,6 @@ def prefill_dispatch_pull_kernel(
         flag = flag_value(tl.load(grp + S_EPOCH), call)
         ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=near, other=0), tl.int64)
         publish_many(ctrl + ((call % 2) * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 2, flag, near)
-        wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + CTRL_WORDS - 2, flag, near, w, grp, status_ptr, OP,
-                   rank, WORLD, WORLD_P2, PUT=PUT)
+        # (the other nodes' ranks publish no ``pulled`` here: no candidate for the name, peer id WORLD_P2)
+        wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + CTRL_WORDS - 2, flag, near,
+                   tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
