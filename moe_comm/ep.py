@@ -299,7 +299,7 @@ class EPBuffer(OpBuffer):
         self._dispatch_ch = Channel(g, "ep.dispatch", p.dispatch_data_shape, torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
-                                   stage_shape=(g.world_size, p.max_tokens * p.topk, p.combine_words))
+                                   stage_shape=p.combine_stage_shape)
         self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
         self._combine_ch.row_bytes = p.combine_words * 4                # a row of expert_out as it travels
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_comm.triton_kernels import ptx_rules
-from moe_comm.triton_kernels.sync import block_any, now_ns
+from moe_comm.triton_kernels.sync import block_any, now_ns, read_once
 from run_once import run_once
 
 pytestmark = pytest.mark.ptx
@@ -464,6 +464,46 @@ def test_the_uniformity_rule_on_compiled_waits(uniform):
     assert (found == []) == uniform, found
     if not uniform:
         assert any("globaltimer" in p for p in found), found
+
+
+@pytest.mark.parametrize("param, flagged", [("combine_seq_ptr", True), ("released_ptr", True), ("x_ptr", False)])
+def test_a_plain_load_of_another_channels_word_is_per_thread(param, flagged):
+    """Issue 46 item 4, synthetic: a plain load through a parameter another channel's kernels write
+    (``ptx_rules.OTHER_CHANNEL_PARAMS``: they may run on another stream and store it meanwhile) deciding a
+    branch over a barrier is found; the same load through any other parameter is not (a word that does
+    not change while the kernel runs)."""
+    ptx = UNIFORM_PTX.replace("{SOURCE}", "ld.global.b64 %rd2, [%rd1];").replace("{DECIDE}", "mov.pred %p2, %p1;")
+    assert bool(ptx_rules.divergent_barriers(ptx, "k", [param])) == flagged
+
+
+@triton.jit
+def _read_released(combine_seq_ptr, out_ptr, ONCE: tl.constexpr):
+    """The shape of ``prefill_dispatch.wait_released``: another channel's count decides whether to wait (a
+    barrier under the branch). Until issue 46 a plain load (ONCE False); now ``read_once``."""
+    if ONCE:
+        done = read_once(combine_seq_ptr, True)
+    else:
+        done = tl.load(combine_seq_ptr)
+    if done > 0:
+        tl.debug_barrier()
+        tl.store(out_ptr, done)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("once", [False, True])
+def test_the_uniformity_rule_on_a_compiled_read_of_another_channels_count(once):
+    """Control on real compiler output: the plain load of the combine's count before a wait is flagged (the
+    load, line and all), the ``read_once`` one is not."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(combine_seq_ptr="*i64", out_ptr="*i64", ONCE="constexpr")
+    ptx = triton.compile(ASTSource(_read_released, sig, dict(ONCE=once)), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    found = ptx_rules.divergent_barriers(ptx, "_read_released", ["combine_seq_ptr", "out_ptr"])
+    assert (found == []) == once, found
+    if not once:
+        assert any("ld.global" in p for p in found), found
+    assert ptx_rules.divergent_barriers(ptx, "_read_released", ["x_ptr", "out_ptr"]) == []   # not known: missed
 
 
 def test_the_uniformity_rule_reads_past_a_multi_line_inline_asm_block():

@@ -240,7 +240,7 @@ def _prefill_configs() -> list[KernelConfig]:
                 x_ptr="*u8" if prequant else "*bf16", scales_ptr="*i32", idx_ptr="*i64", weights_ptr="*fp32",
                 routed_ptr="*i32", excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64",
                 released_ptr="*i64", combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64",
-                block_done_ptr="*i32", stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32",
+                stage_ptr="*i32", stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32",
                 **SIGNAL), dict(
                 w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
                 HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
@@ -434,7 +434,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
                 trace=bool(constexprs.get("TRACE", False)),
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args),
-                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel), **ptx_rules.counts(ptx),
+                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
                 spill_load_bytes=int(spill.group(2)) if spill else None,

@@ -44,7 +44,8 @@ of the combine (this rank's slots on lower ranks' experts). The last program put
 signal is the flag. The receive of a put source reads each row's token from that word; it writes
 row_of only for the rows it received (the combine answers a put source by its run, not by row_of), and
 keeps the source's rows per local expert and its run base for the combine (``runs``). A launch that
-reaches peers by both transports fences at system scope before any flag (``order_transports``).
+reaches peers by both transports fences at system scope before any flag (``order_transports``). The
+staging has two zones (``call % 2``), reused by causality, never quieted (``transport.py``).
 """
 
 import triton
@@ -55,7 +56,7 @@ from .copy import address, as_words, copy_rows, load_tile, store_nvfp4_tile, sto
 from .quant import check_scales, quantize_e4m3_groups
 from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
                       token_destinations)
-from .transport import dest, drain, flush, order_transports, put_peers, store_only
+from .transport import dest, flush, order_transports, put_peers, stage_zone, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
                    live_ranks, publish_many, read_once, record_error, wait_flags)
 
@@ -121,8 +122,8 @@ def dispatch_send_kernel(
     id_base_ptr,      # out int32 [BINS] (PUT only): valid slots with a lower expert id
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]
-    stage_ptr,        # put transport: int32 [WORLD dest, M, ROW_WORDS], this rank's rows for each dest (symmetric)
-    stage_ctrl_ptr,   # put transport: int64 [WORLD dest, CTRL_WORDS] staged control words (symmetric)
+    stage_ptr,        # put transport: int32 [2, WORLD dest, M, ROW_WORDS], this rank's rows for each dest, per zone
+    stage_ctrl_ptr,   # put transport: int64 [2, WORLD dest, CTRL_WORDS] staged control words, per zone (symmetric)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
@@ -144,6 +145,8 @@ def dispatch_send_kernel(
     trace.send_begin(trace_ptr, grp, call, OP, (blk == 0) & (col == 0), WORLD, TRACE_N, TRACE)
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
+    stage_ptr = stage_zone(stage_ptr, zone, WORLD * M * ROW_WORDS)            # STAGE_ZONE (transport.py)
+    stage_ctrl_ptr = stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS)
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
     TOKEN_WORD: tl.constexpr = META + TOPK              # put rows: the token index, after the routing words
     ROW_BYTES: tl.constexpr = ROW_WORDS * 4
@@ -247,7 +250,6 @@ def dispatch_send_kernel(
                         flush(own_rows, stage_ptr + tl.cast(p, tl.int64) * M * ROW_WORDS, rows * ROW_BYTES,
                               own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
                               own_ctrl + CTRL_WORDS - 1, flag, p)
-                drain()   # one wait for the puts to every peer, all in flight together
         tl.store(seq_ptr, call)
     trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 
