@@ -1,0 +1,178 @@
+"""MoELayer test cases: inputs, the derived error bound against ``reference.moe_layer``, and the checks.
+
+Two kinds of inputs (every rank rebuilds every rank's from the seed):
+
+- ``exact``: small integers and powers of two chosen so that every product and partial sum of both GEMMs is
+  exact in float32 and SiLU is exact (gate = 0 or >= 32, where sigmoid is exactly 0.5 or 1 in float32),
+  the activation and the expert output exact in the dtype. Then no summation order can change
+  a bit, and the fused layer must equal ``reference.moe_layer`` bit for bit: only the combine's sums are
+  rounded, in the fixed k order both use. ``exact_inputs_hold`` checks the claim on the inputs made.
+- ``random``: normal tokens and weights. The GEMMs' summation order differs (tl.dot's against torch's), so
+  the layer must lie within ``layer_bound`` of the reference, derived below.
+
+The bound (per output element; u = 2**-24 float32's unit roundoff, gamma_n = n*u / (1 - n*u), eps the
+dtype's unit roundoff, |.| elementwise, everything in float64 from the reference's own values):
+
+1. gate and up: two float32 dot products over H in different orders each differ from the exact sum by at
+   most gamma_H * S (S = |x| @ |w|.T), so from each other by Dg = 2 * gamma_H * Sg (Du likewise).
+2. f = SiLU(g) * u: |SiLU'| <= 1.1, so |df| <= 1.1 * Dg * (|u| + Du) + (|SiLU(g)| + 1.1 * Dg) * Du; each side
+   evaluates f in float32 (exp, a division, two products: within 8 ulps), so add 16 * u * (|f| + df).
+3. Rounding to the dtype: two values d apart round at most d + eps * (|f1| + |f2|) apart.
+4. The down GEMM: sum |da| |w2| over I, plus both sides' own float32 error 2 * gamma_I * (|a| + da) @ |w2|.T;
+   then the dtype rounding as in 3.
+5. The combine (same order, different inputs): sum over k of |w_k| * do_k, plus 2 * gamma_K * sum |w_k| (|o_k|
+   + do_k) for the float32 roundings of the sums, then the output rounding as in 3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_comm import reference
+
+U32 = 2.0 ** -24
+SILU_SLOPE = 1.1             # max |d SiLU / dx| (1.0998 at x = 2.4)
+F32_ELEMENTWISE_ULPS = 8     # float32 error of sigmoid, its product with g and with u, in ulps (each side)
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+
+
+def gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def _sparse(g, shape, values, per_row):
+    """A tensor of ``shape`` [..., rows, cols] with ``per_row`` nonzeros per row drawn from ``values``."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    flat = out.view(-1, shape[-1])
+    vals = torch.tensor(values, dtype=torch.float32)
+    for r in range(flat.shape[0]):
+        cols = torch.randperm(shape[-1], generator=g)[:per_row]
+        flat[r, cols] = vals[torch.randint(0, len(vals), (per_row,), generator=g)]
+    return out
+
+
+def make_weights(world: int, experts_per_rank: int, hidden: int, inter: int, seed: int, exact: bool,
+                 dtype=torch.bfloat16):
+    """Per rank (w13 [L, 2I, H], w2 [L, H, I]) in ``dtype``."""
+    g = torch.Generator().manual_seed(seed + 7)
+    out = []
+    for _ in range(world):
+        if exact:   # gate rows: two of {0, 32}; up rows: two of {0, +-1}; down rows: two of {+-1/32}
+            gate = _sparse(g, (experts_per_rank, inter, hidden), (0.0, 32.0), 2)
+            up = _sparse(g, (experts_per_rank, inter, hidden), (0.0, 1.0, -1.0), 2)
+            w2 = _sparse(g, (experts_per_rank, hidden, inter), (1 / 32, -1 / 32), 2)
+            w13 = torch.cat([gate, up], dim=1)
+        else:
+            w13 = torch.randn(experts_per_rank, 2 * inter, hidden, generator=g) / hidden ** 0.5
+            w2 = torch.randn(experts_per_rank, hidden, inter, generator=g) / inter ** 0.5
+        out.append((w13.to(dtype), w2.to(dtype)))
+    return out
+
+
+def make_tokens(xs, seed: int, exact: bool):
+    """The ops' inputs' tokens made exact-friendly (entries 1 or 2) with ``exact``, else as they are."""
+    if not exact:
+        return xs
+    g = torch.Generator().manual_seed(seed + 11)
+    return [torch.randint(1, 3, x.shape, generator=g).to(x.dtype) for x in xs]
+
+
+def exact_inputs_hold(xs, w13s, w2s) -> bool:
+    """Every gate of every token and expert is 0 or >= 32 (float32's sigmoid is then exactly 0.5 or 1, so
+    SiLU(g) is 0 or g), and every expert MLP computed so in float64 equals the reference's float32 one and
+    is exact in the dtype: the premise of the bit-exact comparison."""
+    for x in xs:
+        if not x.shape[0]:
+            continue
+        for w13, w2 in zip(w13s, w2s):
+            inter = w13.shape[1] // 2
+            for e in range(w13.shape[0]):
+                h = x.double() @ w13[e].double().T
+                g, u = h[:, :inter], h[:, inter:]
+                if not bool(((g == 0) | (g >= 32)).all()):
+                    return False
+                a = torch.where(g >= 32, g, 0.0) * u
+                o = a @ w2[e].double().T
+                if not (torch.equal(a.to(x.dtype).double(), a) and torch.equal(o.to(x.dtype).double(), o)
+                        and torch.equal(reference.expert_mlp(x, w13[e], w2[e]).double(), o)):
+                    return False
+    return True
+
+
+def _round_gap(d, a, eps):
+    """Two values within d of each other, near |a|, after each is rounded to a format of unit roundoff eps."""
+    return d + eps * (2 * a.abs() + d)
+
+
+def expert_bound(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+    """(reference rows [N, H] as float64, their bound [N, H]) for one expert (steps 1-4 above)."""
+    eps = EPS[x.dtype]
+    inter = w13.shape[0] // 2
+    xd, w13d, w2d = x.double(), w13.double(), w2.double()
+    h = (x.float() @ w13.float().T).double()
+    g, u = h[:, :inter], h[:, inter:]
+    s = xd.abs() @ w13d.abs().T
+    dg, du = 2 * gamma(x.shape[1]) * s[:, :inter], 2 * gamma(x.shape[1]) * s[:, inter:]
+    silu = torch.nn.functional.silu(g)
+    f = silu * u
+    df = SILU_SLOPE * dg * (u.abs() + du) + (silu.abs() + SILU_SLOPE * dg) * du
+    df = df + 2 * F32_ELEMENTWISE_ULPS * U32 * (f.abs() + df)
+    da = _round_gap(df, f, eps)
+    a = f.to(x.dtype).double()
+    o = a @ w2d.T
+    do = da @ w2d.abs().T + 2 * gamma(inter) * (a.abs() + da) @ w2d.abs().T
+    return reference.expert_mlp(x, w13, w2).double(), _round_gap(do, o, eps)
+
+
+def layer_bound(xs, idxs, ws, w13s, w2s, num_experts: int, max_tokens: int) -> list[torch.Tensor]:
+    """Per rank float64 [T, H]: how far the fused layer's y may lie from ``reference.moe_layer``'s (step 5)."""
+    world = len(xs)
+    d = reference.dispatch(xs, idxs, num_experts, max_tokens)
+    local = num_experts // world
+    rows = reference.ep_rows(idxs, num_experts, max_tokens)
+    where = {}
+    for r in range(world):
+        o_r, b_r = torch.zeros(d[r]["x"].shape, dtype=torch.float64), torch.zeros(d[r]["x"].shape, dtype=torch.float64)
+        for e, n in enumerate(d[r]["counts"].tolist()):
+            if n:
+                o_r[e, :n], b_r[e, :n] = expert_bound(d[r]["x"][e, :n], w13s[r][e], w2s[r][e])
+        for e in range(local):
+            for i, key in enumerate(rows[r][e]):
+                where[key] = (o_r[e, i], b_r[e, i])
+    out = []
+    for s in range(world):
+        T, K = idxs[s].shape
+        H = xs[s].shape[1]
+        eps = EPS[xs[s].dtype]
+        bound = torch.zeros((T, H), dtype=torch.float64)
+        for t in range(T):
+            y, dy, mag = torch.zeros(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64), torch.zeros(
+                H, dtype=torch.float64)
+            for k in range(K):
+                hit = where.get((s, t, k))
+                if hit is None:
+                    continue
+                wk = abs(float(ws[s][t, k]))
+                y, dy, mag = y + float(ws[s][t, k]) * hit[0], dy + wk * hit[1], mag + wk * (hit[0].abs() + hit[1])
+            bound[t] = _round_gap(dy + 2 * gamma(K) * mag, y, eps)
+        out.append(bound)
+    return out
+
+
+def layer_inputs(world: int, tokens: list[int], experts_per_rank: int, hidden: int, inter: int, topk: int,
+                 seed: int, exact: bool, routing: str = "random", dtype=torch.bfloat16):
+    """(xs, idxs, ws, w13s, w2s): tokens per rank ``tokens``; routing "random" (distinct experts, about one
+    slot in eight -1), "one_expert" (every routed slot to expert 0, the others -1) or "none"."""
+    from moe_cases import make_inputs
+    E = experts_per_rank * world
+    xs, idxs, ws = make_inputs(world, tokens, E, topk, hidden, seed, dtype)
+    if routing == "one_expert":
+        for idx in idxs:
+            idx[:, 1:] = -1
+            idx[:, :1] = 0
+    elif routing == "none":
+        for idx in idxs:
+            idx.fill_(-1)
+    xs = make_tokens(xs, seed, exact)
+    weights = make_weights(world, experts_per_rank, hidden, inter, seed, exact, dtype)
+    return xs, idxs, ws, [w[0] for w in weights], [w[1] for w in weights]
