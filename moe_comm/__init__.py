@@ -10,6 +10,7 @@ from .ep import DispatchResult, EPBuffer, EPHandle
 from .errors import (CapacityError, ClosedError, CommAbortedError, CommDesyncError, CommTimeoutError, ExcludedError,
                      GroupError, InvalidIndexError, LaunchError, MoECommError)
 from .group import CommGroup, init, launch
+from .moe_layer import MoELayer
 from .prefill import PrefillBuffer, PrefillDispatchResult, PrefillHandle
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidIndexError",
     "LaunchError",
     "MoECommError",
+    "MoELayer",
     "PrefillBuffer",
     "PrefillDispatchResult",
     "PrefillHandle",

@@ -202,6 +202,11 @@ class EPBuffer(OpBuffer):
     low-latency buffer. ``EPBuffer.required_bytes(...)`` evaluates it without a group or allocation.
     """
 
+    # Whether the receive writes d.x (and d.scales). A consumer that reads the rows where they landed
+    # (moe_comm.MoELayer's fused kernels) builds the buffer without: d.x is then not allocated and the
+    # receive writes only the metadata (counts, src, row_of, ...).
+    _copies_rows = True
+
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, dispatch_format: str | None = None,
                  combine_format: str | None = None):
@@ -300,7 +305,7 @@ class EPBuffer(OpBuffer):
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
-        shape = (p.experts_per_rank, p.capacity)
+        shape = (p.experts_per_rank, p.capacity) if self._copies_rows else (0,)
         if p.nvfp4:   # two e2m1 codes per byte; four e4m3 scales per word
             self._x = torch.empty((*shape, p.hidden // 2), dtype=torch.uint8, device=dev)
             self._scales = torch.empty((*shape, 4 * p.scale_words), dtype=torch.float8_e4m3fn, device=dev)
@@ -363,6 +368,20 @@ class EPBuffer(OpBuffer):
         args["PUT"] = p.put
         return args
 
+    def _combine_recv_launch(self, p: EPPlan, s: _Set, row_of: torch.Tensor, rows: int) -> Launch:
+        """The combine receive of metadata set ``s``: this rank's own slots are read from ``expert_out`` at the
+        codes ``row_of[rank]`` gives (< ``rows``; -1 elsewhere, -2 dropped), the others from the landing zone."""
+        g, cch = self.group, self._combine_ch
+        return Launch(
+            combine_recv_kernel, g.device, p.reduce_grid, aligned=vector_aligned(cch.data.local), routed_ptr=s.routed,
+            row_of_ptr=row_of, slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptr=cch.data.local,
+            ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
+            SLOT_WORDS=p.combine_words, FP8=p.combine_fp8, **self._recv_put_args(p),
+            ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts), HIDDEN=p.hidden,
+            BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, grp=g.state, status_ptr=g.status.local,
+            rank=g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
+            TOPK_P2=next_pow2(p.topk), **cch.trace_args(recv=True), num_warps=p.reduce_warps)
+
     def _build_launches(self, p: EPPlan) -> tuple[dict, dict]:
         """For each metadata set: kernel name -> ``Launch`` of every kernel a call of this world size makes,
         with every argument but the call's tensors, their sizes and their alignment."""
@@ -381,20 +400,14 @@ class EPBuffer(OpBuffer):
         combine = dict(SLOT_WORDS=p.combine_words, FP8=p.combine_fp8)
         sets = []
         for s in self._sets:
-            combine_recv = Launch(
-                combine_recv_kernel, dev, p.reduce_grid, aligned=vector_aligned(cch.data.local), routed_ptr=s.routed,
-                row_of_ptr=s.row_of, slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptr=cch.data.local,
-                ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
-                **combine, **self._recv_put_args(p), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
-                HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **sig, **common,
-                **cch.trace_args(recv=True), num_warps=p.reduce_warps)
+            combine_recv = self._combine_recv_launch(p, s, s.row_of, rows)
             if g.world_size == 1:  # one kernel per call: no landing zone, no flags
                 sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
-                    dispatch_local_kernel, dev, p.local_grid, aligned=vector_aligned(x_words, self._scales),
+                    dispatch_local_kernel, dev, p.local_grid if self._copies_rows else (p.local_grid[0], 1), aligned=vector_aligned(x_words, self._scales),
                     out_x_ptr=x_words, out_scales_ptr=scales, out_src_ptr=s.src, out_counts_ptr=s.counts,
                     row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, routed_ptr=s.routed, stats_ptr=self._stats,
                     excluded_ptr=self._excluded, grp=g.state, OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk,
-                    TOPK_P2=next_pow2(p.topk), **routing)))
+                    TOPK_P2=next_pow2(p.topk), COPY=self._copies_rows, **routing)))
                 continue
             sets.append(dict(
                 combine_recv=combine_recv,
@@ -414,7 +427,7 @@ class EPBuffer(OpBuffer):
                     EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
                     X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
                     ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots,
-                    BW=p.recv_block_words, **sig, **common, **dch.trace_args(recv=True)),
+                    BW=p.recv_block_words, COPY=self._copies_rows, **sig, **common, **dch.trace_args(recv=True)),
                 combine_send=Launch(
                     combine_send_kernel, dev, (p.recv_programs,), row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens,
                     runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,
@@ -460,18 +473,37 @@ class EPBuffer(OpBuffer):
             if not do_recv:
                 return None
         handle, k, xin, idx, gs, global_scale = op.take()
-        launches = self._launches()[k]
-        if g.world_size == 1:
+        self._receive(self._launches()[k], handle, xin, idx, gs)
+        s = self._sets[k]
+        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle, global_scale))
+
+    def _receive(self, launches: dict, handle: EPHandle, xin, idx, gs) -> None:
+        """Launch the receive phase of a dispatch: the world-1 kernel (which reads x and topk_idx), or the
+        receive kernel."""
+        if self.group.world_size == 1:
             local = launches["dispatch_local"]
             local.run(x_ptr=xin, idx_ptr=idx, gscale_ptr=gs, num_tokens=handle.num_tokens,
                       ALIGNED=local.aligned_with(xin))
         else:
             recv = launches["dispatch_recv"]
             recv.run(ALIGNED=recv.aligned)
-        s = self._sets[k]
-        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle, global_scale))
 
     # ---- combine ---------------------------------------------------------------------------------
+    def _check_expert_out(self, expert_out) -> None:
+        """The combine's ``expert_out``: [E_local, R, hidden] of the buffer's dtype on the group's device (at
+        world > 1 on a word boundary: the send copies its rows as words)."""
+        p, g = self._ep_plan, self.group
+        check_tensor("expert_out", expert_out, g.device, (p.dtype,), (p.experts_per_rank, p.capacity, p.hidden),
+                     DTYPE_FIX)
+        if g.world_size > 1 and not p.combine_fp8:   # the send copies its rows as words (at world 1,
+            check_words("expert_out", expert_out)      # and quantizing them, it reads elements)
+
+    def _send_combine(self, handle: EPHandle, expert_out: torch.Tensor) -> None:
+        """Launch the send phase of a combine (nothing at world 1: the receive reads every row in place)."""
+        if self.group.world_size > 1:
+            send = self._launches()[handle.call_index % 2]["combine_send"]
+            send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
+
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                 handle: EPHandle | None = None, *, out: torch.Tensor | None = None,
                 phase: str = "both") -> torch.Tensor | None:
@@ -487,17 +519,12 @@ class EPBuffer(OpBuffer):
         if do_send:
             def check():
                 self._check_handle(handle)
-                check_tensor("expert_out", expert_out, g.device, (p.dtype,),
-                             (p.experts_per_rank, p.capacity, p.hidden), DTYPE_FIX)
-                if g.world_size > 1 and not p.combine_fp8:   # the send copies its rows as words (at world 1,
-                    check_words("expert_out", expert_out)      # and quantizing them, it reads elements)
+                self._check_expert_out(expert_out)
                 self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
             op.validate(check)
             op.before_send()
             expert_out = expert_out.contiguous()
-            if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
-                send = self._launches()[handle.call_index % 2]["combine_send"]
-                send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
+            self._send_combine(handle, expert_out)
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None

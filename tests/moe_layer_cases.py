@@ -26,6 +26,8 @@ dtype's unit roundoff, |.| elementwise, everything in float64 from the reference
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_comm import reference
@@ -176,3 +178,136 @@ def layer_inputs(world: int, tokens: list[int], experts_per_rank: int, hidden: i
     xs = make_tokens(xs, seed, exact)
     weights = make_weights(world, experts_per_rank, hidden, inter, seed, exact, dtype)
     return xs, idxs, ws, [w[0] for w in weights], [w[1] for w in weights]
+
+
+# ---- running the layer ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """One MoELayer's static sizes (num_experts = experts_per_rank * world)."""
+
+    experts_per_rank: int
+    hidden: int
+    inter: int
+    topk: int
+    max_tokens: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+# Experts per rank 1, 3, 4 (3: not a power of two), hidden 64/128/192 (192: not a power of two), I 16..96,
+# topk 1..4, capacities 1..6.
+CONFIGS = (
+    LayerConfig(4, 128, 64, 2, 5),
+    LayerConfig(3, 64, 32, 3, 4),
+    LayerConfig(1, 192, 48, 1, 6, torch.float16),
+    LayerConfig(4, 64, 96, 4, 1),
+)
+# random: distinct experts, about one slot in eight -1; one_expert: every token's slot 0 to expert 0, the
+# others -1; none: nothing routed.
+ROUTINGS = ("random", "one_expert", "none")
+
+
+def token_counts(cfg: LayerConfig, world: int, seed: int) -> list[int]:
+    """Tokens per rank: T = 0, 1, max and odd values all occur across cases and ranks."""
+    m = cfg.max_tokens
+    pool = [m, 0, 1, max(0, m - 1), 3 % (m + 1)]
+    return [pool[(seed + r) % len(pool)] for r in range(world)]
+
+
+def case_list(world: int, configs=None, routings=ROUTINGS):
+    """(config index, config, routing, exact, seed): every config with every routing, exact and random inputs
+    alternating."""
+    seed = 1000 * world
+    for ci, cfg in enumerate(CONFIGS):
+        if configs is not None and ci not in configs:
+            continue
+        for routing in routings:
+            seed += 17
+            yield ci, cfg, routing, seed % 2 == 0, seed
+
+
+def case_inputs(cfg: LayerConfig, world: int, routing: str, exact: bool, seed: int):
+    return layer_inputs(world, token_counts(cfg, world, seed), cfg.experts_per_rank, cfg.hidden, cfg.inter,
+                        cfg.topk, seed, exact, routing, cfg.dtype)
+
+
+def make_layer(group, cfg: LayerConfig, w13, w2):
+    from moe_comm import MoELayer
+    return MoELayer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.inter, cfg.max_tokens, cfg.topk,
+                    w13, w2, dtype=cfg.dtype)
+
+
+def check_rank(rank: int, y: torch.Tensor, inputs, cfg: LayerConfig, exact: bool, tag: str, excluded=()) -> list[str]:
+    """Rank ``rank``'s y against reference.moe_layer: equal (exact inputs) or within ``layer_bound``."""
+    xs, idxs, ws, w13s, w2s = inputs
+    E = cfg.experts_per_rank * len(xs)
+    want = reference.moe_layer(xs, idxs, ws, w13s, w2s, E, cfg.max_tokens, excluded=excluded)[rank]
+    if y.dtype != want.dtype or y.shape != want.shape:
+        return [f"{tag}: y {y.dtype} {tuple(y.shape)} != {want.dtype} {tuple(want.shape)}"]
+    if exact:
+        if not exact_inputs_hold(xs, w13s, w2s):
+            return [f"{tag}: the exact inputs are not exact"]
+        if not torch.equal(y, want):
+            return [f"{tag}: y differs from the reference by {(y.double() - want.double()).abs().max()} (exact inputs)"]
+        return []
+    bound = layer_bound(xs, idxs, ws, w13s, w2s, E, cfg.max_tokens)[rank]
+    bad = (y.double() - want.double()).abs() > bound
+    if bool(bad.any()) or bool(y.isnan().any()):
+        return [f"{tag}: y outside the derived bound at {int(bad.sum())} elements"]
+    return []
+
+
+def run_loopback_layers(layers, xs, idxs, ws, outs=None) -> list[torch.Tensor]:
+    """One call of every rank's layer on a loopback world, phase by phase (world 1: phase='both')."""
+    if len(layers) == 1:
+        return [layers[0](xs[0], idxs[0], ws[0], out=None if outs is None else outs[0])]
+    for layer, x, i, w in zip(layers, xs, idxs, ws):
+        assert layer(x, i, w, phase="send") is None
+    for layer in layers:
+        assert layer(phase="experts") is None
+    return [layer(phase="recv", out=None if outs is None else outs[r]) for r, layer in enumerate(layers)]
+
+
+def run_loopback_cases(groups, configs=None, routings=ROUTINGS) -> list[str]:
+    """Every case on a loopback world; returns the mismatches."""
+    world, errs, layers = len(groups), [], {}
+    for ci, cfg, routing, exact, seed in case_list(world, configs, routings):
+        inputs = case_inputs(cfg, world, routing, exact, seed)
+        if ci not in layers:
+            layers[ci] = [make_layer(g, cfg, inputs[3][r], inputs[4][r]) for r, g in enumerate(groups)]
+        else:
+            for r, layer in enumerate(layers[ci]):
+                layer.set_weights(inputs[3][r], inputs[4][r])
+        ys = run_loopback_layers(layers[ci], *inputs[:3])
+        for r in range(world):
+            errs += check_rank(r, ys[r], inputs, cfg, exact, f"loopback W{world} cfg{ci} {routing} exact={exact} rank{r}")
+    for per_rank in layers.values():
+        for layer in per_rank:
+            layer.close()
+    return errs
+
+
+def run_shm_cases(group, configs=None, routings=ROUTINGS) -> list[str]:
+    """Every case on one rank of a launched group (phase='both', or split on every third case)."""
+    world, rank, errs, layers = group.world_size, group.rank, [], {}
+    for ci, cfg, routing, exact, seed in case_list(world, configs, routings):
+        inputs = case_inputs(cfg, world, routing, exact, seed)
+        xs, idxs, ws, w13s, w2s = inputs
+        if ci not in layers:
+            layers[ci] = make_layer(group, cfg, w13s[rank], w2s[rank])
+        else:
+            layers[ci].set_weights(w13s[rank], w2s[rank])
+        layer = layers[ci]
+        out = torch.full_like(xs[rank], float("nan"))
+        if seed % 3 == 0:
+            layer(xs[rank], idxs[rank], ws[rank], phase="send")
+            layer(phase="experts")
+            y = layer(phase="recv", out=out)
+        else:
+            y = layer(xs[rank], idxs[rank], ws[rank], out=out)
+        if y is not out:
+            errs.append(f"rank{rank} cfg{ci}: out= not written in place")
+        errs += check_rank(rank, y, inputs, cfg, exact, f"shm W{world} cfg{ci} {routing} exact={exact} rank{rank}")
+    for layer in layers.values():
+        layer.close()
+    return errs

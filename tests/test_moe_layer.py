@@ -7,9 +7,12 @@ test_moe_layer_faults.py."""
 import pytest
 import torch
 
-from moe_comm import reference
+import moe_comm
+from moe_comm import EPBuffer, reference
+from moe_comm.serving.experts import masked_expert_mlp
 
-from moe_layer_cases import exact_inputs_hold, layer_bound, layer_inputs
+from moe_layer_cases import (CONFIGS, exact_inputs_hold, layer_bound, layer_inputs, make_layer, run_loopback_cases,
+                             run_loopback_layers, run_shm_cases)
 
 
 # ---- the reference itself ----------------------------------------------------------------------------------
@@ -63,3 +66,56 @@ def test_the_bound_covers_another_summation_order_and_is_not_vacuous(monkeypatch
         diff = (ref[r].double() - other[r].double()).abs()
         assert bool((diff <= bound[r]).all())
         assert float(bound[r].max()) < float(ref[r].double().abs().max()) / 8
+
+
+# ---- the fused layer ---------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_layer_equals_the_reference_loopback(world):
+    """Every config x routing (random with -1, all to one expert, none), T in {0, 1, odd, max}, exact
+    inputs (bit for bit) and random ones (within the derived bound), split in three phases."""
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    assert run_loopback_cases(groups) == []
+
+
+@pytest.mark.timeout(300)
+def test_layer_equals_the_reference_shm():
+    """Two rank processes (phase='both', and split), out= written in place."""
+    errs = moe_comm.launch(run_shm_cases, 2, backend="shm", timeout_s=60)
+    assert [e for r in errs for e in r] == []
+
+
+def _unfused(groups, cfg, xs, idxs, ws, w13s, w2s):
+    """Our unfused path on a loopback world: EPBuffer.dispatch, the masked batched experts, EPBuffer.combine."""
+    eps = [EPBuffer(g, cfg.experts_per_rank * len(groups), cfg.hidden, cfg.max_tokens, cfg.topk, dtype=cfg.dtype)
+           for g in groups]
+    I = cfg.inter
+    for ep, x, i in zip(eps, xs, idxs):
+        ep.dispatch(x, i, phase="send")
+    ds = [ep.dispatch(phase="recv") for ep in eps]
+    outs = [masked_expert_mlp(d.x, d.counts, w13[:, :I].transpose(1, 2), w13[:, I:].transpose(1, 2), w2.transpose(1, 2))
+            for d, w13, w2 in zip(ds, w13s, w2s)]
+    for ep, eo, w, d in zip(eps, outs, ws, ds):
+        ep.combine(eo, w, d.handle, phase="send")
+    ys = [ep.combine(phase="recv") for ep in eps]
+    for ep in eps:
+        ep.close()
+    return ys
+
+
+@pytest.mark.timeout(300)
+def test_layer_equals_the_unfused_path_bit_for_bit():
+    """Random inputs (where the reference allows a bound): the fused layer and dispatch + masked experts +
+    combine give the same bits (the same GEMM tile, K step and combine; a row's result does not depend on
+    the rows beside it in the interpreter's tl.dot), on a world of 2 and of 3."""
+    cfg = CONFIGS[0]
+    for world, tokens in ((2, [5, 3]), (3, [4, 0, 5])):
+        groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+        xs, idxs, ws, w13s, w2s = layer_inputs(world, tokens, cfg.experts_per_rank, cfg.hidden, cfg.inter, cfg.topk,
+                                               world, exact=False)
+        layers = [make_layer(g, cfg, w13s[r], w2s[r]) for r, g in enumerate(groups)]
+        fused = run_loopback_layers(layers, xs, idxs, ws)
+        unfused = _unfused(groups, cfg, xs, idxs, ws, w13s, w2s)
+        assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+        assert any(bool((y != 0).any()) for y in fused)

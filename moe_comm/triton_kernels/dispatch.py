@@ -270,6 +270,7 @@ def dispatch_recv_kernel(
     X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, S_WORDS_P2: tl.constexpr, ROW_WORDS: tl.constexpr,
     CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
     TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    COPY: tl.constexpr = True,   # False: the metadata only, no payload to d.x (moe_comm.MoELayer reads it in place)
 ):
     blk = tl.program_id(0)
     src = tl.program_id(1)   # the source this program unpacks
@@ -355,9 +356,10 @@ def dispatch_recv_kernel(
         tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = src * M + t
         # A row routed to several local experts is read once per slot; the reads of one tile hit the
         # same lines, so the copy costs one read of the row.
-        to = address(out_x_ptr + dst * X_WORDS)[:, None]
-        copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
-        if S_WORDS > 0:
+        if COPY:
+            to = address(out_x_ptr + dst * X_WORDS)[:, None]
+            copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
+        if COPY & (S_WORDS > 0):
             copy_rows(src_row + X_WORDS, ok, address(out_scales_ptr + dst * S_WORDS)[:, None], ok[:, None],
                       S_WORDS, S_WORDS_P2, 1, 1, ALIGNED & (S_WORDS % 4 == 0))
 
