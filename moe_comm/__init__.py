@@ -6,7 +6,7 @@ interpreter, chosen per launch (``moe_comm.interpreter``), and kernels on CUDA t
 
 from . import metrics, reference
 from .alltoallv import A2AHandle, A2AResult, AllToAllvDynamic
-from .ep import DispatchResult, EPBuffer, EPHandle
+from .ep import ArrivalWords, DispatchResult, EPBuffer, EPHandle
 from .errors import (CapacityError, ClosedError, CommAbortedError, CommDesyncError, CommTimeoutError, ExcludedError,
                      GroupError, InvalidIndexError, LaunchError, MoECommError)
 from .group import CommGroup, init, launch
@@ -19,6 +19,7 @@ __all__ = [
     "A2AHandle",
     "A2AResult",
     "AllToAllvDynamic",
+    "ArrivalWords",
     "CapacityError",
     "ClosedError",
     "CommAbortedError",

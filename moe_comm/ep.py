@@ -79,6 +79,33 @@ class DispatchResult:
     global_scale: torch.Tensor | None = None
 
 
+@dataclass
+class ArrivalWords:
+    """Where a kernel of your own (a GEMM on d.x) waits for a dispatch's rows, source by source, while the
+    receive is still running (world > 1; ``EPBuffer.arrival``, docs/moe-layer.md "Your own GEMM", and the
+    Triton helpers of ``moe_comm.triton_kernels.arrival``). All tensors on the group's device.
+
+    words   int64 [W]: words[s] becomes the call's flag (``arrival.arrival_flag``) once the receive has
+            written source s's rows of every local expert into d.x (a release at system scope: acquire it);
+            an excluded source's word too (it sends nothing); a source whose wait failed never
+    counts  int32 [W, E_local + 1]: counts[s, e] = rows of local expert e from source s, written before
+            words[s]; source s's rows of e are d.x[e, base : base + counts[s, e]] with base = the sum of
+            counts[s', e] over s' < s (known once every s' <= s has arrived)
+    call    int64 [1]: the dispatch channel's send count: the call's number once its send phase has run
+    state   int64: the group state (its epoch: the flag is ``epoch << EPOCH_SHIFT | call``)
+    status  int64: this rank's status words (a consumer's bounded wait reads and writes them)
+    x       d.x: [E_local, W * max_tokens_per_rank, hidden] (the receive writes it; the same tensor every call)
+    The words alternate between two sets like the rest of the metadata: valid until two more dispatches.
+    """
+
+    words: torch.Tensor
+    counts: torch.Tensor
+    call: torch.Tensor
+    state: torch.Tensor
+    status: torch.Tensor
+    x: torch.Tensor
+
+
 def check_global_scale(global_scale, nvfp4: bool, device) -> None:
     """The nvfp4 dispatch's ``global_scale``: required there (float32, one element, on ``device``), refused
     elsewhere (it would be ignored)."""
@@ -106,17 +133,20 @@ class _Set:
         self.row_of = torch.full((w, m, k), -1, dtype=torch.int32, device=dev)
         self.src_tokens = torch.zeros(w, dtype=torch.int32, device=dev)
         self.routed = torch.zeros((m, k), dtype=torch.int32, device=dev)
+        # runs     int32 [w, L + 1]: rows received from each source per local expert, then (put transport)
+        #          the source's run base (its slots routed to lower ranks' experts), from the control words
+        # arrival  int64 [w]: the receive's arrival words (``ArrivalWords``): arrival[s] = the call's flag
+        #          once source s's rows are in d.x
+        self.runs = torch.zeros((w, L + 1), dtype=torch.int32, device=dev)
+        self.arrival = torch.zeros(w, dtype=torch.int64, device=dev)
         # Put transport only (``EPPlan.put``; else placeholders, never read): where the combine's runs go.
-        #   runs     int32 [w, L + 1]: rows received from each source per local expert, then the source's
-        #            run base (its slots routed to lower ranks' experts), from the dispatch control words
         #   slot_key int32 [m, k]: position * BINS + expert id of this rank's slot (t, k) (valid where routed)
         #   id_base  int32 [BINS]: this rank's slots with a lower expert id (slots sort by (id, position))
         if p.put:
-            self.runs = torch.zeros((w, L + 1), dtype=torch.int32, device=dev)
             self.slot_key = torch.zeros((m, k), dtype=torch.int32, device=dev)
             self.id_base = torch.zeros(histogram_bins(p.num_experts), dtype=torch.int32, device=dev)
         else:
-            self.runs = self.slot_key = self.id_base = self.src_tokens
+            self.slot_key = self.id_base = self.src_tokens
 
 
 class EPBuffer(OpBuffer):
@@ -403,7 +433,8 @@ class EPBuffer(OpBuffer):
             combine_recv = self._combine_recv_launch(p, s, s.row_of, rows)
             if g.world_size == 1:  # one kernel per call: no landing zone, no flags
                 sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
-                    dispatch_local_kernel, dev, p.local_grid if self._copies_rows else (p.local_grid[0], 1), aligned=vector_aligned(x_words, self._scales),
+                    dispatch_local_kernel, dev, p.local_grid if self._copies_rows else (p.local_grid[0], 1),
+                    aligned=vector_aligned(x_words, self._scales),
                     out_x_ptr=x_words, out_scales_ptr=scales, out_src_ptr=s.src, out_counts_ptr=s.counts,
                     row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, routed_ptr=s.routed, stats_ptr=self._stats,
                     excluded_ptr=self._excluded, grp=g.state, OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk,
@@ -422,7 +453,7 @@ class EPBuffer(OpBuffer):
                     aligned=vector_aligned(self._x, self._scales, dch.data.local),
                     out_x_ptr=self._x.view(torch.int32), out_scales_ptr=scales.view(torch.int32), out_src_ptr=s.src,
                     out_counts_ptr=s.counts, row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, runs_ptr=s.runs,
-                    stats_ptr=self._stats, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq,
+                    stats_ptr=self._stats, arrival_ptr=s.arrival, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq,
                     done_ptr=dch.done, OP=op_id("dispatch"), CAP=p.capacity, **self._recv_put_args(p),
                     EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
                     X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
@@ -487,6 +518,23 @@ class EPBuffer(OpBuffer):
         else:
             recv = launches["dispatch_recv"]
             recv.run(ALIGNED=recv.aligned)
+
+    def arrival(self) -> ArrivalWords:
+        """The arrival words of the dispatch whose send phase ran last and whose receive has not returned
+        yet (``ArrivalWords``): launch a consumer kernel that waits on them after ``dispatch(...,
+        phase="send")`` (on a stream ordered after it), then ``dispatch(phase="recv")`` on another stream;
+        the consumer starts on a source's rows as soon as the receive has written them. World > 1 (at world
+        1 the receive is one kernel that writes every row: run your GEMM after it). Keep the consumer's
+        grid small enough that the receive's programs get SMs while it waits."""
+        pending = self._dispatch_op.pending if self._allocated else None
+        if pending is None:
+            raise RuntimeError("arrival(): call dispatch(..., phase='send') first (the words are those of the "
+                               "call whose receive phase has not run yet)")
+        if self.group.world_size == 1:
+            raise ValueError("arrival(): at world 1 the dispatch is one kernel: run your GEMM after it")
+        s = self._sets[pending[1]]
+        return ArrivalWords(s.arrival, s.runs, self._dispatch_ch.send_seq, self.group.state, self.group.status.local,
+                            self._x)
 
     # ---- combine ---------------------------------------------------------------------------------
     def _check_expert_out(self, expert_out) -> None:

@@ -24,26 +24,33 @@ from .ep import EPBuffer, EPHandle
 from .errors import GroupError, MoECommError, op_id
 from .launches import Launch
 from .planner import MoELayerPlan, next_pow2, plan_moe_layer, vector_aligned
+from .serving.experts import masked_expert_mlp
 from .triton_kernels.moe_down_combine import moe_down_combine_kernel
 from .triton_kernels.moe_gate_up import moe_gate_up_kernel
 
 PHASES = ("send", "experts", "recv", "both")
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PATHS = ("auto", "fused", "unfused")
+# The crossover of path="auto": a layer whose max_tokens_per_rank is above it runs the unfused path
+# (dispatch + masked batched experts + combine). NOT MEASURED: no GPU has run either path yet; 128 is the
+# largest decode batch per rank of the issue's target (the fused Hopper port measured elsewhere loses at
+# 8192 tokens). scripts/gpu_quick.py's "moe_layer" step measures both paths to set it (bench/NOTES.md).
+FUSED_MAX_TOKENS = 128
 
 
 class _FusedEPBuffer(EPBuffer):
-    """The layer's EPBuffer: no d.x; the dispatch receive is preceded (world > 1) or followed (world 1) by the
-    gate/up kernel, the combine send is the down kernel, and the combine receive reads this rank's own
-    slots from the layer's rows (``MoELayer._own_out``) through ``_own_codes``."""
+    """The layer's EPBuffer. Fused: no d.x; the dispatch receive is preceded (world > 1) or followed (world 1)
+    by the gate/up kernel, the combine send is the down kernel, and the combine receive reads this rank's
+    own slots from the layer's rows (``_own_out``) through ``_own_codes``. Unfused: an EPBuffer."""
 
-    _copies_rows = False
-
-    def __init__(self, layer: "MoELayer", group, num_experts, hidden, max_tokens_per_rank, topk, dtype):
-        self._layer = layer
+    def __init__(self, layer: "MoELayer", group, num_experts, hidden, max_tokens_per_rank, topk, dtype, fused):
+        self._layer, self.fused = layer, fused
+        self._copies_rows = not fused
         super().__init__(group, num_experts, hidden, max_tokens_per_rank, topk, dtype=dtype)
 
     def _allocate(self) -> None:
         super()._allocate()
+        if not self.fused:
+            return
         p, dev = self._ep_plan, self.group.device
         inter = self._layer.intermediate
         self._h = torch.empty((p.experts_per_rank, p.capacity, inter), dtype=p.dtype, device=dev)
@@ -57,18 +64,22 @@ class _FusedEPBuffer(EPBuffer):
 
     def _build_launches(self, p) -> tuple[dict, dict]:
         sets = super()._build_launches(p)
+        if not self.fused:
+            return sets
         layer, g, dch, cch = self._layer, self.group, self._dispatch_ch, self._combine_ch
         lp = plan_moe_layer(p, layer.intermediate, g.device)
         common = dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, CAP=p.capacity,
                       TOPK=p.topk, TOPK_P2=next_pow2(p.topk), EXPERTS_PER_RANK=p.experts_per_rank, HIDDEN=p.hidden,
                       INTER=layer.intermediate, BM=lp.block_rows, BK=lp.block_k, grp=g.state,
-                      status_ptr=g.status.local, rank=g.rank, PRECISION="ieee" if p.dtype == torch.float32 else "tf32")
+                      status_ptr=g.status.local, rank=g.rank,
+                      PRECISION="ieee" if p.dtype == torch.float32 else "tf32")
         for s, launches in zip(self._sets, sets):
             launches["gate_up"] = Launch(
                 moe_gate_up_kernel, g.device, lp.gate_grid, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local,
                 seq_ptr=dch.recv_seq, src_ptr=s.src, counts_ptr=s.counts, w13_ptr=layer.w13, h_ptr=self._h,
                 OP=op_id("dispatch"), META=p.x_words + p.scale_words, ROW_WORDS=p.row_words,
-                CTRL_WORDS=p.dispatch_ctrl_words, BN=lp.gate_cols, SCAN=lp.scan_slots, **self._recv_put_args(p), **common)
+                CTRL_WORDS=p.dispatch_ctrl_words, BN=lp.gate_cols, SCAN=lp.scan_slots, **self._recv_put_args(p),
+                **common)
             launches["combine_send"] = Launch(
                 moe_down_combine_kernel, g.device, lp.down_grid,
                 aligned=vector_aligned(self._own_out, cch.data.local, *((cch.stage.local,) if cch.put else ())),
@@ -82,7 +93,9 @@ class _FusedEPBuffer(EPBuffer):
         return sets
 
     def _receive(self, launches: dict, handle: EPHandle, xin, idx, gs) -> None:
-        if self.group.world_size == 1:   # the world-1 dispatch writes src and counts; the GEMM reads x by them
+        if not self.fused:
+            super()._receive(launches, handle, xin, idx, gs)
+        elif self.group.world_size == 1:   # the world-1 dispatch writes src and counts; the GEMM reads x by them
             super()._receive(launches, handle, xin, idx, gs)
             launches["gate_up"].run(x_ptr=xin)
         else:                            # the GEMM first: it waits for its rows' sources, not for every one
@@ -90,10 +103,14 @@ class _FusedEPBuffer(EPBuffer):
             super()._receive(launches, handle, xin, idx, gs)
 
     def _check_expert_out(self, expert_out) -> None:
+        if not self.fused:
+            return super()._check_expert_out(expert_out)
         if expert_out is not self._own_out:
             raise TypeError("the layer's combine sends its own rows (an internal call: use MoELayer)")
 
     def _send_combine(self, handle: EPHandle, expert_out: torch.Tensor) -> None:
+        if not self.fused:
+            return super()._send_combine(handle, expert_out)
         self._dispatch_ch.after_previous()   # (CUDA) the activations come from this call's dispatch receive
         send = self._launches()[handle.call_index % 2]["combine_send"]
         send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned)
@@ -105,12 +122,18 @@ class MoELayer:
     each expert output tile is stored straight into the landing zone of the token's rank.
 
     ``MoELayer(group, num_experts, hidden, intermediate, max_tokens_per_rank, topk, w13, w2,
-    dtype=torch.bfloat16)``: rank r owns experts [r*E_local, (r+1)*E_local), E_local = num_experts // world.
+    dtype=torch.bfloat16, path="auto", fused_max_tokens=FUSED_MAX_TOKENS)``: rank r owns experts
+    [r*E_local, (r+1)*E_local), E_local = num_experts // world.
         w13  [E_local, 2 * intermediate, hidden] dtype on group.device: rows [0, I) of expert e are its gate
              projection, rows [I, 2I) its up projection (a Linear's weight layout, DeepSeek's w1 and w3)
         w2   [E_local, hidden, intermediate] dtype: the down projection
         dtype  bfloat16, float16 or float32 (tokens, weights and output). hidden * element size must be a
              multiple of 16 bytes. The layer keeps references to the weights (``set_weights`` replaces them).
+        path  "fused" (the kernels above), "unfused" (EPBuffer.dispatch, the masked batched experts of
+             moe_comm.serving.experts, EPBuffer.combine: the same results, for large batches where the fused
+             kernels' per-tile waits and row search cost more than the saved pass) or "auto": fused when
+             max_tokens_per_rank <= fused_max_tokens (FUSED_MAX_TOKENS, not yet measured on a GPU). Chosen
+             once, here: every rank must run the same kernels, and T differs between ranks. ``layer.path``.
     Every rank builds its layer in the same order (collective); on a loopback world one per group, in rank
     order. Buffers are allocated by the first call (collective).
 
@@ -151,12 +174,18 @@ class MoELayer:
     """
 
     def __init__(self, group, num_experts: int, hidden: int, intermediate: int, max_tokens_per_rank: int,
-                 topk: int, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+                 topk: int, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                 path: str = "auto", fused_max_tokens: int = FUSED_MAX_TOKENS):
         if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
             raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
-        self.group, self.intermediate, self.dtype = group, int(intermediate), dtype
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if path == "auto":
+            path = "fused" if max_tokens_per_rank <= fused_max_tokens else "unfused"
+        self.group, self.intermediate, self.dtype, self.path = group, int(intermediate), dtype, path
         self._given_weights = None
-        self.ep = _FusedEPBuffer(self, group, num_experts, hidden, max_tokens_per_rank, topk, dtype)
+        self.ep = _FusedEPBuffer(self, group, num_experts, hidden, max_tokens_per_rank, topk, dtype,
+                                 fused=path == "fused")
         self.num_experts, self.hidden, self.topk = self.ep.num_experts, self.ep.hidden, self.ep.topk
         self.max_tokens_per_rank, self.num_local_experts = self.ep.max_tokens_per_rank, self.ep.num_local_experts
         self.w13 = self.w2 = None
@@ -171,14 +200,17 @@ class MoELayer:
 
     @property
     def buffer_bytes(self) -> int:
-        return self.plan.buffer_bytes
+        """Bytes the layer's buffers hold once allocated: the fused plan's, or the EPBuffer's (unfused; the
+        expert outputs it allocates per call are not counted)."""
+        return self.plan.buffer_bytes if self.path == "fused" else self.ep.buffer_bytes
 
     @staticmethod
     def required_bytes(world_size: int, num_experts: int, hidden: int, intermediate: int, max_tokens_per_rank: int,
-                       topk: int, dtype: torch.dtype = torch.bfloat16) -> int:
-        """``buffer_bytes`` of a layer with these sizes, without a group and without allocating."""
+                       topk: int, dtype: torch.dtype = torch.bfloat16, path: str = "fused") -> int:
+        """``buffer_bytes`` of a layer with these sizes and path ("fused" or "unfused"), without a group and
+        without allocating."""
         ep = EPBuffer._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype, False, "cpu")
-        return plan_moe_layer(ep, intermediate, "cpu").buffer_bytes
+        return plan_moe_layer(ep, intermediate, "cpu").buffer_bytes if path == "fused" else ep.buffer_bytes
 
     # ---- weights -----------------------------------------------------------------------------------------
     def set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -237,7 +269,13 @@ class MoELayer:
                 raise
             d, self._held = e.result, e
         weights, self._weights = self._weights, None
-        self.ep.combine(self.ep._own_out, weights, d.handle, phase="send")
+        if self.path == "fused":
+            self.ep.combine(self.ep._own_out, weights, d.handle, phase="send")
+            return
+        I = self.intermediate
+        expert_out = masked_expert_mlp(d.x, d.counts, self.w13[:, :I].transpose(1, 2), self.w13[:, I:].transpose(1, 2),
+                                       self.w2.transpose(1, 2))
+        self.ep.combine(expert_out, weights, d.handle, phase="send")
 
     def _recv(self, out) -> torch.Tensor:
         held, self._held = self._held, None

@@ -29,10 +29,10 @@ DOT_IN_FLOAT32 = tl.constexpr(INTERPRET)
 
 
 @triton.jit
-def expert_tile(a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED: tl.constexpr,
+def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """float32 [BM, BN]: the rows of A that start at pointers ``a_rows`` [BM] (elements s_ak apart; rows
-    where ``row_live``, the others read as zeros) times columns [n0, n0 + BN) of B [K, N] (at ``b_base``,
+    """float32 [BM, BN]: the rows of A that start at ``a_base + a_rows`` ([BM] element offsets; elements s_ak
+    apart; rows where ``row_live``, the others read as zeros) times columns [n0, n0 + BN) of B [K, N] (at ``b_base``,
     strides s_bk, s_bn), accumulated over K in steps of BK by tl.dot; with GATED, SiLU(A @ B) * (A @ B2)
     (B2 at ``b2_base``, B's strides), in float32. The one GEMM tile of the expert kernels: the masked
     batched experts here and the fused MoE layer (``moe_comm/triton_kernels/moe_gate_up.py``,
@@ -41,14 +41,14 @@ def expert_tile(a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, G
     rk = tl.arange(0, BK)
     # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
     # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
-    a_off = rk[None, :] * s_ak
+    a_off = a_rows[:, None] + rk[None, :] * s_ak
     b_off = rk[:, None] * s_bk + rn[None, :] * s_bn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_live = k0 + rk < K
         # Rows past the count are not read: whatever they hold gives rows that are never stored.
-        a = tl.load(a_rows[:, None] + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
+        a = tl.load(a_base + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
         b_mask = k_live[:, None] & (rn < N)[None, :]
         b = tl.load(b_base + b_off, mask=b_mask, other=0.0)
         if DOT_IN_FLOAT32:
@@ -98,7 +98,7 @@ def masked_bmm_kernel(
     for m0 in range(0, rows, BM):
         rm = m0 + tl.arange(0, BM)
         row_live = rm < rows
-        acc = expert_tile(a_base + rm * s_ar, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED, BM, BN,
+        acc = expert_tile(a_base, rm * s_ar, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED, BM, BN,
                           BK, PRECISION)
         tl.store(c_base + rm[:, None] * s_cr + rn[None, :] * s_cn, cast_rne(acc, c_ptr.dtype.element_ty),
                  mask=row_live[:, None] & (rn < N)[None, :])

@@ -149,7 +149,7 @@ def moe_down_combine_kernel(
         for m0 in range(0, rows, BM):
             i = m0 + tl.arange(0, BM)
             row_live = i < rows
-            acc = expert_tile(h_base + i.to(tl.int64) * INTER, row_live, b_base, b_base, n0, INTER, HIDDEN, 1, 1, INTER,
+            acc = expert_tile(h_base, i.to(tl.int64) * INTER, row_live, b_base, b_base, n0, INTER, HIDDEN, 1, 1, INTER,
                               False, BM, BN, BK, PRECISION)
             # The slot (s, t, k) of each row: s * M + t from src, k where row_of names the row.
             q = tl.minimum(tl.maximum(tl.load(src_ptr + e * CAP + i, mask=row_live, other=0), 0), WORLD * M - 1)
@@ -210,3 +210,31 @@ def moe_down_combine_kernel(
                                   n.to(tl.int64) * ROW_BYTES, own_flag, flag, p)
             tl.store(seq_ptr, call)
         trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
+
+
+def _compile_configs() -> list[dict]:
+    """DeepSeek-V3 decode (256 experts, hidden 7168, intermediate 2048, top-8, 128 tokens per rank) with the
+    planner's GPU shapes: EP8 over stores, with the flight recorder, over puts (NVSHMEM linked), and EP1."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import next_pow2, plan_ep, plan_moe_layer  # noqa: PLC0415
+    types = dict(h_ptr="*bf16", w2_ptr="*bf16", counts_ptr="*i32", src_ptr="*i32", row_of_ptr="*i32",
+                 src_tokens_ptr="*i32", runs_ptr="*i32", expert_out_ptr="*bf16", own_codes_ptr="*i32",
+                 data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", stage_ptr="*i32", stage_ctrl_ptr="*i64", seq_ptr="*i64",
+                 done_ptr="*i32", grp="*i64", status_ptr="*i64", rank="i32")
+    out = []
+    for world, put, traced in ((8, False, False), (8, False, True), (8, True, False), (1, False, False)):
+        p = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
+        p = p.with_put() if put else p
+        lp = plan_moe_layer(p, 2048, "cuda")
+        label = f"DSV3 EP{world} bf16" + (" put" if put else "") + (" trace" if traced else "")
+        out.append(dict(kernel="moe_down_combine_kernel", label=label, types=types, nvshmem=put, constexprs=dict(
+            OP=3, WORLD=world, WORLD_P2=next_pow2(world), M=128, CAP=p.capacity, TOPK=8, TOPK_P2=8,
+            EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), HIDDEN=7168, INTER=2048,
+            SLOT_WORDS=p.combine_words, ZONE_SLOTS=max(1, p.combine_zone_slots), BM=lp.block_rows, BN=lp.down_cols,
+            BK=lp.block_k, BS=lp.bookkeeping_slots, PRECISION="tf32", ALIGNED=True, PUT=put, TRACE=traced,
+            TRACE_N=64)))
+    return out
+
+
+COMPILE_CONFIGS = _compile_configs()

@@ -72,11 +72,11 @@ def _landing_rows(data_ptr, zone, e, i, live, bases, counts, tokens, s_first, s_
 
 
 @triton.jit
-def _tile(a_rows, live, i, b_base, h_base, n0, HIDDEN: tl.constexpr, INTER: tl.constexpr, BM: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """SiLU(A @ gate) * (A @ up) of the rows at ``a_rows`` ([BM] pointers; where ``live``), columns
-    [n0, n0 + BN) of I, rounded once and stored to rows ``i`` of h (``h_base``: expert e's [CAP, INTER])."""
-    acc = expert_tile(a_rows, live, b_base, b_base + INTER * HIDDEN, n0, HIDDEN, INTER, 1, 1, HIDDEN, True, BM, BN,
+def _tile(a_base, a_rows, live, i, b_base, h_base, n0, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """SiLU(A @ gate) * (A @ up) of the rows at ``a_base + a_rows`` ([BM] element offsets; where ``live``),
+    columns [n0, n0 + BN) of I, rounded once and stored to rows ``i`` of h (``h_base``: expert e's rows)."""
+    acc = expert_tile(a_base, a_rows, live, b_base, b_base + INTER * HIDDEN, n0, HIDDEN, INTER, 1, 1, HIDDEN, True, BM, BN,
                       BK, PRECISION)
     rn = n0 + tl.arange(0, BN)
     tl.store(h_base + i[:, None].to(tl.int64) * INTER + rn[None, :], cast_rne(acc, h_base.dtype.element_ty),
@@ -110,12 +110,14 @@ def moe_gate_up_kernel(
             i = m0 + tl.arange(0, BM)
             live = i < rows
             t = tl.minimum(tl.maximum(tl.load(src_ptr + e * CAP + i, mask=live, other=0), 0), M - 1)
-            _tile(x_ptr + t.to(tl.int64) * HIDDEN, live, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
+            _tile(x_ptr, t.to(tl.int64) * HIDDEN, live, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
     elif group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0:   # a failed group's kernels neither wait nor send
         call = tl.load(seq_ptr) + 1
         zone = call % 2
         target = flag_value(tl.load(grp + S_EPOCH), call)
         ctrl = ctrl_ptr + zone * WORLD * CTRL_WORDS
+        rows_of = data_ptr.to(tl.pointer_type(h_ptr.dtype.element_ty), bitcast=True)   # the landing zone's elements
+        WORD_ELEMS: tl.constexpr = 32 // h_ptr.dtype.element_ty.primitive_bitwidth      # elements per int32 word
         w = tl.arange(0, WORLD_P2)
         bases = tl.zeros([WORLD_P2], dtype=tl.int32)    # rows of e before each source's
         counts = tl.zeros([WORLD_P2], dtype=tl.int32)   # rows of e from each source
@@ -146,8 +148,8 @@ def moe_gate_up_kernel(
                         rows, found = _landing_rows(data_ptr, zone, e, i, i < end, bases, counts, tokens, s_first,
                                                     s, WORLD, WORLD_P2, M, TOPK, TOPK_P2, EXPERTS_PER_RANK,
                                                     ROW_WORDS, META, BM, SCAN)
-                        _tile((data_ptr + rows).to(tl.pointer_type(h_ptr.dtype.element_ty), bitcast=True), found, i,
-                              b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
+                        _tile(rows_of, rows * WORD_ELEMS, found, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK,
+                              PRECISION)
                         m0 += BM
                         s_first = s
         end = tl.minimum(known, CAP)
@@ -156,5 +158,30 @@ def moe_gate_up_kernel(
             rows, found = _landing_rows(data_ptr, zone, e, i, i < end, bases, counts, tokens, s_first,
                                         WORLD - 1, WORLD, WORLD_P2, M, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROW_WORDS,
                                         META, BM, SCAN)
-            _tile((data_ptr + rows).to(tl.pointer_type(h_ptr.dtype.element_ty), bitcast=True), found, i, b_base,
-                  h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
+            _tile(rows_of, rows * WORD_ELEMS, found, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
+
+
+def _compile_configs() -> list[dict]:
+    """DeepSeek-V3 decode (256 experts, hidden 7168, intermediate 2048, top-8, 128 tokens per rank) with the
+    planner's GPU shapes, EP8 over stores and over puts (NVSHMEM linked: a failed wait's status broadcast)
+    and EP1: what ``compile_report`` compiles for sm_90 without a GPU."""
+    import torch  # noqa: PLC0415
+
+    from ..planner import next_pow2, plan_ep, plan_moe_layer  # noqa: PLC0415
+    types = dict(data_ptr="*i32", ctrl_ptr="*i64", seq_ptr="*i64", x_ptr="*bf16", src_ptr="*i32", counts_ptr="*i32",
+                 w13_ptr="*bf16", h_ptr="*bf16", grp="*i64", status_ptr="*i64", rank="i32")
+    out = []
+    for world, put in ((8, False), (8, True), (1, False)):
+        p = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
+        p = p.with_put() if put else p
+        lp = plan_moe_layer(p, 2048, "cuda")
+        out.append(dict(kernel="moe_gate_up_kernel", label=f"DSV3 EP{world} bf16" + (" put" if put else ""),
+                        types=types, nvshmem=put, constexprs=dict(
+                            OP=2, WORLD=world, WORLD_P2=next_pow2(world), M=128, CAP=p.capacity, TOPK=8, TOPK_P2=8,
+                            EXPERTS_PER_RANK=p.experts_per_rank, META=p.x_words + p.scale_words, ROW_WORDS=p.row_words,
+                            CTRL_WORDS=p.dispatch_ctrl_words, HIDDEN=7168, INTER=2048, BM=lp.block_rows,
+                            BN=lp.gate_cols, BK=lp.block_k, SCAN=lp.scan_slots, PRECISION="tf32", PUT=put)))
+    return out
+
+
+COMPILE_CONFIGS = _compile_configs()
