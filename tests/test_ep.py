@@ -446,7 +446,7 @@ def test_buffer_bytes_counts_what_is_allocated(fp8, world):
     ep = eps[0]
     nb = lambda t: t.numel() * t.element_size()  # noqa: E731
     held = [ep._x, ep._stats, ep._excluded, ep._dummy] + ([ep._scales] if fp8 else [])
-    held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed)]
+    held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed, s.runs, s.arrival)]
     for ch in (ep._dispatch_ch, ep._combine_ch):
         held += [ch.data.local, ch.ctrl.local, ch.send_seq, ch.recv_seq, ch.done]
     assert sum(map(nb, held)) == planned
