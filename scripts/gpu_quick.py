@@ -20,7 +20,11 @@ goes on with the next step):
    8 ep-rank            one real rank of EP8, the other 7 emulated (bench/ep_rank.py), T 1 and 128
    9 prefill            PrefillBuffer, 8 emulated ranks, T = 4096: link-side GB/s and % of the floor
   10 decode             DeepSeek-V3 decode step, batch 1 and 64: fused against sync-graphed
-  11 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
+  11 moe-layer          bench/moe_layer.py: the fused MoE layer against our unfused path and against
+                        dispatch + torch._grouped_mm + combine, DeepSeek-V3 and V4-Flash-like shapes, world
+                        8 (emulated, a stream each) then 1, T = 1, 8, 64, 128, 512 (the fused/unfused
+                        crossover: moe_layer.FUSED_MAX_TOKENS)
+  12 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
                         cache, warm cache, and after ``moe_comm warmup`` (bench/cold_start.py)
 
 Under OUT: ``NN-step/`` per step (its log, JSON lines, and ``verdict.json``: one line, written when the
@@ -326,6 +330,30 @@ def judge_decode(d, log, rc, dry):
     return rc == 0 and bool(parts), "; ".join(parts) or f"no decode results (exit {rc})"
 
 
+def moe_layer(ctx: Context, d: str):
+    if ctx.dry:   # one shape, worlds 1 and 2, one token: the script's logic, not its numbers
+        return [_py(ctx, "bench/moe_layer.py", "--dry", "--shapes", "dsv3", "--worlds", "1,2", "--tokens", "1",
+                    "--iters", "1", "--warmup", "0", "--out-dir", d)]
+    return [_py(ctx, "bench/moe_layer.py", "--iters", "10", "--warmup", "3", "--out-dir", d)]
+
+
+def judge_moe_layer(d, log, rc, dry):
+    """Per (shape, world): the fused layer's speedup over the unfused path at each T, and the first T where
+    it is slower (the crossover the layer's path="auto" should use)."""
+    rows = [r for r in _jsonl(os.path.join(d, "moe_layer.jsonl")) if r.get("kind") == "result"]
+    fused = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused"}
+    parts = []
+    for shape, world in sorted({k[:2] for k in fused}):
+        ts = sorted(t for s, w, t in fused if (s, w) == (shape, world))
+        speed = {t: fused[(shape, world, t)].get("speedup_vs_unfused") for t in ts}
+        slower = [t for t in ts if speed[t] is not None and speed[t] < 1.0]
+        parts.append(f"{shape} W{world}: " + ", ".join(f"T{t} x{speed[t]:.2f}" for t in ts if speed[t] is not None)
+                     + (f"; unfused faster from T={slower[0]}" if slower else ""))
+    exact = all(r.get("max_abs_diff_vs_unfused", 1.0) == 0.0 for r in rows if r["impl"] == "fused")
+    return rc == 0 and bool(rows), ("; ".join(parts) or f"no results (exit {rc})") + \
+        ("" if exact else "; fused differs from unfused somewhere (max_abs_diff_vs_unfused)")
+
+
 def cold_start(ctx: Context, d: str):
     args = ("--dry",) if ctx.dry else ()
     # the cache directories stay out of OUT (tens of MB of binaries): a new temporary directory
@@ -355,6 +383,8 @@ STEPS = (
     Step("ep-rank", 30, "one real rank of EP8, 7 emulated peers, T 1/128", ep_rank, judge_kernels),
     Step("prefill", 35, "PrefillBuffer T=4096, 8 emulated ranks: link GB/s, % of floor", prefill, judge_kernels),
     Step("decode", 50, "DeepSeek-V3 decode step, batch 1/64: fused vs sync-graphed", decode, judge_decode),
+    Step("moe-layer", 150, "fused MoE layer vs unfused vs grouped_mm, DSV3/V4-Flash, W 8/1, T 1-512", moe_layer,
+         judge_moe_layer),
     Step("cold-start", 80, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,
          judge_cold_start),
 )

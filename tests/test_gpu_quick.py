@@ -24,7 +24,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABEL = "dry run, CPU interpreter, not a GPU measurement"
 STEPS = ("gpu-tests", "concurrent-ranks", "faults", "sanitizers", "kernels", "kernels-baseline", "kernels-trace",
-         "ep-rank", "prefill", "decode", "cold-start")
+         "ep-rank", "prefill", "decode", "moe-layer", "cold-start")
 
 
 def _load(name):
@@ -73,7 +73,7 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     assert "0 failed" in verdicts["gpu-tests"]["verdict"] and "skipped" in verdicts["gpu-tests"]["verdict"]
     assert "2/2 steps exact" in verdicts["concurrent-ranks"]["verdict"]
     assert "without compute-sanitizer" in verdicts["sanitizers"]["verdict"]
-    cold = [r for r in _jsonl(out / "11-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
+    cold = [r for r in _jsonl(out / "12-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
     assert [r["case"] for r in cold] == ["cold", "warm", "after-warmup"] and all(r["label"] == LABEL for r in cold)
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"*** {LABEL} ***") and summary.rstrip().endswith(f"*** {LABEL} ***")
