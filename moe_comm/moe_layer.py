@@ -192,6 +192,7 @@ class MoELayer:
         self.set_weights(w13, w2)
         self._weights = None        # topk_weights of the call between its send and experts phases
         self._held = None           # a data error of this call's dispatch, raised at the end of the call
+        group.register(self)        # reset(): a call in progress is dropped, as the ops drop theirs
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -284,6 +285,10 @@ class MoELayer:
             held.result = held.call_result = y
             raise held
         return y
+
+    def reset(self) -> None:
+        """``group.reset()``: the call in progress (if any) is dropped, as its ops' pending phases are."""
+        self._weights = self._held = None
 
     def close(self) -> None:
         """Free the buffers (collective). Any later call raises ClosedError."""

@@ -189,8 +189,8 @@ def test_the_auto_path_switches_at_the_crossover_and_both_paths_agree():
 
 
 def test_bad_input_raises_before_anything_is_lost():
-    """Host-visible errors raise ValueError/TypeError naming the fix (world 1: nothing to abort) and the
-    next call is exact."""
+    """Host-visible errors raise ValueError/TypeError naming the fix (world 1: nothing to abort), a phase out
+    of order or after reset() raises RuntimeError, and the next call is exact."""
     cfg = CONFIGS[0]
     (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
     xs, idxs, ws, w13s, w2s = layer_inputs(1, [3], cfg.experts_per_rank, cfg.hidden, cfg.inter, cfg.topk, 4, True)
@@ -212,5 +212,9 @@ def test_bad_input_raises_before_anything_is_lost():
         layer(phase="experts")
     with pytest.raises(ValueError, match="phase"):
         layer(xs[0], idxs[0], ws[0], phase="all")
+    layer(xs[0], idxs[0], ws[0], phase="send")
+    g.reset()   # drops the call in progress: its next phase needs a new send
+    with pytest.raises(RuntimeError, match="phase='experts' needs a preceding phase='send'"):
+        layer(phase="experts")
     y = layer(xs[0], idxs[0], ws[0])
     assert torch.equal(y, reference.moe_layer(xs, idxs, ws, w13s, w2s, cfg.experts_per_rank, cfg.max_tokens)[0])
