@@ -1,7 +1,7 @@
 """MoELayer: dispatch -> expert GEMMs -> combine, with the GEMMs fused into the communication.
 
 The layer holds the local experts' weights and an EPBuffer without d.x (``EPBuffer._copies_rows``). A call
-is five launches at world > 1 (three at world 1):
+is five launches at world > 1 (four at world 1: the dispatch is one kernel):
 
     send     dispatch_send_kernel                      the EPBuffer's dispatch send, unchanged
     experts  moe_gate_up_kernel                        reads each tile's rows where they landed, as
