@@ -19,7 +19,7 @@ PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel",
                "fail_group_kernel", "prefill_dispatch_send_kernel", "prefill_dispatch_recv_kernel",
                "prefill_dispatch_pull_kernel", "prefill_combine_send_kernel", "prefill_combine_forward_kernel",
-               "prefill_combine_recv_kernel", "prefill_release_kernel")
+               "prefill_combine_recv_kernel", "prefill_release_kernel", "moe_gate_up_kernel", "moe_down_combine_kernel")
 
 
 def register_put_kernels() -> None:

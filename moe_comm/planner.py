@@ -216,7 +216,8 @@ class EPPlan:
         staging  dispatch          2 * W * M * (p + 4*K + 4)  as its landing zone, + 2 * W * (L + 3) * 8
                  combine           2 * W * M * K * c          a run per destination, + 2 * W * 2 * 8
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
-                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
+                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4 + W*(L+1)*4 + W*8) + L*8
+                                   (the last two: rows per (source, local expert) and the arrival words)
                  counters, scratch 2 * (16 + 4*(W+3)) + 8 + 4*max(H, K)
 
     The DeepSeek-V3 decode shape (W=8, M=128, K=8, L=32, H=7168, bf16) needs 0.49 GiB per GPU (0.28 GiB
@@ -398,9 +399,9 @@ class EPPlan:
     def local_bytes(self) -> int:
         L, cap, w, m, k = self.experts_per_rank, self.capacity, self.world, self.max_tokens, self.topk
         outputs = L * cap * 4 * (self.x_words + self.scale_words)
-        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4) + L * 8
-        if self.put:   # per set: runs per source (w * (L + 1)), slot keys (m * k), the id histogram (bins)
-            metadata += 2 * 4 * (w * (L + 1) + m * k + max(32, next_pow2(self.num_experts)))
+        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4 + w * (L + 1) * 4 + w * 8) + L * 8
+        if self.put:   # per set: slot keys (m * k), the id histogram (bins)
+            metadata += 2 * 4 * (m * k + max(32, next_pow2(self.num_experts)))
         # two channels of (send count, receive count, arrival counters); excluded-slot count; launch scratch
         counters = 2 * channel_counter_bytes(w) + 8 + 4 * self.scratch_words
         return outputs + metadata + counters
@@ -796,3 +797,75 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
         node_programs, pull_tokens, pull_words = 1, ep.block_tokens, ep.send_block_words
     return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones), put, g, node_programs, pull_tokens,
                        pull_words)
+
+
+# ---- MoELayer (the fused layer: dispatch -> expert GEMMs -> combine) -------------------------------------
+
+EXPERT_BLOCK_K = 64      # K step of every expert GEMM tile (serving/experts.py's masked kernel uses it too: the
+#                          same step gives a row the same bits in the fused and the unfused path)
+GPU_EXPERT_ROWS = 16     # rows of a GEMM tile on a GPU (decode: few rows per expert)
+GPU_EXPERT_COLS = 64     # output columns of a GEMM tile on a GPU
+GPU_SCAN_SLOTS = 128     # landing slots per step of the gate/up kernel's row search on a GPU
+
+
+@dataclass(frozen=True)
+class MoELayerPlan:
+    """Buffers and launch shapes of one ``moe_comm.MoELayer``, from its static sizes only.
+
+    Memory (bytes, per rank; the EPPlan's symbols, I intermediate): the EPBuffer underneath without d.x
+    (the fused kernels read the rows where they landed; ``EPPlan.local_bytes`` counts L*W*M*p for it),
+    plus the activations h [L, W*M, I] (L*W*M*I*b), the output rows of this rank's own slots [M*K, H]
+    (M*K*H*b) and their codes [W, M, K] int32 (4*W*M*K). That is at most the EPBuffer's (dispatch +
+    combine) when L*W*M*I*b + M*K*H*b + 4*W*M*K <= L*W*M*p: with I < H and any decode shape (DeepSeek-V3
+    EP8, 128 tokens per rank: 0.19 GiB against 0.49 GiB). The weights are the caller's, not counted.
+    """
+
+    ep: EPPlan                # the dispatch / combine buffers underneath
+    intermediate: int         # I: w13 [L, 2I, H], w2 [L, H, I]
+    block_rows: int           # BM: rows of a GEMM tile (both kernels)
+    gate_cols: int            # BN of the gate/up kernel: columns of I per program
+    down_cols: int            # BN of the down kernel: columns of H per program
+    block_k: int              # BK: K step of every GEMM tile (EXPERT_BLOCK_K)
+    scan_slots: int           # landing slots per step of the gate/up kernel's row search
+    bookkeeping_slots: int    # slots per step of the down kernel's own-code and dropped-slot loops
+
+    @property
+    def gate_grid(self) -> tuple:
+        """(column blocks of I, local experts)."""
+        return (-(-self.intermediate // self.gate_cols), self.ep.experts_per_rank)
+
+    @property
+    def down_grid(self) -> tuple:
+        """(column blocks of H, local experts)."""
+        return (-(-self.ep.hidden // self.down_cols), self.ep.experts_per_rank)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.ep.experts_per_rank * self.ep.capacity * self.intermediate * self.ep.elem_size
+
+    @property
+    def own_rows_bytes(self) -> int:
+        """The output rows of this rank's own slots and their codes."""
+        ep = self.ep
+        return ep.max_tokens * ep.topk * ep.hidden * ep.elem_size + 4 * ep.world * ep.max_tokens * ep.topk
+
+    @property
+    def buffer_bytes(self) -> int:
+        ep = self.ep
+        rows = ep.experts_per_rank * ep.capacity * 4 * (ep.x_words + ep.scale_words)   # d.x, not allocated
+        return ep.buffer_bytes - rows + self.activation_bytes + self.own_rows_bytes
+
+
+def plan_moe_layer(ep: EPPlan, intermediate: int, device) -> MoELayerPlan:
+    """Plan a MoELayer over the EPBuffer plan ``ep`` (validated by the caller). GPU: decode tiles (16 rows,
+    64 columns); the interpreter: wide tiles (fewer programs and loop steps). BK is EXPERT_BLOCK_K on both."""
+    cols = next_pow2(intermediate)
+    if gpu_shapes(device):
+        bm, gate_cols, down_cols, scan = GPU_EXPERT_ROWS, GPU_EXPERT_COLS, GPU_EXPERT_COLS, GPU_SCAN_SLOTS
+        bookkeeping = GPU_ROUTE_SLOTS
+    else:
+        bm = max(16, min(64, next_pow2(ep.capacity)))
+        gate_cols, down_cols = max(16, min(128, cols)), max(16, min(256, next_pow2(ep.hidden)))
+        scan = max(16, min(4096, next_pow2(ep.max_tokens) * next_pow2(ep.topk)))
+        bookkeeping = max(16, min(4096, next_pow2(ep.world * ep.max_tokens) * next_pow2(ep.topk)))
+    return MoELayerPlan(ep, int(intermediate), bm, gate_cols, down_cols, EXPERT_BLOCK_K, scan, bookkeeping)

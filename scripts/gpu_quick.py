@@ -23,7 +23,11 @@ goes on with the next step):
   11 hf-door            the transformers door on the GPU (bench/hf_door.py): world-1 generation on nvshmem
                         and loopback checked against transformers' eager run there; a Qwen3-30B-A3B-shaped
                         decode step (batch 1, 8, 64) against transformers' grouped_mm and eager experts
-  12 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
+  12 moe-layer          bench/moe_layer.py: the fused MoE layer against our unfused path and against
+                        dispatch + torch._grouped_mm + combine, DeepSeek-V3 and V4-Flash-like shapes, world
+                        8 (emulated, a stream each) then 1, T = 1, 8, 64, 128, 512 (the fused/unfused
+                        crossover: moe_layer.FUSED_MAX_TOKENS)
+  13 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
                         cache, warm cache, and after ``moe_comm warmup`` (bench/cold_start.py)
 
 Under OUT: ``NN-step/`` per step (its log, JSON lines, and ``verdict.json``: one line, written when the
@@ -91,6 +95,7 @@ GPU_TESTS = (
     "tests/gpu/test_gpu_faults.py::test_graphs_recover_with_reset_and_survive_an_exclude",
     "tests/gpu/test_gpu_formats.py::test_prefill_moe_with_local_experts_on_the_device[e4m3-ue8m0]",
     "tests/gpu/test_gpu_formats.py::test_nvfp4_global_scales_that_differ_raise_compiled",
+    "tests/gpu/test_gpu_moe_layer.py::test_layer_compiled_equals_the_reference_and_the_unfused_path[True-2]",
 )
 FAULT_SCRIPT = "bench/timeout_repeats.py"
 SANITIZER = "compute-sanitizer"
@@ -364,6 +369,30 @@ def judge_hf_door(d, log, rc, dry):
     return ok, "; ".join(words)
 
 
+def moe_layer(ctx: Context, d: str):
+    if ctx.dry:   # one shape, worlds 1 and 2, one token: the script's logic, not its numbers
+        return [_py(ctx, "bench/moe_layer.py", "--dry", "--shapes", "dsv3", "--worlds", "1,2", "--tokens", "1",
+                    "--iters", "1", "--warmup", "0", "--out-dir", d)]
+    return [_py(ctx, "bench/moe_layer.py", "--iters", "10", "--warmup", "3", "--out-dir", d)]
+
+
+def judge_moe_layer(d, log, rc, dry):
+    """Per (shape, world): the fused layer's speedup over the unfused path at each T, and the first T where
+    it is slower (the crossover the layer's path="auto" should use)."""
+    rows = [r for r in _jsonl(os.path.join(d, "moe_layer.jsonl")) if r.get("kind") == "result"]
+    fused = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused"}
+    parts = []
+    for shape, world in sorted({k[:2] for k in fused}):
+        ts = sorted(t for s, w, t in fused if (s, w) == (shape, world))
+        speed = {t: fused[(shape, world, t)].get("speedup_vs_unfused") for t in ts}
+        slower = [t for t in ts if speed[t] is not None and speed[t] < 1.0]
+        parts.append(f"{shape} W{world}: " + ", ".join(f"T{t} x{speed[t]:.2f}" for t in ts if speed[t] is not None)
+                     + (f"; unfused faster from T={slower[0]}" if slower else ""))
+    exact = all(r.get("max_abs_diff_vs_unfused", 1.0) == 0.0 for r in rows if r["impl"] == "fused")
+    return rc == 0 and bool(rows), ("; ".join(parts) or f"no results (exit {rc})") + \
+        ("" if exact else "; fused differs from unfused somewhere (max_abs_diff_vs_unfused)")
+
+
 def cold_start(ctx: Context, d: str):
     args = ("--dry",) if ctx.dry else ()
     # the cache directories stay out of OUT (tens of MB of binaries): a new temporary directory
@@ -395,6 +424,8 @@ STEPS = (
     Step("decode", 50, "DeepSeek-V3 decode step, batch 1/64: fused vs sync-graphed", decode, judge_decode),
     Step("hf-door", 90, "transformers door: world-1 generation vs eager; decode step vs grouped_mm", hf_door,
          judge_hf_door),
+    Step("moe-layer", 150, "fused MoE layer vs unfused vs grouped_mm, DSV3/V4-Flash, W 8/1, T 1-512", moe_layer,
+         judge_moe_layer),
     Step("cold-start", 80, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,
          judge_cold_start),
 )

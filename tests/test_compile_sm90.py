@@ -23,7 +23,8 @@ from run_once import run_once
 pytestmark = pytest.mark.ptx
 
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
-              "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts")
+              "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts", "moe_gate_up",
+              "moe_down_combine")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
               "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
               "prefill_release_kernel", "prefill_dispatch_pull_kernel"}
@@ -170,6 +171,12 @@ def test_every_publish_follows_a_cta_barrier_and_every_acquire_precedes_its_read
         assert all(r["publishes"] >= 1 and r["barriers"] >= 1 for r in by_kernel[k]), by_kernel[k]
     for k in _buildable(WAITING):
         assert all(r["acquires"] >= 1 for r in by_kernel[k]), by_kernel[k]
+    # The fused MoE layer's kernels publish (down + combine send) and wait (gate/up) at world > 1; their EP1
+    # builds move nothing between ranks.
+    for k, what in (("moe_down_combine_kernel", "publishes"), ("moe_gate_up_kernel", "acquires")):
+        multi = [r for r in by_kernel[k] if "EP1" not in r["label"].split()]
+        assert multi and all(r[what] >= 1 for r in multi) and (what != "publishes" or all(
+            r["barriers"] >= 1 for r in multi)), by_kernel[k]
 
 
 @pytest.mark.timeout(900)
@@ -289,7 +296,7 @@ def test_the_approximate_division_count(line, approx):
 TRACE_SPILL_BYTES = 64   # a traced build (diagnostics) may keep a few more words live across its waits
 TRACE_MAX_STORES = 10    # the flight recorder's stores in one kernel's PTX, all by one program per launch
 TRACED = {"a2a_send_kernel", "a2a_recv_kernel", "dispatch_send_kernel", "dispatch_recv_kernel",
-          "combine_send_kernel", "combine_recv_kernel"}
+          "combine_send_kernel", "combine_recv_kernel", "moe_down_combine_kernel"}
 
 
 @pytest.mark.timeout(900)
@@ -312,7 +319,7 @@ PUT_KERNELS = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel", "fail_group_kernel",
                "prefill_dispatch_send_kernel", "prefill_dispatch_recv_kernel", "prefill_dispatch_pull_kernel",
                "prefill_combine_send_kernel", "prefill_combine_forward_kernel", "prefill_combine_recv_kernel",
-               "prefill_release_kernel"}
+               "prefill_release_kernel", "moe_gate_up_kernel", "moe_down_combine_kernel"}
 
 
 @pytest.mark.timeout(900)

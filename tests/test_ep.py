@@ -449,9 +449,9 @@ def test_buffer_bytes_counts_what_is_allocated(monkeypatch, fp8, world, put):
     ep = eps[0]
     nb = lambda t: t.numel() * t.element_size()  # noqa: E731
     held = [ep._x, ep._stats, ep._excluded, ep._dummy] + ([ep._scales] if fp8 else [])
-    held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed)]
+    held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed, s.runs, s.arrival)]
     if put:
-        held += [t for s in ep._sets for t in (s.runs, s.slot_key, s.id_base)]
+        held += [t for s in ep._sets for t in (s.slot_key, s.id_base)]
     for ch in (ep._dispatch_ch, ep._combine_ch):
         held += [ch.data.local, ch.ctrl.local, ch.send_seq, ch.recv_seq, ch.done]
         held += [ch.stage.local, ch.stage_ctrl.local] if put else []

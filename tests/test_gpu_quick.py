@@ -24,7 +24,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABEL = "dry run, CPU interpreter, not a GPU measurement"
 STEPS = ("gpu-tests", "concurrent-ranks", "faults", "sanitizers", "kernels", "kernels-baseline", "kernels-trace",
-         "ep-rank", "prefill", "decode", "hf-door", "cold-start")
+         "ep-rank", "prefill", "decode", "hf-door", "moe-layer", "cold-start")
 
 
 def _load(name):
@@ -81,7 +81,7 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     assert {(r["impl"], r["what"]) for r in door} == {(i, w) for i in ("grouped_mm", "eager", "moe_comm")
                                                        for w in ("step", "experts")}
     assert all(r["agrees"] and r["floor_us"] > 0 and r["label"] == LABEL for r in door)
-    cold = [r for r in _jsonl(out / "12-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
+    cold = [r for r in _jsonl(out / "13-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
     assert [r["case"] for r in cold] == ["cold", "warm", "after-warmup"] and all(r["label"] == LABEL for r in cold)
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"*** {LABEL} ***") and summary.rstrip().endswith(f"*** {LABEL} ***")

@@ -157,7 +157,8 @@ def _ep_configs() -> list[KernelConfig]:
             num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
-            row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", data_ptr="*i32",
+            row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", arrival_ptr="*i64",
+            data_ptr="*i32",
             ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
@@ -325,9 +326,11 @@ def trace_configs(base: list[KernelConfig]) -> list[KernelConfig]:
 
 
 def _extra_configs() -> list[KernelConfig]:
-    """Kernel configs that the serving modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
+    """Kernel configs that the serving modules and the fused MoE layer's kernels declare (``COMPILE_CONFIGS``
+    lists of KernelConfig kwargs)."""
     out = []
-    for name in ("moe_comm.serving.experts", "moe_comm.serving.attention"):
+    for name in ("moe_comm.serving.experts", "moe_comm.serving.attention", "moe_comm.triton_kernels.moe_gate_up",
+                 "moe_comm.triton_kernels.moe_down_combine"):
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -407,6 +410,8 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     constexprs = dict(cfg.constexprs)
     if "PUT" in fn.arg_names:
         constexprs.setdefault("PUT", False)   # the store-only build unless the config says otherwise
+    if "COPY" in fn.arg_names:                # receives that write d.x, unless the config says otherwise
+        constexprs.setdefault("COPY", True)
     if "TRACE" in fn.arg_names:               # the untraced build unless the config says otherwise
         constexprs.setdefault("TRACE", False)
         constexprs.setdefault("TRACE_N", TRACE_CALLS)

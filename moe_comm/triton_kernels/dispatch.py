@@ -58,7 +58,7 @@ from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, pac
                       token_destinations)
 from .transport import dest, flush, order_transports, put_peers, stage_zone, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
-                   live_ranks, publish_many, read_once, record_error, wait_flags)
+                   live_ranks, publish, publish_many, read_once, record_error, wait_flags)
 
 
 @triton.jit
@@ -263,9 +263,10 @@ def dispatch_recv_kernel(
     row_of_ptr,       # out int32 [WORLD * M, TOPK]: e * CAP + row of slot (s, t, k); -1 not here, -2 dropped
     src_tokens_ptr,   # out int32 [WORLD]: rows of every source in the landing zone: its tokens T (store), or
     #                   its tokens routed here (put source; the combine answers those by runs, not by row)
-    runs_ptr,         # out int32 [WORLD, EXPERTS_PER_RANK + 1] (PUT only): per source, its rows per local
-    #                   expert, then its run base (control word), for the combine's runs
+    runs_ptr,         # out int32 [WORLD, EXPERTS_PER_RANK + 1]: per source, its rows per local expert, then (PUT
+    #                   only) its run base (control word), for the combine's runs
     stats_ptr,        # int64 [EXPERTS_PER_RANK]: rows received per local expert, accumulated over calls
+    arrival_ptr,      # out int64 [WORLD]: arrival[s] = this call's flag once source s's rows are in d.x (below)
     data_ptr,         # int32 [2, WORLD * M, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here)
@@ -279,6 +280,7 @@ def dispatch_recv_kernel(
     CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
     TRACE: tl.constexpr, TRACE_N: tl.constexpr,
     NVFP4: tl.constexpr,  # every source's global scale (control word CTRL_WORDS - 2) is checked against this rank's
+    COPY: tl.constexpr = True,   # False: the metadata only, no payload to d.x (moe_comm.MoELayer reads it in place)
 ):
     blk = tl.program_id(0)
     src = tl.program_id(1)   # the source this program unpacks
@@ -330,9 +332,9 @@ def dispatch_recv_kernel(
     count = tl.sum(tl.where((w == src)[:, None], counts, 0), axis=0)
     n_tokens = tl.sum(tl.where(w == src, tokens, 0))   # rows of this source in the landing zone
     packed = put_peers(grp, src, True, WORLD, PUT)      # a put source: row j holds the token in its token word
-    if PUT:
-        if blk == 0:
-            tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + e, count, mask=e_live)
+    if blk == 0:   # this source's rows per local expert (the arrival words' row counts; the combine's runs)
+        tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + e, count, mask=e_live)
+        if PUT:
             run_base = tl.load(ctrl + src * CTRL_WORDS + 1 + EXPERTS_PER_RANK)
             tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK,
                      tl.minimum(tl.maximum(run_base, 0), M * TOPK).to(tl.int32))
@@ -366,12 +368,22 @@ def dispatch_recv_kernel(
         tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = src * M + t
         # A row routed to several local experts is read once per slot; the reads of one tile hit the
         # same lines, so the copy costs one read of the row.
-        to = address(out_x_ptr + dst * X_WORDS)[:, None]
-        copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
-        if S_WORDS > 0:
+        if COPY:
+            to = address(out_x_ptr + dst * X_WORDS)[:, None]
+            copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
+        if COPY & (S_WORDS > 0):
             copy_rows(src_row + X_WORDS, ok, address(out_scales_ptr + dst * S_WORDS)[:, None], ok[:, None],
                       S_WORDS, S_WORDS_P2, 1, 1, ALIGNED & (S_WORDS % 4 == 0))
 
+    # Arrival words (a consumer's own GEMM waits on them, docs/moe-layer.md): the last program of source
+    # src publishes the call's flag once every program of src has copied its share of src's rows, for
+    # every local expert at once; nothing for a source whose wait failed. Counters: the channel's
+    # per-destination words (done[src]), which the dispatch send does not use.
+    # (Every program of src counts itself in, a failed one as skipped, so the counter is 0 again after.)
+    src_done = tl.max(tl.where(w == src, arrived | (live_ranks(grp, WORLD, WORLD_P2) == 0), False).to(tl.int32))
+    last_of_src, src_skipped = arrive(done_ptr + src, tl.num_programs(0), src_done == 0)
+    if last_of_src & (src_skipped == 0):
+        publish(arrival_ptr + src, target)
     # The last program advances the receive count; if the group failed, no result is partial.
     last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
     if last:
