@@ -45,29 +45,41 @@ def test_reference_layer_is_dispatch_experts_combine():
         assert any(bool((y != 0).any()) for y in got)
 
 
-def _sequential_mlp(x, w13, w2):
-    """expert_mlp with every dot product summed left to right in float32 (another order than the GEMM's)."""
-    def dot(a, b):   # [N, K] x [M, K] -> [N, M], k ascending, one float32 rounding per addition
-        return (a.float()[:, None, :] * b.float()[None, :, :]).cumsum(-1)[..., -1]
-    inter = w13.shape[0] // 2
-    h = dot(x, w13)
-    g, u = h[:, :inter], h[:, inter:]
-    return dot((g * torch.sigmoid(g) * u).to(x.dtype), w2).to(x.dtype)
+def _sequential_mlp(descending: bool):
+    """expert_mlp with every dot product summed in a fixed order (k ascending, or descending) in float32,
+    another order than the GEMM's; at least one of the two differs from any GEMM's order somewhere."""
+    def dot(a, b):   # [N, K] x [M, K] -> [N, M], one float32 rounding per addition
+        p = a.float()[:, None, :] * b.float()[None, :, :]
+        return (p.flip(-1) if descending else p).cumsum(-1)[..., -1]
+
+    def mlp(x, w13, w2):
+        inter = w13.shape[0] // 2
+        h = dot(x, w13)
+        g, u = h[:, :inter], h[:, inter:]
+        return dot((g * torch.sigmoid(g) * u).to(x.dtype), w2).to(x.dtype)
+    return mlp
 
 
-def test_the_bound_covers_another_summation_order_and_is_not_vacuous(monkeypatch):
-    """The derived bound holds between the reference and the same math summed in another order (left to
-    right), which differs somewhere, and is small against the outputs (below 1/8 of max |y|)."""
-    xs, idxs, ws, w13s, w2s = layer_inputs(2, [8, 7], 3, 256, 128, 2, 5, exact=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bound_covers_another_summation_order_and_is_not_vacuous(monkeypatch, dtype):
+    """The derived bound holds between the reference and the same math summed in two other orders (left to
+    right, right to left) and is small against the outputs (below 1/8 of max |y|). In float32 the orders
+    must differ somewhere (in bfloat16 the final rounding hides almost every difference: a machine whose
+    GEMM sums left to right gives equal outputs there)."""
+    xs, idxs, ws, w13s, w2s = layer_inputs(2, [8, 7], 3, 256, 128, 2, 5, exact=False, dtype=dtype)
     ref = reference.moe_layer(xs, idxs, ws, w13s, w2s, 6, 8)
     bound = layer_bound(xs, idxs, ws, w13s, w2s, 6, 8)
-    monkeypatch.setattr(reference, "expert_mlp", _sequential_mlp)
-    other = reference.moe_layer(xs, idxs, ws, w13s, w2s, 6, 8)
-    assert any(not torch.equal(a, b) for a, b in zip(ref, other))
-    for r in range(2):
-        diff = (ref[r].double() - other[r].double()).abs()
-        assert bool((diff <= bound[r]).all())
-        assert float(bound[r].max()) < float(ref[r].double().abs().max()) / 8
+    differs = []
+    for descending in (False, True):
+        monkeypatch.setattr(reference, "expert_mlp", _sequential_mlp(descending))
+        other = reference.moe_layer(xs, idxs, ws, w13s, w2s, 6, 8)
+        differs.append(any(not torch.equal(a, b) for a, b in zip(ref, other)))
+        for r in range(2):
+            diff = (ref[r].double() - other[r].double()).abs()
+            assert bool((diff <= bound[r]).all())
+            assert float(bound[r].max()) < float(ref[r].double().abs().max()) / 8
+    if dtype == torch.float32:
+        assert any(differs)
 
 
 # ---- the fused layer ---------------------------------------------------------------------------------------
