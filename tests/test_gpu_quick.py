@@ -201,8 +201,9 @@ def _kernel_rows(device, commit, dispatch_p50, tag=""):
     env = dict(device=device, torch="2.11.0+cu130", triton="3.6.0", cuda="13.0", commit=commit, tag=tag)
     rows = [dict(kind="floor", op="copy", GBps=3000.0, env=env), dict(kind="floor", op="empty_kernel", p50_us=3.5, env=env)]
     for t in (1, 128):
-        rows.append(dict(kind="result", op="dispatch", impl="moe_comm", dtype="bf16", tokens=t, p50_us=dispatch_p50 * t,
-                         p20_us=1.0, p80_us=2.0, x_floor=1.5, GBps=10.0, env=env))
+        for dtype in ("bf16", "fp8"):
+            rows.append(dict(kind="result", op="dispatch", impl="moe_comm", dtype=dtype, tokens=t, p50_us=dispatch_p50 * t,
+                             p20_us=1.0, p80_us=2.0, x_floor=1.5, GBps=10.0, env=env))
     return rows
 
 
@@ -224,11 +225,14 @@ def test_publish_writes_both_tables_with_device_and_commit(tmp_path):
     assert readme.startswith("before\n") and readme.endswith("after\n") and "\nold\n" not in readme
     assert "| H100 80GB HBM3 · 1111111 | H200 · 3333333 |" in readme    # run.json names b's commit
     assert "| dispatch bf16 | 128 | 640.0 (1.50x) | 896.0 (1.50x) |" in readme   # trace=on rows left out
-    assert "3000 GB/s, 3.50 µs" in readme and "(copy)" in readme
+    assert "3000 GB/s, 3.50 µs" in readme and "docs/benchmarks.md" in readme
     docs = (tmp_path / "docs" / "benchmarks.md").read_text()
+    # the README keeps README_ROWS; docs/benchmarks.md has the whole summary, each column's versions, every row
+    assert "| dispatch fp8 | 128 |" in docs and "| dispatch fp8 |" not in readme and "(copy)" in docs
+    assert "| dispatch bf16 | 128 | 640.0 (1.50x) | 896.0 (1.50x) |" in docs
     rows = [s for s in docs.splitlines() if s.startswith("| NVIDIA")]
-    assert len(rows) == 4 and all("2.11.0+cu130 | 3.6.0 | 13.0 |" in s for s in rows)
-    assert sum("3333333" in s for s in rows) == 2 and sum("1111111" in s for s in rows) == 2
+    assert len(rows) == 8 and all("2.11.0+cu130 | 3.6.0 | 13.0 |" in s for s in rows)
+    assert sum("3333333" in s for s in rows) == 4 and sum("1111111" in s for s in rows) == 4
     # publishing again changes nothing
     gpu_summary.publish([], root=str(tmp_path))
     assert (tmp_path / "README.md").read_text() == readme

@@ -111,3 +111,14 @@ def test_serving_snippets_are_the_files_their_suites_run(door, path):
     """The vLLM and SGLang snippets need their frameworks (make test-vllm / make test-sglang run the
     files); here: the docs show exactly those files."""
     assert snippet(INTEGRATIONS, door) == _body(ROOT / path)
+
+
+README_MAX_WORDS = 1500   # read in one sitting: the rest belongs in docs/
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """README.md stays under README_MAX_WORDS (as `wc -w` counts) and every relative link names a file here."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) <= README_MAX_WORDS, f"README.md has {len(text.split())} words: move detail to docs/"
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)
+    assert links and [p for p in links if not (ROOT / p).exists()] == []
