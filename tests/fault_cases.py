@@ -138,10 +138,9 @@ def serve(group, steps, kills, slow=None):
             step += 1
         except GroupError as err:
             log.append(f"error:{type(err).__name__}")
-            excluded = recover([group])   # reset; a rank that does not come to it is gone: exclude it
+            excluded, step = recover_and_resume(group, step + 1)   # reset; exclude who does not come
             if excluded:
                 log[-1] += f";excluded:{excluded}"
-            step = resume_step(group, step + 1)
             rewound += [(s, log[s]) for s in range(step, len(log))]
             del log[step:]
     return dict(log=log, rewound=rewound, mismatches=mismatches, live=group.live_ranks,
@@ -174,6 +173,19 @@ def serve_step(group, ep, a2a, step, at=lambda point: None, delay_s=0.0) -> list
     with delayed_sends(a2a, delay_s):
         back = a2a.combine(res.recv * 3, res.handle)
     return check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
+
+
+def recover_and_resume(group, next_step: int) -> tuple[list[int], int]:
+    """``recover``, then ``resume_step``, as ``DecodeEngine._recover_and_resume``: a rank that comes to
+    the exchange after the others decided it without it raises ExcludedError there; the others recover
+    again (their reset excludes it) and exchange again. Returns (the ranks excluded, the step)."""
+    excluded = []
+    while True:
+        excluded += recover([group])
+        try:
+            return sorted(excluded), resume_step(group, next_step)
+        except CommTimeoutError:
+            continue
 
 
 def resume_step(group, next_step: int) -> int:

@@ -26,7 +26,7 @@ from moe_comm import ExcludedError, GroupError
 from moe_comm.heap.control import ControlBlock
 from moe_comm.recovery import recover
 
-from fault_cases import resume_step, serve_ops, serve_step
+from fault_cases import recover_and_resume, serve_ops, serve_step
 from shm_files import own_shm_files
 
 SIGNAL_WAIT = timedelta(seconds=120)   # a test's own signals between ranks (never reached when it passes)
@@ -173,8 +173,7 @@ def _late_to_recovery(group, when):
         out["step1"] = serve_step(group, ep, a2a, 1)
     except GroupError as e:
         out["step1"] = type(e).__name__
-    out["excluded"] = recover([group])
-    step = resume_step(group, 2)
+    out["excluded"], step = recover_and_resume(group, 2)
     out["steps"] = [serve_step(group, ep, a2a, s) for s in range(step, step + 3)]
     out["live"] = group.live_ranks
     if me == 0:
