@@ -360,7 +360,7 @@ class CommGroup:
         got, missing = self._agree(self.live_ranks, [kind, *values], op)
         if missing:
             err = CommTimeoutError(op, self.rank, missing[0], round(time.monotonic() - t0, 1))
-            err.missing = missing
+            err.missing = list(missing)
             self._count_error(err)
             raise err
         odd = {j: v[0] for j, v in got.items() if v[0] != kind}
@@ -404,12 +404,12 @@ class CommGroup:
     def exclude(self, ranks) -> list[int]:
         """Collective over the survivors: ``ranks`` are absent from now on; returns the excluded set.
 
-        The survivors agree on the set first, in one decided meeting (``_agree``): every rank reads the same
-        decision of who took part, and the excluded set is a function of it alone: every rank it leaves
-        out (a survivor that does not come is excluded too, and learns so when it comes) and every rank a
-        survivor in it names. So a second failure during an exclude is handled the same way, and two
-        survivors naming different ranks exclude both, everywhere. Then no kernel sends to or waits for an excluded rank: dispatch slots
-        routed to its experts are not routed (counted in the buffer's statistics), AllToAllvDynamic rows
+        The survivors agree on the set first, in one decided meeting (``_agree``): every rank reads the
+        same decision of who took part, and the excluded set is a function of it alone: every rank it
+        leaves out (a survivor that does not come is excluded too, and learns so when it comes) and every
+        rank a survivor in it names. So a second failure during an exclude is handled the same way, and
+        two survivors naming different ranks exclude both, everywhere. Then no kernel sends to or waits
+        for an excluded rank: dispatch slots routed to its experts are not routed (counted in the buffer's statistics), AllToAllvDynamic rows
         addressed to it are dropped (counted), and the live mask is on the device, so captured CUDA graphs
         keep working. This rank's mappings of the excluded ranks' memory are released. Ends with
         ``reset()``. A rank that finds itself excluded raises ExcludedError and must stop.

@@ -22,7 +22,7 @@ def recover(groups) -> list[int]:
             g.reset()
         return []
     except CommTimeoutError as missing:
-        gone = set(getattr(missing, "missing", None) or [missing.peer])
+        gone = set(missing.missing or [missing.peer])
         for g in groups:
             if g.rank not in gone:
                 gone |= set(g.exclude(sorted(gone)))

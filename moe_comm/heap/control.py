@@ -8,9 +8,9 @@ at each), so when it posts ``seq`` every live rank has read its key of ``seq - 2
 then, and the store holds at most two keys per rank and block.
 
 Waits are bounded by the block's timeout; a rank that does not arrive is named in CommTimeoutError (for a
-barrier) or returned as missing (for an all-gather). A ``poll``
-callback, called while waiting, may raise to end the wait (a barrier on a failed group raises the group's
-error instead of waiting for ranks that will not come). A heap keeps two blocks with their own sequences:
+barrier) or returned as missing (for an all-gather). A ``poll`` callback, called while waiting, may
+raise to end the wait (a barrier on a failed group raises the group's error instead of waiting for ranks
+that will not come). A heap keeps two blocks with their own sequences:
 one for barriers and allocations, one for recovery (``reset``/``exclude``), so that a rank in recovery
 never meets a peer's ordinary barrier; ``realign(base)`` restarts a block's sequence at a value every
 live rank agrees on (after a reset, whatever barriers were cut short before it).
@@ -40,7 +40,7 @@ from datetime import timedelta
 from ..errors import CommTimeoutError
 from .base import Heap, all_ranks
 
-PAYLOAD_WORDS = 8   # all-gather payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
+PAYLOAD_WORDS = 8   # all-gather and meeting payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
 POLL_S = 0.0002     # first pause between two checks of the store while waiting; doubles up to POLL_MAX_S
 POLL_MAX_S = 0.005  # (a waiting rank costs its peers, which may share its cores, little CPU)
 STORE_HOST_RANK = 0  # named when the store itself stops answering (see the module docstring)
@@ -171,9 +171,8 @@ class ControlledHeap(Heap):
     """A heap whose barriers and recovery meetings run over two ControlBlocks in the store (shm and
     nvshmem): a barrier block (barriers, allocations) and a recovery block (``agree``: decided meetings
     whose timeout is twice the group's, ranks reach recovery up to one timeout apart, see
-    ``CommGroup._meet``). Subclasses call
-    ``_start_control(store)`` before their first allocation and implement ``_release_mappings``;
-    ``_excluded`` holds released peers."""
+    ``CommGroup._agree``). Subclasses call ``_start_control(store)`` before their first allocation and
+    implement ``_release_mappings``; ``_excluded`` holds released peers."""
 
     _control: ControlBlock | None = None
     _recovery: ControlBlock | None = None
