@@ -10,8 +10,9 @@ node-limited routing), to show what the per-node path saves against one copy per
 
 Runs one dispatch and one combine on emulated nodes (CPU, ``MOE_COMM_RANKS_PER_NODE``; every cross-node
 byte travels as a wire message, ``moe_comm/heap/wire.py``) with uniform random top-k routing, and prints,
-per rank and op, the payload the wire carried between nodes against the floor, then the messages and
-their 21-byte headers (which the floor does not count). Floor, per rank:
+per rank and op, the payload the wire carried between nodes against the floor, the puts it carried against
+the fewest the put path issues, then the messages and their 21-byte headers (which the floor does not
+count). Floor, per rank:
 
 - dispatch: each token row (payload, scales, K routing words and the token index, padded to 16 bytes:
   ``dispatch_row_bytes``, from the format's definition, not from the plan) once per destination rank on
@@ -24,6 +25,10 @@ their 21-byte headers (which the floor does not count). Floor, per rank:
   reproducible), so each slot's row must travel; summing a token's slots on the expert's rank first would
   need the weights there and change the order of the sum.
 
+Puts (a ``putmem_signal`` is a put and a signal), per rank: dispatch, per destination rank on another node,
+one of the packed rows (if any) and one of the control words; combine, one per destination with a
+non-empty run (else the bare flag).
+
 Payload per row by format (``payload_bytes``, docs/formats.md): bf16 2H bytes; e4m3 and e4m3-pow2 H bytes +
 H/128 float32 scales; e4m3-ue8m0 H bytes + H/128 UE8M0 bytes (packed four per int32); nvfp4 H/2 bytes +
 H/16 e4m3 scales (the global scale is the caller's, not sent).
@@ -35,7 +40,9 @@ PrefillBuffer (``--prefill``), per rank, only what crosses nodes (``prefill_floo
   routing row (``PrefillPlan.route_words``: K global ids, K weights, an int64 stamp); per such node with a
   live rail, the rail's control words (the tokens and the node's per-expert counts: ``count_span + 1``
   int64 words) and their 8-byte flag,
-  and an 8-byte bare flag to every other live rank of that node;
+  and an 8-byte bare flag to every other live rank of that node. Puts: per (token, node) 2, or 3 with fp8
+  scales (the payload row, its scales row, its routing row: three planes of the zone), and per node one of
+  the control words;
 - combine (sent by a rail): per source of another node it is the rail of, one output row per token that
   came to its node (the node's partial rows already summed) plus the 8-byte ``ready``; an 8-byte bare
   ``ready`` to every other live rank of another node; and the 8-byte ``released`` to every live rank of
@@ -106,18 +113,22 @@ def combine_row_bytes(fmt: str | None, hidden: int) -> int:
 
 
 def floor_bytes(idx, rank, world, per_node, experts, row_bytes, out_row_bytes, ctrl_bytes):
-    """Floor of rank ``rank``'s cross-node payload bytes: (dispatch, combine), as the module docstring
-    defines it; ``ctrl_bytes`` = the control words and the flag of one (source, destination) pair."""
+    """Floor of rank ``rank``'s cross-node payload bytes and its puts: (dispatch, combine, dispatch puts,
+    combine puts), as the module docstring defines them; ``ctrl_bytes`` = the control words and the flag of
+    one (source, destination) pair."""
     per_rank = experts // world
     node = [j // per_node for j in range(world)]
-    dispatch = combine = 0
+    dispatch = combine = dispatch_puts = combine_puts = 0
     for d in range(world):
         if node[d] == node[rank]:
             continue
         owners = idx[rank] // per_rank
-        dispatch += int((owners == d).any(dim=1).sum()) * row_bytes + ctrl_bytes
-        combine += int((idx[d] // per_rank == rank).sum()) * out_row_bytes + SIGNAL_BYTES
-    return dispatch, combine
+        rows, slots = int((owners == d).any(dim=1).sum()), int((idx[d] // per_rank == rank).sum())
+        dispatch += rows * row_bytes + ctrl_bytes
+        combine += slots * out_row_bytes + SIGNAL_BYTES
+        dispatch_puts += (rows > 0) + 1
+        combine_puts += slots > 0
+    return dispatch, combine, dispatch_puts, combine_puts
 
 
 def _rank(group, args):
@@ -136,14 +147,15 @@ def _rank(group, args):
     after = dict(wire.stats)
     row_bytes = dispatch_row_bytes(args.dispatch_format, args.hidden, args.topk)
     out_row_bytes = combine_row_bytes(args.combine_format, args.hidden)
-    fd, fc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, row_bytes, out_row_bytes,
-                         p.dispatch_ctrl_words * 8)
+    fd, fc, pd, pc = floor_bytes(idx, me, world, args.ranks_per_node, args.experts, row_bytes, out_row_bytes,
+                                 p.dispatch_ctrl_words * 8)
     ep.close()
     diff = lambda a, b, key: b.get(key, 0) - a.get(key, 0)  # noqa: E731
     return dict(rank=me, dispatch_wire=diff(before, mid, "payload"), dispatch_floor=fd,
                 dispatch_messages=diff(before, mid, "messages"), combine_wire=diff(mid, after, "payload"),
                 combine_floor=fc, combine_messages=diff(mid, after, "messages"),
-                headers=diff(before, after, "bytes") - diff(before, after, "payload"),
+                dispatch_puts=diff(before, mid, "puts"), dispatch_puts_floor=pd, combine_puts=diff(mid, after, "puts"),
+                combine_puts_floor=pc, headers=diff(before, after, "bytes") - diff(before, after, "payload"),
                 row_bytes=row_bytes, out_row_bytes=out_row_bytes, plan_row_bytes=p.row_words * 4,
                 plan_out_row_bytes=p.combine_words * 4)
 
@@ -154,14 +166,15 @@ def _reach(idx: torch.Tensor, per_rank: int, ranks) -> int:
     return int(torch.isin(owner, torch.tensor(list(ranks))).any(dim=1).sum())
 
 
-def prefill_floor_bytes(idx, rank, layout, experts, row_bytes, route_bytes, out_row_bytes, ctrl_bytes):
+def prefill_floor_bytes(idx, rank, layout, experts, row_bytes, route_bytes, out_row_bytes, ctrl_bytes, parts):
     """Floor of rank ``rank``'s cross-node payload bytes in one PrefillBuffer call, every rank live (module
-    docstring): (dispatch, combine, rows_per_node, rows_per_rank), the last two the routed (token,
-    destination) pairs across nodes counted per node and per rank."""
+    docstring): (dispatch, combine, rows_per_node, rows_per_rank, dispatch puts, combine puts), rows_per_*
+    the routed (token, destination) pairs across nodes counted per node and per rank; ``parts``: the puts
+    of one (token, node) of the dispatch (2, or 3 with fp8 scales)."""
     world = layout.world
     per_rank, live = experts // world, [True] * world
     me = layout.node(rank)
-    dispatch = combine = rows_node = rows_rank = 0
+    dispatch = combine = rows_node = rows_rank = dispatch_puts = combine_puts = 0
     for n in range(layout.nodes):
         if n == me:
             continue
@@ -171,13 +184,16 @@ def prefill_floor_bytes(idx, rank, layout, experts, row_bytes, route_bytes, out_
         rows_rank += sum(_reach(idx[rank], per_rank, [d]) for d in layout.ranks(n))
         dispatch += rows * (row_bytes + route_bytes) + ctrl_bytes + SIGNAL_BYTES
         dispatch += SIGNAL_BYTES * sum(1 for p in layout.ranks(n) if live[p] and p != rail)
+        dispatch_puts += rows * parts + 1
     for s in range(world):
         if layout.node(s) == me or not live[s]:
             continue
         if layout.rail(s, me, live) == rank:
-            combine += _reach(idx[s], per_rank, layout.ranks(me)) * out_row_bytes
+            rows = _reach(idx[s], per_rank, layout.ranks(me))
+            combine += rows * out_row_bytes
+            combine_puts += rows
         combine += SIGNAL_BYTES + SIGNAL_BYTES   # ready (after the rows, or bare), released
-    return dispatch, combine, rows_node, rows_rank
+    return dispatch, combine, rows_node, rows_rank, dispatch_puts, combine_puts
 
 
 def _dequantized(x, scales, gs) -> torch.Tensor:
@@ -215,12 +231,13 @@ def _prefill_rank(group, args):
     layout = node_layout(group.transports, me)
     parts = [_dequantized(e["x"], e["scales"], gs) for e in exp]
     want = reference.prefill_combine(parts, idx, args.experts, args.tokens, ranks_per_node=layout.ranks_per_node)[me]
-    fd, fc, rows_node, rows_rank = prefill_floor_bytes(
+    fd, fc, rows_node, rows_rank, pd, pc = prefill_floor_bytes(
         idx, me, layout, args.experts, 4 * (p.ep.x_words + p.ep.scale_words), 4 * p.route_words, 4 * p.ep.out_words,
-        8 * (p.count_span + 1))
+        8 * (p.count_span + 1), 3 if p.ep.scale_words else 2)
     buf.close()
     e, v = exp[me], exp[me]["valid"]
-    ref = [e["src_tokens"], e["expert_counts"], e["topk_idx"][rows], e["topk_weights"][rows], e["x"][v].view(torch.uint8)]
+    ref = [e["src_tokens"], e["expert_counts"], e["topk_idx"][rows], e["topk_weights"][rows],
+           e["x"][v].view(torch.uint8)]
     if fmt:
         ref.append(e["scales"][v])
     wrong = [name for name, a, b in zip(("src_tokens", "expert_counts", "topk_idx", "topk_weights", "x", "scales"),
@@ -229,7 +246,8 @@ def _prefill_rank(group, args):
     return dict(rank=me, dispatch_wrong=wrong, dispatch_wire=diff(before, mid, "payload"), dispatch_floor=fd,
                 dispatch_messages=diff(before, mid, "messages"), combine_wire=diff(mid, after, "payload"),
                 combine_floor=fc, combine_messages=diff(mid, after, "messages"),
-                headers=diff(before, after, "bytes") - diff(before, after, "payload"),
+                dispatch_puts=diff(before, mid, "puts"), dispatch_puts_floor=pd, combine_puts=diff(mid, after, "puts"),
+                combine_puts_floor=pc, headers=diff(before, after, "bytes") - diff(before, after, "payload"),
                 row_bytes=4 * (p.ep.x_words + p.ep.scale_words), route_bytes=4 * p.route_words,
                 out_row_bytes=4 * p.ep.out_words, rows_per_node=rows_node, rows_per_rank=rows_rank,
                 exact=not wrong and bool(torch.equal(y, want)))
@@ -272,13 +290,15 @@ def main(argv=None) -> int:
           f"E={args.experts}, top-{args.topk}, {args.dispatch_format or 'bf16'} dispatch, "
           f"{args.combine_format or 'bf16'} combine; "
           f"payload bytes (wire headers: {HEADER.size} B per message, counted apart)")
-    print(f"{'rank':>4} {'dispatch floor':>15} {'wire':>10} {'x':>5} {'msgs':>5} "
-          f"{'combine floor':>14} {'wire':>10} {'x':>5} {'msgs':>5} {'headers B':>10}")
+    print(f"{'rank':>4} {'dispatch floor':>15} {'wire':>10} {'x':>5} {'puts':>9} {'msgs':>5} "
+          f"{'combine floor':>14} {'wire':>10} {'x':>5} {'puts':>9} {'msgs':>5} {'headers B':>10}")
     for r in rows:
         print(f"{r['rank']:>4} {r['dispatch_floor']:>15,} {r['dispatch_wire']:>10,} "
-              f"{r['dispatch_wire'] / max(1, r['dispatch_floor']):>5.2f} {r['dispatch_messages']:>5} "
+              f"{r['dispatch_wire'] / max(1, r['dispatch_floor']):>5.2f} "
+              f"{r['dispatch_puts']:>4}/{r['dispatch_puts_floor']:<4} {r['dispatch_messages']:>5} "
               f"{r['combine_floor']:>14,} {r['combine_wire']:>10,} "
-              f"{r['combine_wire'] / max(1, r['combine_floor']):>5.2f} {r['combine_messages']:>5} {r['headers']:>10,}")
+              f"{r['combine_wire'] / max(1, r['combine_floor']):>5.2f} "
+              f"{r['combine_puts']:>4}/{r['combine_puts_floor']:<4} {r['combine_messages']:>5} {r['headers']:>10,}")
     if args.prefill:
         node, rank = sum(r["rows_per_node"] for r in rows), sum(r["rows_per_rank"] for r in rows)
         print(f"PrefillBuffer rows across nodes: {node} (one per token and node) against {rank} with one copy per "

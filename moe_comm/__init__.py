@@ -6,10 +6,11 @@ interpreter, chosen per launch (``moe_comm.interpreter``), and kernels on CUDA t
 
 from . import metrics, reference
 from .alltoallv import A2AHandle, A2AResult, AllToAllvDynamic
-from .ep import DispatchResult, EPBuffer, EPHandle
+from .ep import ArrivalWords, DispatchResult, EPBuffer, EPHandle
 from .errors import (CapacityError, ClosedError, CommAbortedError, CommDesyncError, CommTimeoutError, ExcludedError,
                      GlobalScaleError, GroupError, InvalidIndexError, LaunchError, MoECommError)
 from .group import CommGroup, init, launch
+from .moe_layer import MoELayer
 from .prefill import PrefillBuffer, PrefillDispatchResult, PrefillHandle
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "A2AHandle",
     "A2AResult",
     "AllToAllvDynamic",
+    "ArrivalWords",
     "CapacityError",
     "ClosedError",
     "CommAbortedError",
@@ -33,6 +35,7 @@ __all__ = [
     "InvalidIndexError",
     "LaunchError",
     "MoECommError",
+    "MoELayer",
     "PrefillBuffer",
     "PrefillDispatchResult",
     "PrefillHandle",

@@ -8,7 +8,7 @@ replayed with new counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -80,7 +80,8 @@ class AllToAllvDynamic:
             raise ValueError(f"row_shape must be positive, got {row_shape}")
         self.group, self.dtype, self.row_shape = group, dtype, row_shape
         self.max_rows_per_peer = int(max_rows_per_peer)
-        self.plan = p = plan_alltoallv(group.world_size, self.max_rows_per_peer, row_shape, dtype, group.device)
+        self.plan = p = plan_alltoallv(group.world_size, self.max_rows_per_peer, row_shape, dtype, group.device,
+                                       put=group.uses_put)
         self._fwd = Channel(group, "a2a.fwd", p.data_shape, p.copy.word_dtype)
         self._rev = Channel(group, "a2a.rev", p.data_shape, p.copy.word_dtype)
         self._fwd.row_bytes = self._rev.row_bytes = p.copy.row_words * p.copy.word_dtype.itemsize
@@ -106,6 +107,8 @@ class AllToAllvDynamic:
 
     @plan.setter
     def plan(self, p: AllToAllvPlan) -> None:
+        # A group that reaches a peer by puts holds the staging (AllToAllvPlan.put), whoever sets the plan.
+        p = replace(p, put=True) if self.group.uses_put and not p.put else p
         if hasattr(self, "_a2a_plan"):
             check_replaced_plan("AllToAllvDynamic", self._a2a_plan, p)
         self._a2a_plan = p

@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from .interpreter import kernel_for
-from .planner import channel_done_words, next_pow2
+from .planner import channel_done_words, next_pow2, stage_ctrl_shape
 from .triton_kernels import nvshmem_bitcode
 from .trace.recorder import new_ring, prepare_first_row
 from .triton_kernels.sync import abort_kernel, drain_kernel
@@ -19,7 +19,7 @@ PUT_KERNELS = ("a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel",
                "fail_group_kernel", "prefill_dispatch_send_kernel", "prefill_dispatch_recv_kernel",
                "prefill_dispatch_pull_kernel", "prefill_combine_send_kernel", "prefill_combine_forward_kernel",
-               "prefill_combine_recv_kernel", "prefill_release_kernel")
+               "prefill_combine_recv_kernel", "prefill_release_kernel", "moe_gate_up_kernel", "moe_down_combine_kernel")
 
 
 def register_put_kernels() -> None:
@@ -73,9 +73,10 @@ class Channel:
               [world + 2] the receive's entry counter (flight recorder only: its first program to enter
               records the start, ``triton_kernels/trace.py``)
     stage, stage_ctrl
-              put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` and int64
-              [world, ctrl_words], this rank's staged copy of what it sends to each peer by puts
-              (``moe_comm/triton_kernels/transport.py``); None otherwise
+              put transport only (``group.uses_put``): symmetric ``stage_shape`` ``data_dtype`` (default
+              ``data_shape``: two zones) and int64 [2 zones, world, ctrl_words], this rank's staged copy of
+              what it sends to each peer by puts, zone ``call % 2``: reused only once a receive proves the
+              NIC read it, never quieted (``moe_comm/triton_kernels/transport.py``); None otherwise
     trace     int64 [group.trace_calls + 1, record words]: the flight recorder of this channel's calls
               (``moe_comm/trace/layout.py``; one unused row when tracing is off); ``row_bytes``: bytes
               of one row its records count (set by the op)
@@ -120,9 +121,9 @@ class Channel:
         self.put = group.uses_put
         self.stage = self.stage_ctrl = None
         if self.put:  # collective: MOE_COMM_TRANSPORT and the heap's reachability agree on every rank
-            stage_shape = tuple(data_shape[1:]) if stage_shape is None else tuple(stage_shape)
+            stage_shape = tuple(data_shape) if stage_shape is None else tuple(stage_shape)
             self.stage = heap.alloc(f"{name}.stage", stage_shape, data_dtype)
-            self.stage_ctrl = heap.alloc(f"{name}.stage_ctrl", (world, ctrl_words), torch.int64)
+            self.stage_ctrl = heap.alloc(f"{name}.stage_ctrl", stage_ctrl_shape(world, ctrl_words), torch.int64)
         self._put_args = dict(stage_ptr=self.data.local, stage_ctrl_ptr=self.ctrl.local, PUT=False)
         if self.put:   # PUT and, on CUDA, the bitcode (checked once per group, not per launch)
             self._put_args = dict(stage_ptr=self.stage.local, stage_ctrl_ptr=self.stage_ctrl.local,

@@ -80,6 +80,33 @@ class DispatchResult:
     global_scale: torch.Tensor | None = None
 
 
+@dataclass
+class ArrivalWords:
+    """Where a kernel of your own (a GEMM on d.x) waits for a dispatch's rows, source by source, while the
+    receive is still running (world > 1; ``EPBuffer.arrival``, docs/moe-layer.md "Your own GEMM", and the
+    Triton helpers of ``moe_comm.triton_kernels.arrival``). All tensors on the group's device.
+
+    words   int64 [W]: words[s] becomes the call's flag (``arrival.arrival_flag``) once the receive has
+            written source s's rows of every local expert into d.x (a release at system scope: acquire it);
+            an excluded source's word too (it sends nothing); a source whose wait failed never
+    counts  int32 [W, E_local + 1]: counts[s, e] = rows of local expert e from source s, written before
+            words[s]; source s's rows of e are d.x[e, base : base + counts[s, e]] with base = the sum of
+            counts[s', e] over s' < s (known once every s' <= s has arrived)
+    call    int64 [1]: the dispatch channel's send count: the call's number once its send phase has run
+    state   int64: the group state (its epoch: the flag is ``epoch << EPOCH_SHIFT | call``)
+    status  int64: this rank's status words (a consumer's bounded wait reads and writes them)
+    x       d.x: [E_local, W * max_tokens_per_rank, hidden] (the receive writes it; the same tensor every call)
+    The words alternate between two sets like the rest of the metadata: valid until two more dispatches.
+    """
+
+    words: torch.Tensor
+    counts: torch.Tensor
+    call: torch.Tensor
+    state: torch.Tensor
+    status: torch.Tensor
+    x: torch.Tensor
+
+
 def check_global_scale(global_scale, nvfp4: bool, device) -> None:
     """The nvfp4 dispatch's ``global_scale``: required there (float32, one element, on ``device``), refused
     elsewhere (it would be ignored)."""
@@ -107,17 +134,20 @@ class _Set:
         self.row_of = torch.full((w, m, k), -1, dtype=torch.int32, device=dev)
         self.src_tokens = torch.zeros(w, dtype=torch.int32, device=dev)
         self.routed = torch.zeros((m, k), dtype=torch.int32, device=dev)
+        # runs     int32 [w, L + 1]: rows received from each source per local expert, then (put transport)
+        #          the source's run base (its slots routed to lower ranks' experts), from the control words
+        # arrival  int64 [w]: the receive's arrival words (``ArrivalWords``): arrival[s] = the call's flag
+        #          once source s's rows are in d.x
+        self.runs = torch.zeros((w, L + 1), dtype=torch.int32, device=dev)
+        self.arrival = torch.zeros(w, dtype=torch.int64, device=dev)
         # Put transport only (``EPPlan.put``; else placeholders, never read): where the combine's runs go.
-        #   runs     int32 [w, L + 1]: rows received from each source per local expert, then the source's
-        #            run base (its slots routed to lower ranks' experts), from the dispatch control words
         #   slot_key int32 [m, k]: position * BINS + expert id of this rank's slot (t, k) (valid where routed)
         #   id_base  int32 [BINS]: this rank's slots with a lower expert id (slots sort by (id, position))
         if p.put:
-            self.runs = torch.zeros((w, L + 1), dtype=torch.int32, device=dev)
             self.slot_key = torch.zeros((m, k), dtype=torch.int32, device=dev)
             self.id_base = torch.zeros(histogram_bins(p.num_experts), dtype=torch.int32, device=dev)
         else:
-            self.runs = self.slot_key = self.id_base = self.src_tokens
+            self.slot_key = self.id_base = self.src_tokens
 
 
 class EPBuffer(OpBuffer):
@@ -206,6 +236,11 @@ class EPBuffer(OpBuffer):
     tokens per rank, EP8): 0.49 GiB per GPU in bf16, 0.27 GiB with fp8, against 1.78 GiB for DeepEP's
     low-latency buffer. ``EPBuffer.required_bytes(...)`` evaluates it without a group or allocation.
     """
+
+    # Whether the receive writes d.x (and d.scales). A consumer that reads the rows where they landed
+    # (moe_comm.MoELayer's fused kernels) builds the buffer without: d.x is then not allocated and the
+    # receive writes only the metadata (counts, src, row_of, ...).
+    _copies_rows = True
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = False, dispatch_format: str | None = None,
@@ -299,13 +334,13 @@ class EPBuffer(OpBuffer):
         self._dispatch_ch = Channel(g, "ep.dispatch", p.dispatch_data_shape, torch.int32,
                                     ctrl_words=p.dispatch_ctrl_words)
         self._combine_ch = Channel(g, "ep.combine", p.combine_data_shape, torch.int32, ctrl_words=2,
-                                   stage_shape=(g.world_size, p.max_tokens * p.topk, p.combine_words))
+                                   stage_shape=p.combine_stage_shape)
         self._dispatch_ch.row_bytes = (p.x_words + p.scale_words) * 4   # a row of d.x with its scales
         self._combine_ch.row_bytes = p.combine_words * 4                # a row of expert_out as it travels
         self._dispatch_op = PhasedOp(g, "dispatch", self._dispatch_ch)
         self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
         self._combine_op = PhasedOp(g, "combine", self._combine_ch)
-        shape = (p.experts_per_rank, p.capacity)
+        shape = (p.experts_per_rank, p.capacity) if self._copies_rows else (0,)
         if p.nvfp4:   # two e2m1 codes per byte; four e4m3 scales per word
             self._x = torch.empty((*shape, p.hidden // 2), dtype=torch.uint8, device=dev)
             self._scales = torch.empty((*shape, 4 * p.scale_words), dtype=torch.float8_e4m3fn, device=dev)
@@ -368,6 +403,20 @@ class EPBuffer(OpBuffer):
         args["PUT"] = p.put
         return args
 
+    def _combine_recv_launch(self, p: EPPlan, s: _Set, row_of: torch.Tensor, rows: int) -> Launch:
+        """The combine receive of metadata set ``s``: this rank's own slots are read from ``expert_out`` at the
+        codes ``row_of[rank]`` gives (< ``rows``; -1 elsewhere, -2 dropped), the others from the landing zone."""
+        g, cch = self.group, self._combine_ch
+        return Launch(
+            combine_recv_kernel, g.device, p.reduce_grid, aligned=vector_aligned(cch.data.local), routed_ptr=s.routed,
+            row_of_ptr=row_of, slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptr=cch.data.local,
+            ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
+            SLOT_WORDS=p.combine_words, FP8=p.combine_fp8, **self._recv_put_args(p),
+            ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts), HIDDEN=p.hidden,
+            BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, grp=g.state, status_ptr=g.status.local,
+            rank=g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
+            TOPK_P2=next_pow2(p.topk), **cch.trace_args(recv=True), num_warps=p.reduce_warps)
+
     def _build_launches(self, p: EPPlan) -> tuple[dict, dict]:
         """For each metadata set: kernel name -> ``Launch`` of every kernel a call of this world size makes,
         with every argument but the call's tensors, their sizes and their alignment."""
@@ -386,20 +435,15 @@ class EPBuffer(OpBuffer):
         combine = dict(SLOT_WORDS=p.combine_words, FP8=p.combine_fp8)
         sets = []
         for s in self._sets:
-            combine_recv = Launch(
-                combine_recv_kernel, dev, p.reduce_grid, aligned=vector_aligned(cch.data.local), routed_ptr=s.routed,
-                row_of_ptr=s.row_of, slot_key_ptr=s.slot_key, id_base_ptr=s.id_base, data_ptr=cch.data.local,
-                ctrl_ptr=cch.ctrl.local, seq_ptr=cch.recv_seq, done_ptr=cch.done, OP=op_id("combine"), ROWS=rows,
-                **combine, **self._recv_put_args(p), ZONE_SLOTS=max(1, p.combine_zone_slots), BINS=histogram_bins(p.num_experts),
-                HIDDEN=p.hidden, BT=p.block_tokens, BH=p.block_hidden, NBLK=p.reduce_programs, **sig, **common,
-                **cch.trace_args(recv=True), num_warps=p.reduce_warps)
+            combine_recv = self._combine_recv_launch(p, s, s.row_of, rows)
             if g.world_size == 1:  # one kernel per call: no landing zone, no flags
                 sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
-                    dispatch_local_kernel, dev, p.local_grid, aligned=vector_aligned(x_words, self._scales),
+                    dispatch_local_kernel, dev, p.local_grid if self._copies_rows else (p.local_grid[0], 1),
+                    aligned=vector_aligned(x_words, self._scales),
                     out_x_ptr=x_words, out_scales_ptr=scales, out_src_ptr=s.src, out_counts_ptr=s.counts,
                     row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, routed_ptr=s.routed, stats_ptr=self._stats,
                     excluded_ptr=self._excluded, grp=g.state, OP=op_id("dispatch"), CAP=p.capacity, TOPK=p.topk,
-                    TOPK_P2=next_pow2(p.topk), **routing)))
+                    TOPK_P2=next_pow2(p.topk), COPY=self._copies_rows, **routing)))
                 continue
             sets.append(dict(
                 combine_recv=combine_recv,
@@ -414,12 +458,13 @@ class EPBuffer(OpBuffer):
                     aligned=vector_aligned(self._x, self._scales, dch.data.local),
                     out_x_ptr=self._x.view(torch.int32), out_scales_ptr=scales.view(torch.int32), out_src_ptr=s.src,
                     out_counts_ptr=s.counts, row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens, runs_ptr=s.runs,
-                    stats_ptr=self._stats, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq,
+                    stats_ptr=self._stats, arrival_ptr=s.arrival, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local, seq_ptr=dch.recv_seq,
                     done_ptr=dch.done, OP=op_id("dispatch"), CAP=p.capacity, **self._recv_put_args(p),
                     EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank),
                     X_WORDS=p.x_words, S_WORDS=p.scale_words, S_WORDS_P2=next_pow2(max(p.scale_words, 1)),
                     ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots,
-                    BW=p.recv_block_words, NVFP4=p.nvfp4, **sig, **common, **dch.trace_args(recv=True)),
+                    BW=p.recv_block_words, NVFP4=p.nvfp4, COPY=self._copies_rows, **sig, **common,
+                    **dch.trace_args(recv=True)),
                 combine_send=Launch(
                     combine_send_kernel, dev, (p.recv_programs,), row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens,
                     runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,
@@ -465,18 +510,54 @@ class EPBuffer(OpBuffer):
             if not do_recv:
                 return None
         handle, k, xin, idx, gs, global_scale = op.take()
-        launches = self._launches()[k]
-        if g.world_size == 1:
+        self._receive(self._launches()[k], handle, xin, idx, gs)
+        s = self._sets[k]
+        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle, global_scale))
+
+    def _receive(self, launches: dict, handle: EPHandle, xin, idx, gs) -> None:
+        """Launch the receive phase of a dispatch: the world-1 kernel (which reads x and topk_idx), or the
+        receive kernel."""
+        if self.group.world_size == 1:
             local = launches["dispatch_local"]
             local.run(x_ptr=xin, idx_ptr=idx, gscale_ptr=gs, num_tokens=handle.num_tokens,
                       ALIGNED=local.aligned_with(xin))
         else:
             recv = launches["dispatch_recv"]
             recv.run(ALIGNED=recv.aligned)
-        s = self._sets[k]
-        return op.finish(DispatchResult(self._x, self._scales, s.counts, s.src, handle, global_scale))
+
+    def arrival(self) -> ArrivalWords:
+        """The arrival words of the dispatch whose send phase ran last and whose receive has not returned
+        yet (``ArrivalWords``): launch a consumer kernel that waits on them after ``dispatch(...,
+        phase="send")`` (on a stream ordered after it), then ``dispatch(phase="recv")`` on another stream;
+        the consumer starts on a source's rows as soon as the receive has written them. World > 1 (at world
+        1 the receive is one kernel that writes every row: run your GEMM after it). Keep the consumer's
+        grid small enough that the receive's programs get SMs while it waits."""
+        pending = self._dispatch_op.pending if self._allocated else None
+        if pending is None:
+            raise RuntimeError("arrival(): call dispatch(..., phase='send') first (the words are those of the "
+                               "call whose receive phase has not run yet)")
+        if self.group.world_size == 1:
+            raise ValueError("arrival(): at world 1 the dispatch is one kernel: run your GEMM after it")
+        s = self._sets[pending[1]]
+        return ArrivalWords(s.arrival, s.runs, self._dispatch_ch.send_seq, self.group.state, self.group.status.local,
+                            self._x)
 
     # ---- combine ---------------------------------------------------------------------------------
+    def _check_expert_out(self, expert_out) -> None:
+        """The combine's ``expert_out``: [E_local, R, hidden] of the buffer's dtype on the group's device (at
+        world > 1 on a word boundary: the send copies its rows as words)."""
+        p, g = self._ep_plan, self.group
+        check_tensor("expert_out", expert_out, g.device, (p.dtype,), (p.experts_per_rank, p.capacity, p.hidden),
+                     DTYPE_FIX)
+        if g.world_size > 1 and not p.combine_fp8:   # the send copies its rows as words (at world 1,
+            check_words("expert_out", expert_out)      # and quantizing them, it reads elements)
+
+    def _send_combine(self, handle: EPHandle, expert_out: torch.Tensor) -> None:
+        """Launch the send phase of a combine (nothing at world 1: the receive reads every row in place)."""
+        if self.group.world_size > 1:
+            send = self._launches()[handle.call_index % 2]["combine_send"]
+            send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
+
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                 handle: EPHandle | None = None, *, out: torch.Tensor | None = None,
                 phase: str = "both") -> torch.Tensor | None:
@@ -492,17 +573,12 @@ class EPBuffer(OpBuffer):
         if do_send:
             def check():
                 self._check_handle(handle)
-                check_tensor("expert_out", expert_out, g.device, (p.dtype,),
-                             (p.experts_per_rank, p.capacity, p.hidden), DTYPE_FIX)
-                if g.world_size > 1 and not p.combine_fp8:   # the send copies its rows as words (at world 1,
-                    check_words("expert_out", expert_out)      # and quantizing them, it reads elements)
+                self._check_expert_out(expert_out)
                 self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
             op.validate(check)
             op.before_send()
             expert_out = expert_out.contiguous()
-            if g.world_size > 1:  # at world 1 every slot is local: the receive reads them in place
-                send = self._launches()[handle.call_index % 2]["combine_send"]
-                send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
+            self._send_combine(handle, expert_out)
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None

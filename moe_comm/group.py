@@ -645,6 +645,10 @@ def _rank_main(work, rank, world_size, port, session, backend, timeout_s, conn, 
 # context exists, so nothing of one launch reaches the next; the environment is the launcher's at
 # launch() (passed along).
 FORKSERVER_PRELOAD = ("torch", "triton", "moe_comm._forkserver_preload")
+# Preloaded as well when the launcher has imported the key module itself (its ranks will too): the
+# transformers door with transformers' model and generation code, about 2.6 CPU-seconds per rank process.
+PRELOAD_IF_IMPORTED = {"moe_comm.serving.hf": ("moe_comm.serving.hf", "transformers.modeling_utils",
+                                               "transformers.generation.utils")}
 
 # Variables read when modules are imported, by what the server preloads: Triton's ``@jit`` makes a kernel
 # interpreted or compiled by TRITON_INTERPRET as its module is imported. moe_comm reads none at import.
@@ -686,7 +690,8 @@ def _detach_fd(dup) -> int:
 def _process_context(start_method: str):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))   # no effect once the server runs
+        extra = [m for key, mods in PRELOAD_IF_IMPORTED.items() if key in sys.modules for m in mods]
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD) + extra)   # no effect once the server runs
     return ctx
 
 

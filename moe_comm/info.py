@@ -128,9 +128,10 @@ def transports(heap_info: dict) -> dict:
                   "what": "plain stores through peer pointers: one process (loopback), shared memory (shm), "
                           "GPUs that NVSHMEM maps into each other (one NVLink domain)"},
         "put": {"usable": any(h["usable"] for h in heap_info.values()),
-                "what": "NVSHMEM device puts (MOE_COMM_TRANSPORT=put forces them): on the CPU as plain copies "
-                        "(testing); on GPUs they need the device bitcode and a verified Triton pairing (below); "
-                        "peers on other nodes are not supported yet (the host control plane maps peers)"},
+                "what": "NVSHMEM device puts, for peers NVSHMEM cannot map (other nodes; MOE_COMM_TRANSPORT=put "
+                        "forces them): on the CPU as plain copies, or messages between emulated nodes "
+                        "(MOE_COMM_RANKS_PER_NODE); on GPUs they need the device bitcode and a verified Triton "
+                        "pairing, and survival of a lost node needs IBGDA (NVSHMEM, below)"},
     }
 
 
@@ -172,7 +173,28 @@ def nvshmem(vers: dict | None = None) -> dict:
                            "needed": "for the put transport's kernels on a GPU (MOE_COMM_TRANSPORT=put, or "
                                      "peers NVSHMEM cannot map)"},
         "triton_pairing": pairing,
+        "remote_transport": remote_transport(),
     }
+
+
+IBGDA_ENV = "NVSHMEM_IB_ENABLE_IBGDA"          # NVSHMEM's switch to its GPU-initiated InfiniBand transport
+REMOTE_ENV = "NVSHMEM_REMOTE_TRANSPORT"        # its network transport otherwise (default ibrc: a CPU proxy)
+
+
+def remote_transport() -> dict:
+    """The NVSHMEM network transport this environment selects, and what survives a rank lost on another
+    node under it (docs/faults.md, "A dead peer across nodes"): the put path never waits for a put's
+    completion, so with IBGDA nothing looks at the dead rank's failed puts and the survivors name, exclude
+    and go on; NVSHMEM's proxy transports poll every completion and end the process at a failed one."""
+    ibgda = os.environ.get(IBGDA_ENV, "").strip().lower() in ("1", "true", "yes", "y", "on")
+    if ibgda:
+        return {"ibgda": True, "name": f"IBGDA ({IBGDA_ENV}=1)",
+                "survival": "a rank lost on another node is named by every survivor (CommTimeoutError), which "
+                            "exclude() it and keep serving"}
+    name = os.environ.get(REMOTE_ENV, "").strip().lower() or "ibrc"
+    return {"ibgda": False, "name": f"{name} (NVSHMEM's CPU proxy; {IBGDA_ENV} is not set)",
+            "survival": f"a rank lost on another node ends every rank that put to it once the NIC gives up "
+                        f"(about 34 s): surviving it needs IBGDA ({IBGDA_ENV}=1)"}
 
 
 def collect() -> dict:
@@ -212,6 +234,7 @@ def render(info: dict) -> str:
               f"  device bitcode   {_yes(n['device_bitcode']['found'])}  {n['device_bitcode']['detail']}",
               f"                        needed: {n['device_bitcode']['needed']}",
               f"  Triton pairing   {n['triton_pairing']}",
+              f"  remote transport {n['remote_transport']['name']}: {n['remote_transport']['survival']}",
               "", "tracing", f"  flight recorder  {info['tracing']['detail']}",
               f"  metrics          {info['metrics']['detail']} (docs/metrics.md)"]
     return "\n".join(lines)

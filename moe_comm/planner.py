@@ -29,6 +29,22 @@ def channel_done_words(world: int) -> int:
     return world + 3
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+STAGE_ZONES = 2   # zones of a channel's put staging (call % 2): reused by causality (triton_kernels/transport.py)
+
+
+def stage_ctrl_shape(world: int, ctrl_words: int) -> tuple:
+    """int64 [zones, world, ctrl_words]: a channel's staged control words with puts (``channel.py``)."""
+    return (STAGE_ZONES, world, ctrl_words)
+
+
+def stage_ctrl_bytes(world: int, ctrl_words: int) -> int:
+    return 8 * math.prod(stage_ctrl_shape(world, ctrl_words))
+
+
 def channel_counter_bytes(world: int) -> int:
     """Bytes of one Channel's counters: send and receive counts (int64 each) and ``done``."""
     return 8 + 8 + 4 * channel_done_words(world)
@@ -124,12 +140,15 @@ class AllToAllvPlan:
     data_shape: tuple
     # Symmetric control words per channel: int64 [2 zones, world source ranks, 2] = (row count, flag).
     ctrl_shape: tuple
+    # Put transport (``group.uses_put``): each channel also holds its staging, shaped as its landing zone
+    # (two zones, call % 2, reused by causality: ``triton_kernels/transport.py``) and staged control words.
+    put: bool = False
 
     def buffer_layout(self) -> dict:
         """What sizes the buffers allocated from this plan: every field but the copy's launch shapes."""
         return dict(world=self.world, max_rows_per_peer=self.max_rows_per_peer, row_shape=self.row_shape,
                     dtype=self.dtype, word_dtype=self.copy.word_dtype, row_words=self.copy.row_words,
-                    data_shape=self.data_shape, ctrl_shape=self.ctrl_shape)
+                    data_shape=self.data_shape, ctrl_shape=self.ctrl_shape, put=self.put)
 
     @property
     def row_bytes(self) -> int:
@@ -137,7 +156,10 @@ class AllToAllvPlan:
 
     @property
     def symmetric_bytes(self) -> int:
+        """Both channels: landing zone and control words, and with puts the same again as staging."""
         per_channel = numel(self.data_shape) * elem_size(self.copy.word_dtype) + numel(self.ctrl_shape) * 8
+        if self.put:
+            per_channel += numel(self.data_shape) * elem_size(self.copy.word_dtype) + stage_ctrl_bytes(self.world, 2)
         return 2 * per_channel
 
     @property
@@ -147,13 +169,13 @@ class AllToAllvPlan:
 
 
 def plan_alltoallv(world: int, max_rows_per_peer: int, row_shape, dtype: torch.dtype,
-                   device: torch.device) -> AllToAllvPlan:
+                   device: torch.device, put: bool = False) -> AllToAllvPlan:
     row_shape = tuple(int(s) for s in row_shape)
     row_bytes = numel(row_shape) * elem_size(dtype)
     copy = plan_copy(row_bytes, max_rows_per_peer, world, device)
     return AllToAllvPlan(world, max_rows_per_peer, row_shape, dtype, copy,
                          data_shape=(2, world, max_rows_per_peer, copy.row_words),
-                         ctrl_shape=(2, world, 2))
+                         ctrl_shape=(2, world, 2), put=bool(put))
 
 
 # ---- EPBuffer (expert-parallel dispatch / combine) ------------------------------------------------
@@ -189,9 +211,13 @@ class EPPlan:
                  control words     2 * W * (L + 2) * 8  +  2 * W * 2 * 8
                  with puts (``with_put``): one more routing word per dispatch row (the token index), one
                  more control word (the combine's run base), a second half of the combine landing zone
-                 (M*K rows), and the channels' staging (``Channel.symmetric_bytes``)
+                 (M*K rows), and each channel's staging, two zones (call % 2: reused only once a receive
+                 proves the NIC read it, never quieted; ``triton_kernels/transport.py``):
+        staging  dispatch          2 * W * M * (p + 4*K + 4)  as its landing zone, + 2 * W * (L + 3) * 8
+                 combine           2 * W * M * K * c          a run per destination, + 2 * W * 2 * 8
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
-                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4) + L*8
+                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4 + W*(L+1)*4 + W*8) + L*8
+                                   (the last two: rows per (source, local expert) and the arrival words)
                  counters, scratch 2 * (16 + 4*(W+3)) + 8 + 4*max(H, K)
 
     The DeepSeek-V3 decode shape (W=8, M=128, K=8, L=32, H=7168, bf16) needs 0.49 GiB per GPU (0.28 GiB
@@ -346,18 +372,36 @@ class EPPlan:
         return (2, self.combine_zone_slots, self.combine_words)
 
     @property
+    def combine_stage_shape(self) -> tuple:
+        """int32 words [2 zones, W destinations, M*K, combine_words] with puts: the run staged for each
+        destination (``combine.py``); one word per zone at world 1."""
+        if self.world == 1:
+            return (2, 1, 1, 1)
+        return (2, self.world, self.max_tokens * self.topk, self.combine_words)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Symmetric bytes of both channels' put staging (0 without puts): the dispatch's as large as its
+        landing zone, the combine's a run per destination, two zones each, and their staged control words."""
+        if not self.put:
+            return 0
+        w = self.world
+        return 4 * (numel(self.dispatch_data_shape) + numel(self.combine_stage_shape)) + stage_ctrl_bytes(
+            w, self.dispatch_ctrl_words) + stage_ctrl_bytes(w, 2)
+
+    @property
     def symmetric_bytes(self) -> int:
         w = self.world
         return 4 * (numel(self.dispatch_data_shape) + numel(self.combine_data_shape)) + 8 * (
-            2 * w * self.dispatch_ctrl_words + 2 * w * 2)
+            2 * w * self.dispatch_ctrl_words + 2 * w * 2) + self.stage_bytes
 
     @property
     def local_bytes(self) -> int:
         L, cap, w, m, k = self.experts_per_rank, self.capacity, self.world, self.max_tokens, self.topk
         outputs = L * cap * 4 * (self.x_words + self.scale_words)
-        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4) + L * 8
-        if self.put:   # per set: runs per source (w * (L + 1)), slot keys (m * k), the id histogram (bins)
-            metadata += 2 * 4 * (w * (L + 1) + m * k + max(32, next_pow2(self.num_experts)))
+        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4 + w * (L + 1) * 4 + w * 8) + L * 8
+        if self.put:   # per set: slot keys (m * k), the id histogram (bins)
+            metadata += 2 * 4 * (m * k + max(32, next_pow2(self.num_experts)))
         # two channels of (send count, receive count, arrival counters); excluded-slot count; launch scratch
         counters = 2 * channel_counter_bytes(w) + 8 + 4 * self.scratch_words
         return outputs + metadata + counters
@@ -553,8 +597,10 @@ class PrefillPlan:
     With put peers (``put``; nodes of G = ``ranks_per_node`` ranks, N = W / G, docs/prefill.md "Across
     nodes"): each zone adds the routing plane (R rows of 2K + 2 words: global ids, weights, int64 stamp)
     after the rows; the combine channel's data is the node inbox, Z*N*M*H*b bytes; the dispatch control
-    words are G*L + 2 per (parity, source); each channel holds its staged control words (W rows) and a
-    one-word unused staging; locally, a stamp per zone and an arrival counter per send program.
+    words are G*L + 2 per (parity, source); each channel holds its staged control words (2 parities x W
+    rows); the dispatch stages the payload rows it puts to other nodes, 2 parities x M*p (its own zone
+    rows are its output: its experts may write them before a rail's NIC has read them), the combine one
+    unused word; locally, a stamp per zone.
     DeepSeek-V3 prefill (H=7168, K=8, 256 experts, bf16): EP16 with 4096 tokens per rank needs
     0.88 GiB (DeepEP V2: 1.13 GiB); EP8 with 8192 the same R and so the same 0.88 GiB; two zones of
     half the capacity (M = 2048, 4096 tokens in two overlapped chunks) the same 0.88 GiB again.
@@ -648,11 +694,27 @@ class PrefillPlan:
         return self.ep.scratch_words
 
     @property
+    def stage_words(self) -> int:
+        """int32 words of one parity of the dispatch's payload staging (with puts): M payload rows, then from
+        a 16-byte boundary M scale rows, the whole rounded to 16 bytes (``prefill_dispatch.py``: SX)."""
+        p = self.ep
+        return round_up(p.max_tokens * p.x_words, 4) + round_up(p.max_tokens * p.scale_words, 4)
+
+    @property
+    def dispatch_stage_shape(self) -> tuple:
+        """int32 words [2 parities, stage_words] with puts: this rank's payload rows (then their scales) of
+        the tokens it puts to other nodes, parity call % 2 (``prefill_dispatch.py``); one word without puts."""
+        return (STAGE_ZONES, self.stage_words) if self.put else (1,)
+
+    @property
     def symmetric_bytes(self) -> int:
         w = self.world
         data = 4 * self.zones * self.zone_words + 4 * math.prod(self.combine_data_shape)
         ctrl = 8 * (2 * w * self.dispatch_ctrl_words + 2 * w * self.combine_ctrl_words)
-        staged = (2 * 4 + 8 * w * (self.dispatch_ctrl_words + self.combine_ctrl_words)) if self.put else 0
+        staged = 0
+        if self.put:   # the dispatch's payload staging, the combine's unused word, both staged control words
+            staged = 4 * (math.prod(self.dispatch_stage_shape) + 1) + stage_ctrl_bytes(
+                w, self.dispatch_ctrl_words) + stage_ctrl_bytes(w, self.combine_ctrl_words)
         return data + ctrl + staged
 
     @property
@@ -662,7 +724,7 @@ class PrefillPlan:
         if self.put:
             per_zone += 8                                                       # the zone's stamp
         metadata = self.zones * per_zone + p.experts_per_rank * 8 + 8
-        counters = 2 * channel_counter_bytes(w) + (4 * p.send_programs if self.put else 0)
+        counters = 2 * channel_counter_bytes(w)
         return metadata + counters + 4 * self.scratch_words
 
     @property
@@ -735,3 +797,75 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
         node_programs, pull_tokens, pull_words = 1, ep.block_tokens, ep.send_block_words
     return PrefillPlan(ep, rows, x_offset, block_rows, words, programs, int(zones), put, g, node_programs, pull_tokens,
                        pull_words)
+
+
+# ---- MoELayer (the fused layer: dispatch -> expert GEMMs -> combine) -------------------------------------
+
+EXPERT_BLOCK_K = 64      # K step of every expert GEMM tile (serving/experts.py's masked kernel uses it too: the
+#                          same step gives a row the same bits in the fused and the unfused path)
+GPU_EXPERT_ROWS = 16     # rows of a GEMM tile on a GPU (decode: few rows per expert)
+GPU_EXPERT_COLS = 64     # output columns of a GEMM tile on a GPU
+GPU_SCAN_SLOTS = 128     # landing slots per step of the gate/up kernel's row search on a GPU
+
+
+@dataclass(frozen=True)
+class MoELayerPlan:
+    """Buffers and launch shapes of one ``moe_comm.MoELayer``, from its static sizes only.
+
+    Memory (bytes, per rank; the EPPlan's symbols, I intermediate): the EPBuffer underneath without d.x
+    (the fused kernels read the rows where they landed; ``EPPlan.local_bytes`` counts L*W*M*p for it),
+    plus the activations h [L, W*M, I] (L*W*M*I*b), the output rows of this rank's own slots [M*K, H]
+    (M*K*H*b) and their codes [W, M, K] int32 (4*W*M*K). That is at most the EPBuffer's (dispatch +
+    combine) when L*W*M*I*b + M*K*H*b + 4*W*M*K <= L*W*M*p: with I < H and any decode shape (DeepSeek-V3
+    EP8, 128 tokens per rank: 0.19 GiB against 0.49 GiB). The weights are the caller's, not counted.
+    """
+
+    ep: EPPlan                # the dispatch / combine buffers underneath
+    intermediate: int         # I: w13 [L, 2I, H], w2 [L, H, I]
+    block_rows: int           # BM: rows of a GEMM tile (both kernels)
+    gate_cols: int            # BN of the gate/up kernel: columns of I per program
+    down_cols: int            # BN of the down kernel: columns of H per program
+    block_k: int              # BK: K step of every GEMM tile (EXPERT_BLOCK_K)
+    scan_slots: int           # landing slots per step of the gate/up kernel's row search
+    bookkeeping_slots: int    # slots per step of the down kernel's own-code and dropped-slot loops
+
+    @property
+    def gate_grid(self) -> tuple:
+        """(column blocks of I, local experts)."""
+        return (-(-self.intermediate // self.gate_cols), self.ep.experts_per_rank)
+
+    @property
+    def down_grid(self) -> tuple:
+        """(column blocks of H, local experts)."""
+        return (-(-self.ep.hidden // self.down_cols), self.ep.experts_per_rank)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.ep.experts_per_rank * self.ep.capacity * self.intermediate * self.ep.elem_size
+
+    @property
+    def own_rows_bytes(self) -> int:
+        """The output rows of this rank's own slots and their codes."""
+        ep = self.ep
+        return ep.max_tokens * ep.topk * ep.hidden * ep.elem_size + 4 * ep.world * ep.max_tokens * ep.topk
+
+    @property
+    def buffer_bytes(self) -> int:
+        ep = self.ep
+        rows = ep.experts_per_rank * ep.capacity * 4 * (ep.x_words + ep.scale_words)   # d.x, not allocated
+        return ep.buffer_bytes - rows + self.activation_bytes + self.own_rows_bytes
+
+
+def plan_moe_layer(ep: EPPlan, intermediate: int, device) -> MoELayerPlan:
+    """Plan a MoELayer over the EPBuffer plan ``ep`` (validated by the caller). GPU: decode tiles (16 rows,
+    64 columns); the interpreter: wide tiles (fewer programs and loop steps). BK is EXPERT_BLOCK_K on both."""
+    cols = next_pow2(intermediate)
+    if gpu_shapes(device):
+        bm, gate_cols, down_cols, scan = GPU_EXPERT_ROWS, GPU_EXPERT_COLS, GPU_EXPERT_COLS, GPU_SCAN_SLOTS
+        bookkeeping = GPU_ROUTE_SLOTS
+    else:
+        bm = max(16, min(64, next_pow2(ep.capacity)))
+        gate_cols, down_cols = max(16, min(128, cols)), max(16, min(256, next_pow2(ep.hidden)))
+        scan = max(16, min(4096, next_pow2(ep.max_tokens) * next_pow2(ep.topk)))
+        bookkeeping = max(16, min(4096, next_pow2(ep.world * ep.max_tokens) * next_pow2(ep.topk)))
+    return MoELayerPlan(ep, int(intermediate), bm, gate_cols, down_cols, EXPERT_BLOCK_K, scan, bookkeeping)

@@ -284,8 +284,6 @@ class PrefillBuffer(OpBuffer):
             check_replaced_plan("PrefillBuffer", self._prefill_plan, p)
         self._prefill_plan = p
         if getattr(self, "_allocated", False):
-            if p.put and self._block_done.numel() < p.ep.send_programs:   # per-launch counters, zero between calls
-                self._block_done = torch.zeros(p.ep.send_programs, dtype=torch.int32, device=self.group.device)
             for zone in self._zones:
                 zone.launches = self._build_launches(zone)
 
@@ -322,10 +320,10 @@ class PrefillBuffer(OpBuffer):
     # ---- buffers ---------------------------------------------------------------------------------
     def _allocate(self) -> None:
         p, g = self.plan, self.group
-        # The staging of the put path is the zone itself (docs/prefill.md "Across nodes"): the channels'
-        # own staging is one unused word, their staged control words are used.
+        # The put path stages the payload rows it puts to other nodes (docs/prefill.md "Across nodes"); the
+        # combine's own staging is one unused word (it puts from the zone); both stage control words.
         self._dispatch_ch = Channel(g, "prefill.dispatch", (p.zones, p.zone_words), torch.int32,
-                                    ctrl_words=p.dispatch_ctrl_words, stage_shape=(1,))
+                                    ctrl_words=p.dispatch_ctrl_words, stage_shape=p.dispatch_stage_shape)
         self._combine_ch = Channel(g, "prefill.combine", p.combine_data_shape, torch.int32,
                                    ctrl_words=p.combine_ctrl_words, stage_shape=(1,))
         self._node_args = dict(g.put_launch_args() if p.put else {"PUT": False}, G=p.ranks_per_node,
@@ -334,7 +332,6 @@ class PrefillBuffer(OpBuffer):
         self._dispatch_op.counters = dict(expert_rows=self._stats, excluded_rows=self._excluded)
         self._combine_op = PhasedOp(g, "prefill.combine", _CombineChannel(self._combine_ch, self._node_args))
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=g.device)
-        self._block_done = torch.zeros(p.ep.send_programs if p.put else 1, dtype=torch.int32, device=g.device)
         self._zones = [self._zone(z) for z in range(p.zones)]
         self._allocated = True
 
@@ -381,7 +378,7 @@ class PrefillBuffer(OpBuffer):
         slots = dict(shape, TOPK_P2=next_pow2(ep.topk))
         nodes = self._node_args
         route = dict(ROUTE_OFFSET=p.route_offset if p.put else 0, RW=p.route_words)
-        stage_ctrl = dch.put_args()["stage_ctrl_ptr"]
+        staged = {k: dch.put_args()[k] for k in ("stage_ptr", "stage_ctrl_ptr")}
 
         def launch(kernel, grid, **static):
             return Launch(kernel, g.device, grid, **static)
@@ -391,7 +388,7 @@ class PrefillBuffer(OpBuffer):
                 prefill_dispatch_send_kernel, ep.send_grid, routed_ptr=zone.routed, excluded_ptr=self._excluded,
                 data_ptrs_ptr=zone.peer_ptrs, ctrl_ptrs_ptr=dch.ctrl.peer_ptrs, released_ptr=cch.ctrl.local,
                 combine_seq_ptr=cch.recv_seq, seq_ptr=dch.send_seq, done_ptr=dch.done, stamp_ptr=zone.stamp,
-                block_done_ptr=self._block_done, stage_ctrl_ptr=stage_ctrl, num_experts=self.num_experts,
+                num_experts=self.num_experts, **staged,
                 OP=op_id("prefill.dispatch"), EXPERTS_PER_RANK=ep.experts_per_rank, HIDDEN=ep.hidden,
                 X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset, CTRL_WORDS=p.dispatch_ctrl_words,
                 BT=ep.block_tokens, BW=ep.send_block_words, ROUTE_T=ep.route_tokens,

@@ -291,6 +291,48 @@ def combine(expert_outs: list[torch.Tensor], topk_weights: list[torch.Tensor], t
     return out
 
 
+# ---- The MoE layer: dispatch -> per-expert SiLU-gated MLP -> weighted combine ---------------------
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SiLU-gated MLP on its rows, as ``moe_comm.MoELayer`` computes it. x [N, H]; w13 [2I, H]
+    (gate = rows [0, I), up = rows [I, 2I), the layout of a Linear's weight); w2 [H, I]. Returns [N, H] in
+    x's dtype.
+
+    Roundings, stated: gate = x @ w13[:I].T and up = x @ w13[I:].T accumulate in float32 (each a dot
+    product over H of float32 products of the dtype inputs, which are exact); a = SiLU(gate) * up in
+    float32, rounded once to the dtype; y = a @ w2.T accumulated in float32 over I, rounded once to the
+    dtype. The order of the terms inside each dot product is not fixed here (torch's CPU GEMM's): a kernel's
+    tl.dot sums in its own order, and tests bound that difference (tests/moe_layer_cases.py derives the
+    bound). With inputs whose every product and partial sum is exact in float32 the order cannot matter,
+    and the fused layer equals this reference bit for bit (``moe_layer``: the combine's order is fixed)."""
+    inter = w13.shape[0] // 2
+    h = x.float() @ w13.float().T
+    gate, up = h[:, :inter], h[:, inter:]
+    a = (gate * torch.sigmoid(gate) * up).to(x.dtype)
+    return (a.float() @ w2.float().T).to(x.dtype)
+
+
+def moe_layer(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+              w13s: list[torch.Tensor], w2s: list[torch.Tensor], num_experts: int, max_tokens_per_rank: int,
+              excluded=()) -> list[torch.Tensor]:
+    """``MoELayer`` of every rank at once: ``dispatch`` (xs[r] [T_r, H], topk_idxs[r] [T_r, K], -1 = not
+    routed), then on rank r each local expert e's rows ``expert_mlp(rows, w13s[r][e], w2s[r][e])`` (w13s[r]
+    [E_local, 2I, H], w2s[r] [E_local, H, I]), then ``combine`` with topk_weights[r] [T_r, K]: y[t] = sum
+    over k ascending of routed slots of w[t, k] * expert row, in float32, rounded once to the dtype. A slot
+    dropped for capacity contributes a zero row; excluded ranks as in ``dispatch``. Returns per rank y
+    [T_r, H] in xs' dtype."""
+    world = len(xs)
+    d = dispatch(xs, topk_idxs, num_experts, max_tokens_per_rank, excluded=excluded)
+    outs = []
+    for r in range(world):
+        eo = torch.zeros_like(d[r]["x"])
+        for e, n in enumerate(d[r]["counts"].tolist()):
+            if n:
+                eo[e, :n] = expert_mlp(d[r]["x"][e, :n], w13s[r][e].cpu(), w2s[r][e].cpu())
+        outs.append(eo)
+    return combine(outs, topk_weights, topk_idxs, num_experts, max_tokens_per_rank, excluded)
+
+
 # ---- PrefillBuffer dispatch / combine ------------------------------------------------------------
 
 def prefill_dispatch(xs: list, topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],

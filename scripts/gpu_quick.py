@@ -20,7 +20,14 @@ goes on with the next step):
    8 ep-rank            one real rank of EP8, the other 7 emulated (bench/ep_rank.py), T 1 and 128
    9 prefill            PrefillBuffer, 8 emulated ranks, T = 4096: link-side GB/s and % of the floor
   10 decode             DeepSeek-V3 decode step, batch 1 and 64: fused against sync-graphed
-  11 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
+  11 hf-door            the transformers door on the GPU (bench/hf_door.py): world-1 generation on nvshmem
+                        and loopback checked against transformers' eager run there; a Qwen3-30B-A3B-shaped
+                        decode step (batch 1, 8, 64) against transformers' grouped_mm and eager experts
+  12 moe-layer          bench/moe_layer.py: the fused MoE layer against our unfused path and against
+                        dispatch + torch._grouped_mm + combine, DeepSeek-V3 and V4-Flash-like shapes, world
+                        8 (emulated, a stream each) then 1, T = 1, 8, 64, 128, 512 (the fused/unfused
+                        crossover: moe_layer.FUSED_MAX_TOKENS)
+  13 cold-start         process start to the first dispatch + combine (DeepSeek-V3, EP8): empty Triton
                         cache, warm cache, and after ``moe_comm warmup`` (bench/cold_start.py)
 
 Under OUT: ``NN-step/`` per step (its log, JSON lines, and ``verdict.json``: one line, written when the
@@ -40,7 +47,9 @@ share of its budgets: a short loan that picks steps keeps their budgets whole (`
 
 Env: PYTHON (default this interpreter), BASELINE (+ BASELINE_COMMIT when that tree has no git metadata),
 MOE_COMM_COMMIT (the measured commit, when this copy's git metadata is not it: every row is labelled
-with it). nvshmem4py is installed from ``.whl/*.whl`` into /tmp/site when present (gpu.md).
+with it). nvshmem4py is installed from ``.whl/*.whl`` into /tmp/site when present (gpu.md); transformers
+and its dependencies (the hf-door step) from ``.whl/hf/*.whl`` into /tmp/site-hf, which the step puts after
+the machine's own packages (docs/benchmarks.md says how to download them).
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ MIN_STEP_S = 10.0        # a step is not started with less than this left of the
 KILL_GRACE_S = 5.0       # SIGTERM, then SIGKILL this much later
 DRY_LABEL = "dry run, CPU interpreter, not a GPU measurement"
 SITE = "/tmp/site"       # where the carried nvshmem4py wheel is installed (gpu.md)
+HF_SITE = "/tmp/site-hf" # where the carried transformers wheels are installed: searched after site-packages
 
 # Step 1: fast and representative (the whole "gpu and not slow" selection needed more than 300 s on an
 # H200; these took about 45 s on an H100 at cea8d5d, plus the graphs fault test): every op compiled on the
@@ -85,6 +95,7 @@ GPU_TESTS = (
     "tests/gpu/test_gpu_faults.py::test_graphs_recover_with_reset_and_survive_an_exclude",
     "tests/gpu/test_gpu_formats.py::test_prefill_moe_with_local_experts_on_the_device[e4m3-ue8m0]",
     "tests/gpu/test_gpu_formats.py::test_nvfp4_global_scales_that_differ_raise_compiled",
+    "tests/gpu/test_gpu_moe_layer.py::test_layer_compiled_equals_the_reference_and_the_unfused_path[True-2]",
 )
 FAULT_SCRIPT = "bench/timeout_repeats.py"
 SANITIZER = "compute-sanitizer"
@@ -109,6 +120,7 @@ class Context:
     baseline_commit: str | None
     nvshmem: bool            # nvshmem4py importable in the steps
     env_record: dict = field(default_factory=dict)   # device, versions, commit (bench.common.environment)
+    transformers: bool = True   # transformers importable (the machine's, else HF_SITE's): the hf-door step
 
 
 @dataclass
@@ -328,6 +340,59 @@ def judge_decode(d, log, rc, dry):
     return rc == 0 and bool(parts), "; ".join(parts) or f"no decode results (exit {rc})"
 
 
+def hf_door(ctx: Context, d: str):
+    if not ctx.transformers:
+        return NotRun("missing", f"transformers is not importable here: carry its wheels in .whl/hf "
+                                 f"(docs/benchmarks.md), installed into {HF_SITE}")
+    return [_py(ctx, "bench/hf_door.py", *(("--dry",) if ctx.dry else ()), "--out-dir", d, "--site-after", HF_SITE)]
+
+
+def judge_hf_door(d, log, rc, dry):
+    rows = _jsonl(os.path.join(d, "hf_door.jsonl"))
+    gen = [r for r in rows if r.get("kind") == "generate"]
+    refused = [r for r in rows if r.get("kind") == "refused"]
+    errors = [r for r in rows if r.get("kind") == "error"]
+    p50 = {(r["impl"], r["batch"]): r for r in rows if r.get("kind") == "result" and r.get("what") == "step"}
+    kernels = sorted({f"{r['family']} {r['expert_kernel']}" for r in gen if r["ok"]})
+    words = [f"generation: {sum(r['ok'] for r in gen)}/{len(gen)} equal to transformers' eager ("
+             + ", ".join(sorted({r["heap"] for r in gen})) + "; experts: " + ", ".join(kernels) + ")",
+             "loopback world 2 " + ("refused (one process per rank)" if refused and refused[0]["ok"] else "NOT refused")]
+    for b in sorted({k[1] for k in p50}):
+        if ("moe_comm", b) in p50 and ("grouped_mm", b) in p50:
+            door, gmm = p50[("moe_comm", b)], p50[("grouped_mm", b)]
+            words.append(f"B={b} step: door {door['p50_us']:.0f} us ({door['x_floor']:.1f}x floor) vs grouped_mm "
+                         f"{gmm['p50_us']:.0f} us")
+    if errors:
+        words.append(f"{len(errors)} error(s): {errors[0]['error'][:120]}")
+    ok = (rc == 0 and bool(gen) and all(r["ok"] for r in gen) and bool(refused) and refused[0]["ok"]
+          and not errors and bool(p50) and all(r["agrees"] for r in p50.values()))
+    return ok, "; ".join(words)
+
+
+def moe_layer(ctx: Context, d: str):
+    if ctx.dry:   # one shape, worlds 1 and 2, one token: the script's logic, not its numbers
+        return [_py(ctx, "bench/moe_layer.py", "--dry", "--shapes", "dsv3", "--worlds", "1,2", "--tokens", "1",
+                    "--iters", "1", "--warmup", "0", "--out-dir", d)]
+    return [_py(ctx, "bench/moe_layer.py", "--iters", "10", "--warmup", "3", "--out-dir", d)]
+
+
+def judge_moe_layer(d, log, rc, dry):
+    """Per (shape, world): the fused layer's speedup over the unfused path at each T, and the first T where
+    it is slower (the crossover the layer's path="auto" should use)."""
+    rows = [r for r in _jsonl(os.path.join(d, "moe_layer.jsonl")) if r.get("kind") == "result"]
+    fused = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused"}
+    parts = []
+    for shape, world in sorted({k[:2] for k in fused}):
+        ts = sorted(t for s, w, t in fused if (s, w) == (shape, world))
+        speed = {t: fused[(shape, world, t)].get("speedup_vs_unfused") for t in ts}
+        slower = [t for t in ts if speed[t] is not None and speed[t] < 1.0]
+        parts.append(f"{shape} W{world}: " + ", ".join(f"T{t} x{speed[t]:.2f}" for t in ts if speed[t] is not None)
+                     + (f"; unfused faster from T={slower[0]}" if slower else ""))
+    exact = all(r.get("max_abs_diff_vs_unfused", 1.0) == 0.0 for r in rows if r["impl"] == "fused")
+    return rc == 0 and bool(rows), ("; ".join(parts) or f"no results (exit {rc})") + \
+        ("" if exact else "; fused differs from unfused somewhere (max_abs_diff_vs_unfused)")
+
+
 def cold_start(ctx: Context, d: str):
     args = ("--dry",) if ctx.dry else ()
     # the cache directories stay out of OUT (tens of MB of binaries): a new temporary directory
@@ -357,6 +422,10 @@ STEPS = (
     Step("ep-rank", 30, "one real rank of EP8, 7 emulated peers, T 1/128", ep_rank, judge_kernels),
     Step("prefill", 35, "PrefillBuffer T=4096, 8 emulated ranks: link GB/s, % of floor", prefill, judge_kernels),
     Step("decode", 50, "DeepSeek-V3 decode step, batch 1/64: fused vs sync-graphed", decode, judge_decode),
+    Step("hf-door", 90, "transformers door: world-1 generation vs eager; decode step vs grouped_mm", hf_door,
+         judge_hf_door),
+    Step("moe-layer", 150, "fused MoE layer vs unfused vs grouped_mm, DSV3/V4-Flash, W 8/1, T 1-512", moe_layer,
+         judge_moe_layer),
     Step("cold-start", 80, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,
          judge_cold_start),
 )
@@ -499,11 +568,13 @@ def run(steps, ctx: Context, total_s: float, scale: float) -> list[Verdict]:
 # ---- the environment -------------------------------------------------------------------------------
 
 def install_carried_wheel(python: str, log) -> None:
-    """nvshmem4py is not installed on the GPU machine: the carried wheel (``.whl/``) into SITE (gpu.md)."""
-    wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
-    if wheels and not os.path.isdir(os.path.join(SITE, "nvshmem")):
-        subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--target", SITE, *wheels], stdout=log, stderr=subprocess.STDOUT)
+    """nvshmem4py is not installed on the GPU machine: the carried wheel (``.whl/``) into SITE (gpu.md);
+    nor is transformers: its carried wheels (``.whl/hf/``) into HF_SITE."""
+    for wheels, site, marker in ((sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl"))), SITE, "nvshmem"),
+                                 (sorted(glob.glob(os.path.join(REPO, ".whl", "hf", "*.whl"))), HF_SITE, "transformers")):
+        if wheels and not os.path.isdir(os.path.join(site, marker)):
+            subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--no-cache-dir", "--target", site, *wheels], stdout=log, stderr=subprocess.STDOUT)
 
 
 def make_context(out: str, python: str) -> Context:
@@ -512,10 +583,11 @@ def make_context(out: str, python: str) -> Context:
     env.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
     env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     env.pop("TRITON_INTERPRET", None)
-    probe = ("import json, torch; from bench.common import environment; "
+    probe = ("import json, sys, torch; from bench.common import environment; "
              "d = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu'); "
-             "import importlib.util as u; "
-             "print(json.dumps(dict(environment(d), nvshmem_importable=u.find_spec('nvshmem') is not None)))")
+             f"import importlib.util as u; nv = u.find_spec('nvshmem') is not None; sys.path.append({HF_SITE!r}); "
+             "print(json.dumps(dict(environment(d), nvshmem_importable=nv, "
+             "transformers_importable=u.find_spec('transformers') is not None)))")
     if not env.get("MOE_COMM_COMMIT"):
         sys.path.insert(0, REPO)
         from moe_comm.serving.bench_report import git_commit  # noqa: PLC0415
@@ -528,9 +600,9 @@ def make_context(out: str, python: str) -> Context:
     if baseline and not commit:
         got = subprocess.run(["git", "-C", baseline, "rev-parse", "HEAD"], capture_output=True, text=True)
         commit = got.stdout.strip() if got.returncode == 0 else None
-    nvshmem = rec.pop("nvshmem_importable")
+    nvshmem, transformers = rec.pop("nvshmem_importable"), rec.pop("transformers_importable")
     return Context(out=out, dry=not gpu, python=python, env=env, baseline=baseline, baseline_commit=commit,
-                   nvshmem=nvshmem, env_record=rec)
+                   nvshmem=nvshmem, env_record=rec, transformers=transformers)
 
 
 def scale_for(total_s: float, chosen=STEPS) -> float:

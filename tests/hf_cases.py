@@ -34,7 +34,7 @@ exact derivative at p (autograd; every gate here maps each input to one output).
 
 from __future__ import annotations
 
-import gc
+import sys
 import weakref
 
 import torch
@@ -55,20 +55,24 @@ def gamma(n: int) -> float:
 
 
 def config(family: str, world: int, dtype: str = "float32", layers: int = 2, new_tokens: int = 16,
-           options: dict | None = None, seed: int = 0, hidden: int = 64, idle_rank: int | None = None) -> dict:
+           options: dict | None = None, seed: int = 0, hidden: int = 64, idle_rank: int | None = None,
+           device: str = "cpu") -> dict:
     """One case. Experts: 8, or 6 at world 3 (a world must divide them). decode_tokens 4 and prefill_tokens
     4 unless ``options`` say otherwise: prompts (up to 2 x 6 tokens on a rank) go through the PrefillBuffer
     in several chunks, the decode steps (1-2 tokens per rank) through the EPBuffer. ``idle_rank``: a rank
-    with no prompts (it takes part in every step through ``finish``)."""
+    with no prompts (it takes part in every step through ``finish``). ``device``: where the models run
+    (the rank's group's device; transformers' reference runs there too)."""
     opts = dict(decode_tokens=4, prefill_tokens=4)
     opts.update(options or {})
     return dict(family=family, world=world, dtype=dtype, layers=layers, new_tokens=new_tokens, options=opts,
-                seed=seed, idle_rank=idle_rank, model=dict(layers=layers, experts=6 if world % 3 == 0 else 8, hidden=hidden))
+                seed=seed, idle_rank=idle_rank, device=device,
+                model=dict(layers=layers, experts=6 if world % 3 == 0 else 8, hidden=hidden))
 
 
 def build(case: dict, impl: str = "eager"):
+    """The case's model (the same random weights in every process), on the case's device."""
     return tiny_model(case["family"], gen.DTYPES[case["dtype"]], case["seed"], experts_implementation=impl,
-                      **case["model"])
+                      **case["model"]).to(case["device"])
 
 
 def prompts(case: dict, rank: int) -> list[list[int]]:
@@ -77,14 +81,14 @@ def prompts(case: dict, rank: int) -> list[list[int]]:
 
 def rank_run(group, case: dict) -> dict:
     """One rank: bind, generate this rank's prompts with every MoE call recorded, finish."""
+    preloaded = "transformers.generation.utils" in sys.modules   # by the fork server (group.PRELOAD_IF_IMPORTED)
     import moe_comm.serving.hf as hf  # noqa: PLC0415
     from moe_comm.serving.hf import door as door_mod  # noqa: PLC0415
     torch.set_num_threads(1)
     model = build(case, "moe_comm")
     full = [weakref.ref(p) for m in model.modules() if type(m).__name__.endswith("Experts")
             for p in m.parameters(recurse=False)]
-    report = hf.shard_experts(model, group, **case["options"])
-    gc.collect()
+    report = hf.shard_experts(model, group, **case["options"])   # the full weights: freed by refcount, no gc
     calls = []
     run_layer = door_mod.run_layer
 
@@ -103,8 +107,10 @@ def rank_run(group, case: dict) -> dict:
         hf.finish(model)
     finally:
         door_mod.run_layer = run_layer
-    return dict(tokens=tokens, logits=logits, calls=calls, report=report, taken=dict(model._moe_comm_door.taken),
-                full_weights_freed=all(r() is None for r in full))
+    door = model._moe_comm_door
+    return dict(tokens=tokens, logits=logits, calls=calls, report=report, taken=dict(door.taken),
+                masked_layers=sum(door.masked and layer.layout.masked for layer in door.layers),   # Triton kernel
+                full_weights_freed=all(r() is None for r in full), preloaded=preloaded)
 
 
 def check_rank(case: dict, rank: int, res: dict) -> dict:
@@ -146,7 +152,7 @@ def check_rank(case: dict, rank: int, res: dict) -> dict:
     assert torch.equal(tokens, res["tokens"]) and torch.equal(logits, res["logits"]), (
         f"rank {rank}: with the door's expert outputs replayed, transformers' logits differ from the rank's by "
         f"{(logits - res['logits']).abs().max().item():.3g}: something outside the experts changed")
-    want_tokens, want_logits = gen.generate(build(case), mine, case["new_tokens"])
+    want_tokens, want_logits = gen.generate(model, mine, case["new_tokens"])   # the same model, hooks removed
     worst["logits_vs_eager"] = (res["logits"] - want_logits).abs().max().item()
     worst["near_ties"] = [] if fmt else _same_tokens(rank, gen.DTYPES[case["dtype"]], res["tokens"], want_tokens,
                                                             want_logits)
@@ -200,8 +206,8 @@ def _weights(module, lay, name: str, ids: torch.Tensor) -> torch.Tensor:
 def _expert_bound(module, lay, ids, x, ex, u):
     up = "gate_up_proj" if lay.has_gate else "up_proj"
     W1, W2 = _weights(module, lay, up, ids), _weights(module, lay, "down_proj", ids)
-    b1 = getattr(module, up + "_bias").detach()[ids].double() if lay.has_bias else torch.zeros(1, dtype=x.dtype)
-    b2 = module.down_proj_bias.detach()[ids].double() if lay.has_bias else torch.zeros(1, dtype=x.dtype)
+    b1 = getattr(module, up + "_bias").detach()[ids].double() if lay.has_bias else torch.zeros(1, dtype=x.dtype, device=x.device)
+    b2 = module.down_proj_bias.detach()[ids].double() if lay.has_bias else torch.zeros(1, dtype=x.dtype, device=x.device)
     mv = lambda W, v: torch.einsum("noi,ni->no", W, v)   # noqa: E731
     p = mv(W1, x) + b1
     e_p = (gamma(lay.hidden) + u) * (mv(W1.abs(), x.abs()) + b1.abs()) + mv(W1.abs(), ex)

@@ -67,6 +67,19 @@ def test_info_says_whether_tracing_is_on(monkeypatch, tmp_path):
     assert "number of calls to keep" in info.collect()["tracing"]["detail"]
 
 
+def test_info_says_surviving_a_lost_node_needs_ibgda(monkeypatch):
+    """docs/faults.md: survival of a rank lost on another node holds under NVSHMEM's IBGDA transport only;
+    ``info`` says which one the environment selects and what survives under it."""
+    monkeypatch.delenv(info.IBGDA_ENV, raising=False)
+    monkeypatch.delenv(info.REMOTE_ENV, raising=False)
+    r = info.collect()["nvshmem"]["remote_transport"]
+    assert not r["ibgda"] and "ibrc" in r["name"] and "needs IBGDA (NVSHMEM_IB_ENABLE_IBGDA=1)" in r["survival"]
+    assert "remote transport ibrc (NVSHMEM's CPU proxy" in info.render(info.collect())
+    monkeypatch.setenv(info.IBGDA_ENV, "1")
+    r = info.collect()["nvshmem"]["remote_transport"]
+    assert r["ibgda"] and "exclude() it and keep serving" in r["survival"]
+
+
 def test_info_finds_bitcode_and_pairs_versions(tmp_path, monkeypatch):
     """A wheel-shaped folder (site/nvidia/nvshmem/lib + the dist-info) pointed at by NVSHMEM_LIB_DIR, the
     only place searched (no installed wheel)."""

@@ -17,13 +17,14 @@ import triton
 import triton.language as tl
 
 from moe_comm.triton_kernels import ptx_rules
-from moe_comm.triton_kernels.sync import block_any, now_ns
+from moe_comm.triton_kernels.sync import block_any, now_ns, read_once
 from run_once import run_once
 
 pytestmark = pytest.mark.ptx
 
 OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
-              "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts")
+              "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts", "moe_gate_up",
+              "moe_down_combine")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
               "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
               "prefill_release_kernel", "prefill_dispatch_pull_kernel"}
@@ -170,6 +171,12 @@ def test_every_publish_follows_a_cta_barrier_and_every_acquire_precedes_its_read
         assert all(r["publishes"] >= 1 and r["barriers"] >= 1 for r in by_kernel[k]), by_kernel[k]
     for k in _buildable(WAITING):
         assert all(r["acquires"] >= 1 for r in by_kernel[k]), by_kernel[k]
+    # The fused MoE layer's kernels publish (down + combine send) and wait (gate/up) at world > 1; their EP1
+    # builds move nothing between ranks.
+    for k, what in (("moe_down_combine_kernel", "publishes"), ("moe_gate_up_kernel", "acquires")):
+        multi = [r for r in by_kernel[k] if "EP1" not in r["label"].split()]
+        assert multi and all(r[what] >= 1 for r in multi) and (what != "publishes" or all(
+            r["barriers"] >= 1 for r in multi)), by_kernel[k]
 
 
 @pytest.mark.timeout(900)
@@ -289,7 +296,7 @@ def test_the_approximate_division_count(line, approx):
 TRACE_SPILL_BYTES = 64   # a traced build (diagnostics) may keep a few more words live across its waits
 TRACE_MAX_STORES = 10    # the flight recorder's stores in one kernel's PTX, all by one program per launch
 TRACED = {"a2a_send_kernel", "a2a_recv_kernel", "dispatch_send_kernel", "dispatch_recv_kernel",
-          "combine_send_kernel", "combine_recv_kernel"}
+          "combine_send_kernel", "combine_recv_kernel", "moe_down_combine_kernel"}
 
 
 @pytest.mark.timeout(900)
@@ -312,7 +319,7 @@ PUT_KERNELS = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel",
                "a2a_recv_kernel", "dispatch_recv_kernel", "combine_recv_kernel", "drain_kernel", "fail_group_kernel",
                "prefill_dispatch_send_kernel", "prefill_dispatch_recv_kernel", "prefill_dispatch_pull_kernel",
                "prefill_combine_send_kernel", "prefill_combine_forward_kernel", "prefill_combine_recv_kernel",
-               "prefill_release_kernel"}
+               "prefill_release_kernel", "moe_gate_up_kernel", "moe_down_combine_kernel"}
 
 
 @pytest.mark.timeout(900)
@@ -466,6 +473,46 @@ def test_the_uniformity_rule_on_compiled_waits(uniform):
         assert any("globaltimer" in p for p in found), found
 
 
+@pytest.mark.parametrize("param, flagged", [("combine_seq_ptr", True), ("released_ptr", True), ("x_ptr", False)])
+def test_a_plain_load_of_another_channels_word_is_per_thread(param, flagged):
+    """Issue 46 item 4, synthetic: a plain load through a parameter another channel's kernels write
+    (``ptx_rules.OTHER_CHANNEL_PARAMS``: they may run on another stream and store it meanwhile) deciding a
+    branch over a barrier is found; the same load through any other parameter is not (a word that does
+    not change while the kernel runs)."""
+    ptx = UNIFORM_PTX.replace("{SOURCE}", "ld.global.b64 %rd2, [%rd1];").replace("{DECIDE}", "mov.pred %p2, %p1;")
+    assert bool(ptx_rules.divergent_barriers(ptx, "k", [param])) == flagged
+
+
+@triton.jit
+def _read_released(combine_seq_ptr, out_ptr, ONCE: tl.constexpr):
+    """The shape of ``prefill_dispatch.wait_released``: another channel's count decides whether to wait (a
+    barrier under the branch). Until issue 46 a plain load (ONCE False); now ``read_once``."""
+    if ONCE:
+        done = read_once(combine_seq_ptr, True)
+    else:
+        done = tl.load(combine_seq_ptr)
+    if done > 0:
+        tl.debug_barrier()
+        tl.store(out_ptr, done)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("once", [False, True])
+def test_the_uniformity_rule_on_a_compiled_read_of_another_channels_count(once):
+    """Control on real compiler output: the plain load of the combine's count before a wait is flagged (the
+    load, line and all), the ``read_once`` one is not."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(combine_seq_ptr="*i64", out_ptr="*i64", ONCE="constexpr")
+    ptx = triton.compile(ASTSource(_read_released, sig, dict(ONCE=once)), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    found = ptx_rules.divergent_barriers(ptx, "_read_released", ["combine_seq_ptr", "out_ptr"])
+    assert (found == []) == once, found
+    if not once:
+        assert any("ld.global" in p for p in found), found
+    assert ptx_rules.divergent_barriers(ptx, "_read_released", ["x_ptr", "out_ptr"]) == []   # not known: missed
+
+
 def test_the_uniformity_rule_reads_past_a_multi_line_inline_asm_block():
     """Control of the PTX reader: Triton writes its fp8 -> f16 conversion as an inline-asm block whose closing
     brace stands alone on a line; the function's body goes on after it (a reader that stopped there lost the
@@ -527,3 +574,21 @@ def test_every_line_matcher_sees_what_its_pattern_sees():
         for line in lines:
             assert matches(line) == bool(pattern.search(line)), (pattern.pattern, hint, line)
             assert all(hint in m.group(0) for m in pattern.finditer(line)), (pattern.pattern, hint, line)
+
+
+def test_launch_ints_specializes_integers_as_a_launch_does():
+    """``compile_report.launch_ints`` (how the transformers door's kernel configs are typed) gives every value
+    the type and specialization Triton's launcher gives it: 1 a constexpr, a multiple of 16 divisible, past
+    int32 an i64."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from moe_comm.triton_kernels.compile_report import launch_ints
+    values = {f"v{i}": v for i, v in enumerate((1, 0, 3, 16, 24, 48, 7168, 14680064, 2 ** 31 - 16, 2 ** 31, 2 ** 33 + 3))}
+    types, constexprs, divisible = launch_ints(values)
+    for name, v in values.items():
+        kind, key = native(BaseBackend, v, False, True, True)
+        if kind == "constexpr":
+            assert constexprs.get(name) == key and name not in types, (name, v)
+        else:
+            assert types[name] == kind and (name in divisible) == (key == "D"), (name, v, kind, key)

@@ -432,9 +432,12 @@ def test_buffer_bytes_deepseek_v3_is_under_half_of_deepep():
     assert "0.493 GiB" in out.stdout and "1.777 GiB" in out.stdout
 
 
-@pytest.mark.parametrize("fp8,world", [(False, 1), (True, 3)])
-def test_buffer_bytes_counts_what_is_allocated(fp8, world):
-    """buffer_bytes (from the plan, before allocation) equals the bytes of every tensor the buffer holds."""
+@pytest.mark.parametrize("fp8,world,put", [(False, 1, False), (True, 3, False), (False, 3, True)])
+def test_buffer_bytes_counts_what_is_allocated(monkeypatch, fp8, world, put):
+    """buffer_bytes (from the plan, before allocation) equals the bytes of every tensor the buffer holds;
+    with puts, the staging's two zones too (docs/multinode.md, "Staging reuse by causality")."""
+    if put:
+        monkeypatch.setenv("MOE_COMM_TRANSPORT", "put")
     groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
     eps = [EPBuffer(g, 4 * world, 256, 3, 2, fp8_dispatch=fp8) for g in groups]
     planned = eps[0].buffer_bytes
@@ -446,9 +449,13 @@ def test_buffer_bytes_counts_what_is_allocated(fp8, world):
     ep = eps[0]
     nb = lambda t: t.numel() * t.element_size()  # noqa: E731
     held = [ep._x, ep._stats, ep._excluded, ep._dummy] + ([ep._scales] if fp8 else [])
-    held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed)]
+    held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed, s.runs, s.arrival)]
+    if put:
+        held += [t for s in ep._sets for t in (s.slot_key, s.id_base)]
     for ch in (ep._dispatch_ch, ep._combine_ch):
         held += [ch.data.local, ch.ctrl.local, ch.send_seq, ch.recv_seq, ch.done]
+        held += [ch.stage.local, ch.stage_ctrl.local] if put else []
+    assert ep.plan.put == put and (ep.plan.stage_bytes > 0) == put
     assert sum(map(nb, held)) == planned
 
 

@@ -24,7 +24,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABEL = "dry run, CPU interpreter, not a GPU measurement"
 STEPS = ("gpu-tests", "concurrent-ranks", "faults", "sanitizers", "kernels", "kernels-baseline", "kernels-trace",
-         "ep-rank", "prefill", "decode", "cold-start")
+         "ep-rank", "prefill", "decode", "hf-door", "moe-layer", "cold-start")
 
 
 def _load(name):
@@ -73,7 +73,15 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     assert "0 failed" in verdicts["gpu-tests"]["verdict"] and "skipped" in verdicts["gpu-tests"]["verdict"]
     assert "2/2 steps exact" in verdicts["concurrent-ranks"]["verdict"]
     assert "without compute-sanitizer" in verdicts["sanitizers"]["verdict"]
-    cold = [r for r in _jsonl(out / "11-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
+    door_words = verdicts["hf-door"]["verdict"]
+    for words in ("generation: 1/1 equal to transformers' eager (loopback; experts: qwen3_moe torch)",
+                  "loopback world 2 refused (one process per rank)", "B=1 step: door", "B=2 step: door"):
+        assert words in door_words, door_words
+    door = [r for r in _jsonl(out / "11-hf-door" / "hf_door.jsonl") if r["kind"] == "result"]
+    assert {(r["impl"], r["what"]) for r in door} == {(i, w) for i in ("grouped_mm", "eager", "moe_comm")
+                                                       for w in ("step", "experts")}
+    assert all(r["agrees"] and r["floor_us"] > 0 and r["label"] == LABEL for r in door)
+    cold = [r for r in _jsonl(out / "13-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
     assert [r["case"] for r in cold] == ["cold", "warm", "after-warmup"] and all(r["label"] == LABEL for r in cold)
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"*** {LABEL} ***") and summary.rstrip().endswith(f"*** {LABEL} ***")
@@ -158,6 +166,25 @@ def test_a_parallel_step_runs_its_commands_at_once(tmp_path):
     assert v.status == "pass" and time.monotonic() - t0 < 5.5   # one after the other would take 6 s
     for i in (1, 2):
         assert "slept" in (tmp_path / "01-both" / f"step-{i}.log").read_text()
+
+
+def test_the_hf_door_step_is_missing_without_transformers_and_fails_on_any_failed_check(tmp_path):
+    ctx = _context(tmp_path)
+    ctx.transformers = False
+    got = gpu_quick.hf_door(ctx, str(tmp_path))
+    assert isinstance(got, gpu_quick.NotRun) and got.status == "missing" and ".whl/hf" in got.why
+    gen = dict(kind="generate", heap="nvshmem", family="qwen3_moe", expert_kernel="masked", ok=True)
+    step = dict(kind="result", what="step", batch=1, p50_us=50.0, x_floor=2.0, agrees=True)
+    good = [gen, dict(kind="refused", ok=True), dict(step, impl="moe_comm"), dict(step, impl="grouped_mm")]
+    bad = {"a generation differs": [dict(gen, ok=False, error="AssertionError")] + good[1:],
+           "no refusal": [gen] + good[2:], "the door disagrees": good[:2] + [dict(good[2], agrees=False), good[3]],
+           "an error line": good + [dict(kind="error", error="RuntimeError: x")], "no timing": good[:2]}
+    for case, rows in {"good": good, **bad}.items():
+        (tmp_path / "hf_door.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ok, words = gpu_quick.judge_hf_door(str(tmp_path), "", 0, False)
+        assert ok == (case == "good"), (case, words)
+    (tmp_path / "hf_door.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    assert not gpu_quick.judge_hf_door(str(tmp_path), "", 1, False)[0]   # a failed exit status fails the step
 
 
 def test_budgets_scale_with_the_total():

@@ -28,11 +28,19 @@ import hf_cases  # noqa: E402
 
 TIMEOUT_S = 60.0
 
+
+def _short(family, dtype, layers=1, idle_rank=None, **options):
+    """make test's case of a family: 3 tokens (the prompts' step, then 2 decode steps), the prompts (10 tokens
+    on rank 0) in 2 PrefillBuffer chunks of 5 (rank 1's 4 tokens all in the first: it sends none in the second)."""
+    return hf_cases.config(family, 2, dtype, layers=layers, new_tokens=3, idle_rank=idle_rank,
+                           options=dict(prefill_tokens=5, **options))
+
+
 REPRESENTATIVE = [
-    hf_cases.config("qwen3_moe", 2, "float32", layers=1, new_tokens=4, options=dict(expert_kernel="masked")),
-    hf_cases.config("mixtral", 2, "bfloat16", layers=1, new_tokens=4),
-    hf_cases.config("deepseek_v3", 2, "float32", layers=2, new_tokens=4, idle_rank=1),   # layer 0 dense
-    hf_cases.config("gpt_oss", 2, "bfloat16", layers=1, new_tokens=4),
+    _short("qwen3_moe", "float32", expert_kernel="masked"),
+    _short("mixtral", "bfloat16"),
+    _short("deepseek_v3", "float32", layers=2, idle_rank=1),   # layer 0 dense
+    _short("gpt_oss", "bfloat16"),
 ]
 SWEEP = [budget.sweep(hf_cases.config(f, w, d), id=f"{f}-{d}-w{w}")
          for f in ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss") for d in ("float32", "bfloat16") for w in (2, 3)]
@@ -47,6 +55,9 @@ def _run_and_check(case):
         rep = res["report"]
         assert rep.expert_bytes_after * case["world"] == rep.expert_bytes_before, rep
         assert res["full_weights_freed"], "the full expert weights are still referenced after sharding"
+        assert res["preloaded"], "the rank imported transformers itself: the fork server did not preload it"
+        if case["options"].get("expert_kernel") == "masked":
+            assert res["masked_layers"] == rep.layers, "the masked Triton expert kernel did not run every layer"
         assert res["taken"]["prefill"] >= 1 and res["taken"]["decode"] >= 1, res["taken"]
         assert res["taken"]["chunks"] > res["taken"]["prefill"], "no prefill step ran in chunks"
     assert all(m["calls"] > 0 for r, m in enumerate(measured) if r != case["idle_rank"])

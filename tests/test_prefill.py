@@ -2,6 +2,7 @@
 process), in place and split phases, bad inputs, invalid ids, a timeout and its recovery, exclusion,
 and the memory statement."""
 
+import math
 import threading
 
 import pytest
@@ -113,7 +114,13 @@ def test_memory_at_deepseek_v3():
     assert abs(deepep_v2_bytes(16, 4096, 7168, 8) - DEEPEP_V2_EP16_4096_BYTES) < 0.01 * GIB
     ep32 = PrefillBuffer.required_bytes(32, 256, 7168, 4096, 8, ranks_per_node=8)
     assert PrefillBuffer.required_bytes(32, 256, 7168, 4096, 8) < ep32 <= deepep_v2_bytes(32, 4096, 7168, 8)
-    assert PrefillBuffer.required_bytes(32, 256, 7168, 2048, 8, zones=2, ranks_per_node=8) == pytest.approx(ep32, rel=1e-3)
+    # two zones of half the capacity: the zones' memory again; the put staging (two parities of M payload rows,
+    # docs/multinode.md "Staging reuse by causality") follows M
+    staged = [4 * math.prod(plan_prefill(32, 256, 7168, m, 8, torch.bfloat16, False, "cpu",
+                                         ranks_per_node=8).dispatch_stage_shape) for m in (4096, 2048)]
+    assert staged[0] == 2 * 4096 * 7168 * 2 and staged[1] == staged[0] // 2
+    assert PrefillBuffer.required_bytes(32, 256, 7168, 2048, 8, zones=2, ranks_per_node=8) == pytest.approx(
+        ep32 - staged[0] + staged[1], rel=1e-3)
     buf2 = PrefillBuffer(moe_comm.init(backend="loopback", device="cpu")[0], 8, 128, 3, 2, zones=2)
     buf2._allocate()
     assert buf2._dispatch_ch.symmetric_bytes + buf2._combine_ch.symmetric_bytes == buf2.plan.symmetric_bytes

@@ -4,7 +4,11 @@ In the interpreter the NVSHMEM calls run as plain copies and release stores into
 (``nvshmem_device.py``'s twin), through the same kernel code the GPU compiles. So these tests check the
 put path's protocol (staging layout, one put per region or row, counts and flag as the put's signal,
 abort and timeout) exactly against the references, with ``MOE_COMM_TRANSPORT=put`` forcing it for every
-peer. They cannot show RDMA timing or ordering on a real NIC: nothing here ran on a GPU or across nodes.
+peer, and the order of the NVSHMEM calls each program issues: no quiet and no fence on any send, and every
+signal to a rank issued by the program that put the rows it covers (one queue pair: docs/multinode.md,
+"Staging reuse by causality"). They cannot show RDMA timing or ordering on a real NIC: nothing here ran
+on a GPU or across nodes (the reuse of the staging under a slow NIC is shown across emulated nodes,
+tests/test_node_loss.py).
 """
 
 import gc
@@ -22,6 +26,7 @@ from moe_comm.transport import ENV, choose_transports
 import a2a_cases
 import ep_cases
 from budget import sweep
+from ep_cases import record_launches
 
 PUT, STORE = protocol.TRANSPORT_PUT, protocol.TRANSPORT_STORE
 
@@ -136,24 +141,20 @@ def test_a_put_outside_symmetric_memory_is_refused():
 
 # ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------
 
-def _unquieted_reuse(events):
-    """Puts to a rank that a call published staged data to (put_signal) with no quiet since: the next
-    call's staging for that rank would be rewritten while the last call's puts may still read it.
-    The last event of the log must also leave no put of staged bytes in flight (reported as index
-    len(events)). A signal alone (an abort's flag, a status tag, an empty run) reads no staging and
-    needs no quiet."""
-    published, in_flight, bad = set(), False, []
-    for i, (event, pe) in enumerate(events):
-        if event in ("put", "put_signal") and pe in published:
-            bad.append(i)
-        if event == "put_signal":
-            published.add(pe)
-        if event == "quiet":
-            published.clear()
-            in_flight = False
-        elif event in ("put", "put_signal"):
-            in_flight = True
-    return bad + ([len(events)] if in_flight else [])
+def nvshmem_events(monkeypatch) -> list:
+    """The interpreted NVSHMEM calls, (event, target rank, program) in the order issued (``nvshmem_device._order``),
+    and ("launch", kernel name, None) where each op launch built from now on starts."""
+    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
+    events = []
+    monkeypatch.setattr(twin, "_order", lambda event, pe, program=None: events.append((event, pe, program)))
+    record_launches(monkeypatch, lambda fn, args, grid: events.append(("launch", fn.fn.__name__, None)))
+    return events
+
+
+def _waits(events) -> list:
+    """Indices of every quiet or fence: none belongs on a steady-state path (a quiet, and with IBGDA a fence,
+    waits for the completions of every queue pair, a dead peer's included, which is fatal)."""
+    return [i for i, e in enumerate(events) if e[0] in ("quiet", "fence")]
 
 
 @pytest.mark.timeout(300)
@@ -222,79 +223,76 @@ def test_abort_reaches_put_peers(put_forced, monkeypatch):
     eps = [EPBuffer(g, 8, 128, 3, 2) for g in groups]
     x = torch.randn(3, 128).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
-    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
-    events = []
-    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    events = nvshmem_events(monkeypatch)
     with pytest.raises(ValueError):
         eps[1].dispatch(x[:, :64], idx, phase="send")      # bad input on rank 1 only: it aborts the call
-    assert events == [("signal", 0)], events              # the abort: one signal to rank 0, no quiet
+    assert [e[:2] for e in events] == [("signal", 0)], events   # the abort: one signal to rank 0, no quiet
     eps[0].dispatch(x, idx, phase="send")
     with pytest.raises(CommAbortedError):
         eps[0].dispatch(phase="recv")
 
 
-def test_one_quiet_per_send_launch_after_every_flush(put_forced, monkeypatch):
-    """AllToAllvDynamic over puts (loopback world 3, every peer a put peer): each send launch flushes
-    every peer, then quiets once, at its end (each quiet waits on every queue pair of the rank, so one
-    per launch is what the staging's reuse needs; the receive launches put nothing and quiet nothing)."""
+def test_no_send_launch_quiets_or_fences(put_forced, monkeypatch):
+    """AllToAllvDynamic over puts (loopback world 3, every peer a put peer): each send launch flushes every
+    peer (rows, then the count with the flag as the put's signal) and waits for none of it: no quiet, no
+    fence (the staging's two zones are reused by causality: transport.py). The receive launches put
+    nothing. (Until issue 45 each send launch ended with a quiet.)"""
     groups = moe_comm.init(backend="loopback", world_size=3, device="cpu", timeout_s=5.0)
+    events = nvshmem_events(monkeypatch)
     ops = [AllToAllvDynamic(g, 4, (8,), torch.float32) for g in groups]
     counts = [torch.tensor([1, 2, 0], dtype=torch.int32) for _ in groups]
-    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
-    events = []
-    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
     for op, c in zip(ops, counts):
         op(torch.randn(int(c.sum()), 8), c, phase="send")
-        assert [e for e, _ in events].count("quiet") == 1 and events[-1] == ("quiet", -1), events
-        assert sorted(pe for e, pe in events if e == "put_signal") == [0, 1, 2], events
+        assert _waits(events) == [], events
+        assert sorted(pe for e, pe, _ in events if e == "put_signal") == [0, 1, 2], events
         events.clear()
     for op in ops:
         op(phase="recv")
-    assert events == []
+    assert [e for e in events if e[0] != "launch"] == []
 
 
-# ---- ordering on the put path: every signal to a rank after a fence that follows the puts to it -------
+# ---- ordering on the put path: every signal to a rank issued by the program that put its rows ----------
 
 def _unordered_signals(events):
-    """Signals to a rank that a plain put to the same rank precedes with no fence (or quiet) in between.
-    (A put_signal's own data is ordered before its signal by NVSHMEM.)"""
-    pending, bad = set(), []
-    for i, (event, pe) in enumerate(events):
+    """Signals to a rank (put_signal or signal) issued by another program than a plain put to that rank
+    that no signal of its own program followed yet: NVSHMEM orders a program's calls to one PE on one
+    queue pair (``transport.py``), not calls of different programs. (A put_signal's own data is ordered
+    before its signal by NVSHMEM.)"""
+    pending, bad = {}, []
+    for i, (event, pe, program) in enumerate(events):
         if event == "put":
-            pending.add(pe)
-        elif event in ("fence", "quiet"):
-            pending.clear()
-        elif event == "signal" and pe in pending:
-            bad.append(i)
+            pending.setdefault(pe, set()).add(program)
+        elif event in ("signal", "put_signal"):
+            if pending.get(pe, set()) - {program}:
+                bad.append(i)
+            pending.pop(pe, None)
     return bad
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cases", [a2a_cases, ep_cases], ids=["alltoallv", "ep"])
-def test_loopback_world3_over_puts_is_exact_and_fences_rows_before_every_signal(put_forced, monkeypatch, cases):
+def test_loopback_world3_over_puts_is_exact_and_signals_follow_their_rows(put_forced, monkeypatch, cases):
     """Every case of the op on a loopback world 3 with every peer reached by puts: exact, the rows did travel
-    by puts, and in the put path's event order every signal follows its rows' puts and a staging slot is
-    reused only after a quiet."""
+    by puts, every signal is issued by the program that put the rows it covers, after them, and nothing
+    quiets or fences."""
     puts = _Puts(monkeypatch)
-    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
-    events = []
-    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    events = nvshmem_events(monkeypatch)
     assert cases.run_loopback_cases(moe_comm.init(backend="loopback", world_size=3)) == []
     assert puts.count > 0
-    assert any(e == "put" for e, _ in events) and any(e == "signal" for e, _ in events)
+    assert any(e[0] == "put" for e in events) and any(e[0] == "signal" for e in events)
     assert _unordered_signals(events) == [], events[:40]
-    assert _unquieted_reuse(events) == [], events[:40]
-    assert not any(e == "fence_system" for e, _ in events)   # one transport for every peer: no fence needed
+    assert _waits(events) == [], events[:40]
+    assert not any(e[0] == "fence_system" for e in events)   # one transport for every peer: no fence needed
 
 
 def _unfenced_flags(events):
-    """Signals (put_signal or signal) with no system-scope fence since the launch's last quiet: in a launch
-    that reaches peers by stores and by puts, every flag must follow one (``transport.order_transports``)."""
+    """Signals (put_signal or signal) with no system-scope fence since their launch began: in a launch that
+    reaches peers by stores and by puts, every flag must follow one (``transport.order_transports``)."""
     fenced, bad = False, []
-    for i, (event, _) in enumerate(events):
+    for i, (event, _, _) in enumerate(events):
         if event == "fence_system":
             fenced = True
-        elif event == "quiet":
+        elif event == "launch":
             fenced = False
         elif event in ("put_signal", "signal") and not fenced:
             bad.append(i)
@@ -308,22 +306,20 @@ def _two_nodes(heap):
 
 
 def _two_node_world(monkeypatch):
-    """A loopback world 3 with the transports of ``_two_nodes``, and the list the interpreted NVSHMEM
-    calls append their (event, pe) to."""
+    """A loopback world 3 with the transports of ``_two_nodes``, and the list of NVSHMEM calls and launches
+    (``nvshmem_events``)."""
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(moe_comm.group, "choose_transports", _two_nodes)
-    twin = twin_module("moe_comm.triton_kernels.nvshmem_device")
-    events = []
-    monkeypatch.setattr(twin, "_order", lambda event, pe: events.append((event, pe)))
+    events = nvshmem_events(monkeypatch)
     return moe_comm.init(backend="loopback", world_size=3), events
 
 
 def _assert_fenced_and_ordered(events):
-    """Some launch mixed the transports and fenced; no flag unfenced, no signal before its payload, no
-    staging reused before a quiet."""
-    assert any(e == "fence_system" for e, _ in events) and any(e == "put_signal" for e, _ in events)
+    """Some launch mixed the transports and fenced; no flag unfenced, no signal ahead of another
+    program's rows, nothing quieted or fenced."""
+    assert any(e[0] == "fence_system" for e in events) and any(e[0] == "put_signal" for e in events)
     assert _unfenced_flags(events) == [], events[:40]
-    assert _unordered_signals(events) == [] and _unquieted_reuse(events) == [], events[:40]
+    assert _unordered_signals(events) == [] and _waits(events) == [], events[:40]
 
 
 @pytest.mark.timeout(300)
@@ -349,18 +345,12 @@ def test_mixed_transports_alltoallv_fences_before_the_flags(monkeypatch):
     _assert_fenced_and_ordered(events)
 
 
-def test_the_ordering_check_finds_a_missing_fence():
-    assert _unordered_signals([("put", 1), ("fence", -1), ("put_signal", 1), ("signal", 1)]) == []
-    assert _unordered_signals([("put", 1), ("put_signal", 1), ("signal", 1)]) == [2]
-
-
-def test_the_reuse_check_finds_a_missing_quiet():
-    one_call = [("put", 1), ("fence", -1), ("put_signal", 1), ("signal", 1),
-                ("put", 2), ("fence", -1), ("put_signal", 2), ("signal", 2)]
-    assert _unquieted_reuse(one_call + [("quiet", -1)] + one_call + [("quiet", -1)]) == []
-    assert _unquieted_reuse(one_call + one_call + [("quiet", -1)]) == [8, 10, 12, 14]
-    assert _unquieted_reuse(one_call) == [8]
-    assert _unquieted_reuse([("signal", 1), ("signal", 2)]) == []   # an abort's flags: nothing staged
+def test_the_ordering_check_finds_a_signal_of_another_program():
+    p, q = (0, 0, 0), (1, 0, 0)
+    assert _unordered_signals([("put", 1, p), ("put", 1, p), ("put_signal", 1, p), ("signal", 1, q)]) == []
+    assert _unordered_signals([("put", 1, p), ("put_signal", 2, q), ("signal", 1, q)]) == [2]
+    assert _unordered_signals([("put", 1, p), ("put", 1, q), ("put_signal", 1, q)]) == [2]
+    assert _waits([("put", 1, p), ("quiet", -1, p), ("fence", -1, q)]) == [1, 2]
 
 
 @pytest.mark.timeout(300)
@@ -371,3 +361,86 @@ def test_gpu_launch_shapes_over_puts(put_forced, world, fp8, send_programs):
     the combine's runs are staged by many programs, exact against the references."""
     import test_ep
     test_ep.test_gpu_launch_shapes_in_the_interpreter(world, fp8, send_programs)
+
+
+# ---- the happy path's work: launches and puts as before issue 45, and no wait -----------------------------
+
+def _expected_calls(me, idxs, experts_per_rank, counts, world):
+    """The NVSHMEM calls rank ``me`` issues in one decode step (every peer, itself included, a put peer), from
+    the inputs: per peer the dispatch puts the packed rows if any (rows: its tokens with an expert there),
+    then the control words with the flag; the combine puts the run of the peer's slots on this rank's
+    experts with the flag (an empty run, or this rank's own slots, read in place: the bare flag);
+    AllToAllvDynamic's forward and reverse put the rows if any, then the count with the flag. Counter of (event, peer)."""
+    from collections import Counter
+    out = Counter()
+    for p in range(world):
+        rows = int(((idxs[me] >= 0) & (idxs[me] // experts_per_rank == p)).any(dim=1).sum())
+        out[("put", p)] += rows > 0
+        out[("put_signal", p)] += 1
+        run = int(((idxs[p] >= 0) & (idxs[p] // experts_per_rank == me)).sum()) if p != me else 0   # own: in place
+        out[("put_signal" if run else "signal", p)] += 1
+        for n in (int(counts[me][p]), int(counts[p][me])):   # forward, then reverse
+            out[("put", p)] += n > 0
+            out[("put_signal", p)] += 1
+    return +out
+
+
+def test_happy_path_launches_and_puts_are_unchanged_and_nothing_waits(put_forced, monkeypatch):
+    """One decode step (dispatch -> combine, AllToAllvDynamic forward and reverse) on a loopback world 3, every
+    peer by puts: each rank launches its 8 kernels (send and receive of each direction), and issues exactly
+    the puts and signals the inputs call for (``_expected_calls``: what the put path issued before issue 45
+    too: it only dropped the quiet at the end of each send and the fence between rows and control
+    words), and no quiet or fence. (The prefill path's puts: tests/test_emulated_nodes.py, on the wire.)"""
+    from collections import Counter
+    world, cfg = 3, ep_cases.Config(2, 128, 3, 2)
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu", timeout_s=10)
+    events = nvshmem_events(monkeypatch)
+    eps = [EPBuffer(g, cfg.experts_per_rank * world, cfg.hidden, cfg.max_tokens, cfg.topk) for g in groups]
+    a2as = [AllToAllvDynamic(g, 3, (8,), torch.float32) for g in groups]
+    xs, idxs, ws = ep_cases.make_inputs(cfg, world, "random", 11)
+    counts = a2a_cases.make_counts("random", world, 3, 11)
+    sends = a2a_cases.make_sends(counts, (8,), torch.float32, 11)
+    by_rank = {}
+
+    def phase(r, fn):
+        start = len(events)
+        out = fn()
+        by_rank.setdefault(r, []).extend(events[start:])
+        return out
+    for r in range(world):
+        phase(r, lambda: eps[r].dispatch(xs[r], idxs[r], phase="send"))
+    ds = [phase(r, lambda: eps[r].dispatch(phase="recv")) for r in range(world)]
+    for r in range(world):
+        phase(r, lambda: eps[r].combine(ds[r].x, ws[r], ds[r].handle, phase="send"))
+    for r in range(world):
+        phase(r, lambda: eps[r].combine(phase="recv"))
+    for r in range(world):
+        phase(r, lambda: a2as[r](sends[r], counts[r], phase="send"))
+    res = [phase(r, lambda: a2as[r](phase="recv")) for r in range(world)]
+    for r in range(world):
+        phase(r, lambda: a2as[r].combine(res[r].recv, res[r].handle, phase="send"))
+    for r in range(world):
+        phase(r, lambda: a2as[r].combine(phase="recv"))
+    for r in range(world):
+        got = by_rank[r]
+        assert [e[1] for e in got if e[0] == "launch"] == [
+            "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel",
+            "a2a_send_kernel", "a2a_recv_kernel", "a2a_send_kernel", "a2a_recv_kernel"], got
+        calls = Counter((e[0], e[1]) for i, e in enumerate(got) if e[0] in ("put", "put_signal", "signal")
+                        and not (e[0] == "signal" and got[i - 1][:2] == ("put_signal", e[1])))   # a put_signal's own
+        assert calls == _expected_calls(r, idxs, cfg.experts_per_rank, counts, world), (r, calls)
+        assert _waits(got) == [], got
+
+
+@pytest.mark.parametrize("mode", ["store", "put"])
+def test_alltoallv_plan_counts_the_staging_it_holds(monkeypatch, mode):
+    """AllToAllvDynamic's plan counts each channel's staging (two zones, as its landing zone) with puts, so
+    its symmetric bytes are what the channels hold; a plan set later keeps it (``plan``)."""
+    monkeypatch.setenv(ENV, mode)
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    op = AllToAllvDynamic(groups[0], 3, (8,), torch.float32)
+    held = op._fwd.symmetric_bytes + op._rev.symmetric_bytes
+    assert op.plan.put == (mode == "put") and op.plan.symmetric_bytes == held
+    from moe_comm.planner import plan_alltoallv
+    op.plan = plan_alltoallv(2, 3, (8,), torch.float32, torch.device("cuda"))   # GPU launch shapes
+    assert op.plan.put == (mode == "put") and op.plan.symmetric_bytes == held

@@ -18,7 +18,7 @@ import weakref
 
 _lock = threading.Lock()
 _starts: list[int] = []     # sorted start addresses
-_entries: list[tuple] = []  # (start, end, peer_ptrs tensor, allocation index, wire, key), in the order of _starts
+_entries: list[tuple] = []  # (start, end, peer_ptrs, allocation index, wire, key, weakref to local), by start
 _keys = itertools.count()   # one key per registration, so a stale finalizer never drops a newer entry
 wires: set = set()          # every wire a registered buffer uses (``quiet`` completes them all)
 
@@ -33,7 +33,7 @@ def register(local, peer_ptrs, index=None, wire=None) -> None:
     key = next(_keys)
     with _lock:
         keep = [e for e in _entries if e[1] <= start or e[0] >= end]
-        keep.append((start, end, peer_ptrs, index, wire, key))
+        keep.append((start, end, peer_ptrs, index, wire, key, weakref.ref(local)))
         _store(keep)
         if wire is not None:
             wires.add(wire)
@@ -63,7 +63,7 @@ def peer_address(addr: int, pe: int) -> int:
     """The address, in this process, of rank ``pe``'s copy of the byte at local symmetric ``addr``; 0 if
     rank ``pe``'s copy is not mapped here (another node: NVSHMEM's ``nvshmem_ptr`` answer)."""
     with _lock:
-        start, _, peer_ptrs, _, _, _ = _entry(addr)
+        start, _, peer_ptrs = _entry(addr)[:3]
         base = int(peer_ptrs[pe])
         return base + (addr - start) if base else 0
 
@@ -72,9 +72,19 @@ def remote(addr: int, pe: int):
     """``(wire, allocation index, offset)`` if rank ``pe``'s copy of local symmetric ``addr`` is not
     mapped here, else None."""
     with _lock:
-        start, _, peer_ptrs, index, wire, _ = _entry(addr)
+        start, _, peer_ptrs, index, wire = _entry(addr)[:5]
         if int(peer_ptrs[pe]) != 0:
             return None
         if wire is None:
             raise ValueError(f"rank {pe}'s copy of address {addr:#x} is neither mapped here nor on a wire")
         return wire, index, addr - start
+
+
+def owner(addr: int):
+    """The local tensor of the registered buffer holding ``addr``, or None (not symmetric memory, or
+    collected): holding it keeps the memory a put will read later (the wire's NIC reads lazily) alive."""
+    with _lock:
+        i = bisect.bisect_right(_starts, addr) - 1
+        if i < 0 or addr >= _entries[i][1]:
+            return None
+        return _entries[i][6]()

@@ -142,6 +142,15 @@ class ShmHeap(ControlledHeap):
     def free(self, buf: SymmetricBuffer) -> None:
         # Mappings are released when the last tensor view of them is garbage collected.
         self._live.pop(buf.handle, None)
+        self._quiet_live()
+
+    def _quiet_live(self) -> None:
+        """NVSHMEM's collective free and finalize quiet (``nvshmem_barrier_all``: quiet, then barrier) before
+        the memory may be reused: one of the three places a quiet belongs (docs/multinode.md, "Staging reuse
+        by causality"). Masked: no wait for an excluded rank, nor for one whose connection is gone (the
+        nvshmem heap calls neither collective then: ``NvshmemHeap.free`` / ``close``)."""
+        if self.wire is not None:
+            self.wire.quiet(skip=self._excluded | self.wire.lost)
 
     def _sync_live(self) -> None:
         self.barrier([j for j in range(self.world_size) if j not in self._excluded], "alloc")
@@ -153,11 +162,18 @@ class ShmHeap(ControlledHeap):
         recovery sequence may have been cut short by a fault before), bounded by the heap's timeout; a
         rank that does not come (dead, hung, or closing without the others) is not waited for longer, and
         the wire closes anyway: a close never hangs and never raises. A dead rank's wire is gone whatever
-        this does (its put peers' quiets end their process, wire.py); a live rank that never closes keeps
-        acknowledging."""
+        this does (nothing waits for it: its messages are masked out of every quiet once it is excluded or
+        its connection lost); a live rank that never closes keeps acknowledging. Between two such
+        meetings, each rank completes its own messages to the live ranks (``_quiet_live``;
+        ``nvshmem_finalize`` quiets too), so no rank closes its wire while a live peer still waits for its
+        acknowledgements; if the first meeting misses a rank, nothing is quieted (as the nvshmem heap
+        skips ``finalize`` then)."""
         block = ControlBlock(self._control.store, FINALIZE, self.rank, self.world_size, self.timeout_s)
+        live = [j for j in range(self.world_size) if j not in self._excluded]
         try:
-            block.barrier([j for j in range(self.world_size) if j not in self._excluded], FINALIZE)
+            block.barrier(live, FINALIZE)
+            self._quiet_live()
+            block.barrier(live, FINALIZE)
         except CommTimeoutError:
             pass
 

@@ -24,13 +24,16 @@ receives); the torch.distributed baselines are emulated there by copies through 
   dynamic  moe_comm.AllToAllvDynamic (counts stay on the device) + a local permute; capturable.
   fused    moe_comm.EPBuffer dispatch / combine; capturable. Its prefill steps run on a moe_comm.PrefillBuffer
            (``FusedEP.prefill``, a ``PrefillEP``): the high-throughput op, rank-major, each token once per rank.
+  fused-layer  moe_comm.MoELayer: dispatch, the expert GEMMs and combine in one layer object per model
+           layer (``FusedLayerEP.layer``; the model calls it instead of dispatch / experts / combine, and
+           its prefill chunks too); capturable.
 """
 
 from __future__ import annotations
 
 import torch
 
-BACKEND_NAMES = ("sync", "sync-graphed", "padded", "dynamic", "fused")
+BACKEND_NAMES = ("sync", "sync-graphed", "padded", "dynamic", "fused", "fused-layer")
 # Baselines (torch.distributed all_to_all_single), for the report's comparisons; the rest are moe-comm's.
 BASELINE_NAMES = ("sync", "sync-graphed", "padded")
 
@@ -559,6 +562,47 @@ class FusedEP(MoEComm):
             self.prefill.close()
 
 
+class FusedLayerEP(MoEComm):
+    """moe_comm.MoELayer, one per model layer: the model hands it the whole routed-expert part of a layer
+    (``fuses_experts``): ``comm.layer(lw)(h, topk_idx, topk_weights, phase=...)`` with phases "send",
+    "experts", "recv" (or "both"). The layer's weights are the rank's experts of ``lw`` (expert_gate,
+    expert_up [E_local, H, I], expert_down [E_local, I, H]) in the layer's layout (w13 [E_local, 2I, H],
+    w2 [E_local, H, I]), copied once when the layer is made. Layers are made in model order, the same on
+    every rank (their buffers are collective)."""
+
+    name = "fused-layer"
+    capturable = True
+    fuses_experts = True
+    prefill = None   # prefill chunks go through the layer too (T <= max_tokens)
+
+    def __init__(self, group, **kw):
+        super().__init__(**kw)
+        self.group = group
+        self.emulated = group.backend == "loopback" and group.world_size > 1
+        self._layers = {}   # id(LayerWeights) -> (its weights, the MoELayer)
+
+    def layer(self, lw):
+        """The MoELayer of model layer ``lw`` (made at first use)."""
+        from ..moe_layer import MoELayer  # noqa: PLC0415
+        hit = self._layers.get(id(lw))
+        if hit is None or hit[0] is not lw:
+            w13 = torch.cat([lw.expert_gate.transpose(1, 2), lw.expert_up.transpose(1, 2)], dim=1).contiguous()
+            w2 = lw.expert_down.transpose(1, 2).contiguous()
+            layer = MoELayer(self.group, self.num_experts, self.hidden, w2.shape[2], self.max_tokens, self.topk,
+                             w13, w2, dtype=self.dtype)
+            hit = self._layers[id(lw)] = (lw, layer)
+        return hit[1]
+
+    def dispatch(self, x, topk_idx, phase="both"):
+        raise NotImplementedError("the fused-layer backend runs the whole routed-expert part: use comm.layer(lw)")
+
+    combine = dispatch
+
+    def close(self) -> None:
+        for _, layer in self._layers.values():
+            layer.close()
+
+
 # ---- one rank of an EP-N deployment on one device ------------------------------------------------------
 
 class EmulatedPeers(MoEComm):
@@ -585,6 +629,7 @@ class EmulatedPeers(MoEComm):
         self.max_tokens = inner.max_tokens // inner.topk
         self.capturable = inner.capturable
         self.piecewise = getattr(inner, "piecewise", False)
+        self.fuses_experts = getattr(inner, "fuses_experts", False)
         self.emulated = True
 
     @property
@@ -604,6 +649,14 @@ class EmulatedPeers(MoEComm):
 
     def take_pending(self):
         return self.inner.take_pending() if self.piecewise else None
+
+    def layer(self, lw):
+        """A fused-layer inner backend's layer, called with the ids mapped to the local experts."""
+        inner = self.inner.layer(lw)
+
+        def call(x=None, topk_idx=None, topk_weights=None, **kw):
+            return inner(x, None if topk_idx is None else self._local(topk_idx), topk_weights, **kw)
+        return call
 
     def close(self) -> None:
         self.inner.close()
@@ -666,6 +719,8 @@ def make_comms(name: str, groups: list, cfg, max_tokens: int, emulate_ep: int = 
             out.append(PaddedAllToAll(ex, **kw))
         elif name == "dynamic":
             out.append(DynamicAllToAll(g, **kw))
+        elif name == "fused-layer":
+            out.append(FusedLayerEP(g, **kw))
         else:
             out.append(FusedEP(g, **kw))
     return out

@@ -19,12 +19,52 @@ import triton
 import triton.language as tl
 
 from ..interpreter import kernel_for
+from ..planner import EXPERT_BLOCK_K
 from ..triton_kernels.quant import cast_rne
 from ..triton_kernels.sync import INTERPRET
 
 # Triton's interpreter multiplies bfloat16 tiles as raw 16-bit integers: there, tiles are widened to
 # float32 first (the products are exact in float32 either way; only the compiled path uses bf16 MMA).
 DOT_IN_FLOAT32 = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """float32 [BM, BN]: the rows of A that start at ``a_base + a_rows`` ([BM] element offsets; elements s_ak
+    apart; rows where ``row_live``, the others read as zeros) times columns [n0, n0 + BN) of B [K, N] (at ``b_base``,
+    strides s_bk, s_bn), accumulated over K in steps of BK by tl.dot; with GATED, SiLU(A @ B) * (A @ B2)
+    (B2 at ``b2_base``, B's strides), in float32. The one GEMM tile of the expert kernels: the masked
+    batched experts here and the fused MoE layer (``moe_comm/triton_kernels/moe_gate_up.py``,
+    ``moe_down_combine.py``), so a row's result is the same bits whichever kernel computes it."""
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
+    # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
+    a_off = a_rows[:, None] + rk[None, :] * s_ak
+    b_off = rk[:, None] * s_bk + rn[None, :] * s_bn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_live = k0 + rk < K
+        # Rows past the count are not read: whatever they hold gives rows that are never stored.
+        a = tl.load(a_base + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
+        b_mask = k_live[:, None] & (rn < N)[None, :]
+        b = tl.load(b_base + b_off, mask=b_mask, other=0.0)
+        if DOT_IN_FLOAT32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            b2 = tl.load(b2_base + b_off, mask=b_mask, other=0.0)
+            if DOT_IN_FLOAT32:
+                b2 = b2.to(tl.float32)
+            acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
+        a_off += BK * s_ak
+        b_off += BK * s_bk
+    if GATED:  # SiLU(x @ gate) * (x @ up), in float32
+        acc = acc * tl.sigmoid(acc) * acc2
+    return acc
 
 
 @triton.jit
@@ -51,9 +91,6 @@ def masked_bmm_kernel(
     rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), R)
     rows = tl.where(tl.sum(pick.to(tl.int32)) > 0, rows, 0)
     rn = n0 + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
-    # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
     a_base = a_ptr + e.to(tl.int64) * s_ae
     b_base = b_ptr + e.to(tl.int64) * s_be
     b2_base = b2_ptr + e.to(tl.int64) * s_be
@@ -61,29 +98,8 @@ def masked_bmm_kernel(
     for m0 in range(0, rows, BM):
         rm = m0 + tl.arange(0, BM)
         row_live = rm < rows
-        a_off = rm[:, None] * s_ar + rk[None, :] * s_ak
-        b_off = rk[:, None] * s_bk + rn[None, :] * s_bn
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k_live = k0 + rk < K
-            # Rows past the count are not read: whatever they hold gives rows that are never stored.
-            a = tl.load(a_base + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
-            b_mask = k_live[:, None] & (rn < N)[None, :]
-            b = tl.load(b_base + b_off, mask=b_mask, other=0.0)
-            if DOT_IN_FLOAT32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            if GATED:
-                b2 = tl.load(b2_base + b_off, mask=b_mask, other=0.0)
-                if DOT_IN_FLOAT32:
-                    b2 = b2.to(tl.float32)
-                acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
-            a_off += BK * s_ak
-            b_off += BK * s_bk
-        if GATED:  # SiLU(x @ gate) * (x @ up), in float32
-            acc = acc * tl.sigmoid(acc) * acc2
+        acc = expert_tile(a_base, rm * s_ar, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED, BM, BN,
+                          BK, PRECISION)
         tl.store(c_base + rm[:, None] * s_cr + rn[None, :] * s_cn, cast_rne(acc, c_ptr.dtype.element_ty),
                  mask=row_live[:, None] & (rn < N)[None, :])
 
@@ -92,7 +108,7 @@ def _tiles(rows: int, expected_rows: int | None):
     """(BM, BN, BK): the row tile follows the rows an expert is expected to get (decode: few)."""
     per_expert = expected_rows if expected_rows is not None else rows
     bm = 16 if per_expert <= 16 else 64  # gate+up with 32-row tiles spills on sm_90 (compile_report)
-    return bm, 64, 64
+    return bm, 64, EXPERT_BLOCK_K
 
 
 def masked_bmm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, b2: torch.Tensor | None = None,
@@ -131,6 +147,17 @@ def masked_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tenso
     return masked_bmm(h, down, counts, expected_rows=expected_rows, max_active=max_active)
 
 
+def gated_views(gate_up: torch.Tensor, down: torch.Tensor, transposed: bool = False):
+    """(gate, up, down) as ``masked_expert_mlp`` takes them ([E, H, I], [E, H, I], [E, I, H]): views, no copy, of
+    expert weights held as transformers holds them, gate_up [E, 2I, H] (the gate's I rows first) and down
+    [E, H, I], or with ``transposed`` gate_up [E, H, 2I] and down [E, I, H]."""
+    if transposed:
+        i = gate_up.shape[2] // 2
+        return gate_up[:, :, :i], gate_up[:, :, i:], down
+    i = gate_up.shape[1] // 2
+    return gate_up[:, :i, :].transpose(1, 2), gate_up[:, i:, :].transpose(1, 2), down.transpose(1, 2)
+
+
 def dense_expert_mlp(x_e: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                      down: torch.Tensor, expected_rows: int | None = None,
                      max_active: int | None = None) -> torch.Tensor:
@@ -154,6 +181,39 @@ def _compile_configs() -> list[dict]:
             out.append(dict(kernel="masked_bmm_kernel", label=f"{'gate+up' if gated else 'down'} bf16 BM={bm}",
                             types=types, constexprs=dict(GATED=gated, BM=bm, BN=64, BK=64, E_P2=256,
                                                          PRECISION="tf32")))
+    return out + _door_configs()
+
+
+# (dtype, experts, hidden, expert width, EPBuffer rows per expert, row tiles) of the door's configs below
+DOOR_SHAPES = (("bf16", 256, 7168, 2048, 64, (16, 64)),   # DeepSeek-V3 at world 1, decode_tokens 64
+               ("fp32", 8, 64, 32, 4, (16,)))             # the tiny model of the GPU generation check
+
+
+def _door_configs() -> list[dict]:
+    """The kernel as the transformers door launches it (``serving/hf/experts.decode_experts``): its weights are
+    ``gated_views`` of transformers' gate_up_proj [E, 2I, H] and down_proj [E, H, I] (contiguous along K), and
+    every integer argument is specialized from the value the launch passes (``compile_report.launch_ints``:
+    strides of 1 become constexprs, multiples of 16 are known divisible)."""
+    from ..triton_kernels.compile_report import launch_ints  # noqa: PLC0415
+    out = []
+    for dtype, E, H, I, R, tiles in DOOR_SHAPES:
+        def meta(*shape):
+            return torch.empty(*shape, device="meta")
+        gate, _, down = gated_views(meta(E, 2 * I, H), meta(E, H, I))
+        x, h, y = meta(E, R, H), meta(E, R, I), meta(E, R, H)
+        for gated, a, b, c in ((True, x, gate, h), (False, h, down, y)):
+            ints = dict(R=R, K=a.shape[2], N=b.shape[2], E=E)
+            for names, t in ((("s_ae", "s_ar", "s_ak"), a), (("s_be", "s_bk", "s_bn"), b), (("s_ce", "s_cr", "s_cn"), c)):
+                ints.update(zip(names, t.stride()))
+            types, constexprs, divisible = launch_ints(ints)
+            ptr = "*" + dtype
+            types.update(a_ptr=ptr, b_ptr=ptr, b2_ptr=ptr, c_ptr=ptr, counts_ptr="*i32")
+            for bm in tiles:
+                out.append(dict(kernel="masked_bmm_kernel", label=f"door {'gate+up' if gated else 'down'} {dtype} "
+                                f"BM={bm}", types=types, divisible=divisible,
+                                constexprs=dict(constexprs, GATED=gated, BM=bm, BN=64, BK=64,
+                                                E_P2=triton.next_power_of_2(E),
+                                                PRECISION="tf32" if dtype == "bf16" else "ieee")))
     return out
 
 

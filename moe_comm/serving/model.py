@@ -225,7 +225,11 @@ class MoEDecoder:
         return y
 
     def _moe_decode(self, lw: LayerWeights, h, topk_idx, topk_weights):
-        """The routed experts through the MoEComm: expert-major dispatch, batched_experts, weighted combine."""
+        """The routed experts through the MoEComm: expert-major dispatch, batched_experts, weighted combine
+        (or, for a backend that fuses the experts, its layer: ``backends.FusedLayerEP``)."""
+        if getattr(self.comm, "fuses_experts", False):
+            with span("moe_layer"):
+                return (yield from self._layer_phases(self.comm.layer(lw), h, topk_idx, topk_weights))
         with span("dispatch"):
             x_e, counts, ctx = yield from self._phases(self.comm.dispatch, h, topk_idx)
         # Rows an expert is expected to get, for the masked kernel's row tile: T*K/E over the ranks.
@@ -237,6 +241,17 @@ class MoEDecoder:
                                   expected, max_active)
         with span("combine"):
             return (yield from self._phases(self.comm.combine, y_e, topk_weights, ctx))
+
+    def _layer_phases(self, layer, *args):
+        """A fused layer's call: its three phases, a yield after each of the first two when phased (every
+        rank's send, then every rank's experts, before any rank's receive)."""
+        if not self.phased:
+            return layer(*args, phase="both")
+        layer(*args, phase="send")
+        yield
+        layer(phase="experts")
+        yield
+        return layer(phase="recv")
 
     def _phases(self, op, *args):
         if not self.phased:

@@ -12,8 +12,8 @@ wait failed, no result is partial: the last program zeroes every receive count.
 
 Put transport (``transport.py``; peers whose ``transports`` entry is TRANSPORT_PUT, only when compiled with
 PUT): the rows for j go to this rank's staging for j; the last program for j puts them in one
-``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag; the last program
-of the grid completes them all with one ``quiet`` (the staging is rewritten by the next send). When the live
+``putmem_nbi``, then the row count in a ``putmem_signal_nbi`` whose signal is the flag; nothing waits for
+them (the staging has two zones, ``call % 2``, reused by causality: ``transport.py``). When the live
 ranks are reached by both transports, the last program for j fences at system scope before its flag,
 whichever transport carries it (``transport.order_transports``, as the EP send kernels do).
 
@@ -31,7 +31,7 @@ from . import trace
 from .copy import address, copy_rows
 from .sync import (ERR_CAPACITY, S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
                    live_ranks, record_error, wait_flags)
-from .transport import deliver, dest, drain, order_transports, put_peers
+from .transport import deliver, dest, order_transports, put_peers, stage_zone
 
 
 @triton.jit
@@ -93,8 +93,8 @@ def a2a_send_kernel(
     n_rows,            # forward: N (rows in src); reverse: unused
     data_ptrs_ptr,     # int64 [WORLD]: base of every rank's landing zone [2, WORLD, max_rows, ROW_WORDS]
     ctrl_ptrs_ptr,     # int64 [WORLD]: base of every rank's control words [2, WORLD, 2] = (rows, flag)
-    stage_ptr,         # put transport: this rank's staging, words [WORLD dest, max_rows, ROW_WORDS] (symmetric)
-    stage_ctrl_ptr,    # put transport: int64 [WORLD dest, 2] staged control words (symmetric)
+    stage_ptr,         # put transport: this rank's staging, words [2, WORLD dest, max_rows, ROW_WORDS] (symmetric)
+    stage_ctrl_ptr,    # put transport: int64 [2, WORLD dest, 2] staged control words, per zone (symmetric)
     seq_ptr,           # int64 [1]: the channel's send count (advanced here)
     done_ptr,          # int32 [WORLD + 3]: arrival counters, zero between launches
     grp, status_ptr,   # group state and this rank's status buffer (moe_comm/protocol.py)
@@ -123,7 +123,9 @@ def a2a_send_kernel(
     put = put_peers(grp, peer, True, WORLD, PUT)
     elem = src_ptr.dtype.element_ty
     region = (zone * WORLD + rank).to(tl.int64) * max_rows * ROW_WORDS  # this source's rows on the peer
-    stage = stage_ptr + peer.to(tl.int64) * max_rows * ROW_WORDS
+    stage = (stage_zone(stage_ptr, zone, tl.cast(max_rows, tl.int64) * WORLD * ROW_WORDS)
+             + peer.to(tl.int64) * max_rows * ROW_WORDS)
+    stage_ctrl_ptr = stage_zone(stage_ctrl_ptr, zone, WORLD * 2)   # STAGE_ZONE (transport.py)
     if live & (failed == 0):
         dst = dest(put, stage, as_ptr(tl.load(data_ptrs_ptr + peer), elem) + region, PUT)
         copy_row_range(src_ptr + my_off * ROW_WORDS, dst, my_cnt, blk, ROW_WORDS, BLOCK_R, BLOCK_C, NBLK, ALIGNED)
@@ -139,14 +141,10 @@ def a2a_send_kernel(
         deliver(ctrl + 1, flag_value(tl.load(grp + S_EPOCH), call), put,
                 as_ptr(tl.load(data_ptrs_ptr + rank), elem) + region, stage, my_cnt * row_bytes,
                 own_ctrl, ctrl, 8, own_ctrl + 1, peer, PUT)
-    # The programs that flushed a put peer's staging count themselves in (arrive's flag): the launch's
-    # last program completes those puts with one quiet, before the next send may rewrite the staging.
-    flushed = last & live & (skipped == 0) & put
-    last_all, any_flushed = arrive(done_ptr + WORLD, WORLD * NBLK, flushed)
+    # The last program of the grid advances the send count (nothing waits for the puts: the staging has
+    # two zones, reused by causality, transport.py).
+    last_all, _ = arrive(done_ptr + WORLD, WORLD * NBLK, 0)
     if last_all:
-        if PUT:
-            if any_flushed:
-                drain()
         tl.store(seq_ptr, call)
     trace.send_end(trace_ptr, call, last_all, WORLD, WORLD_P2, TRACE_N, TRACE)
 

@@ -29,7 +29,8 @@ slots of s on this rank's experts are one contiguous run there: it starts at s's
 on lower ranks' experts, a dispatch control word) and holds, per local expert e, the rows the dispatch
 received from s for e, in d.x order. The send stages that run (``_stage_run``: every program a share,
 rows read straight from expert_out, zeros for a row the dispatch dropped) and the last program puts it
-in one ``putmem_signal_nbi`` whose signal is the flag, to every put rank, then ``quiet``s once. The
+in one ``putmem_signal_nbi`` whose signal is the flag, to every put rank (no quiet: the staging has two
+zones, ``call % 2``, reused by causality, ``transport.py``). The
 receive finds slot (t, k) from a put rank at M*K + id_base[id] + position (both kept by this rank's
 dispatch: ``slot_key``, ``id_base``); its own slots by the owner word of ``routed``. Bytes: each routed
 slot's row once, the floor, since the weights are applied here in a fixed k order.
@@ -47,7 +48,7 @@ import triton.language as tl
 
 from .copy import address, as_words, copy_rows, load_tile, store_tile
 from .quant import cast_rne, dequantize_e4m3_groups, quantize_e4m3_groups
-from .transport import drain, flush, order_transports, put_peers, store_only
+from .transport import flush, order_transports, put_peers, stage_zone, store_only
 from . import trace
 from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
                    publish_many, wait_flags)
@@ -202,8 +203,8 @@ def combine_send_kernel(
     #                   expert), then the source's run base
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, ZONE_SLOTS, SLOT_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, 2]
-    stage_ptr,        # put transport: int32 [WORLD dest, M * TOPK, SLOT_WORDS], the run staged per dest (symmetric)
-    stage_ctrl_ptr,   # put transport: int64 [WORLD, 2] (unused: the flag travels as the run's signal)
+    stage_ptr,        # put transport: int32 [2, WORLD dest, M * TOPK, SLOT_WORDS], the run staged per dest, per zone
+    stage_ctrl_ptr,   # put transport: int64 [2, WORLD, 2] (unused: the flag travels as the run's signal)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
@@ -220,6 +221,7 @@ def combine_send_kernel(
     call = tl.load(seq_ptr) + 1
     trace.send_begin(trace_ptr, grp, call, OP, blk == 0, WORLD, TRACE_N, TRACE)
     zone = call % 2
+    stage_ptr = stage_zone(stage_ptr, zone, WORLD * M * TOPK * SLOT_WORDS)   # STAGE_ZONE (transport.py)
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2)  # a failed group sends nothing
     w = tl.arange(0, WORLD_P2)
     live = live_ranks(grp, WORLD, WORLD_P2)
@@ -277,7 +279,6 @@ def combine_send_kernel(
                         flush(own_runs, own_runs, 0, own_runs + (M * TOPK + base).to(tl.int64) * SLOT_WORDS,
                               stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS,
                               n.to(tl.int64) * SLOT_WORDS * 4, own_flag, flag, p)
-                drain()   # one wait for the runs to every peer, all in flight together
         tl.store(seq_ptr, call)
     trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 

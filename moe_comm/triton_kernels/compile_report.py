@@ -36,6 +36,22 @@ class KernelConfig:
     constexprs: dict   # constexpr argument name -> value
     nvshmem: bool = False  # carries NVSHMEM calls (PUT=True): compiled with NVSHMEM's device bitcode linked
     num_warps: int = 4     # as the launch passes it
+    divisible: tuple = ()  # integer arguments specialized as multiples of 16, as a launch does (``launch_ints``)
+
+
+def launch_ints(values: dict) -> tuple[dict, dict, tuple]:
+    """(types, constexprs, divisible) of integer arguments with these values, as a Triton launch specializes
+    them: a value of 1 becomes the constexpr 1, a multiple of 16 is known divisible by 16, a value past the
+    int32 range is i64. A config built from a launch's real values compiles the variant that launch runs."""
+    types, constexprs, divisible = {}, {}, []
+    for name, v in values.items():
+        if v == 1:
+            constexprs[name] = 1
+            continue
+        types[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        if v % 16 == 0:
+            divisible.append(name)
+    return types, constexprs, tuple(divisible)
 
 
 SIGNAL = dict(grp="*i64", status_ptr="*i64", rank="i32")   # every multi-rank kernel's group arguments
@@ -141,7 +157,8 @@ def _ep_configs() -> list[KernelConfig]:
             num_warps=p.send_warps))
         out.append(KernelConfig("dispatch", "dispatch_recv_kernel", label, dict(
             out_x_ptr="*i32", out_scales_ptr="*i32", out_src_ptr="*i32", out_counts_ptr="*i32",
-            row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", data_ptr="*i32",
+            row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", stats_ptr="*i64", arrival_ptr="*i64",
+            data_ptr="*i32",
             ctrl_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL), dict(
             common, CAP=p.capacity, EXPERTS_P2=next_pow2(p.experts_per_rank),
             S_WORDS_P2=next_pow2(max(p.scale_words, 1)), BS=p.recv_block_slots, BW=p.recv_block_words,
@@ -224,7 +241,7 @@ def _prefill_configs() -> list[KernelConfig]:
                 x_ptr="*u8" if prequant else "*bf16", scales_ptr="*i32", idx_ptr="*i64", weights_ptr="*fp32",
                 routed_ptr="*i32", excluded_ptr="*i64", data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64",
                 released_ptr="*i64", combine_seq_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", stamp_ptr="*i64",
-                block_done_ptr="*i32", stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32",
+                stage_ptr="*i32", stage_ctrl_ptr="*i64", num_tokens="i32", num_experts="i32", gscale_ptr="*fp32",
                 **SIGNAL), dict(
                 w, OP=op_id("prefill.dispatch"), M=m, TOPK=8, TOPK_P2=8, EXPERTS_PER_RANK=ep.experts_per_rank,
                 HIDDEN=7168, X_WORDS=ep.x_words, S_WORDS=ep.scale_words, X_OFFSET=p.x_offset,
@@ -309,9 +326,11 @@ def trace_configs(base: list[KernelConfig]) -> list[KernelConfig]:
 
 
 def _extra_configs() -> list[KernelConfig]:
-    """Kernel configs that the serving modules declare (``COMPILE_CONFIGS`` lists of KernelConfig kwargs)."""
+    """Kernel configs that the serving modules and the fused MoE layer's kernels declare (``COMPILE_CONFIGS``
+    lists of KernelConfig kwargs)."""
     out = []
-    for name in ("moe_comm.serving.experts", "moe_comm.serving.attention"):
+    for name in ("moe_comm.serving.experts", "moe_comm.serving.attention", "moe_comm.triton_kernels.moe_gate_up",
+                 "moe_comm.triton_kernels.moe_down_combine"):
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -391,6 +410,8 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
     constexprs = dict(cfg.constexprs)
     if "PUT" in fn.arg_names:
         constexprs.setdefault("PUT", False)   # the store-only build unless the config says otherwise
+    if "COPY" in fn.arg_names:                # receives that write d.x, unless the config says otherwise
+        constexprs.setdefault("COPY", True)
     if "TRACE" in fn.arg_names:               # the untraced build unless the config says otherwise
         constexprs.setdefault("TRACE", False)
         constexprs.setdefault("TRACE_N", TRACE_CALLS)
@@ -405,7 +426,8 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
         from .nvshmem_bitcode import launch_options  # noqa: PLC0415
         options.update(launch_options(arch))
     # Pointer arguments 16-byte aligned, as Triton specializes them at launch for torch's allocations.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if types[a].startswith("*")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if types[a].startswith("*") or a in cfg.divisible}
     compiled = triton.compile(ASTSource(fn, types, constexprs, aligned), target=GPUTarget("cuda", arch, 32),
                               options=options)
     rep = ptxas_report(get_ptxas(arch).path, f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}",
@@ -417,7 +439,7 @@ def compile_one(cfg: KernelConfig, arch: int) -> dict:
                 nvshmem=cfg.nvshmem, nvshmem_linked="nvshmemi_device_state_d" in ptx,
                 trace=bool(constexprs.get("TRACE", False)),
                 ordering_problems=ptx_rules.check(ptx, cfg.kernel, args),
-                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel), **ptx_rules.counts(ptx),
+                divergent_barriers=ptx_rules.divergent_barriers(ptx, cfg.kernel, args), **ptx_rules.counts(ptx),
                 registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
                 spill_load_bytes=int(spill.group(2)) if spill else None,

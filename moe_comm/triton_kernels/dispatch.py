@@ -44,7 +44,8 @@ of the combine (this rank's slots on lower ranks' experts). The last program put
 signal is the flag. The receive of a put source reads each row's token from that word; it writes
 row_of only for the rows it received (the combine answers a put source by its run, not by row_of), and
 keeps the source's rows per local expert and its run base for the combine (``runs``). A launch that
-reaches peers by both transports fences at system scope before any flag (``order_transports``).
+reaches peers by both transports fences at system scope before any flag (``order_transports``). The
+staging has two zones (``call % 2``), reused by causality, never quieted (``transport.py``).
 """
 
 import triton
@@ -55,9 +56,9 @@ from .copy import address, as_words, copy_rows, load_tile, store_nvfp4_tile, sto
 from .quant import check_scales, quantize_e4m3_groups
 from .routing import (chunk_positions, histogram_of_tokens, load_topk_chunk, packed_rows, reach_of_tokens, scan_ids,
                       token_destinations)
-from .transport import dest, drain, flush, order_transports, put_peers, store_only
+from .transport import dest, flush, order_transports, put_peers, stage_zone, store_only
 from .sync import (ERR_CAPACITY, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live,
-                   live_ranks, publish_many, read_once, record_error, wait_flags)
+                   live_ranks, publish, publish_many, read_once, record_error, wait_flags)
 
 
 @triton.jit
@@ -121,8 +122,8 @@ def dispatch_send_kernel(
     id_base_ptr,      # out int32 [BINS] (PUT only): valid slots with a lower expert id
     data_ptrs_ptr,    # int64 [WORLD]: every rank's landing zone, int32 [2, WORLD, M, ROW_WORDS]
     ctrl_ptrs_ptr,    # int64 [WORLD]: every rank's control words, int64 [2, WORLD, CTRL_WORDS]
-    stage_ptr,        # put transport: int32 [WORLD dest, M, ROW_WORDS], this rank's rows for each dest (symmetric)
-    stage_ctrl_ptr,   # put transport: int64 [WORLD dest, CTRL_WORDS] staged control words (symmetric)
+    stage_ptr,        # put transport: int32 [2, WORLD dest, M, ROW_WORDS], this rank's rows for each dest, per zone
+    stage_ctrl_ptr,   # put transport: int64 [2, WORLD dest, CTRL_WORDS] staged control words, per zone (symmetric)
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
@@ -144,6 +145,8 @@ def dispatch_send_kernel(
     trace.send_begin(trace_ptr, grp, call, OP, (blk == 0) & (col == 0), WORLD, TRACE_N, TRACE)
     zone = call % 2
     first_row = (zone * WORLD + rank).to(tl.int64) * M  # this source's rows in every rank's landing zone
+    stage_ptr = stage_zone(stage_ptr, zone, WORLD * M * ROW_WORDS)            # STAGE_ZONE (transport.py)
+    stage_ctrl_ptr = stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS)
     META: tl.constexpr = X_WORDS + S_WORDS              # routing words follow payload and scales
     TOKEN_WORD: tl.constexpr = META + TOPK              # put rows: the token index, after the routing words
     ROW_BYTES: tl.constexpr = ROW_WORDS * 4
@@ -247,7 +250,6 @@ def dispatch_send_kernel(
                         flush(own_rows, stage_ptr + tl.cast(p, tl.int64) * M * ROW_WORDS, rows * ROW_BYTES,
                               own_ctrl, stage_ctrl_ptr + p * CTRL_WORDS, (CTRL_WORDS - 1) * 8,
                               own_ctrl + CTRL_WORDS - 1, flag, p)
-                drain()   # one wait for the puts to every peer, all in flight together
         tl.store(seq_ptr, call)
     trace.send_end(trace_ptr, call, last, WORLD, WORLD_P2, TRACE_N, TRACE)
 
@@ -261,9 +263,10 @@ def dispatch_recv_kernel(
     row_of_ptr,       # out int32 [WORLD * M, TOPK]: e * CAP + row of slot (s, t, k); -1 not here, -2 dropped
     src_tokens_ptr,   # out int32 [WORLD]: rows of every source in the landing zone: its tokens T (store), or
     #                   its tokens routed here (put source; the combine answers those by runs, not by row)
-    runs_ptr,         # out int32 [WORLD, EXPERTS_PER_RANK + 1] (PUT only): per source, its rows per local
-    #                   expert, then its run base (control word), for the combine's runs
+    runs_ptr,         # out int32 [WORLD, EXPERTS_PER_RANK + 1]: per source, its rows per local expert, then (PUT
+    #                   only) its run base (control word), for the combine's runs
     stats_ptr,        # int64 [EXPERTS_PER_RANK]: rows received per local expert, accumulated over calls
+    arrival_ptr,      # out int64 [WORLD]: arrival[s] = this call's flag once source s's rows are in d.x (below)
     data_ptr,         # int32 [2, WORLD * M, ROW_WORDS]: this rank's landing zone
     ctrl_ptr,         # int64 [2, WORLD, CTRL_WORDS]: this rank's control words
     seq_ptr,          # int64 [1]: the channel's receive count (advanced here)
@@ -277,6 +280,7 @@ def dispatch_recv_kernel(
     CTRL_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, ALIGNED: tl.constexpr, PUT: tl.constexpr,
     TRACE: tl.constexpr, TRACE_N: tl.constexpr,
     NVFP4: tl.constexpr,  # every source's global scale (control word CTRL_WORDS - 2) is checked against this rank's
+    COPY: tl.constexpr = True,   # False: the metadata only, no payload to d.x (moe_comm.MoELayer reads it in place)
 ):
     blk = tl.program_id(0)
     src = tl.program_id(1)   # the source this program unpacks
@@ -328,9 +332,9 @@ def dispatch_recv_kernel(
     count = tl.sum(tl.where((w == src)[:, None], counts, 0), axis=0)
     n_tokens = tl.sum(tl.where(w == src, tokens, 0))   # rows of this source in the landing zone
     packed = put_peers(grp, src, True, WORLD, PUT)      # a put source: row j holds the token in its token word
-    if PUT:
-        if blk == 0:
-            tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + e, count, mask=e_live)
+    if blk == 0:   # this source's rows per local expert (the arrival words' row counts; the combine's runs)
+        tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + e, count, mask=e_live)
+        if PUT:
             run_base = tl.load(ctrl + src * CTRL_WORDS + 1 + EXPERTS_PER_RANK)
             tl.store(runs_ptr + src * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK,
                      tl.minimum(tl.maximum(run_base, 0), M * TOPK).to(tl.int32))
@@ -364,12 +368,22 @@ def dispatch_recv_kernel(
         tl.store(out_src_ptr + dst, q, mask=ok)                                    # q = src * M + t
         # A row routed to several local experts is read once per slot; the reads of one tile hit the
         # same lines, so the copy costs one read of the row.
-        to = address(out_x_ptr + dst * X_WORDS)[:, None]
-        copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
-        if S_WORDS > 0:
+        if COPY:
+            to = address(out_x_ptr + dst * X_WORDS)[:, None]
+            copy_rows(src_row, ok, to, ok[:, None], X_WORDS, BW, 1, 1, ALIGNED)
+        if COPY & (S_WORDS > 0):
             copy_rows(src_row + X_WORDS, ok, address(out_scales_ptr + dst * S_WORDS)[:, None], ok[:, None],
                       S_WORDS, S_WORDS_P2, 1, 1, ALIGNED & (S_WORDS % 4 == 0))
 
+    # Arrival words (a consumer's own GEMM waits on them, docs/moe-layer.md): the last program of source
+    # src publishes the call's flag once every program of src has copied its share of src's rows, for
+    # every local expert at once; nothing for a source whose wait failed. Counters: the channel's
+    # per-destination words (done[src]), which the dispatch send does not use.
+    # (Every program of src counts itself in, a failed one as skipped, so the counter is 0 again after.)
+    src_done = tl.max(tl.where(w == src, arrived | (live_ranks(grp, WORLD, WORLD_P2) == 0), False).to(tl.int32))
+    last_of_src, src_skipped = arrive(done_ptr + src, tl.num_programs(0), src_done == 0)
+    if last_of_src & (src_skipped == 0):
+        publish(arrival_ptr + src, target)
     # The last program advances the receive count; if the group failed, no result is partial.
     last, _ = arrive(done_ptr + WORLD + 1, tl.num_programs(0) * tl.num_programs(1), 0)
     if last:

@@ -46,6 +46,7 @@ def dispatch_local_kernel(
     SCALE: tl.constexpr, S_BLOCK: tl.constexpr, NBLK: tl.constexpr, ALIGNED: tl.constexpr,
     gscale_ptr,       # float32 [1]: the NVFP4 global scale (read with NVFP4 only)
     NVFP4: tl.constexpr, NVFP4_GROUPS: tl.constexpr,  # NVFP4: quantized in column blocks of NVFP4_GROUPS * 16
+    COPY: tl.constexpr = True,   # False: the metadata only, no payload to d.x (moe_comm.MoELayer reads x itself)
 ):
     # SCALE: the scale format (quant.py); S_BLOCK: scale words of one FP8 column block (EPPlan.scale_block_words)
     blk = tl.program_id(0)
@@ -82,7 +83,9 @@ def dispatch_local_kernel(
         before = tl.zeros([BINS], dtype=tl.int32)
         for t0 in range(t_begin, t_end, BT):
             t = t0 + tl.arange(0, BT)
-            if FP8:
+            if not COPY:
+                pass
+            elif FP8:
                 v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * COLS, HIDDEN, COLS, ALIGNED)
             elif NVFP4:
                 v = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, t < t_end, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
@@ -100,7 +103,9 @@ def dispatch_local_kernel(
 
             dst2 = tl.reshape(dst, (BT, TOPK_P2)).to(tl.int64)
             ok2 = tl.reshape(ok, (BT, TOPK_P2))
-            if FP8:
+            if not COPY:
+                pass
+            elif FP8:
                 q, scale = quantize_e4m3_groups(v.to(tl.float32), BT, FP8_GROUPS, SCALE)
                 # One tile stored to each of the token's k rows in turn (copy.py).
                 store_tile(q, col * COLS, HIDDEN, address(out_x_ptr) + dst2 * HIDDEN, ok2, COLS, TOPK, TOPK_P2,

@@ -17,12 +17,14 @@ program goes on before the program's puts are complete.
 Interpreted twin (CPU tests, ``moe_comm/interpreter.py``): the same functions run as plain memory
 operations in this process: a put is a byte copy into the peer's copy (found through
 ``moe_comm/heap/peer_map.py``, as NVSHMEM would find it), a signal is a release store / atomic add on
-the peer's word, ``fence`` and ``quiet`` do nothing (every interpreted put is complete when it
-returns). A peer on another emulated node (``MOE_COMM_RANKS_PER_NODE``) is not mapped: its puts and
-signals are messages on the wire (``moe_comm/heap/wire.py``), applied asynchronously by a proxy in the
-receiving process, and ``quiet`` waits until they are delivered, or ends the process when the emulated
-NIC gives up on one (a dead receiver), as NVSHMEM does. So CPU tests run the put transport's protocol (the order of payload, counts and signal)
-through the very calls the compiled kernels make; they cannot show RDMA timing.
+the peer's word, ``fence`` and ``quiet`` have nothing to wait for there. A peer on another emulated node
+(``MOE_COMM_RANKS_PER_NODE``) is not mapped: its puts and signals are posted to the wire
+(``moe_comm/heap/wire.py``), whose emulated NIC reads a put's source later and sends it to a proxy in the
+receiving process; ``quiet`` (and, with the IBGDA model, ``fence``) waits until they are delivered, or
+ends the process when the emulated NIC gives up on one (a dead receiver), as NVSHMEM does. The kernels
+call neither on a steady-state path (``transport.py``). So CPU tests run the put transport's protocol (the
+order of payload, counts and signal, and which program issues each: ``_order``) through the very calls
+the compiled kernels make; they cannot show RDMA timing.
 """
 
 import ctypes
@@ -125,11 +127,17 @@ def _int(x) -> int:
     return int(getattr(x, "value", x))   # a constexpr, or a plain int
 
 
-def _order(event: str, pe) -> None:
+def _order(event: str, pe, program=None) -> None:
     """Interpreted calls report here, in program order: "put", "put_signal" (then its "signal"),
-    "signal", "fence", "quiet" with the target rank (-1 for fence/quiet). Nothing by default; a test records them to check that
-    every signal to a rank follows a fence after the plain puts to it (the interpreter cannot reorder,
-    so the order of the calls is what can be checked on the CPU)."""
+    "signal", "fence", "quiet", "fence_system" with the target rank (-1 for the last three) and the
+    program ((x, y, z) grid index) that issued it. Nothing by default; a test records them to check the
+    put path's order (the interpreter cannot reorder, so the order of the calls, and which program made
+    each, is what can be checked on the CPU)."""
+
+
+def _report(event: str, pe) -> None:
+    from triton.runtime.interpreter import interpreter_builder  # noqa: PLC0415
+    _order(event, pe, interpreter_builder.grid_idx)
 
 
 def _copy_to_peer(dest, src, nbytes, pe):
@@ -138,9 +146,9 @@ def _copy_to_peer(dest, src, nbytes, pe):
         far = peer_map.remote(_int(dest), _int(pe))
         if far is None:
             ctypes.memmove(peer_map.peer_address(_int(dest), _int(pe)), _int(src), n)
-        else:   # another emulated node: a message on the wire (moe_comm/heap/wire.py)
+        else:   # another emulated node: a message on the wire (moe_comm/heap/wire.py), read by its NIC later
             wire, index, offset = far
-            wire.put(_int(pe), index, offset, _int(src), n)
+            wire.put(_int(pe), index, offset, _int(src), n, keep=peer_map.owner(_int(src)))
 
 
 def _signal_far(sig, value, add, pe) -> bool:
@@ -159,6 +167,11 @@ def _quiet_wires() -> None:
         wire.quiet()
 
 
+def _fence_wires() -> None:
+    for wire in list(peer_map.wires):
+        wire.fence()
+
+
 if INTERPRET:
     @triton.jit
     def _peer_word(sig, pe):
@@ -168,13 +181,13 @@ if INTERPRET:
     def putmem_nbi_block(dest, src, nbytes, pe):
         """Put ``nbytes`` bytes from local ``src`` to rank ``pe``'s copy of symmetric ``dest``; returns
         at once (the source must not change until ``quiet``)."""
-        _order("put", _int(pe))
+        _report("put", _int(pe))
         _copy_to_peer(dest, src, nbytes, pe)
 
     @triton.jit
     def signal_op(sig, value, op, pe):
         """Set (SIGNAL_SET) or add to (SIGNAL_ADD) the uint64 word ``sig`` of rank ``pe`` (release)."""
-        _order("signal", _int(pe))
+        _report("signal", _int(pe))
         if not _signal_far(sig, value, _int(op) != SIGNAL_SET.value, pe):
             word = _peer_word(sig, pe)
             if op == SIGNAL_SET:
@@ -186,7 +199,7 @@ if INTERPRET:
     def putmem_signal_nbi_block(dest, src, nbytes, sig, value, op, pe):
         """``putmem_nbi_block``, then ``signal_op`` on rank ``pe``'s ``sig``, which is delivered after
         the data (a receiver that sees the signal sees the bytes)."""
-        _order("put_signal", _int(pe))
+        _report("put_signal", _int(pe))
         _copy_to_peer(dest, src, nbytes, pe)
         signal_op(sig, value, op, pe)
 
@@ -206,19 +219,21 @@ if INTERPRET:
         """Complete every put this rank issued (interpreted puts to mapped peers are complete already;
         puts on the wire to another emulated node are delivered by then, or the emulated NIC gave up on
         one and the process ended, as NVSHMEM's quiet does: ``heap/wire.py``)."""
-        _order("quiet", -1)
+        _report("quiet", -1)
         _quiet_wires()
 
     @triton.jit
     def fence():
-        """Order this thread's earlier puts to each rank before its later ones (interpreted: in order)."""
-        _order("fence", -1)
+        """Order this thread's earlier puts to each rank before its later ones (interpreted: in order; on
+        another emulated node the wire's fence, which with IBGDA waits as a quiet does: ``heap/wire.py``)."""
+        _report("fence", -1)
+        _fence_wires()
 
     @triton.jit
     def fence_system():
         """Order every store and put of this program before its later ones, at system scope (not an
         NVSHMEM call; interpreted: in order, reported as "fence_system")."""
-        _order("fence_system", -1)
+        _report("fence_system", -1)
 
     @triton.jit
     def ptr(dest, pe):

@@ -46,7 +46,7 @@ from .prefill_dispatch import rail_of, rails_of
 from .quant import cast_rne, dequantize_e4m3_groups
 from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
                    publish_many, wait_flags)
-from .transport import drain, put_peers, store_only
+from .transport import put_peers, store_only
 
 RELEASED = tl.constexpr(0)   # combine control words: (released, ready)
 READY = tl.constexpr(1)
@@ -83,9 +83,8 @@ def publish_released(ctrl_ptrs_ptr, call, grp, rank, WORLD: tl.constexpr, WORLD_
     word = ((call % 2) * WORLD + rank) * 2 + RELEASED
     flag = flag_value(tl.load(grp + S_EPOCH), call)
     publish_many(ctrl + word, flag, near)
-    if PUT:
+    if PUT:   # bare signals: they carry their value, nothing is staged, nothing waits for them
         signal_each(ctrl_ptrs_ptr, word, flag, grp, rank, G, G_P2, WORLD, PUT, 0)
-        drain()
 
 
 @triton.jit
@@ -143,7 +142,6 @@ def prefill_combine_send_kernel(
             publish_many(ctrl + word, flag, near)
             if PUT:   # a bare ready to the other nodes' ranks whose rail here is another rank (aborts, drains)
                 signal_each(ctrl_ptrs_ptr, word, flag, grp, rank, G, G_P2, WORLD, PUT, -1)
-                drain()
         tl.store(seq_ptr, call)
 
 
@@ -171,17 +169,18 @@ def prefill_combine_forward_kernel(
     another node whose rail here is this rank, token blocks b, b + programs, ... of its T_s tokens: a
     token whose routing row here carries the zone's stamp came to this node; its partial rows on the
     ranks of this node holding one of its experts are summed in ascending rank order, in float32, rounded
-    to the output dtype over this rank's row s*M + t (no other rank reads it), and put into s's node
-    inbox at [this node, t]. Each program quiets; the last one signals ``ready`` to every source served
-    (unless the group failed)."""
+    to the output dtype over this rank's row s*M + t (no other rank reads it). The last program puts each
+    into its source's node inbox at [this node, t], then signals ``ready`` to every source served (unless
+    the group failed); nothing is quieted."""
     blk = tl.program_id(0)
     s = tl.program_id(1)
     call = tl.load(seq_ptr)
     w = tl.arange(0, WORLD_P2)
     near = store_only(put_peers(grp, w, w < WORLD, WORLD, PUT), live_ranks(grp, WORLD, WORLD_P2), PUT)
     flag = flag_value(tl.load(grp + S_EPOCH), call)
-    ok = wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * 2 + READY, flag, near, w, grp, status_ptr, OP, rank, WORLD,
-                    WORLD_P2, PUT=PUT)
+    # (only this node's ranks are waited for, and candidates for the name: peer id WORLD_P2 for the others)
+    ok = wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * 2 + READY, flag, near, tl.where(near, w, WORLD_P2), grp,
+                    status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2) | (tl.min(tl.where(near, ok, True).to(tl.int32)) == 0)
     node = rank // G
     serve = is_live(grp, s) & put_peers(grp, s, True, WORLD, PUT) & (rail_of(grp, s, node, G, G_P2) == rank)
@@ -207,19 +206,25 @@ def prefill_combine_forward_kernel(
                 acc = tl.where(use[:, None], acc + v.to(tl.float32), acc)
             store_tile(cast_rne(acc, DT), c0, HIDDEN, address(rows_ptr + q * HIDDEN)[:, None], came[:, None], BH, 1, 1,
                        ALIGNED)
-        tl.debug_barrier()   # the rows this program stored, before its puts read them
-        for i in range(t0, tl.minimum(t0 + BT, n_tokens)):
-            qi = tl.cast(s * M + i, tl.int64)
-            if tl.load((zone_ptr + ROUTE_OFFSET + qi * RW + 2 * TOPK).to(tl.pointer_type(tl.int64))) == stamp:
-                putmem_nbi_block(inbox_ptr + tl.cast(node * M + i, tl.int64) * HIDDEN, rows_ptr + qi * HIDDEN,
-                                 OUT_WORDS * 4, s)
-    drain()   # complete before counting in: the last program's signals follow every program's rows
+    # The last program puts every served source's reduced rows, then its ``ready``: one program, so the rows
+    # to a source and its signal travel in order on one queue pair (nothing waits for them: the rows are
+    # rewritten only by the source's next dispatch into this zone, which waits for its own ``released``,
+    # published after it saw this ``ready``).
     last, skipped = arrive(done_ptr + WORLD, tl.num_programs(0) * tl.num_programs(1), failed)
     if last:
         if skipped == 0:
+            for src in range(WORLD):
+                mine = rail_of(grp, src, node, G, G_P2) == rank
+                if is_live(grp, src) & put_peers(grp, src, True, WORLD, PUT) & mine:
+                    n = tl.minimum(tl.maximum(tl.load(src_tokens_ptr + src), 0), M)
+                    for i in range(0, n):
+                        qi = tl.cast(src * M + i, tl.int64)
+                        stamped = zone_ptr + ROUTE_OFFSET + qi * RW + 2 * TOPK   # the token came to this node
+                        if tl.load(stamped.to(tl.pointer_type(tl.int64))) == stamp:
+                            putmem_nbi_block(inbox_ptr + tl.cast(node * M + i, tl.int64) * HIDDEN,
+                                             rows_ptr + qi * HIDDEN, OUT_WORDS * 4, src)
             signal_each(ctrl_ptrs_ptr, ((call % 2) * WORLD + rank) * 2 + READY, flag, grp, rank, G, G_P2, WORLD, PUT,
                         1)
-            drain()
 
 
 @triton.jit
@@ -253,7 +258,7 @@ def prefill_combine_recv_kernel(
         put = w < 0
         need = live
     arrived = wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * 2 + READY, flag_value(tl.load(grp + S_EPOCH), call),
-                         need, w, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
+                         need, tl.where(need, w, WORLD_P2), grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
     kk = tl.arange(0, TOPK_P2)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     for t0 in range(blk * BT, num_tokens, NBLK * BT):

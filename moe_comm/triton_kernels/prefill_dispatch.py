@@ -20,15 +20,20 @@ the control words; the last one to finish publishes every live rank's flag and a
 
 Across nodes (PUT, docs/prefill.md "Across nodes"; nodes of G consecutive ranks, the ranks of this
 rank's node reached by stores, the others by puts): a token with an expert on a live rank of another node
-is also stored once into this rank's own row ``rank * M + t`` (and its routing row: K global ids, K
-weights, the call's flag as a stamp, in the routing plane), and the last column program of each token
-block puts those rows to this rank's *rail* on each such node (``rails_of``), at the same offsets, then
-quiets. The control words of each rail (tokens, the node's G*L counts) are staged and put with the flag
-as the signal; every other live rank of another node gets a bare flag.
+is also stored once into this rank's payload staging (``stage``, parity call % 2: not its own zone row,
+which is its output, written by its experts before anything proves a rail's NIC read it), and its routing
+row (K global ids, K weights, the call's flag as a stamp) into its own row ``rank * M + t`` of the routing
+plane; the last program puts those rows to this rank's *rail* on each such node (``rails_of``), at the
+zone offsets of row ``rank * M + t``, then each rail's staged control words (tokens, the node's G*L
+counts) with the flag as the signal, and a bare flag to every other live rank of another node: one
+program, so each rail's rows and its flag travel in order on one queue pair. Nothing is quieted: the
+staging is rewritten by the send of call + 2 at the earliest after ``wait_released`` saw every rail's
+release of a combine that answered this call, so its NIC had read it (``transport.py``).
 
 Receive (grid (1,)): wait (bounded) for the flag of every live source (first the sources of this node,
-in this rank's control words, then the others, in their rail's control words on this node), then write
-the per-source token counts and the per-local-expert slot counts (clamped: no peer value can exceed M or
+in this rank's control words, then the others, in their rail's control words on this node: a flag missing
+there names the rail if the source's bare flag reached this rank, else the source), then write the
+per-source token counts and the per-local-expert slot counts (clamped: no peer value can exceed M or
 M * K). A failed call leaves counts of zero (no stale rows are valid). Pull (PUT, grid programs x
 sources): the rows of every source of another node that its rail on this node received (stamp = this
 call's flag) give this rank's ids and weights, and the rows with one of its experts are copied here.
@@ -41,9 +46,9 @@ from .copy import address, as_words, copy_rows, load_tile, row_pointers, store_n
 from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .quant import check_scales, quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
-from .sync import (S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
-                   publish_many, wait_flags)
-from .transport import drain, flush, order_transports, put_peers, store_only
+from .sync import (CALL_MASK, ERR_TIMEOUT, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed,
+                   is_live, live_ranks, publish_many, read_once, record_group_error, wait_flags)
+from .transport import flush, order_transports, put_peers, stage_zone, store_only
 
 
 @triton.jit
@@ -116,17 +121,18 @@ def write_counts(counts, ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, grp, num_to
 
 
 @triton.jit
-def put_rows(idx_ptr, own_zone, rails, far, grp, rank, t_begin, t_end, num_experts,
+def put_rows(idx_ptr, own_zone, stage, SX: tl.constexpr, rails, far, grp, rank, num_tokens, num_experts,
              TOPK: tl.constexpr, TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, G: tl.constexpr,
              NODES: tl.constexpr, NODES_P2: tl.constexpr, M: tl.constexpr, R: tl.constexpr, X_OFFSET: tl.constexpr,
              X_WORDS: tl.constexpr, S_WORDS: tl.constexpr, ROUTE_OFFSET: tl.constexpr, RW: tl.constexpr):
-    """Put this rank's rows of tokens [t_begin, t_end) (its own zone rows: payload, fp8 scales, routing
-    row) to its rail on every ``far`` node holding a live owner of one of the token's experts, at the
-    same offsets: one ``putmem_nbi`` per row and part, none to this rank itself (its rows are in place).
-    Every argument is the same in every thread of the program (the ids are the caller's, plain loads)."""
+    """Put this rank's tokens [0, num_tokens) (payload and fp8 scales from ``stage``, the scales at word SX;
+    routing row from its own zone) to its rail on every ``far`` node holding a live owner of one of the
+    token's experts, at the zone offsets of row ``rank * M + t``: one ``putmem_nbi`` per row and part, none
+    to this rank itself (its rows are in place). Every argument is the same in every thread of the program
+    (the ids are the caller's, plain loads)."""
     kk = tl.arange(0, TOPK_P2)
     n = tl.arange(0, NODES_P2)
-    for t in range(t_begin, t_end):
+    for t in range(0, num_tokens):
         raw = tl.load(idx_ptr + tl.cast(t, tl.int64) * TOPK + kk, mask=kk < TOPK, other=-1)
         valid = (kk < TOPK) & (raw >= 0) & (raw < num_experts)
         owner = tl.where(valid, raw // EXPERTS_PER_RANK, 0).to(tl.int32)
@@ -137,13 +143,26 @@ def put_rows(idx_ptr, own_zone, rails, far, grp, rank, t_begin, t_end, num_exper
         for node in range(NODES):
             if tl.max(tl.where(n == node, go, False).to(tl.int32)) > 0:
                 pe = tl.sum(tl.where(n == node, rails, 0))
-                row = own_zone + X_OFFSET + q * X_WORDS
-                putmem_nbi_block(row, row, X_WORDS * 4, pe)
+                putmem_nbi_block(own_zone + X_OFFSET + q * X_WORDS, stage + tl.cast(t, tl.int64) * X_WORDS, X_WORDS * 4,
+                                 pe)
                 if S_WORDS > 0:
-                    row = own_zone + X_OFFSET + R * X_WORDS + q * S_WORDS
-                    putmem_nbi_block(row, row, S_WORDS * 4, pe)
+                    putmem_nbi_block(own_zone + X_OFFSET + R * X_WORDS + q * S_WORDS,
+                                     stage + SX + tl.cast(t, tl.int64) * S_WORDS, S_WORDS * 4, pe)
                 row = own_zone + ROUTE_OFFSET + q * RW
                 putmem_nbi_block(row, row, RW * 4, pe)
+
+
+@triton.jit
+def scale_rows(base, stage, staged, t, row, X_OFFSET: tl.constexpr, R: tl.constexpr, X_WORDS: tl.constexpr,
+               S_WORDS: tl.constexpr, SX: tl.constexpr, PUT: tl.constexpr):
+    """Byte addresses [BT, TOPK_P2] of the scale words of each destination row (``base``: its zone): the
+    zone's scale plane, or with PUT where ``staged`` the staging's scale rows (from
+    word SX)."""
+    zone = base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4
+    if PUT:
+        return tl.where(staged, address(stage) + ((SX + t.to(tl.int64) * S_WORDS) * 4)[:, None], zone)
+    else:
+        return zone
 
 
 @triton.jit
@@ -151,8 +170,10 @@ def wait_released(released_ptr, combine_seq_ptr, grp, status_ptr, op, rank, WORL
                   WORLD_P2: tl.constexpr, PUT: tl.constexpr):
     """Wait until every live rank's ``released`` word (int64 [2, WORLD, 2] combine control words, word 0)
     shows this rank's combine count: each rank has finished reading every zone. Nothing to wait for before
-    the first combine. Returns False if the wait failed (the group failed: send nothing)."""
-    done = tl.load(combine_seq_ptr)
+    the first combine. Returns False if the wait failed (the group failed: send nothing). The count is
+    another channel's: with overlapped zones the combine's receive may store it while this kernel runs
+    (on another stream), so it is read once per program and broadcast (``read_once``), never per thread."""
+    done = read_once(combine_seq_ptr, True)
     w = tl.arange(0, WORLD_P2)
     live = tl.where(done > 0, live_ranks(grp, WORLD, WORLD_P2), False)
     ok = wait_flags(released_ptr + ((done % 2) * WORLD + w) * 2, flag_value(tl.load(grp + S_EPOCH), done), live, w,
@@ -176,8 +197,8 @@ def prefill_dispatch_send_kernel(
     seq_ptr,          # int64 [1]: the channel's send count (advanced here)
     done_ptr,         # int32 [WORLD + 3]: arrival counters ([WORLD]: this kernel's), zero between launches
     stamp_ptr,        # int64 [1] (PUT): this zone's stamp, the flag of the call (its pull and combine read it)
-    block_done_ptr,   # int32 [NBLK] (PUT): arrival counters of each token block's column programs
-    stage_ctrl_ptr,   # int64 [WORLD, CTRL_WORDS] symmetric (PUT): control words staged for each rail
+    stage_ptr,        # int32 [2, stage words] symmetric (PUT): payload rows, then scales (PrefillPlan.stage_words)
+    stage_ctrl_ptr,   # int64 [2, WORLD, CTRL_WORDS] symmetric (PUT): control words staged for each rail
     grp, status_ptr, rank, num_tokens, num_experts,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr, HIDDEN: tl.constexpr, X_WORDS: tl.constexpr,
@@ -193,8 +214,12 @@ def prefill_dispatch_send_kernel(
     blk = tl.program_id(0)
     col = tl.program_id(1)  # column block of the payload (FP8: of FP8_GROUPS * 128 columns; else the row)
     call = tl.load(seq_ptr) + 1
-    zone = call % 2          # of the control words; the data has one zone
+    zone = call % 2          # of the control words and the staging; the data has one zone
     R: tl.constexpr = WORLD * M
+    SX: tl.constexpr = (M * X_WORDS + 3) // 4 * 4          # the staged scales' first word (PrefillPlan.stage_words)
+    STAGE_WORDS: tl.constexpr = SX + (M * S_WORDS + 3) // 4 * 4   # one parity of the staging
+    # The staging of this call's parity (STAGE_ZONE, transport.py), derived where used from the parameters
+    # (not kept live across the copy, which spills the fp8 send's registers).
     released = wait_released(released_ptr, combine_seq_ptr, grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT)
     failed = group_failed(grp, status_ptr, WORLD, WORLD_P2) | (released == 0)  # a failed group sends nothing
     peer = tl.arange(0, WORLD_P2)
@@ -202,13 +227,13 @@ def prefill_dispatch_send_kernel(
     near_live = store_only(put_peers(grp, peer, peer < WORLD, WORLD, PUT), peer_live, PUT)   # this node's
     zone_all = as_ptr(tl.load(data_ptrs_ptr + peer, mask=near_live, other=0), tl.int32)   # [WORLD_P2]
     flag = flag_value(tl.load(grp + S_EPOCH), call)
-    own_zone = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32)
 
     if (blk == NBLK - 1) & (col == 0):   # the combine's mask, excluded slots, bad ids, control words
         rails, far = node_rails(grp, rank, WORLD, G, G_P2, NODES, NODES_P2, PUT)
         counts = scan_ids(idx_ptr, routed_ptr, excluded_ptr, grp, rank, num_tokens, num_experts, OP, TOPK, TOPK_P2,
                           EXPERTS_PER_RANK, ROUTE_T, BINS)
-        write_counts(counts, ctrl_ptrs_ptr, stage_ctrl_ptr, (zone * WORLD + rank) * CTRL_WORDS, grp, num_tokens,
+        write_counts(counts, ctrl_ptrs_ptr, stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS),
+                     (zone * WORLD + rank) * CTRL_WORDS, grp, num_tokens,
                      failed == 0, rails, far, WORLD, WORLD_P2, EXPERTS_PER_RANK, BINS, CTRL_WORDS, COUNT_SPAN,
                      NODES_P2, PUT, gscale_ptr, NVFP4)
         if PUT:
@@ -230,21 +255,35 @@ def prefill_dispatch_send_kernel(
             tl.store((slot + R * TOPK).to(tl.pointer_type(tl.float32)), tl.where(here, w[None, :], 0.0), mask=put)
             if PUT:   # the routing row (global ids of live owners, weights, stamp): what a rail's node reads
                 owner_ok = valid & (tl.load(grp + S_LIVE + tl.maximum(owner, 0), mask=valid, other=0) != 0)
-                route = own_zone + ROUTE_OFFSET + q * RW
+                route = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + ROUTE_OFFSET + q * RW   # this rank's zone
                 tl.store(route + ks, tl.where(owner_ok, idx, -1), mask=live)
                 tl.store((route + TOPK + ks).to(tl.pointer_type(tl.float32)), tl.where(owner_ok, w, 0.0), mask=live)
                 tl.store((route + 2 * TOPK).to(tl.pointer_type(tl.int64)), flag + tl.zeros_like(q), mask=live & (ks == 0))
 
         t = t0 + tl.arange(0, BT)
-        if PUT:   # a slot on another node (or on this rank when it reaches itself by puts) is stored once into
-            #       this rank's own row, the source of the puts to the rails
+        row = (rank * M + t).to(tl.int64)[:, None]
+        if PUT:   # a slot on another node goes once into this rank's staging (the source of the puts to the
+            #       rails), in the column of the token's first such slot; the others to their ranks' rows
             owner_ok = valid & (tl.load(grp + S_LIVE + tl.maximum(owner, 0), mask=valid, other=0) != 0)
-            owner_far = tl.where(owner_ok, put_peers(grp, tl.maximum(owner, 0), owner_ok, WORLD, PUT), False)
-            to, write = token_destinations(tl.where(owner_far, rank, owner), t < t_end, grp, failed, BT, TOPK_P2)
+            owner_far = tl.where(owner_ok & (owner != rank), put_peers(grp, tl.maximum(owner, 0), owner_ok, WORLD, PUT),
+                                 False)
+            to, write = token_destinations(tl.where(owner_far, -1, owner), t < t_end, grp, failed, BT, TOPK_P2)
+            far_slot = tl.reshape(owner_far, (BT, TOPK_P2))
+            kk = tl.arange(0, TOPK_P2)
+            earlier = far_slot[:, None, :] & (kk[None, None, :] < kk[None, :, None])
+            staged = far_slot & (tl.max(earlier.to(tl.int32), axis=2) == 0) & (t < t_end)[:, None]
+            staged = tl.where(failed, False, staged)
+            write = write | staged
+            # the staging's rows as if it were a zone: the same offsets as a zone row then lead there
+            stage = stage_zone(stage_ptr, zone, STAGE_WORDS)
+            base = tl.where(staged, address(stage) - (X_OFFSET + row * X_WORDS) * 4
+                            + (t.to(tl.int64) * X_WORDS * 4)[:, None],
+                            tl.load(data_ptrs_ptr + to, mask=write & (staged == 0), other=0))
         else:
             to, write = token_destinations(owner, t < t_end, grp, failed, BT, TOPK_P2)
-        base = tl.load(data_ptrs_ptr + to, mask=write, other=0)                 # [BT, TOPK_P2] zone addresses
-        row = (rank * M + t).to(tl.int64)[:, None]
+            staged = write != write
+            stage = stage_ptr
+            base = tl.load(data_ptrs_ptr + to, mask=write, other=0)             # [BT, TOPK_P2] zone addresses
         dst = base + (X_OFFSET + row * X_WORDS) * 4                             # bytes
         read = tl.max(write.to(tl.int32), axis=1) > 0
         if FP8:  # column block `col` of the row: quantized in registers (or given), stored to every destination
@@ -257,25 +296,18 @@ def prefill_dispatch_send_kernel(
                 xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * COLS, HIDDEN, COLS, ALIGNED)
                 qx, scale = quantize_e4m3_groups(xs.to(tl.float32), BT, FP8_GROUPS, SCALE)
             store_tile(qx, col * COLS, HIDDEN, dst, write, COLS, TOPK, TOPK_P2, ALIGNED)
-            sdst = base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4
-            store_tile(scale, col * S_BLOCK, S_WORDS, sdst, write, S_BLOCK, TOPK, TOPK_P2,
+            store_tile(scale, col * S_BLOCK, S_WORDS, scale_rows(base, stage, staged, t, row, X_OFFSET, R, X_WORDS,
+                                                                S_WORDS, SX, PUT), write, S_BLOCK, TOPK, TOPK_P2,
                        ALIGNED & (S_WORDS % 4 == 0))
         elif NVFP4:  # the same for NVFP4 (value words into recv_x, scale words into recv_scales)
             NCOLS: tl.constexpr = NVFP4_GROUPS * 16
             xs = load_tile(x_ptr + t.to(tl.int64) * HIDDEN, read, col * NCOLS, HIDDEN, NCOLS, ALIGNED)
-            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst, base + (X_OFFSET + R * X_WORDS + row * S_WORDS) * 4,
-                             write, X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
+            store_nvfp4_tile(xs, col, tl.load(gscale_ptr), dst,
+                             scale_rows(base, stage, staged, t, row, X_OFFSET, R, X_WORDS, S_WORDS, SX, PUT), write,
+                             X_WORDS, S_WORDS, NVFP4_GROUPS, TOPK, TOPK_P2, ALIGNED)
         else:
             copy_rows(as_words(x_ptr) + t.to(tl.int64) * X_WORDS, read, dst, write, X_WORDS, BW, TOPK, TOPK_P2,
                       ALIGNED)
-
-    if PUT:   # the last column program of this token block puts the block's rows to the rails
-        block_last, block_skipped = arrive(block_done_ptr + blk, tl.num_programs(1), failed)
-        if block_last & (block_skipped == 0):
-            rails, far = node_rails(grp, rank, WORLD, G, G_P2, NODES, NODES_P2, PUT)   # (not kept live across the copy)
-            put_rows(idx_ptr, own_zone, rails, far, grp, rank, t_begin, t_end, num_experts, TOPK, TOPK_P2,
-                     EXPERTS_PER_RANK, G, NODES, NODES_P2, M, R, X_OFFSET, X_WORDS, S_WORDS, ROUTE_OFFSET, RW)
-            drain()   # complete before counting in: the last program's flags follow every block's rows
 
     # The last program publishes to every live rank, unless a program skipped its part, and advances the
     # send count.
@@ -285,10 +317,15 @@ def prefill_dispatch_send_kernel(
             ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=near_live, other=0), tl.int64)
             order_transports(grp, peer_live, WORLD, WORLD_P2, PUT)
             publish_many(ctrl + (zone * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 1, flag, near_live)
-            if PUT:
+            if PUT:   # the rows to the rails, then their flags: one program, one queue pair per rail
                 rails, far = node_rails(grp, rank, WORLD, G, G_P2, NODES, NODES_P2, PUT)
-                publish_far(ctrl_ptrs_ptr, stage_ctrl_ptr, (zone * WORLD + rank) * CTRL_WORDS, flag, rails, far, grp,
-                            rank, WORLD, CTRL_WORDS, G, NODES, NODES_P2, PUT)
+                own_zone = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32)
+                put_rows(idx_ptr, own_zone, stage_zone(stage_ptr, zone, STAGE_WORDS), SX, rails, far, grp, rank,
+                         num_tokens, num_experts, TOPK, TOPK_P2, EXPERTS_PER_RANK, G, NODES, NODES_P2, M, R, X_OFFSET,
+                         X_WORDS, S_WORDS, ROUTE_OFFSET, RW)
+                publish_far(ctrl_ptrs_ptr, stage_zone(stage_ctrl_ptr, zone, WORLD * CTRL_WORDS),
+                            (zone * WORLD + rank) * CTRL_WORDS, flag, rails, far, grp, rank, WORLD, CTRL_WORDS, G,
+                            NODES, NODES_P2, PUT)
         tl.store(seq_ptr, call)
 
 
@@ -299,7 +336,7 @@ def publish_far(ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, flag, rails, far, gr
     """The flags of a dispatch to the other nodes (scalar control flow, every thread): each rail of a
     ``far`` node gets its staged control words in one ``putmem_signal_nbi`` whose signal is the flag;
     every other live rank reached by puts gets the bare flag (``signal_op``), so that every rank's
-    control words show the call (aborts and drains read them); then one ``quiet``."""
+    control words show the call (aborts and drains read them). Nothing waits for them."""
     n = tl.arange(0, NODES_P2)
     own = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + ctrl_offset
     for node in range(NODES):
@@ -311,7 +348,6 @@ def publish_far(ctrl_ptrs_ptr, stage_ctrl_ptr, ctrl_offset, flag, rails, far, gr
         rail = tl.sum(tl.where(n == p // G, rails, 0))
         if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT) & (rail != p):
             signal_op(own + CTRL_WORDS - 1, flag, SIGNAL_SET, p)
-    drain()
 
 
 @triton.jit
@@ -335,18 +371,30 @@ def prefill_dispatch_recv_kernel(
     target = flag_value(tl.load(grp + S_EPOCH), call)
     if PUT:
         # A source of this node: this rank's control words. Another source: its rail's on this node, whose
-        # NIC wrote the flag after the rows. The sources of this node first: a dead rail is one of them,
-        # and is named so (a lane whose peer id is WORLD_P2 or more is no candidate for the name).
+        # NIC wrote the flag after the rows. The sources of this node first (a dead rail is one of them,
+        # unless it died after its own send; a lane whose peer id is WORLD_P2 or more is no candidate for
+        # the name), then the others. A flag missing at a rail implicates the source or the rail: the
+        # source sent it if its bare flag (every rank of the node but the rail gets one) reached this rank,
+        # and then the rail is named, else the source.
         far = tl.where(live, put_peers(grp, w, w < WORLD, WORLD, PUT), False)
         near = tl.where(far, False, live)
         rail = rails_of(grp, w, tl.zeros([WORLD_P2], dtype=tl.int32) + rank // G, G, G_P2)
-        rail_ctrl = tl.load(ctrl_ptrs_ptr + tl.maximum(rail, 0), mask=far, other=0)
-        base = as_ptr(tl.where(far, rail_ctrl, address(ctrl_ptr)) + (row0 + w).to(tl.int64) * CTRL_WORDS * 8,
-                      tl.int64)
-        ok = wait_flags(base + CTRL_WORDS - 1, target, near, tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank,
+        via = tl.where(far, rail != rank, False)   # the source's rows and counts are in another rank's zone
+        rail_ctrl = tl.load(ctrl_ptrs_ptr + tl.maximum(rail, 0), mask=via, other=0)
+        own = ctrl_ptr + (row0 + w) * CTRL_WORDS
+        base = as_ptr(tl.where(via, rail_ctrl + (row0 + w).to(tl.int64) * CTRL_WORDS * 8, address(own)), tl.int64)
+        ok = wait_flags(own + CTRL_WORDS - 1, target, near, tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank,
                         WORLD, WORLD_P2, PUT=PUT)
         ok_far = wait_flags(base + CTRL_WORDS - 1, target, far, tl.where(far, w, WORLD_P2), grp, status_ptr, OP, rank,
-                            WORLD, WORLD_P2, PUT=PUT)
+                            WORLD, WORLD_P2, PUT=PUT, RECORD_TIMEOUT=False)
+        missing = tl.where(far, ok_far == 0, False)
+        if (tl.max(missing.to(tl.int32)) > 0) & (group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0):   # timed out
+            at_rail = read_once(base + CTRL_WORDS - 1, missing)
+            bare = read_once(own + CTRL_WORDS - 1, missing & via) == target   # the source's flag here: it sent
+            blame = tl.where(missing, tl.where(via & bare, rail, w), WORLD_P2)
+            late = tl.min(blame)
+            seen = tl.max(tl.where(missing & (blame == late), at_rail & CALL_MASK, 0))   # the call its flag shows
+            record_group_error(grp, ERR_TIMEOUT, OP, rank, late, seen, target & CALL_MASK, WORLD, WORLD_P2, PUT)
         arrived = tl.where(near, ok, ok_far)
         count_at = 1 + (rank % G) * EXPERTS_PER_RANK
     else:
@@ -440,8 +488,9 @@ def prefill_dispatch_pull_kernel(
         flag = flag_value(tl.load(grp + S_EPOCH), call)
         ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=near, other=0), tl.int64)
         publish_many(ctrl + ((call % 2) * WORLD + rank) * CTRL_WORDS + CTRL_WORDS - 2, flag, near)
-        wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + CTRL_WORDS - 2, flag, near, w, grp, status_ptr, OP,
-                   rank, WORLD, WORLD_P2, PUT=PUT)
+        # (the other nodes' ranks publish no ``pulled`` here: no candidate for the name, peer id WORLD_P2)
+        wait_flags(ctrl_ptr + ((call % 2) * WORLD + w) * CTRL_WORDS + CTRL_WORDS - 2, flag, near,
+                   tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank, WORLD, WORLD_P2, PUT=PUT)
         # A program that found the group failed pulled nothing: the error is raised (adopted into this
         # rank's word, if it came after the receive kernel and every pulled flag).
         check_failed(grp, status_ptr, WORLD, WORLD_P2)

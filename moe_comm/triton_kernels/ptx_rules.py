@@ -21,7 +21,9 @@ barrier sits right before each publish and right after each wait, in the same bl
 
 3. **Every barrier is reached by every thread alike.** No CTA barrier and no block-wide NVSHMEM call under
    a branch (or guard) whose predicate depends, per thread, on a timer read or a volatile, relaxed or
-   acquire load (``triton_kernels/sync.py`` says which values are block-uniform and why).
+   acquire load, or on a plain load of a word another channel's kernels write (``OTHER_CHANNEL_PARAMS``:
+   those kernels may run on another stream, so the word may change under this one) (``triton_kernels/sync.py``
+   says which values are block-uniform and why).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ ADDR = re.compile(r"\[\s*(%\w+)")
 DEST_SRCS = re.compile(r"^\s*(?:@!?%\w+\s+)?[\w.]+\s+(%\w+),\s*(.*);")
 REG = re.compile(r"%\w+")
 CONTROL_PARAMS = ("grp", "status_ptr")
+# Kernel parameters pointing to words another channel's kernels write, which may run at the same time on
+# another stream (``prefill_dispatch_send_kernel`` reads the combine channel's receive count and released
+# words: with overlapped zones the combine's receive stores them while the next dispatch's send runs). A
+# plain load through them is per thread (rule 3): read them with ``sync.read_once`` or an acquire wait.
+OTHER_CHANNEL_PARAMS = ("combine_seq_ptr", "released_ptr")
 
 
 MATCHERS = []   # (pattern, hint, matcher) of every line test below (tests/test_compile_sm90.py checks the hints)
@@ -59,10 +66,13 @@ is_global_store = _matcher(GLOBAL_STORE, "global")
 is_global_load = _matcher(GLOBAL_LOAD, "global")
 
 
-def _control_registers(lines: list[str], kernel: str, arg_names: list[str]) -> set[str]:
-    """Registers holding an address derived from (or loaded through) the control parameters."""
-    params = {f"{kernel}_param_{i}" for i, a in enumerate(arg_names) if a in CONTROL_PARAMS}
+def _control_registers(lines: list[str], kernel: str, arg_names: list[str], names=CONTROL_PARAMS) -> set[str]:
+    """Registers holding an address derived from (or loaded through) the parameters ``names`` (by default
+    the control parameters)."""
+    params = {f"{kernel}_param_{i}" for i, a in enumerate(arg_names) if a in names}
     regs = {m.group(1) for m in map(PARAM_LOAD.search, lines) if m and m.group(2) in params}
+    if not regs:
+        return regs
     defs = [(m.group(1), REG.findall(m.group(2))) for m in map(DEST_SRCS.match, lines) if m]   # parsed once
     changed = True
     while changed:
@@ -310,16 +320,25 @@ def _cta_threads(ptx: str, kernel: str) -> int | None:
     return n
 
 
-def divergent_barriers(ptx: str, kernel: str) -> list[str]:
-    """Rule 3 on the entry function ``kernel``: every CTA barrier (``bar.sync``/``bar.red``/...) and
-    block-wide NVSHMEM call that some thread may reach while another thread of the program does not,
-    because a branch (or a guard) on the way depends, per thread, on a timer read or a volatile /
-    relaxed / acquire load (or an atomic's own result register); [] if none. Taint follows registers
+def divergent_barriers(ptx: str, kernel: str, arg_names: list[str] = ()) -> list[str]:
+    """Rule 3 on the entry function ``kernel`` (non-constexpr arguments ``arg_names`` in order): every CTA
+    barrier (``bar.sync``/``bar.red``/...) and block-wide NVSHMEM call that some thread may reach while
+    another thread of the program does not, because a branch (or a guard) on the way depends, per thread,
+    on a timer read or a volatile / relaxed / acquire load (or an atomic's own result register), or on a
+    plain global load through a parameter of ``OTHER_CHANNEL_PARAMS``; [] if none. Taint follows registers
     (every definition of a register counts); a value that went through shared memory, or a ``bar.red``
     result, is uniform. The region of a conditional branch is what its successors reach before the
     branch's immediate post-dominator (a loop whose exit is tainted: its whole body)."""
     body = _body(ptx, kernel)
     one_warp = _cta_threads(ptx, kernel) == WARP_THREADS
+    foreign = _control_registers([stmt + ";" for _, stmt in body], kernel, list(arg_names), OTHER_CHANNEL_PARAMS)
+
+    def taint_source(stmt: str) -> bool:
+        if TAINT_SOURCE.search(stmt):
+            return True
+        addr = ADDR.search(stmt) if foreign and is_global_load(stmt) else None
+        return bool(addr and addr.group(1) in foreign)
+
     defs = []   # (line, statement, destinations, sources and guard, is a taint source): parsed once
     for line, stmt in body:
         if stmt.endswith(":"):
@@ -327,7 +346,7 @@ def divergent_barriers(ptx: str, kernel: str) -> list[str]:
         guard, dests, srcs = _dest_srcs(stmt)
         if not dests or UNIFORM_RESULT.search(stmt) or (one_warp and WARP_BROADCAST.search(stmt)):
             continue
-        defs.append((line, stmt, dests, srcs + ([guard] if guard else []), bool(TAINT_SOURCE.search(stmt))))
+        defs.append((line, stmt, dests, srcs + ([guard] if guard else []), taint_source(stmt)))
     origin = {}   # tainted register -> (line, statement) of a taint source it depends on
     changed = True
     while changed:

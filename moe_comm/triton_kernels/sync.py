@@ -24,7 +24,9 @@ issue 33). So every such branch decides on one of these, and nothing else:
 
 - values every thread computes alike: kernel arguments, constexprs, program ids, and plain loads of words
   that do not change while the kernel runs (the group state; control words published before a flag this
-  program acquired, read after the wait's barrier);
+  program acquired, read after the wait's barrier). Not a word another channel's kernels write (they may
+  run meanwhile on another stream: the prefill dispatch's read of the combine's count), which is read
+  once (``read_once``; ``ptx_rules.OTHER_CHANNEL_PARAMS``);
 - an atomic's result (``read_once``, ``claim``, ``arrive``, the waits' polls): Triton issues it once per
   element and hands the value to every thread through shared memory after a barrier, so every thread sees
   the one value read. Words that change under a running kernel (flags, status tags) are read this way;
@@ -321,7 +323,7 @@ def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
 @triton.jit
 def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD: tl.constexpr,
                WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False, seen_ptr=None, seen_mask=None,
-               PUT: tl.constexpr = False):
+               PUT: tl.constexpr = False, RECORD_TIMEOUT: tl.constexpr = True):
     """Wait until every flag at ``flag_ptrs`` (a vector, this rank's memory; lanes where ``mask``; lane i
     is rank ``peers[i]``'s flag) equals ``target``: every pending flag is polled at once, one vector of
     acquire loads (system scope) per poll, so N flags cost one round trip, not N.
@@ -340,6 +342,8 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
 
     ``PUT`` (constexpr): the error a failed wait records also reaches the peers reached by puts
     (``record_group_error``); launch with the put transport's arguments when the group uses puts.
+    ``RECORD_TIMEOUT`` False: a timeout returns with the missing lanes False and records nothing (the
+    caller names whom to blame and records it: ``prefill_dispatch``'s wait at a rail).
     """
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
@@ -374,10 +378,11 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
             elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
                 state = 2
             elif block_any(now_ns() - t0 > timeout_ns):   # each thread reads its own clock
-                late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD, WORLD_P2,
-                                                 ABORT_ARRIVES)
-                record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD, WORLD_P2,
-                                   PUT)
+                if RECORD_TIMEOUT:
+                    late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD,
+                                                     WORLD_P2, ABORT_ARRIVES)
+                    record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD,
+                                       WORLD_P2, PUT)
                 state = 2
             else:
                 poll_pause()

@@ -5,16 +5,25 @@ Every send kernel computes, per peer, the base address its stores go to. For a p
 before. For a peer reached by puts (``TRANSPORT_PUT``) it is this rank's *staging* copy of exactly the
 region the rank would have written on that peer (same row layout), so the row-building code is the same
 for both. Where a store-path kernel publishes the flag, the put path instead calls ``flush`` (below):
-the staged rows go to the peer's landing zone in one ``putmem_nbi``, NVSHMEM ``fence`` orders them
-before the staged control words, which travel in a ``putmem_signal_nbi`` whose signal *is* the flag
-(``SIGNAL_SET`` of the same value a store-path sender publishes). The receive kernels wait for the same
-flag word, with the same bounded acquire wait. One ``drain`` (``quiet``) per send launch, after the
-flushes to every peer, by the launch's last program: the staging is rewritten by the channel's next
-send, so its puts must have read it by then; nothing else waits for a put (docs/faults.md: a quiet
-to a dead peer ends only when the NIC gives up, and NVSHMEM then aborts). The EP ops pack what they put (only the routed rows,
-one run per peer: ``dispatch.py``, ``combine.py``), so their receives read a put peer's rows by the
-put layout. ``signal_op``, ``fence`` and ``quiet`` are issued by one thread per program
-(``nvshmem_device.py``).
+the staged rows go to the peer's landing zone in one ``putmem_nbi``, then the staged control words in a
+``putmem_signal_nbi`` whose signal *is* the flag (``SIGNAL_SET`` of the same value a store-path sender
+publishes). The receive kernels wait for the same flag word, with the same bounded acquire wait.
+
+No quiet and no fence on any steady-state path (docs/multinode.md, "Staging reuse by causality"):
+
+- order: the program that puts a peer's rows issues that peer's signal, after them. NVSHMEM's IBGDA
+  posts every call of one CTA to one PE on one RC queue pair (``ibgda_get_rc``: the pair is a function of
+  the PE and the CTA, with one NIC per PE), which executes in order; NVSHMEM's own ``putmem_signal``
+  relies on the same (its data writes, then the signal's atomic, on one pair, no fence). A ``fence``
+  would be no cheaper than a quiet: IBGDA's polls the completions of every queue pair
+  (``nvshmemi_ibgda_fence``), a dead peer's included, which is fatal (docs/faults.md);
+- reuse: a staging buffer is rewritten only once a completed receive proves the NIC read it. Each
+  channel's staging has two zones, ``call % 2`` as its landing zones: zone z is written again by send
+  N + 2, which runs after this rank's receive N + 1, which saw every live put peer's flag N + 1; a peer
+  publishes that only in its send N + 1, after its receive N, which saw our flag N, which its NIC
+  carried after our puts from zone z (same queue pair, in order). ``STAGE_ZONE`` below names it.
+
+``signal_op`` is issued by one thread per program (``nvshmem_device.py``).
 
 Kernels take ``PUT: tl.constexpr``: False when no peer of the group uses puts, which compiles the put
 path out (no NVSHMEM call in the module, no bitcode needed); True links NVSHMEM's bitcode.
@@ -25,11 +34,20 @@ import triton
 import triton.language as tl
 
 from .. import protocol
-from .nvshmem_device import SIGNAL_SET, fence, fence_system, putmem_nbi_block, putmem_signal_nbi_block, quiet, signal_op
+from .nvshmem_device import SIGNAL_SET, fence_system, putmem_nbi_block, putmem_signal_nbi_block, signal_op
 from .sync import publish
 
 TRANSPORT_PUT = tl.constexpr(protocol.TRANSPORT_PUT)
 STATE_WORDS = tl.constexpr(protocol.STATE_WORDS)
+
+
+@triton.jit
+def stage_zone(stage_ptr, zone, zone_elems):
+    """``STAGE_ZONE``: the staging zone of call ``zone`` (= call % 2) of a channel whose staging is
+    [2, zone_elems] elements. The one place each send kernel relies on staging reuse by causality (the
+    module docstring): nothing but this zone's own send writes it, and its send N + 2 only after the
+    receive N + 1 of the channel."""
+    return stage_ptr + zone.to(tl.int64) * zone_elems
 
 
 @triton.jit
@@ -66,13 +84,12 @@ def flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, 
     """Put path's publish to rank ``pe`` (scalar arguments, called by every thread of the program):
     ``nbytes`` staged bytes at ``src`` to ``dst_sym``, then ``ctrl_bytes`` staged control bytes to
     ``ctrl_sym`` with ``flag`` set at ``flag_sym`` as the put's signal. The staged bytes of every program
-    of the launch must be visible: call after ``sync.arrive`` made this the last program. Nothing waits
-    here: flush every peer, then ``drain`` once (the staging may be reused after it), so the puts to
-    all peers are in flight together."""
+    of the launch must be visible: call after ``sync.arrive`` made this the last program. No fence: the
+    rows and the signal go from this program to ``pe`` on one queue pair, in order; nothing waits (the
+    staging is reused by causality, the module docstring)."""
     tl.debug_barrier()   # this program's own staging stores, before the put reads them
     if nbytes > 0:
         putmem_nbi_block(dst_sym, src, nbytes, pe)
-        fence()          # the rows reach pe before the control words and the signal
     if ctrl_bytes > 0:
         putmem_signal_nbi_block(ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, SIGNAL_SET, pe)
     else:
@@ -84,8 +101,7 @@ def deliver(flag_ptr, flag, put, dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_
             PUT: tl.constexpr):
     """Publish ``flag`` for rank ``pe`` (one peer, scalar arguments): store transport, a release at
     ``flag_ptr`` in the peer's memory (``sync.publish``); put transport (``put``), ``flush`` of the
-    staged rows and control words with the flag as the signal (the launch ``drain``s once, after every
-    peer's)."""
+    staged rows and control words with the flag as the signal."""
     if PUT:
         if put:
             flush(dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_bytes, flag_sym, flag, pe)
@@ -93,14 +109,6 @@ def deliver(flag_ptr, flag, put, dst_sym, src, nbytes, ctrl_sym, ctrl_src, ctrl_
             publish(flag_ptr, flag)
     else:
         publish(flag_ptr, flag)
-
-
-@triton.jit
-def drain():
-    """Complete every put this rank issued (``quiet``: NVSHMEM waits on every queue pair, whichever
-    program posted to it). Once per send launch, after its last flush: the staging may be rewritten
-    after it."""
-    quiet()
 
 
 @triton.jit

@@ -165,7 +165,9 @@ def local_experts_decode(layer: Layer, d, plan: StepPlan) -> torch.Tensor:
     """This rank's experts on an EPBuffer dispatch's rows: d.x [L, R, H] (fp8: dequantized) -> [L, R, H]."""
     x = d.x if d.scales is None else dequantize_fp8(d.x, d.scales).to(layer.layout.dtype)
     active = sum(plan.tokens) * layer.door.topk   # experts with rows <= slots sent this step
-    return decode_experts(layer.module, layer.layout, x, d.counts, masked=layer.door.masked, max_active=active)
+    expected = -(-active // layer.layout.num_experts)   # rows an expert gets on average: the kernel's row tile
+    return decode_experts(layer.module, layer.layout, x, d.counts, masked=layer.door.masked, max_active=active,
+                          expected_rows=expected)
 
 
 def local_experts_prefill(layer: Layer, buf):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..experts import masked_expert_mlp
+from ..experts import gated_views, masked_expert_mlp
 
 # Weights of an experts module, expert-major ([E, ...]); which exist depends on the flags.
 WEIGHT_NAMES = ("gate_up_proj", "gate_up_proj_bias", "up_proj", "up_proj_bias", "down_proj", "down_proj_bias")
@@ -141,19 +141,17 @@ def experts_mlp(module: nn.Module, lay: ExpertsLayout, x: torch.Tensor, sel: sli
 
 
 def decode_experts(module: nn.Module, lay: ExpertsLayout, x: torch.Tensor, counts: torch.Tensor,
-                   masked: bool = True, max_active: int | None = None) -> torch.Tensor:
+                   masked: bool = True, max_active: int | None = None,
+                   expected_rows: int | None = None) -> torch.Tensor:
     """The EPBuffer layout: x [L, R, H] with rows x[e, :counts[e]] for local expert e (counts int32 on the
     device) -> [L, R, H], rows past a count unspecified. With ``masked``, SiLU-gated experts without biases
     run the masked Triton kernel (``serving.experts.masked_expert_mlp``: no host read, experts without rows
-    skipped; ``max_active`` bounds the experts with rows); otherwise ``experts_mlp`` over every row."""
+    skipped; ``max_active`` bounds the experts with rows, ``expected_rows`` picks its row tile); otherwise
+    ``experts_mlp`` over every row."""
     if not (masked and lay.masked):
         return experts_mlp(module, lay, x)
-    gu, i = module.gate_up_proj, lay.intermediate
-    if lay.transposed:   # [L, H, 2I]
-        gate, up, down = gu[:, :, :i], gu[:, :, i:], module.down_proj
-    else:                # [L, 2I, H]: views of the same storage, as the kernel's [L, H, I]
-        gate, up, down = gu[:, :i, :].transpose(1, 2), gu[:, i:, :].transpose(1, 2), module.down_proj.transpose(1, 2)
-    return masked_expert_mlp(x, counts, gate, up, down, max_active=max_active)
+    gate, up, down = gated_views(module.gate_up_proj, module.down_proj, lay.transposed)
+    return masked_expert_mlp(x, counts, gate, up, down, expected_rows=expected_rows, max_active=max_active)
 
 
 def prefill_expert(module: nn.Module, lay: ExpertsLayout):

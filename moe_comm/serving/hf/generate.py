@@ -42,8 +42,8 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy generation of ``new_tokens`` per prompt -> (tokens int64 [B, new_tokens], logits float32
-    [new_tokens, B, vocab]: row s chose tokens[:, s])."""
-    ids, mask = left_padded(prompts)
+    [new_tokens, B, vocab]: row s chose tokens[:, s]), both on the model's device."""
+    ids, mask = (t.to(model.device) for t in left_padded(prompts))
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:], torch.stack([lg.float() for lg in out.logits])

@@ -1,0 +1,232 @@
+"""The fused MoE layer against our unfused path and against dispatch + torch._grouped_mm + combine.
+
+    python bench/moe_layer.py [--out-dir DIR]     # a GPU: the issue's grid (below)
+    python bench/moe_layer.py --dry               # no GPU: tiny shapes in Triton's interpreter
+
+Per (shape, world, T), one MoE layer call of every rank (a loopback world on one device; on a GPU each rank
+on its own stream, the whole round replayed from a CUDA graph), three implementations on the same inputs
+and weights:
+
+  fused       moe_comm.MoELayer(path="fused"): gate/up reading rows where they landed, down + combine send
+  unfused     moe_comm.MoELayer(path="unfused"): EPBuffer.dispatch, the masked batched experts
+              (serving/experts.py), EPBuffer.combine
+  grouped_mm  EPBuffer.dispatch, the valid rows packed by expert, torch._grouped_mm for gate/up, SiLU * up,
+              torch._grouped_mm for down, the rows unpacked, EPBuffer.combine
+
+Shapes: DeepSeek-V3 (hidden 7168, intermediate 2048, 256 experts, top-8) and a DeepSeek-V4-Flash-like one
+(hidden 4096, intermediate 2048, 256 experts, top-6); worlds 1 and 8 (8 emulated ranks on one GPU);
+T = 1, 8, 64, 128, 512 tokens per rank; bf16 weights and tokens. Routing is uniform (random top-k).
+
+The floor of a point: the bytes the layer must move on the one device (every rank's active experts'
+weights read once: 3 * I * H * 2 bytes per active expert; the tokens read and the outputs written; every
+row that crosses ranks written by its sender and read by its receiver, dispatch and combine) at the
+measured copy bandwidth (bench/kernels.py's floor: read + write), plus the fused layer's launches (5 per
+rank at world > 1, 4 at world 1) at the measured empty-kernel time. Each line carries p20/p50/p80 µs,
+the floor, p50 / floor, the speedup over ``unfused``, and the largest |difference| from ``unfused`` (the
+three compute the same math; fused and unfused use the same GEMM tile and K step).
+
+A --dry run proves the script's logic on tiny shapes; its numbers mean nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch
+
+import moe_comm
+from bench import peers
+from bench.common import JsonLines, environment, time_us
+from bench.kernels import graphed, measure_floor, rank_streams, run_phases
+
+# name -> (hidden, intermediate, experts, topk)
+SHAPES = {"dsv3": (7168, 2048, 256, 8), "v4flash": (4096, 2048, 256, 6)}
+DRY_SHAPE = (128, 64, 8, 2)
+GPU_TOKENS, GPU_WORLDS = (1, 8, 64, 128, 512), (8, 1)   # EP8 first: a cut run keeps it
+IMPLS = ("fused", "unfused", "grouped_mm")
+FUSED_LAUNCHES = {1: 4, "multi": 5}   # per rank: world 1 / world > 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry", action="store_true", help="no GPU: tiny shapes in the interpreter")
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--shapes", default="dsv3,v4flash")
+    p.add_argument("--worlds", default=None, help="comma separated (default 8,1; dry 1,2)")
+    p.add_argument("--tokens", default=None, help="comma separated tokens per rank (default 1,8,64,128,512; dry 1,3)")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    o = p.parse_args(argv)
+    o.device = torch.device("cpu" if o.dry or not torch.cuda.is_available() else "cuda")
+    o.worlds = [int(v) for v in (o.worlds or ("1,2" if o.dry else ",".join(map(str, GPU_WORLDS)))).split(",")]
+    o.tokens = [int(v) for v in (o.tokens or ("1,3" if o.dry else ",".join(map(str, GPU_TOKENS)))).split(",")]
+    o.shapes = o.shapes.split(",")
+    o.impls = o.impls.split(",")
+    return o
+
+
+class GroupedMM:
+    """dispatch + torch._grouped_mm + combine on one rank: the composition a user of our ops would write with
+    torch's grouped GEMM (valid rows packed by expert so that each group is contiguous, then unpacked)."""
+
+    def __init__(self, group, experts, hidden, inter, tokens, topk, w13, w2):
+        self.ep = moe_comm.EPBuffer(group, experts, hidden, tokens, topk)
+        self.gate_up = w13.transpose(1, 2)   # [L, H, 2I]
+        self.down = w2.transpose(1, 2)       # [L, I, H]
+        self.inter, self.cap = inter, self.ep.plan.capacity
+        self.rows = min(self.ep.num_local_experts * self.cap, group.world_size * tokens * topk)   # packed rows
+        self._d = self._w = None
+
+    def send(self, x, idx, w):
+        self._w = w
+        self.ep.dispatch(x, idx, phase="send")
+
+    def experts(self):
+        d = self.ep.dispatch(phase="recv")
+        L, H = d.x.shape[0], d.x.shape[2]
+        ends = d.counts.cumsum(0)
+        j = torch.arange(self.rows, device=d.x.device)
+        e = torch.searchsorted(ends, j, right=True).clamp(max=L - 1)
+        row = (e * self.cap + j - (ends - d.counts)[e]).clamp(max=L * self.cap - 1)
+        packed = d.x.view(L * self.cap, H).index_select(0, row)
+        offs = ends.to(torch.int32)
+        h = torch._grouped_mm(packed, self.gate_up, offs=offs).float()
+        a = (torch.nn.functional.silu(h[:, :self.inter]) * h[:, self.inter:]).to(d.x.dtype)
+        o = torch._grouped_mm(a, self.down, offs=offs)
+        out = torch.empty(L * self.cap + 1, H, dtype=d.x.dtype, device=d.x.device)
+        out.index_copy_(0, torch.where(j < ends[-1], row, L * self.cap), o)   # rows past the counts: a dump row
+        self.ep.combine(out[:-1].view(L, self.cap, H), self._w, d.handle, phase="send")
+
+    def recv(self):
+        return self.ep.combine(phase="recv")
+
+    def both(self, x, idx, w):   # world 1: every op in one call (a split world-1 dispatch copies its inputs)
+        d = self.ep.dispatch(x, idx)
+        self.ep.dispatch = lambda *a, **k: d   # experts() takes this call's result
+        try:
+            self._w = w
+            self.experts()
+        finally:
+            del self.ep.dispatch
+        return self.ep.combine(phase="recv")
+
+    def close(self):
+        self.ep.close()
+
+
+class Layer:
+    """MoELayer driven in the same three phases."""
+
+    def __init__(self, group, experts, hidden, inter, tokens, topk, w13, w2, path):
+        self.layer = moe_comm.MoELayer(group, experts, hidden, inter, tokens, topk, w13, w2, path=path)
+
+    def send(self, x, idx, w):
+        self.layer(x, idx, w, phase="send")
+
+    def experts(self):
+        self.layer(phase="experts")
+
+    def recv(self):
+        return self.layer(phase="recv")
+
+    def both(self, x, idx, w):
+        return self.layer(x, idx, w)
+
+    def close(self):
+        self.layer.close()
+
+
+def call_all(ranks, streams, xs, idxs, ws) -> list:
+    """One layer call of every rank: every send, then every experts phase, then every receive (on a GPU each
+    rank on its stream, each phase after every rank's previous one: ``run_phases``). World 1: one call."""
+    if len(ranks) == 1:
+        return [ranks[0].both(xs[0], idxs[0], ws[0])]
+    run_phases(streams, [lambda r=r, i=i: r.send(xs[i], idxs[i], ws[i]) for i, r in enumerate(ranks)],
+               [r.experts for r in ranks])
+    return run_phases(streams, [lambda: None for _ in ranks], [r.recv for r in ranks])
+
+
+def floor_bytes(idxs, experts: int, hidden: int, inter: int, world: int) -> int:
+    """Bytes the layer must move on the one device (module docstring)."""
+    local = experts // world
+    ids = torch.cat([i.reshape(-1) for i in idxs])
+    active = int(torch.unique(ids[ids >= 0]).numel())   # each read once, by its rank
+    total = active * 3 * inter * hidden * 2
+    for r, idx in enumerate(idxs):
+        owner = torch.where(idx >= 0, idx // local, -1)
+        remote_slots = int(((owner >= 0) & (owner != r)).sum())
+        remote_tokens = sum(len({int(o) for o in row if o >= 0 and o != r}) for row in owner.tolist())
+        total += 2 * (remote_tokens + remote_slots) * hidden * 2 + 2 * idx.shape[0] * hidden * 2
+    return total
+
+
+def bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen):
+    hidden, inter, experts, topk = shape
+    xs = [torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(o.device) for _ in groups]
+    idxs = [peers.random_topk(tokens, experts, topk, gen).to(o.device) for _ in groups]
+    ws = [torch.rand(tokens, topk, generator=gen).to(o.device) for _ in groups]
+    streams = rank_streams(o.device, world)
+    launches = FUSED_LAUNCHES[1 if world == 1 else "multi"] * world
+    floor_us = floor_bytes([i.cpu() for i in idxs], experts, hidden, inter, world) / (floor[0] * 1e3) + \
+        launches * floor[1]
+    results, ys = {}, {}
+    for impl in o.impls:
+        make = GroupedMM if impl == "grouped_mm" else Layer
+        extra = () if impl == "grouped_mm" else (impl,)
+        ranks = [make(g, experts, hidden, inter, tokens, topk, *weights[r], *extra) for r, g in enumerate(groups)]
+        ys[impl] = [y.float().cpu() for y in call_all(ranks, streams, xs, idxs, ws)]
+        results[impl] = time_us(graphed(lambda i: call_all(ranks, streams, xs, idxs, ws), o.device), o.device,
+                                o.iters, o.warmup)
+        for g in groups:
+            g.check()
+        for r in reversed(ranks):
+            r.close()
+        if o.device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = results.get("unfused")
+    for impl, timing in results.items():
+        diff = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(ys[impl], ys.get("unfused", ys[impl])))
+        out.write(kind="result", op="moe_layer", impl=impl, shape=name, hidden=hidden, intermediate=inter,
+                  experts=experts, topk=topk, world=world, tokens=tokens, floor_us=floor_us,
+                  x_floor=timing["p50_us"] / floor_us,
+                  speedup_vs_unfused=None if base is None else base["p50_us"] / timing["p50_us"],
+                  max_abs_diff_vs_unfused=diff, streams="one per rank" if streams else "one (ranks in turn)",
+                  heap="loopback (emulated on one device)" if world > 1 else "loopback", **timing)
+        print(f"{name} W{world} T{tokens} {impl}: {timing['p50_us']:.1f} us, floor {floor_us:.1f} us"
+              + ("" if base is None else f", x{base['p50_us'] / timing['p50_us']:.2f} vs unfused")
+              + f", max |diff| vs unfused {diff:.3g}", flush=True)
+
+
+def main(argv=None) -> int:
+    o = parse_args(argv)
+    env = environment(o.device)
+    out = JsonLines(os.path.join(o.out_dir, "moe_layer.jsonl"), env, o.dry)
+    floor = measure_floor(o, out)
+    gen = torch.Generator().manual_seed(4)
+    for name in o.shapes:
+        shape = DRY_SHAPE if o.dry else SHAPES[name]
+        hidden, inter, experts, topk = shape
+        for world in o.worlds:
+            groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=60.0)
+            local = experts // world
+            torch.manual_seed(5)   # weights drawn on the device (22 GB of DeepSeek-V3 experts in bf16)
+            weights = [(torch.randn(local, 2 * inter, hidden, device=o.device, dtype=torch.bfloat16) / hidden ** 0.5,
+                        torch.randn(local, hidden, inter, device=o.device, dtype=torch.bfloat16) / inter ** 0.5)
+                       for _ in groups]
+            for tokens in o.tokens:
+                bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen)
+            for g in groups:
+                g.close()
+            del weights
+    print(f"wrote {out.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
