@@ -38,6 +38,8 @@ class GroupError(MoECommError):
 class CommTimeoutError(GroupError):
     """A bounded device wait expired: ``rank`` waited for ``peer`` in ``op`` and gave up."""
 
+    missing: list[int] | None = None   # a recovery meeting (reset, exchange): every rank its decision left out
+
     def __init__(self, op: str, rank: int, peer: int, timeout_s: float):
         self.op, self.rank, self.peer, self.timeout_s = op, rank, peer, timeout_s
         super().__init__(

@@ -335,13 +335,32 @@ class CommGroup:
                 self._dump_on_error(err)
                 raise err
 
+    def _agree(self, members, payload, op: str) -> tuple[dict[int, list[int]], list[int]]:
+        """A decided recovery meeting of ``members`` (``heap.agree``): the payloads of the ranks the meeting's
+        one decision took in, the same on every rank that reads it, and the members it left out. The heap
+        bounds it by twice the timeout (ranks reach recovery up to one timeout apart: one saw the failure
+        at once, another only when its own wait expired), twice that for a decision that leaves at most
+        half of ``members``. A rank left out (it came after the decision) is excluded: ExcludedError, now
+        and at every later call."""
+        got, missing = self.heap.agree(members, payload)
+        if self.rank not in got:
+            self._excluded_self = True
+            err = ExcludedError(f"{op}: rank {self.rank} came to the recovery meeting after the ranks "
+                                f"{sorted(got)} had decided without it: it was excluded by the other ranks "
+                                f"of its group")
+            self._count_error(err)
+            raise err
+        return got, missing
+
     def _meet(self, kind: int, op: str, values=()) -> dict[int, list[int]]:
-        """Recovery meeting of the live ranks (``heap.agree``): every one comes, for the same ``kind``;
-        returns every live rank's ``values``. The heap bounds it by twice the timeout: ranks reach recovery
-        up to one timeout apart (one saw the failure at once, another only when its own wait expired)."""
-        got, missing = self.heap.agree(self.live_ranks, [kind, *values])
+        """Recovery meeting of the live ranks (``_agree``): every one comes, for the same ``kind``; returns
+        every live rank's ``values``. A live rank the decision left out is named by CommTimeoutError (its
+        ``missing``: every one left out); it raises ExcludedError when it comes: ``exclude`` it."""
+        t0 = time.monotonic()
+        got, missing = self._agree(self.live_ranks, [kind, *values], op)
         if missing:
-            err = CommTimeoutError(op, self.rank, missing[0], 2 * self.timeout_s)
+            err = CommTimeoutError(op, self.rank, missing[0], round(time.monotonic() - t0, 1))
+            err.missing = list(missing)
             self._count_error(err)
             raise err
         odd = {j: v[0] for j, v in got.items() if v[0] != kind}
@@ -385,10 +404,12 @@ class CommGroup:
     def exclude(self, ranks) -> list[int]:
         """Collective over the survivors: ``ranks`` are absent from now on; returns the excluded set.
 
-        The survivors agree on the set first (a bounded all-gather; a rank that does not answer is
-        excluded too, and so is any rank another survivor names), so a second failure during an exclude
-        is handled the same way. Then no kernel sends to or waits for an excluded rank: dispatch slots
-        routed to its experts are not routed (counted in the buffer's statistics), AllToAllvDynamic rows
+        The survivors agree on the set first, in one decided meeting (``_agree``): every rank reads the
+        same decision of who took part, and the excluded set is a function of it alone: every rank it
+        leaves out (a survivor that does not come is excluded too, and learns so when it comes) and every
+        rank a survivor in it names. So a second failure during an exclude is handled the same way, and
+        two survivors naming different ranks exclude both, everywhere. Then no kernel sends to or waits
+        for an excluded rank: dispatch slots routed to its experts are not routed (counted in the buffer's statistics), AllToAllvDynamic rows
         addressed to it are dropped (counted), and the live mask is on the device, so captured CUDA graphs
         keep working. This rank's mappings of the excluded ranks' memory are released. Ends with
         ``reset()``. A rank that finds itself excluded raises ExcludedError and must stop.
@@ -401,25 +422,20 @@ class CommGroup:
             raise ValueError(f"rank {self.rank} cannot exclude itself")
         gone |= {r for r in range(self.world_size) if not self._live[r]}
         self.synchronize()
-        while True:  # rounds until every answering survivor proposes the same set
-            candidates = [r for r in range(self.world_size) if r not in gone]
-            got, missing = self.heap.agree(candidates, [_EXCLUDE] + _mask_words(gone, self.world_size))
-            odd = sorted(j for j, v in got.items() if v[0] != _EXCLUDE)
-            if odd:
-                raise GroupError(f"exclude: rank {self.rank} met ranks {odd} in a different recovery call "
-                                 f"(every live rank must call exclude() with the failed ranks)")
-            got = {j: v[1:] for j, v in got.items()}
-            agreed = set(gone) | set(missing)
-            for words in got.values():
-                agreed |= _mask_ranks(words, self.world_size)
-            if self.rank in agreed:
-                self._excluded_self = True
-                err = ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
-                self._count_error(err)
-                raise err
-            if agreed == gone and all(_mask_ranks(w, self.world_size) == gone for w in got.values()):
-                break
-            gone = agreed
+        candidates = [r for r in range(self.world_size) if r not in gone]
+        got, _ = self._agree(candidates, [_EXCLUDE] + _mask_words(gone, self.world_size), "exclude")
+        odd = sorted(j for j, v in got.items() if v[0] != _EXCLUDE)
+        if odd:
+            raise GroupError(f"exclude: rank {self.rank} met ranks {odd} in a different recovery call "
+                             f"(every live rank must call exclude() with the failed ranks)")
+        gone = {r for r in range(self.world_size) if r not in got}   # from the decision alone
+        for v in got.values():
+            gone |= _mask_ranks(v[1:], self.world_size)
+        if self.rank in gone:
+            self._excluded_self = True
+            err = ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
+            self._count_error(err)
+            raise err
         for r in sorted(gone):
             if self._live[r]:
                 self._live[r] = False

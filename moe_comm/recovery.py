@@ -1,11 +1,13 @@
 """The recovery policy a serving loop applies after a group-wide error (docs/faults.md).
 
 ``recover(groups)``: ``reset()`` every given group (the ranks this process drives: one for a real rank,
-several on a loopback world); if the reset names a rank that does not come to it (dead, or stuck past
-twice the timeout), ``exclude()`` that rank on every surviving group (the exclusion agrees on the set:
-a rank another survivor names is excluded too, and ``exclude`` ends with a reset). Returns the ranks
-excluded by this call. Used by ``DecodeEngine`` and, for serving frameworks, by
-``moe_comm.serving.ep_group.recover``. It is a collective: every live rank calls it after the same error.
+several on a loopback world); if the reset's meeting was decided without some ranks (dead, or stuck past
+twice the timeout: ``CommTimeoutError.missing``), ``exclude()`` them on every surviving group (the
+exclusion is decided once too: a rank another survivor names is excluded as well, and ``exclude`` ends
+with a reset). A rank the meeting left out raises ExcludedError from here when it comes, as at every
+later call. Returns the ranks excluded by this call. Used by ``DecodeEngine`` and, for serving
+frameworks, by ``moe_comm.serving.ep_group.recover``. It is a collective: every live rank calls it after
+the same error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def recover(groups) -> list[int]:
             g.reset()
         return []
     except CommTimeoutError as missing:
-        gone = {missing.peer}
+        gone = set(missing.missing or [missing.peer])
         for g in groups:
             if g.rank not in gone:
                 gone |= set(g.exclude(sorted(gone)))

@@ -105,6 +105,16 @@ def _die(where, now):
         os._exit(9)
 
 
+def _kill_at(me, kill):
+    """``serve_step``'s ``at``: the step's kill (rank, where), if it is this rank's, happens at its point."""
+    who, where = kill
+
+    def at(point):
+        if who == me and (where == point or (point == "between_phases" and where == "inside_wait")):
+            _die(where, where != "inside_wait")
+    return at
+
+
 def serve(group, steps, kills, slow=None):
     """A serving loop of dispatch -> combine and AllToAllvDynamic round trips on one rank, recovering
     (``recover``: reset, exclude who does not come) after every group error, then resuming every live rank
@@ -114,46 +124,68 @@ def serve(group, steps, kills, slow=None):
     Returns ``log``, per step the outcome of its last run: 'exact' | 'error:<name>' |
     'error:<name>;excluded:<ranks>'; ``rewound``: (step, outcome) of each run a resumption repeated; the
     mismatches and the survivors' statistics."""
-    world, me = group.world_size, group.rank
-    E = E_PER_RANK * world
-    ep = EPBuffer(group, E, H, M, K)
-    a2a = AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32)
+    me = group.rank
+    ep, a2a = serve_ops(group)
     log, rewound, mismatches = [], [], []
     step = 0
     while step < steps:
-        inputs = step_inputs(5000 + step, world, E, M, K, H, CAP_A2A, ROW)
-        xs, idxs, ws, sends, counts = inputs
-        dead = set(range(world)) - set(group.live_ranks)
-        who, where = kills.get(step, (None, None))
-        mine = who == me
         slow_rank, delay_s = (slow or {}).get(step, (None, 0.0))
         try:
-            if mine and where == "before_send":
-                _die(where, True)
-            ep.dispatch(xs[me], idxs[me], phase="send")
-            if mine and where in ("between_phases", "inside_wait"):
-                _die(where, where == "between_phases")
-            d = ep.dispatch(phase="recv")
-            if mine and where == "between_ops":
-                _die(where, True)
-            y = ep.combine(expert(d.x), ws[me], d.handle)
-            res = a2a(sends[me], counts[me])
-            with delayed_sends(a2a, delay_s if slow_rank == me else 0.0):
-                back = a2a.combine(res.recv * 3, res.handle)
-            errs = check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
+            errs = serve_step(group, ep, a2a, step, _kill_at(me, kills.get(step, (None, None))),
+                              delay_s if slow_rank == me else 0.0)
             mismatches += [f"step {step}: {e}" for e in errs]
             log.append("exact")
             step += 1
         except GroupError as err:
             log.append(f"error:{type(err).__name__}")
-            excluded = recover([group])   # reset; a rank that does not come to it is gone: exclude it
+            excluded, step = recover_and_resume(group, step + 1)   # reset; exclude who does not come
             if excluded:
                 log[-1] += f";excluded:{excluded}"
-            step = resume_step(group, step + 1)
             rewound += [(s, log[s]) for s in range(step, len(log))]
             del log[step:]
     return dict(log=log, rewound=rewound, mismatches=mismatches, live=group.live_ranks,
                 excluded_slots=int(ep.excluded_slots), dropped_rows=int(a2a.dropped_rows))
+
+
+def serve_ops(group):
+    """The ops ``serve_step`` runs on (collective: every rank makes them, in this order)."""
+    return (EPBuffer(group, E_PER_RANK * group.world_size, H, M, K),
+            AllToAllvDynamic(group, CAP_A2A, ROW, torch.float32))
+
+
+def serve_step(group, ep, a2a, step, at=lambda point: None, delay_s=0.0) -> list[str]:
+    """Step ``step`` of the serving loop on this rank (dispatch -> expert -> combine, an AllToAllvDynamic
+    round trip), checked against the reference over the live ranks; returns its mismatches ([] when
+    exact) or raises what an op raised. ``at(point)`` is called at before_send | between_phases |
+    between_ops; ``delay_s``: this rank's AllToAllvDynamic reverse sends are that late (``delayed_sends``)."""
+    world, me = group.world_size, group.rank
+    E = E_PER_RANK * world
+    inputs = step_inputs(5000 + step, world, E, M, K, H, CAP_A2A, ROW)
+    xs, idxs, ws, sends, counts = inputs
+    dead = set(range(world)) - set(group.live_ranks)
+    at("before_send")
+    ep.dispatch(xs[me], idxs[me], phase="send")
+    at("between_phases")
+    d = ep.dispatch(phase="recv")
+    at("between_ops")
+    y = ep.combine(expert(d.x), ws[me], d.handle)
+    res = a2a(sends[me], counts[me])
+    with delayed_sends(a2a, delay_s):
+        back = a2a.combine(res.recv * 3, res.handle)
+    return check_rank(me, inputs, d, y, res, back, E, M, CAP_A2A, excluded=dead)
+
+
+def recover_and_resume(group, next_step: int) -> tuple[list[int], int]:
+    """``recover``, then ``resume_step``, as ``DecodeEngine._recover_and_resume``: a rank that comes to
+    the exchange after the others decided it without it raises ExcludedError there; the others recover
+    again (their reset excludes it) and exchange again. Returns (the ranks excluded, the step)."""
+    excluded = []
+    while True:
+        excluded += recover([group])
+        try:
+            return sorted(excluded), resume_step(group, next_step)
+        except CommTimeoutError:
+            continue
 
 
 def resume_step(group, next_step: int) -> int:

@@ -47,8 +47,10 @@ class Heap:
         raise NotImplementedError
 
     def agree(self, live, payload: list[int]) -> tuple[dict[int, list[int]], list[int]]:
-        """Recovery all-gather (``reset``/``exclude``; its own sequence, apart from barriers): every live
-        rank's int64 ``payload`` (bounded), and the live ranks that did not answer."""
+        """Decided recovery meeting (``reset``/``exclude``/``exchange``; its own sequence, apart from
+        barriers), bounded: the int64 ``payload`` of every rank the meeting's one decision took in (the
+        same on every rank that reads it; without this rank when it came after the decision), and the
+        ranks of ``live`` it left out."""
         raise NotImplementedError
 
     def realign_barriers(self, base: int) -> None:

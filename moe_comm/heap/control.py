@@ -8,12 +8,23 @@ at each), so when it posts ``seq`` every live rank has read its key of ``seq - 2
 then, and the store holds at most two keys per rank and block.
 
 Waits are bounded by the block's timeout; a rank that does not arrive is named in CommTimeoutError (for a
-barrier) or returned as missing (for an all-gather, which the exclusion agreement uses). A ``poll``
-callback, called while waiting, may raise to end the wait (a barrier on a failed group raises the group's
-error instead of waiting for ranks that will not come). A heap keeps two blocks with their own sequences:
+barrier) or returned as missing (for an all-gather). A ``poll`` callback, called while waiting, may
+raise to end the wait (a barrier on a failed group raises the group's error instead of waiting for ranks
+that will not come). A heap keeps two blocks with their own sequences:
 one for barriers and allocations, one for recovery (``reset``/``exclude``), so that a rank in recovery
 never meets a peer's ordinary barrier; ``realign(base)`` restarts a block's sequence at a value every
 live rank agrees on (after a reset, whatever barriers were cut short before it).
+
+Recovery meetings (``reset``/``exclude``/``exchange``) are decided, not only gathered (``decide``): who
+took part in a meeting is written once, by the first rank to propose it (``compare_set`` on an absent
+key, which the store's server applies atomically, as for the failure record), and every rank reads that
+decision instead of its own view of who arrived. Views differ (a rank that read the store just before
+a late peer's arrival, one that read it just after), and without one decision ranks decided different
+memberships: each side excluded the other and went on alone, every one believing it was the survivor.
+With it there is one membership per meeting; a rank that arrives after the decision finds it, learns it
+was left out (the group raises ExcludedError) and never proposes its own. Decisions are never deleted (a
+rank may come very late), so the recovery block keeps two keys per meeting (arrivals and decision): a
+handful per fault.
 
 Where the store lives decides what survives a dead rank: ``moe_comm.launch`` hosts it in the launching
 process and torchrun in its agent, so a killed rank is named by a timeout like any other peer; a store
@@ -29,12 +40,14 @@ from datetime import timedelta
 from ..errors import CommTimeoutError
 from .base import Heap, all_ranks
 
-PAYLOAD_WORDS = 8   # all-gather payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
+PAYLOAD_WORDS = 8   # all-gather and meeting payload: up to 8 int64 words per rank (a kind + an exclusion mask of <= 441 ranks)
 POLL_S = 0.0002     # first pause between two checks of the store while waiting; doubles up to POLL_MAX_S
 POLL_MAX_S = 0.005  # (a waiting rank costs its peers, which may share its cores, little CPU)
 STORE_HOST_RANK = 0  # named when the store itself stops answering (see the module docstring)
 NAMESPACE = "moe_comm"
 FAILED = "failed/{}"  # key: the first group-wide error the host found in epoch {} (post_failure)
+ARRIVED = "arrived"  # key <block>/<seq>/arrived of a decided meeting: every arriving rank appends its entry
+DECIDED = "decided"  # key <block>/<seq>/decided: the entries of the ranks that took part (first proposal wins)
 
 
 def group_store(world: int):
@@ -48,6 +61,20 @@ def group_store(world: int):
     base = _get_default_store()
     n = base.add(f"{NAMESPACE}/groups/{dist.get_rank()}", 1)
     return dist.PrefixStore(f"{NAMESPACE}/g{n}", base)
+
+
+def _entry(rank: int, payload) -> str:
+    """One rank's part of a decided meeting as text: ``rank:word,word;``."""
+    return f"{rank}:" + ",".join(str(int(v)) for v in payload) + ";"
+
+
+def _entries(text: str) -> dict[int, list[int]]:
+    """{rank: payload} of concatenated ``_entry`` texts."""
+    out = {}
+    for part in filter(None, text.split(";")):
+        j, _, words = part.partition(":")
+        out[int(j)] = [int(v) for v in words.split(",")] if words else []
+    return out
 
 
 class ControlBlock:
@@ -88,6 +115,33 @@ class ControlBlock:
             pause = min(2 * pause, POLL_MAX_S)
         return []
 
+    def decide(self, members, payload: list[int], op: str) -> dict[int, list[int]]:
+        """The decided membership of this recovery meeting: ``{rank: payload}`` of the ranks that took part,
+        the same dict on every rank that reads it: a subset of ``members``, without this rank when it came
+        after the decision. Proposed when every member came, else at the timeout with more than half of
+        ``members``, else at twice the timeout (a decision that leaves at most half, e.g. one rank alone,
+        waits once more for ranks that are late rather than dead). The first proposal wins."""
+        if len(payload) > PAYLOAD_WORDS:
+            raise ValueError(f"meeting payload of {len(payload)} words, at most {PAYLOAD_WORDS}")
+        self.seq += 1
+        arrived, decided = (f"{self.name}/{self.seq}/{k}" for k in (ARRIVED, DECIDED))
+        check, get = (lambda k: self._store(lambda: self.store.check([k]), op),
+                      lambda k: self._store(lambda: self.store.get(k), op).decode())
+        if not check(decided):   # not decided yet: take part (else this rank came late and reads it)
+            self._store(lambda: self.store.append(arrived, _entry(self.rank, payload).encode()), op)
+        members, pause, t0 = sorted(members), POLL_S, time.monotonic()
+        while not check(decided):
+            seen = _entries(get(arrived))
+            here = {j: seen[j] for j in members if j in seen}
+            waited = time.monotonic() - t0
+            if (len(here) == len(members) or waited >= 2 * self.timeout_s
+                    or (waited >= self.timeout_s and 2 * len(here) > len(members))):
+                value = "".join(_entry(j, v) for j, v in sorted(here.items()))
+                return _entries(self._store(lambda: self.store.compare_set(decided, "", value), op).decode())
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        return _entries(get(decided))
+
     def realign(self, base: int) -> None:
         """Restart this rank's sequence at ``base`` (larger than any sequence posted before)."""
         self.seq = base
@@ -115,10 +169,10 @@ class ControlBlock:
 
 class ControlledHeap(Heap):
     """A heap whose barriers and recovery meetings run over two ControlBlocks in the store (shm and
-    nvshmem): a barrier block (barriers, allocations) and a recovery block (``agree``, bounded by twice the
-    timeout: ranks reach recovery up to one timeout apart, see ``CommGroup._meet``). Subclasses call
-    ``_start_control(store)`` before their first allocation and implement ``_release_mappings``;
-    ``_excluded`` holds released peers."""
+    nvshmem): a barrier block (barriers, allocations) and a recovery block (``agree``: decided meetings
+    whose timeout is twice the group's, ranks reach recovery up to one timeout apart, see
+    ``CommGroup._agree``). Subclasses call ``_start_control(store)`` before their first allocation and
+    implement ``_release_mappings``; ``_excluded`` holds released peers."""
 
     _control: ControlBlock | None = None
     _recovery: ControlBlock | None = None
@@ -131,7 +185,9 @@ class ControlledHeap(Heap):
         self._control.barrier(all_ranks(self, live), op, poll)
 
     def agree(self, live, payload):
-        return self._recovery.allgather(all_ranks(self, live), payload)
+        members = all_ranks(self, live)
+        got = self._recovery.decide(members, payload, "recovery")
+        return got, [j for j in members if j not in got]
 
     def realign_barriers(self, base: int) -> None:
         self._control.realign(base)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import GroupError
+from ..errors import CommTimeoutError, GroupError
 from ..recovery import recover
 from .model import MoEDecoder, drive_lockstep, run_to_end
 
@@ -250,10 +250,21 @@ class DecodeEngine:
                 self._dump_traces(err)
                 if recovered > self.max_recoveries:
                     raise
-                self._recover()
-                resume = min(v[0] for v in self.groups[0].exchange([good]).values())
+                resume = self._recover_and_resume(good)
                 self.recoveries.append((where, i, repr(err), resume))
                 i = good = resume
+
+    def _recover_and_resume(self, good: int) -> int:
+        """``_recover``, then the step every live rank resumes at: the lowest ``good`` of them
+        (``exchange``). A rank that comes to the exchange after the others decided it without it raises
+        ExcludedError there; the others get CommTimeoutError naming it and recover again (its absence
+        from the reset excludes it), then exchange again: once per rank left out, at most."""
+        while True:
+            self._recover()
+            try:
+                return min(v[0] for v in self.groups[0].exchange([good]).values())
+            except CommTimeoutError:
+                continue
 
     def _dump_traces(self, err: GroupError) -> None:
         """``trace_dir`` given: every driven rank's flight recorder into ``trace_dir/fault<n>``."""
