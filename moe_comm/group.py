@@ -407,8 +407,9 @@ class CommGroup:
         The survivors agree on the set first, in one decided meeting (``_agree``): every rank reads the
         same decision of who took part, and the excluded set is a function of it alone: every rank it
         leaves out (a survivor that does not come is excluded too, and learns so when it comes) and every
-        rank a survivor in it names. So a second failure during an exclude is handled the same way, and
-        two survivors naming different ranks exclude both, everywhere. Then no kernel sends to or waits
+        rank a survivor in it names, unless that rank came and named only ranks the decision left out (it
+        was blocked on them: ``_excluded_by``). So a second failure during an exclude is handled the same
+        way, and two survivors naming different ranks exclude both, everywhere. Then no kernel sends to or waits
         for an excluded rank: dispatch slots routed to its experts are not routed (counted in the buffer's statistics), AllToAllvDynamic rows
         addressed to it are dropped (counted), and the live mask is on the device, so captured CUDA graphs
         keep working. This rank's mappings of the excluded ranks' memory are released. Ends with
@@ -428,9 +429,8 @@ class CommGroup:
         if odd:
             raise GroupError(f"exclude: rank {self.rank} met ranks {odd} in a different recovery call "
                              f"(every live rank must call exclude() with the failed ranks)")
-        gone = {r for r in range(self.world_size) if r not in got}   # from the decision alone
-        for v in got.values():
-            gone |= _mask_ranks(v[1:], self.world_size)
+        before = {r for r in range(self.world_size) if not self._live[r]}
+        gone = _excluded_by(got, before, self.world_size)   # from the decision alone
         if self.rank in gone:
             self._excluded_self = True
             err = ExcludedError(f"rank {self.rank} was excluded by the other ranks of its group")
@@ -479,6 +479,20 @@ class OpCall:
 
 
 _RESET, _EXCLUDE, _EXCHANGE = 1, 2, 3   # kinds of recovery meeting (heap.agree payload word 0)
+
+
+def _excluded_by(got: dict[int, list[int]], before: set[int], world: int) -> set[int]:
+    """The ranks an exclusion meeting's decision ``got`` ({rank: [kind, mask words]}) excludes (``before``:
+    the ranks excluded earlier, in every mask): every rank it left out, and every rank a rank it took in
+    names, except a named rank that came and itself named only ranks the decision left out. That rank was
+    blocked on them, not the fault: a survivor whose wait depended on it (the next prefill dispatch waits
+    for every rank's ``released``; a decode combine for the rows of a rank still in its dispatch receive)
+    ran out of time before that rank's own record, naming the dead rank, reached it."""
+    absent = {r for r in range(world) if r not in got}
+    fresh = {j: _mask_ranks(v[1:], world) - before for j, v in got.items()}   # whom each named now
+    named = set().union(*fresh.values()) - absent
+    blocked = {j for j in named & set(got) if fresh[j] and fresh[j] <= absent}
+    return absent | (named - blocked)
 
 
 def _mask_words(ranks, world: int) -> list[int]:

@@ -231,18 +231,38 @@ def _different_exclusions(group, names, when):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("when", ["decided", "served"])
 def test_survivors_that_name_different_ranks_exclude_one_set_everywhere(when):
-    """In one exclusion round rank 0 names rank 2, ranks 1 and 2 name rank 3, and rank 3 (late: it comes
-    after the round was decided) names rank 0. One decision holds everywhere: ranks 2 and 3 are out
-    (every rank named by a rank the decision took in), rank 3's late proposal counts for nothing (rank 0
-    stays), ranks 2 and 3 raise ExcludedError, ranks 0 and 1 serve on exact with each other. (Before,
-    rank 3 coming after the others' next meeting found nobody, excluded ranks 0-2 and served alone.)"""
-    names = {0: [2], 1: [3], 2: [3], 3: [0]}
+    """In one exclusion round rank 0 names rank 2, rank 1 names rank 3, rank 2 names rank 1, and rank 3
+    (late: it comes after the round was decided) names rank 0. One decision holds everywhere: ranks 2 and
+    3 are out (rank 3 left out, rank 2 named by a rank the decision took in; rank 1, named by rank 2,
+    named only rank 3, which the decision left out: it stays, ``group._excluded_by``), rank 3's late
+    proposal counts for nothing (rank 0 stays), ranks 2 and 3 raise ExcludedError, ranks 0 and 1 serve on
+    exact with each other. (Before, rank 3 coming after the others' next meeting found nobody, excluded
+    ranks 0-2 and served alone.)"""
+    names = {0: [2], 1: [3], 2: [1], 3: [0]}
     outs = moe_comm.launch(_different_exclusions, 4, names, when, backend="shm", timeout_s=TIMEOUT_S,
                            grace_s=120)
     for r in (0, 1):
         assert outs[r]["excluded"] == [2, 3] and outs[r]["live"] == [0, 1], (r, outs[r])
         assert outs[r]["steps"] == [[], [], []], (r, outs[r])
     assert outs[2]["excluded"].startswith("ExcludedError"), outs[2]
+    assert outs[3]["excluded"].startswith("ExcludedError: exclude: rank 3 came to the recovery meeting "
+                                          "after the ranks"), outs[3]
+    assert own_shm_files() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_named_rank_blocked_on_the_dead_one_stays():
+    """The node-loss race (docs/faults.md, "Which rank is named"): rank 3 gone (it comes after the round
+    was decided), rank 1 names it, and ranks 0 and 2, whose waits depended on rank 1 (blocked on rank 3)
+    and ran out first, name rank 1. Rank 1 came and named only a rank the decision left out: it was
+    blocked, not the fault, and stays. Only rank 3 is excluded, everywhere; ranks 0-2 serve on exact.
+    (Before, every named rank was excluded: rank 1 raised ExcludedError and ranks 0 and 2 served alone.)"""
+    names = {0: [1], 1: [3], 2: [1], 3: [0]}
+    outs = moe_comm.launch(_different_exclusions, 4, names, "decided", backend="shm", timeout_s=TIMEOUT_S,
+                           grace_s=120)
+    for r in (0, 1, 2):
+        assert outs[r]["excluded"] == [3] and outs[r]["live"] == [0, 1, 2], (r, outs[r])
+        assert outs[r]["steps"] == [[], [], []], (r, outs[r])
     assert outs[3]["excluded"].startswith("ExcludedError: exclude: rank 3 came to the recovery meeting "
                                           "after the ranks"), outs[3]
     assert own_shm_files() == []

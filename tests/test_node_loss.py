@@ -144,9 +144,18 @@ def _lose(group, kind, victims, where):
     return first, named, took, excluded, steps
 
 
+def _blamed(results, named, victims):
+    """The victim behind ``named``: itself, or, for a survivor blocked on a victim (a wait that depended on it
+    can expire before its record comes, docs/faults.md "Which rank is named"), the rank it named."""
+    if named is None or named in victims or results[named] is None:
+        return named
+    return results[named][1]
+
+
 def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="asis"):
     """Launch ``_lose`` on emulated nodes (IBGDA model) and check: only the victims' processes end; every
-    survivor named a victim (of a whole node, the one whose flag it missed first) within the timeout + slack, excluded exactly the victims and made
+    survivor named a victim (of a whole node, the one whose flag it missed first), or a survivor that named
+    one (``_blamed``), within the timeout + slack, excluded exactly the victims and made
     three exact steps; no survivor's process ended at a wait on the dead rank (none quiets, fences or fills
     a send queue)."""
     world = nodes * per_node
@@ -173,7 +182,7 @@ def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="a
             continue
         first, named, took, excluded, steps = err.results[r]
         assert first == [], (r, first)
-        assert named in victims and took < timeout + slack, (r, named, took)
+        assert _blamed(err.results, named, victims) in victims and took < timeout + slack, (r, named, took)
         assert excluded == sorted(victims), (r, excluded)
         assert steps == [[]] * 3, (r, steps)
 
@@ -231,32 +240,66 @@ def test_prefill_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, 
 # ---- the proxy transport: the documented fatal outcome ---------------------------------------------------
 
 PROXY_GIVE_UP_S = 12.0  # the emulated NIC's give-up time: longer than the group timeout, as NVSHMEM's 34 s are
-PROXY_WAIT_S = PROXY_GIVE_UP_S + 4.0   # how long every rank stays after the failing step began
+# How long a rank stays after its CommTimeoutError: every put it made to rank 3 was posted before that error,
+# so by then the NIC gave up on each (PROXY_GIVE_UP_S after its post) and the proxy thread, polling every
+# wire_mod.PROXY_POLL_S, ended the process; the rest is room for a loaded machine to run that thread.
+PROXY_STAY_S = PROXY_GIVE_UP_S + 2.0
+
+
+def _until(done, what, within_s):
+    """Poll ``done()`` until it holds; AssertionError naming ``what`` after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < deadline, f"not {what} within {within_s} s"
+        time.sleep(wire_mod.PROXY_POLL_S)
 
 
 def _named_then_wait(group):
-    """A good decode step; rank 3 dies mid-dispatch of the next one; every other rank makes it, records what
-    it raised, and stays alive (sending nothing more) until PROXY_WAIT_S after the step began."""
+    """A good decode step; in the next one rank 3 dies once its dispatch's puts landed (its wire quieted:
+    ranks 0 and 1 get its rows and go on to their combine), and ranks 0 and 1 send their combine, which
+    puts to rank 3, only once rank 3's connection is gone: so their puts to it are never acknowledged,
+    whatever the machine's load (if rank 3 were still alive when they arrived, or its rows never left its
+    NIC and they never sent their combine, nothing of theirs would be outstanding and a real proxy would
+    end nothing). Every rank records what it raised and stays PROXY_STAY_S after it (rank 2 until ranks 0
+    and 1 are gone, or that long), sending nothing more."""
     ops = _decode_ops(group)
     _decode_step(group, ops, 1)
     group.barrier()
+    ep, wire, me = ops[0], group.heap.wire, group.rank
+    if me == 3:
+        send = ep.dispatch
+
+        def send_then_die(*args, **kwargs):
+            send(*args, **kwargs)
+            wire.quiet()                  # every message of its dispatch acknowledged: it landed
+            os.kill(os.getpid(), 9)
+        ep.dispatch = send_then_die
+    elif me in (0, 1):
+        combine = ep.combine
+
+        def combine_to_the_dead(*args, **kwargs):
+            _until(lambda: 3 in wire.lost, "rank 3's connection gone", PROXY_GIVE_UP_S)
+            return combine(*args, **kwargs)
+        ep.combine = combine_to_the_dead
     t0, named, took = time.monotonic(), None, None
     try:
-        _decode_step(group, ops, 2, die="dispatch" if group.rank == 3 else None)
+        _decode_step(group, ops, 2)
     except CommTimeoutError as e:
         named, took = e.peer, time.monotonic() - t0
-    time.sleep(max(0.0, t0 + PROXY_WAIT_S - time.monotonic()))
+    end = time.monotonic() + PROXY_STAY_S
+    while time.monotonic() < end and not (me == 2 and {0, 1} <= wire.lost):
+        time.sleep(wire_mod.PROXY_POLL_S)
     return named, took
 
 
 @pytest.mark.timeout(600)
 def test_under_the_proxy_transport_the_dead_ranks_put_peers_are_lost(monkeypatch, capfd):
-    """Proxy (IBRC) model, 2 x 2, rank 3 SIGKILLed mid-dispatch: every survivor names it within the timeout
-    + slack, and yet ranks 0 and 1, which put to it in that step, end once the NIC gives up on those puts
-    (exit 255, naming rank 3, at least PROXY_GIVE_UP_S after them), with nothing waiting on the puts: the
-    proxy thread polls every completion. Rank 2 (its node mate, stores only, whose puts went to live ranks)
-    stays. This is why survival across nodes needs IBGDA (the same kill under the IBGDA model:
-    ``test_decode_survivors_name_exclude_and_continue``)."""
+    """Proxy (IBRC) model, 2 x 2, rank 3 SIGKILLed mid-dispatch (once its dispatch landed): every survivor
+    names it within the timeout + slack, and yet ranks 0 and 1, which put to it after it died (their
+    combine), end once the NIC gives up on those puts (exit 255, naming rank 3, at least PROXY_GIVE_UP_S
+    after them), with nothing waiting on the puts: the proxy thread polls every completion. Rank 2 (its
+    node mate, stores only, whose puts went to live ranks) stays. This is why survival across nodes needs
+    IBGDA (the same kill under the IBGDA model: ``test_decode_survivors_name_exclude_and_continue``)."""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     monkeypatch.setenv(wire_mod.NIC_ENV, "proxy")
     monkeypatch.setenv(wire_mod.TRANSPORT_TIMEOUT_ENV, str(PROXY_GIVE_UP_S))
