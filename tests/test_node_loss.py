@@ -180,13 +180,15 @@ def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="a
 
 # ---- decode: EPBuffer dispatch / combine, AllToAllvDynamic -----------------------------------------------
 
-# (nodes, ranks per node, victims, where): a rank of the other node than rank 0 at each kill point; a whole
-# node; three nodes of two.
+# (nodes, ranks per node, victims, where): a rank of another node than rank 0 at each kill point, and a
+# whole node, at two nodes of two and at three nodes of two (at 3 x 2 rank 5 is the rail of sources 1
+# and 3 on node 2, rank 4 of sources 0 and 2).
 DECODE_CASES = [(2, 2, (3,), "dispatch"), (2, 2, (3,), "combine"), (2, 2, (2,), "alltoallv"),
-                (2, 2, (2, 3), "combine"), (3, 2, (4,), "dispatch"), (3, 2, (5,), "alltoallv"),
-                (3, 2, (2, 3), "dispatch")]
+                (2, 2, (2, 3), "combine"), (3, 2, (4,), "dispatch"), (3, 2, (3,), "combine"),
+                (3, 2, (5,), "alltoallv"), (3, 2, (2, 3), "dispatch")]
 PREFILL_CASES = [(2, 2, (3,), "dispatch"), (2, 2, (3,), "forward"), (2, 2, (2,), "combine"),
-                 (2, 2, (2, 3), "dispatch"), (3, 2, (5,), "forward"), (3, 2, (2, 3), "combine")]
+                 (2, 2, (2, 3), "dispatch"), (3, 2, (3,), "dispatch"), (3, 2, (5,), "forward"),
+                 (3, 2, (4,), "combine"), (3, 2, (2, 3), "combine"), (3, 2, (4, 5), "forward")]
 
 
 def _matrix(cases, *representatives):
@@ -204,7 +206,7 @@ def _matrix(cases, *representatives):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("nodes, per_node, victims, where, order",
-                         _matrix(DECODE_CASES, ((2, 2, (3,), "dispatch"), "asis")))
+                         _matrix(DECODE_CASES, ((2, 2, (3,), "dispatch"), "asis"), ((3, 2, (4,), "dispatch"), "asis")))
 def test_decode_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, per_node, victims, where, order):
     """IBGDA model. A rank (or a whole node) of another node than rank 0 SIGKILLed mid-decode: every
     survivor raises CommTimeoutError naming it (a victim) within the timeout + slack, no survivor
@@ -231,47 +233,65 @@ def test_prefill_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, 
 # ---- the proxy transport: the documented fatal outcome ---------------------------------------------------
 
 PROXY_GIVE_UP_S = 12.0  # the emulated NIC's give-up time: longer than the group timeout, as NVSHMEM's 34 s are
-PROXY_WAIT_S = PROXY_GIVE_UP_S + 4.0   # how long every rank stays after the failing step began
+# How long every rank stays after the failing step began, past the group timeout: its last put to the
+# victim (the status record of the error it recorded at the timeout) fails by then.
+PROXY_WAIT_S = PROXY_GIVE_UP_S + 2.0
 
 
-def _named_then_wait(group):
-    """A good decode step; rank 3 dies mid-dispatch of the next one; every other rank makes it, records what
-    it raised, and stays alive (sending nothing more) until PROXY_WAIT_S after the step began."""
-    ops = _decode_ops(group)
-    _decode_step(group, ops, 1)
+def _named_then_wait(group, kind, victim, where, wait_s):
+    """A good step of ``kind``; ``victim`` dies at ``where`` of the next one; every other rank makes it (or
+    the one after), records what it raised, and stays alive (sending nothing more) until ``wait_s`` after
+    the failing step began."""
+    make, step = KINDS[kind]
+    ops = make(group)
+    step(group, ops, 1)
     group.barrier()
     t0, named, took = time.monotonic(), None, None
     try:
-        _decode_step(group, ops, 2, die="dispatch" if group.rank == 3 else None)
+        for seed in (2, 3):   # (a node mate that finished the failing step raises in the next: ``_lose``)
+            step(group, ops, seed, die=where if group.rank == victim else None)
     except CommTimeoutError as e:
         named, took = e.peer, time.monotonic() - t0
-    time.sleep(max(0.0, t0 + PROXY_WAIT_S - time.monotonic()))
+    time.sleep(max(0.0, t0 + wait_s - time.monotonic()))
     return named, took
 
 
 @pytest.mark.timeout(600)
-def test_under_the_proxy_transport_the_dead_ranks_put_peers_are_lost(monkeypatch, capfd):
-    """Proxy (IBRC) model, 2 x 2, rank 3 SIGKILLed mid-dispatch: every survivor names it within the timeout
-    + slack, and yet ranks 0 and 1, which put to it in that step, end once the NIC gives up on those puts
-    (exit 255, naming rank 3, at least PROXY_GIVE_UP_S after them), with nothing waiting on the puts: the
-    proxy thread polls every completion. Rank 2 (its node mate, stores only, whose puts went to live ranks)
-    stays. This is why survival across nodes needs IBGDA (the same kill under the IBGDA model:
-    ``test_decode_survivors_name_exclude_and_continue``)."""
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+@pytest.mark.parametrize("kind, nodes, per_node, victim, where", [
+    pytest.param("decode", 2, 2, 3, "dispatch", id="decode-2x2"),
+    budget.sweep("decode", 3, 2, 5, "dispatch", id="decode-3x2"),
+    budget.sweep("prefill", 2, 2, 3, "forward", id="prefill-2x2-forward")])
+def test_under_the_proxy_transport_the_dead_ranks_put_peers_are_lost(monkeypatch, capfd, kind, nodes, per_node,
+                                                                     victim, where):
+    """Proxy (IBRC) model, ``victim`` (of the last node) SIGKILLed mid-step: its node mates (stores only,
+    whose puts went to live ranks) name it within the timeout + slack and stay, and yet every rank of
+    the other nodes, which put to it (rows, flags, or the status record of the error they recorded), ends
+    once the NIC gives up on those puts (exit 255, naming the victim, at least PROXY_GIVE_UP_S after
+    them), with nothing waiting on the puts: the proxy thread polls every completion. This is why
+    survival across nodes needs IBGDA (the same kills under the IBGDA model:
+    ``test_decode_survivors_name_exclude_and_continue``, ``test_prefill_survivors_name_exclude_and_continue``).
+    2 x 2 decode in ``make test``; 3 x 2 decode and 2 x 2 prefill (the victim a rail, killed before its
+    node reduction) in ``make test-sweeps``."""
+    world = nodes * per_node
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(per_node))
     monkeypatch.setenv(wire_mod.NIC_ENV, "proxy")
     monkeypatch.setenv(wire_mod.TRANSPORT_TIMEOUT_ENV, str(PROXY_GIVE_UP_S))
-    monkeypatch.setenv(SHAPES_ENV, "auto")   # (rank 2's record must reach ranks 0-1 before they end)
+    monkeypatch.setenv(SHAPES_ENV, "auto")   # (the node mates' records must reach the others before they end)
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
+    timeout, slack = (DECODE_TIMEOUT_S, DECODE_SLACK_S) if kind == "decode" else (PREFILL_TIMEOUT_S, PREFILL_SLACK_S)
     with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_named_then_wait, 4, backend="shm", timeout_s=DECODE_TIMEOUT_S, grace_s=600)
+        moe_comm.launch(_named_then_wait, world, kind, victim, where, timeout + PROXY_WAIT_S, backend="shm", timeout_s=timeout, grace_s=600)
     err = info.value
-    assert sorted(err.failures) == [0, 1, 3], err.failures
-    assert all("exit code 255" in err.failures[r] for r in (0, 1)) and "exit code -9" in err.failures[3], err.failures
+    mates = [r for r in range(world) if r // per_node == victim // per_node and r != victim]
+    far = [r for r in range(world) if r // per_node != victim // per_node]
+    assert sorted(err.failures) == sorted(far + [victim]), err.failures
+    assert all("exit code 255" in err.failures[r] for r in far) and "exit code -9" in err.failures[victim], err.failures
     fatal = _fatal_ends(capfd.readouterr().err)
-    assert [(r, pe) for r, pe, _ in fatal] == [(0, 3), (1, 3)], fatal
+    assert sorted((r, pe) for r, pe, _ in fatal) == [(r, victim) for r in far], fatal
     assert all(waited >= PROXY_GIVE_UP_S for _, _, waited in fatal), fatal
-    named, took = err.results[2]
-    assert named == 3 and took < DECODE_TIMEOUT_S + DECODE_SLACK_S, err.results[2]
+    for r in mates:
+        named, took = err.results[r]
+        assert named == victim and took < timeout + slack, (r, err.results[r])
 
 
 # ---- the emulated NIC itself: what each model does with a message to a dead rank --------------------------
