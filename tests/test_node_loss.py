@@ -233,15 +233,13 @@ def test_prefill_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, 
 # ---- the proxy transport: the documented fatal outcome ---------------------------------------------------
 
 PROXY_GIVE_UP_S = 12.0  # the emulated NIC's give-up time: longer than the group timeout, as NVSHMEM's 34 s are
-# How long every rank stays after the failing step began, past the group timeout: its last put to the
-# victim (the status record of the error it recorded at the timeout) fails by then.
-PROXY_WAIT_S = PROXY_GIVE_UP_S + 2.0
 
 
-def _named_then_wait(group, kind, victim, where, wait_s):
+def _named_then_wait(group, kind, victim, where, far, wait_s):
     """A good step of ``kind``; ``victim`` dies at ``where`` of the next one; every other rank makes it (or
-    the one after), records what it raised, and stays alive (sending nothing more) until ``wait_s`` after
-    the failing step began."""
+    the one after) and records what it raised. Then the ranks of ``far`` (the other nodes) stay alive,
+    sending nothing more, until ``wait_s`` after the failing step began (the NIC is to end them first);
+    the victim's node mates stay until their wire has lost every rank of ``far`` (or that time)."""
     make, step = KINDS[kind]
     ops = make(group)
     step(group, ops, 1)
@@ -252,7 +250,8 @@ def _named_then_wait(group, kind, victim, where, wait_s):
             step(group, ops, seed, die=where if group.rank == victim else None)
     except CommTimeoutError as e:
         named, took = e.peer, time.monotonic() - t0
-    time.sleep(max(0.0, t0 + wait_s - time.monotonic()))
+    while time.monotonic() < t0 + wait_s and not set(far) <= group.heap.wire.lost:
+        time.sleep(0.1)
     return named, took
 
 
@@ -279,11 +278,14 @@ def test_under_the_proxy_transport_the_dead_ranks_put_peers_are_lost(monkeypatch
     monkeypatch.setenv(SHAPES_ENV, "auto")   # (the node mates' records must reach the others before they end)
     monkeypatch.delenv("MOE_COMM_TRANSPORT", raising=False)
     timeout, slack = (DECODE_TIMEOUT_S, DECODE_SLACK_S) if kind == "decode" else (PREFILL_TIMEOUT_S, PREFILL_SLACK_S)
-    with pytest.raises(LaunchError) as info:
-        moe_comm.launch(_named_then_wait, world, kind, victim, where, timeout + PROXY_WAIT_S, backend="shm", timeout_s=timeout, grace_s=600)
-    err = info.value
     mates = [r for r in range(world) if r // per_node == victim // per_node and r != victim]
     far = [r for r in range(world) if r // per_node != victim // per_node]
+    # A far rank's last put to the victim is the status record of the error it raised (by the timeout +
+    # slack): the NIC has given up on it by this time after the failing step began.
+    wait_s = timeout + slack + PROXY_GIVE_UP_S + 2.0
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_named_then_wait, world, kind, victim, where, far, wait_s, backend="shm", timeout_s=timeout, grace_s=600)
+    err = info.value
     assert sorted(err.failures) == sorted(far + [victim]), err.failures
     assert all("exit code 255" in err.failures[r] for r in far) and "exit code -9" in err.failures[victim], err.failures
     fatal = _fatal_ends(capfd.readouterr().err)
