@@ -190,7 +190,9 @@ def remote_transport() -> dict:
     if ibgda:
         return {"ibgda": True, "name": f"IBGDA ({IBGDA_ENV}=1)",
                 "survival": "a rank lost on another node is named by every survivor (CommTimeoutError), which "
-                            "exclude() it and keep serving"}
+                            "exclude() it and keep serving, as long as the puts posted to it fit one send queue "
+                            "(NVSHMEM_QP_DEPTH; a prefill call of a few hundred tokens to its node fills it: "
+                            "docs/faults.md)"}
     name = os.environ.get(REMOTE_ENV, "").strip().lower() or "ibrc"
     return {"ibgda": False, "name": f"{name} (NVSHMEM's CPU proxy; {IBGDA_ENV} is not set)",
             "survival": f"a rank lost on another node ends every rank that put to it once the NIC gives up "

@@ -189,13 +189,15 @@ def _survive(monkeypatch, capfd, kind, nodes, per_node, victims, where, order="a
 
 # ---- decode: EPBuffer dispatch / combine, AllToAllvDynamic -----------------------------------------------
 
-# (nodes, ranks per node, victims, where): a rank of the other node than rank 0 at each kill point; a whole
-# node; three nodes of two.
+# (nodes, ranks per node, victims, where): a rank of another node than rank 0 at each kill point, and a
+# whole node, at two nodes of two and at three nodes of two (at 3 x 2 rank 5 is the rail of sources 1
+# and 3 on node 2, rank 4 of sources 0 and 2).
 DECODE_CASES = [(2, 2, (3,), "dispatch"), (2, 2, (3,), "combine"), (2, 2, (2,), "alltoallv"),
-                (2, 2, (2, 3), "combine"), (3, 2, (4,), "dispatch"), (3, 2, (5,), "alltoallv"),
-                (3, 2, (2, 3), "dispatch")]
+                (2, 2, (2, 3), "combine"), (3, 2, (4,), "dispatch"), (3, 2, (3,), "combine"),
+                (3, 2, (5,), "alltoallv"), (3, 2, (2, 3), "dispatch")]
 PREFILL_CASES = [(2, 2, (3,), "dispatch"), (2, 2, (3,), "forward"), (2, 2, (2,), "combine"),
-                 (2, 2, (2, 3), "dispatch"), (3, 2, (5,), "forward"), (3, 2, (2, 3), "combine")]
+                 (2, 2, (2, 3), "dispatch"), (3, 2, (3,), "dispatch"), (3, 2, (5,), "forward"),
+                 (3, 2, (4,), "combine"), (3, 2, (2, 3), "combine"), (3, 2, (4, 5), "forward")]
 
 
 def _matrix(cases, *representatives):
@@ -213,7 +215,7 @@ def _matrix(cases, *representatives):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("nodes, per_node, victims, where, order",
-                         _matrix(DECODE_CASES, ((2, 2, (3,), "dispatch"), "asis")))
+                         _matrix(DECODE_CASES, ((2, 2, (3,), "dispatch"), "asis"), ((3, 2, (4,), "dispatch"), "asis")))
 def test_decode_survivors_name_exclude_and_continue(monkeypatch, capfd, nodes, per_node, victims, where, order):
     """IBGDA model. A rank (or a whole node) of another node than rank 0 SIGKILLed mid-decode: every
     survivor raises CommTimeoutError naming it (a victim) within the timeout + slack, no survivor

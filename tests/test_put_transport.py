@@ -251,6 +251,26 @@ def test_no_send_launch_quiets_or_fences(put_forced, monkeypatch):
     assert [e for e in events if e[0] != "launch"] == []
 
 
+def test_prefill_over_puts_never_quiets_or_fences(put_forced, monkeypatch):
+    """PrefillBuffer with every peer by puts (loopback world 2, nodes of one rank: docs/prefill.md "Across
+    nodes"), bf16 and fp8, two zones: each round trip is exact, launches its six kernels per rank (dispatch
+    send, pull, receive; combine send, node reduction, receive), puts its rows, and neither quiets nor
+    fences: not the dispatch's send, not the node reduction (which quieted once per program), not the
+    combine's bare signals (``ready``, ``released``), which quieted until issues 45 and 46."""
+    import prefill_cases
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu", timeout_s=10)
+    events = nvshmem_events(monkeypatch)
+    for ci in (0, 1):
+        cfg = prefill_cases.CONFIGS[ci]
+        bufs = [prefill_cases.make_buffer(g, cfg, zones=2) for g in groups]
+        for seed in (5, 6):
+            events.clear()
+            errs = prefill_cases.round_trip(bufs, cfg, *prefill_cases.make_inputs(cfg, 2, "random", seed), f"cfg{ci}")
+            assert errs == [], errs
+            assert sum(e[0] == "launch" for e in events) == 6 * len(groups), events
+            assert any(e[0] == "put" for e in events) and _waits(events) == [], events
+
+
 # ---- ordering on the put path: every signal to a rank issued by the program that put its rows ----------
 
 def _unordered_signals(events):
