@@ -111,7 +111,7 @@ def test_a_decision_that_leaves_half_or_fewer_waits_a_second_timeout(world, earl
 
 # ---- processes: a live rank late to recovery, different exclusions -------------------------------
 
-TIMEOUT_S = 1.5
+TIMEOUT_S = 3.0   # a serving step of these tests takes well under it, also on a loaded 2-core machine (1.5 s missed there)
 LATE = 1
 
 
