@@ -151,6 +151,16 @@ def _calls_of_an_excluded_rank(group, ep, a2a):
     return out
 
 
+def _serve_three(group, ep, a2a, out, first):
+    """The survivors' three steps from ``first`` (into ``out``: the live ranks and each step's mismatches);
+    rank 0 then signals "served" (a late rank waiting for it may come now)."""
+    out["live"] = group.live_ranks
+    out["steps"] = [serve_step(group, ep, a2a, s) for s in range(first, first + 3)]
+    if group.rank == 0:
+        _signal(group, "served")
+    return out
+
+
 def _late_to_recovery(group, when):
     """Step 0 on every rank; rank LATE then stops coming (stuck before its step 1). The others time out on
     it, recover (the reset's meeting is decided without it, then they exclude it), agree where to resume
@@ -174,11 +184,7 @@ def _late_to_recovery(group, when):
     except GroupError as e:
         out["step1"] = type(e).__name__
     out["excluded"], step = recover_and_resume(group, 2)
-    out["steps"] = [serve_step(group, ep, a2a, s) for s in range(step, step + 3)]
-    out["live"] = group.live_ranks
-    if me == 0:
-        _signal(group, "served")
-    return out
+    return _serve_three(group, ep, a2a, out, step)
 
 
 @pytest.mark.timeout(300)
@@ -221,11 +227,7 @@ def _different_exclusions(group, names, when):
     except ExcludedError as e:
         out["excluded"] = f"ExcludedError: {e}"
         return out
-    out["live"] = group.live_ranks
-    out["steps"] = [serve_step(group, ep, a2a, s) for s in range(1, 4)]
-    if me == 0:
-        _signal(group, "served")
-    return out
+    return _serve_three(group, ep, a2a, out, 1)
 
 
 @pytest.mark.timeout(300)
