@@ -47,7 +47,8 @@ from .nvshmem_device import SIGNAL_SET, putmem_nbi_block, signal_op
 from .quant import check_scales, quantize_e4m3_groups
 from .routing import load_topk_chunk, scan_ids, token_destinations
 from .sync import (CALL_MASK, ERR_TIMEOUT, S_EPOCH, S_LIVE, arrive, as_ptr, check_failed, flag_value, group_failed,
-                   is_live, live_ranks, publish_many, read_once, record_group_error, wait_flags)
+                   is_live, live_ranks, named_while_blocked, publish_many, read_once, record_group_error,
+                   wait_flags)
 from .transport import flush, order_transports, put_peers, stage_zone, store_only
 
 
@@ -383,12 +384,16 @@ def prefill_dispatch_recv_kernel(
         rail_ctrl = tl.load(ctrl_ptrs_ptr + tl.maximum(rail, 0), mask=via, other=0)
         own = ctrl_ptr + (row0 + w) * CTRL_WORDS
         base = as_ptr(tl.where(via, rail_ctrl + (row0 + w).to(tl.int64) * CTRL_WORDS * 8, address(own)), tl.int64)
+        failed_before = group_failed(grp, status_ptr, WORLD, WORLD_P2)
         ok = wait_flags(own + CTRL_WORDS - 1, target, near, tl.where(near, w, WORLD_P2), grp, status_ptr, OP, rank,
                         WORLD, WORLD_P2, PUT=PUT)
         ok_far = wait_flags(base + CTRL_WORDS - 1, target, far, tl.where(far, w, WORLD_P2), grp, status_ptr, OP, rank,
                             WORLD, WORLD_P2, PUT=PUT, RECORD_TIMEOUT=False)
         missing = tl.where(far, ok_far == 0, False)
-        if (tl.max(missing.to(tl.int32)) > 0) & (group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0):   # timed out
+        # Timed out, or a peer gave up on this rank while it waited here (``sync.named_while_blocked``).
+        blocked = (group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0) | named_while_blocked(
+            grp, status_ptr, rank, failed_before, missing, w, WORLD, WORLD_P2)
+        if (tl.max(missing.to(tl.int32)) > 0) & blocked:
             at_rail = read_once(base + CTRL_WORDS - 1, missing)
             bare = read_once(own + CTRL_WORDS - 1, missing & via) == target   # the source's flag here: it sent
             blame = tl.where(missing, tl.where(via & bare, rail, w), WORLD_P2)

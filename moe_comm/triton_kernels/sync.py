@@ -67,6 +67,7 @@ EPOCH_SHIFT = tl.constexpr(protocol.EPOCH_SHIFT)
 CALL_MASK = tl.constexpr(protocol.CALL_MASK)
 ABORT_BIT = tl.constexpr(protocol.ABORT_BIT)
 TRANSPORT_PUT = tl.constexpr(protocol.TRANSPORT_PUT)
+NOT_FAILED, FAILED_ADOPTED, FAILED_NAMING_ME = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # failure_seen
 SKIP_UNIT = tl.constexpr(1 << 16)  # arrive(): skipped programs are counted in the counter's high half
 
 # True in the interpreted twin of this module (moe_comm/interpreter.py): decided when the module is
@@ -311,6 +312,48 @@ def adopt_group_error(grp, status_ptr, source, WORLD: tl.constexpr):
 
 
 @triton.jit
+def blocked_elsewhere(status_ptr, source, rank, failed_before, pending, peers, WORLD: tl.constexpr):
+    """True (block-uniform) when rank ``source``'s broadcast record (its tag set) is a timeout naming ``rank``
+    that came while this rank waited (the group was not failed when the wait began: ``failed_before``)
+    for flags of other ranks than ``source`` only (``pending`` lanes, rank ``peers[i]``): a peer whose wait
+    depended on this rank gave up on it while it was blocked on a third rank. Such a rank names whom it
+    waits for, not itself (docs/faults.md, "Which rank is named"). A rank that was late when its wait
+    began, or that waits for ``source`` itself, adopts the record: every rank raises the same error."""
+    tl.atomic_add(status_ptr + source, 0, sem="acquire", scope="sys")  # the record was stored before its tag
+    tl.debug_barrier()
+    f = tl.arange(0, 4)
+    rec = read_once(status_ptr + WORLD + source * REC_WORDS + f, (f == 0) | (f == 3))   # code, peer
+    names = (tl.max(tl.where(f == 0, rec, 0)) == ERR_TIMEOUT) & (tl.max(tl.where(f == 3, rec, 0)) == rank)
+    waits_for_source = tl.max(tl.where(pending & (peers == source), 1, 0)) > 0
+    return names & (failed_before == 0) & (waits_for_source == 0)
+
+
+@triton.jit
+def named_while_blocked(grp, status_ptr, rank, failed_before, pending, peers, WORLD: tl.constexpr,
+                        WORLD_P2: tl.constexpr):
+    """``blocked_elsewhere`` of the group's failure (False if the group is not failed)."""
+    source = failed_source(grp, status_ptr, WORLD, WORLD_P2)
+    return (source < WORLD) & blocked_elsewhere(status_ptr, tl.minimum(source, WORLD - 1), rank, failed_before,
+                                                pending, peers, WORLD)
+
+
+@triton.jit
+def failure_seen(grp, status_ptr, rank, failed_before, pending, peers, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """A pending wait's view of the group (block-uniform): NOT_FAILED; FAILED_NAMING_ME (``blocked_elsewhere``:
+    nothing adopted, the wait records its own timeout); or FAILED_ADOPTED (any other group-wide error, now in
+    this rank's error word too, as ``check_failed``)."""
+    source = failed_source(grp, status_ptr, WORLD, WORLD_P2)
+    out = NOT_FAILED
+    if source < WORLD:
+        if blocked_elsewhere(status_ptr, source, rank, failed_before, pending, peers, WORLD):
+            out = FAILED_NAMING_ME
+        else:
+            adopt_group_error(grp, status_ptr, source, WORLD)
+            out = FAILED_ADOPTED
+    return out
+
+
+@triton.jit
 def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
     """``group_failed``, and if so make sure the error is in this rank's error word too."""
     source = failed_source(grp, status_ptr, WORLD, WORLD_P2)
@@ -332,7 +375,9 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     whole program read the payload those flags cover. A wait that cannot complete returns with the
     missing lanes False, having recorded why as a group-wide error: a peer published ABORT for this call,
     or a flag of a later call of this epoch (out of step), or the group failed meanwhile (another rank's
-    error, adopted here), or the timeout passed (naming ``lowest_missing``: the same peer whichever
+    error, adopted here; but a peer's timeout naming this rank, come while this wait was pending on other
+    ranks, is answered by this rank's own timeout record naming ``lowest_missing``: ``blocked_elsewhere``),
+    or the timeout passed (naming ``lowest_missing``: the same peer whichever
     program of the launch times out first, so callers pass every live peer's flag as a lane, and
     ``mask`` only the ones this program waits for). With ``ABORT_ARRIVES`` a peer's ABORT for the call
     counts as arrived (``drain_kernel``: any sign that the peer is done with the call before it).
@@ -342,8 +387,10 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
 
     ``PUT`` (constexpr): the error a failed wait records also reaches the peers reached by puts
     (``record_group_error``); launch with the put transport's arguments when the group uses puts.
-    ``RECORD_TIMEOUT`` False: a timeout returns with the missing lanes False and records nothing (the
-    caller names whom to blame and records it: ``prefill_dispatch``'s wait at a rail).
+    ``RECORD_TIMEOUT`` False: a timeout, or a peer's timeout naming this rank come while it waited,
+    returns with the missing lanes False and records nothing (the caller names whom to blame and records
+    it: ``prefill_dispatch``'s wait at a rail, which reads ``group_failed`` before it and asks
+    ``named_while_blocked`` after).
     """
     v = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     pending = tl.where(mask, v != target, False)
@@ -352,6 +399,7 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     if tl.max(pending.to(tl.int32)) > 0:
         timeout_ns = tl.load(grp + S_TIMEOUT_NS)
         t0 = now_ns()
+        failed_before = group_failed(grp, status_ptr, WORLD, WORLD_P2)   # before this wait began
         state = 0  # 0 waiting, 1 arrived, 2 failed
         while state == 0:
             done = v == target
@@ -375,20 +423,22 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
                 record_group_error(grp, ERR_DESYNC, op, rank, first_peer, seen, target & CALL_MASK, WORLD, WORLD_P2,
                                    PUT)
                 state = 2
-            elif check_failed(grp, status_ptr, WORLD, WORLD_P2):
-                state = 2
-            elif block_any(now_ns() - t0 > timeout_ns):   # each thread reads its own clock
-                if RECORD_TIMEOUT:
-                    late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD,
-                                                     WORLD_P2, ABORT_ARRIVES)
-                    record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD,
-                                       WORLD_P2, PUT)
-                state = 2
             else:
-                poll_pause()
-                v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
-                if seen_ptr is not None:
-                    seen_at = tl.where(pending & (v == target), now_ns(), seen_at)
+                failed = failure_seen(grp, status_ptr, rank, failed_before, pending, peers, WORLD, WORLD_P2)
+                if failed == FAILED_ADOPTED:
+                    state = 2
+                elif (failed == FAILED_NAMING_ME) | block_any(now_ns() - t0 > timeout_ns):   # each thread: own clock
+                    if RECORD_TIMEOUT:   # also when blocked here on a third rank: name whom this wait misses
+                        late, late_seen = lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD,
+                                                         WORLD_P2, ABORT_ARRIVES)
+                        record_group_error(grp, ERR_TIMEOUT, op, rank, late, late_seen, target & CALL_MASK, WORLD,
+                                           WORLD_P2, PUT)
+                    state = 2
+                else:
+                    poll_pause()
+                    v = tl.where(pending, tl.atomic_add(flag_ptrs, 0, mask=pending, sem="acquire", scope="sys"), v)
+                    if seen_ptr is not None:
+                        seen_at = tl.where(pending & (v == target), now_ns(), seen_at)
     if seen_ptr is not None:
         tl.store(seen_ptr + peers, tl.where(mask & (v == target), seen_at, 0), mask=seen_mask)
     tl.debug_barrier()  # the whole program sees the payload the flags cover

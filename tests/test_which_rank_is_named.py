@@ -1,0 +1,80 @@
+"""Which rank a blocked rank names (issue 45, docs/faults.md "Which rank is named").
+
+Rank 1 (B) waits in its AllToAllvDynamic receive for rank 2, which died after its last good call. Rank 0 (S)
+records a timeout naming B, as a survivor whose wait depended on B does when B's forward or combine is
+blocked on the dead rank (the node-loss race: S's wait can expire before B's). The record is S's host
+barrier path (``group._fail_group``), the same record a kernel's timed-out wait broadcasts.
+
+- ``during``: S's record comes while B's wait is pending. B was blocked, not late: it records its own
+  timeout naming rank 2, at once (well before its own timeout), so ``exclude([err.peer])`` works on B.
+  (Before, B adopted S's record and raised a CommTimeoutError naming itself, which it cannot exclude.)
+- ``before``: S's record was there when B's wait began: B is the late rank and adopts it (names itself).
+
+What this can show: the wait's decision on the interpreter (shm world 3, one process per rank). What it
+cannot: the same race on a GPU (the decision reads the status once per poll, as every failed-group check
+does; its block-uniformity is checked on the PTX by tests/test_compile_sm90.py).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import AllToAllvDynamic, CommTimeoutError, LaunchError
+
+TIMEOUT_S = 20.0   # B's own wait would end here: the record comes long before it
+RECORD_AFTER_S = 1.0   # S records once B's receive is launched and this long has passed
+SIGNAL_WAIT = __import__("datetime").timedelta(seconds=120)
+S, B, DEAD = 0, 1, 2
+
+
+def _signal(group, key):
+    group.heap._control.store.set(f"test/{key}", b"1")
+
+
+def _await(group, key):
+    group.heap._control.store.wait([f"test/{key}"], SIGNAL_WAIT)
+
+
+def _blocked(group, when):
+    op = AllToAllvDynamic(group, 4, (8,), torch.float32)
+    counts = torch.ones(group.world_size, dtype=torch.int32)
+    send = torch.full((group.world_size, 8), float(group.rank))
+    op(send, counts)   # a good call: every rank's kernels warm
+    group.barrier()
+    if group.rank == DEAD:
+        os._exit(1)
+    op(send, counts, phase="send")
+    if group.rank == S:
+        _await(group, "b-sent")
+        if when == "during":
+            time.sleep(RECORD_AFTER_S)
+        group._fail_group(CommTimeoutError("alltoallv", S, B, TIMEOUT_S))
+        _signal(group, "recorded")
+        with pytest.raises(CommTimeoutError):
+            op(phase="recv")
+        return None
+    _signal(group, "b-sent")
+    if when == "before":
+        _await(group, "recorded")
+    t0 = time.monotonic()
+    try:
+        op(phase="recv")
+    except CommTimeoutError as e:
+        return e.rank, e.peer, time.monotonic() - t0
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("when, record", [("during", (B, DEAD)), ("before", (S, B))])
+def test_a_blocked_rank_names_whom_it_waits_for(when, record):
+    """B's CommTimeoutError: ``record`` (the rank that timed out, the rank it names)."""
+    with pytest.raises(LaunchError) as info:
+        moe_comm.launch(_blocked, 3, when, backend="shm", timeout_s=TIMEOUT_S, grace_s=120)
+    err = info.value
+    assert sorted(err.failures) == [DEAD], err.failures
+    rank, peer, took = err.results[B]
+    assert (rank, peer) == record, err.results[B]
+    assert took < TIMEOUT_S / 2, took   # ended by S's record (or adopted at once), not by B's own timeout
