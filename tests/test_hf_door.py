@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+from torch import nn
+
 import moe_comm
 from moe_comm.heap.shm import RANKS_PER_NODE_ENV
 
@@ -25,6 +28,9 @@ import budget
 pytest.importorskip("transformers")
 
 import hf_cases  # noqa: E402
+import moe_comm.serving.hf as hf  # noqa: E402
+from moe_comm.serving.hf import generate as gen  # noqa: E402
+from moe_comm.serving.hf.tiny import tiny_model  # noqa: E402
 
 TIMEOUT_S = 60.0
 
@@ -105,6 +111,41 @@ def test_generation_equals_transformers(case):
 def test_generation_across_emulated_nodes(case, monkeypatch):
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     _run_and_check(case)
+
+
+def _stored_transposed(model):
+    """Every experts module's weights stored as [E, in, out] (gpt-oss's layout) with is_transposed set: the same
+    experts in the other layout transformers' flags describe (its eager Qwen3-MoE forward ignores the flag, so
+    this model runs through the door only)."""
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3MoeExperts":
+            for n in ("gate_up_proj", "down_proj"):
+                setattr(m, n, nn.Parameter(getattr(m, n).detach().transpose(1, 2).contiguous(), requires_grad=False))
+            m.is_transposed = True
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_fused_path_reads_weights_in_place_or_makes_one_counted_copy():
+    """World 1 (loopback), float32, 2 MoE layers, layer_path="fused": weights stored as transformers' usual
+    [E, out, in] are w13/w2 already (the MoELayer reads the module's own tensors, no copy); stored transposed
+    they are copied once, contiguous, and the report counts every byte. Both generate transformers' eager
+    tokens (prompt through the PrefillBuffer, 3 decode steps through the fused kernels)."""
+    (group,) = moe_comm.init(backend="loopback", world_size=1)
+    prompts = gen.prompts_for(0, 1)
+    want, _ = gen.generate(tiny_model("qwen3_moe", layers=2), prompts, 4)
+    for transposed in (False, True):
+        model = tiny_model("qwen3_moe", layers=2, experts_implementation="moe_comm")
+        if transposed:
+            _stored_transposed(model)
+        rep = hf.shard_experts(model, group, decode_tokens=4, layer_path="fused")
+        door = model._moe_comm_door
+        assert rep.fused_layers == 2 and len(door.fused_layers) == 1, rep
+        own = [layer.module.gate_up_proj.data_ptr() == layer.fused.w13.data_ptr() for layer in door.layers]
+        assert own == [not transposed] * 2
+        assert rep.fused_copy_bytes == (rep.expert_bytes_after if transposed else 0), rep
+        got, _ = gen.generate(model, prompts, 4)
+        assert door.taken["decode"] == 3 and torch.equal(got, want), (transposed, got, want)
 
 
 @budget.SWEEP
