@@ -40,9 +40,9 @@ from .experts import UnsupportedExpertsError, expert_weight_bytes, is_experts_mo
 from .fused import LAYER_PATHS, unfusable
 from .steps import KIND_BIND, KIND_FINISH, KIND_STEP, StepMismatchError, StepPlan, StepTimeoutError, fingerprint
 
-__all__ = ["DECODE_TOKENS", "IMPLEMENTATION", "LAYER_PATHS", "PREFILL_TOKENS", "NotBoundError", "ShardReport", "StepMismatchError",
-           "StepOrderError", "StepPlan", "StepTimeoutError", "UnsupportedExpertsError", "bound_door", "finish",
-           "idle_step", "register", "shard_experts"]
+__all__ = ["DECODE_TOKENS", "IMPLEMENTATION", "LAYER_PATHS", "PREFILL_TOKENS", "NotBoundError", "ShardReport",
+           "StepMismatchError", "StepOrderError", "StepPlan", "StepTimeoutError", "UnsupportedExpertsError",
+           "bound_door", "finish", "idle_step", "register", "shard_experts"]
 
 DECODE_TOKENS = 64     # default threshold: steps with at most this many tokens on every rank use the EPBuffer
 PREFILL_TOKENS = 512   # default PrefillBuffer capacity: tokens per rank per chunk of a larger step
