@@ -144,6 +144,8 @@ def test_fused_path_reads_weights_in_place_or_makes_one_counted_copy():
         own = [layer.module.gate_up_proj.data_ptr() == layer.fused.w13.data_ptr() for layer in door.layers]
         assert own == [not transposed] * 2
         assert rep.fused_copy_bytes == (rep.expert_bytes_after if transposed else 0), rep
+        assert all(layer.decode_buf is None for layer in door.layers)   # no decode EPBuffer: the MoELayer's own
+        assert rep.buffer_bytes == door.layers[0].prefill_buf.buffer_bytes + door.layers[0].fused.layer.buffer_bytes
         got, _ = gen.generate(model, prompts, 4)
         assert door.taken["decode"] == 3 and torch.equal(got, want), (transposed, got, want)
 

@@ -21,10 +21,10 @@ forever.
 A step whose largest T over the ranks is at most ``decode_tokens`` goes through the EPBuffer (decode:
 expert-major rows, the masked expert kernel); a larger one through the PrefillBuffer in
 ceil(max T / ``prefill_tokens``) chunks. The router is the model's (grouped top-k, biases, scaling
-included): the door takes its ``top_k_index`` / ``top_k_weights``. With ``layer_path="fused"`` (or "auto")
-a decode-size step's MoE layer is one ``moe_comm.MoELayer`` call instead (dispatch, gate/up, down and
-combine fused; ``fused.py``) wherever the fused kernels can compute the experts. Shared experts (DeepSeek-V3's,
-Qwen2-MoE's) are outside the experts module and stay local. Inference only (no autograd through the
+included): the door takes its ``top_k_index`` / ``top_k_weights``. With ``layer_path="fused"`` (or
+"auto") a decode-size step's MoE layer is one ``moe_comm.MoELayer`` call instead (dispatch, gate/up, down
+and combine fused; ``fused.py``) wherever the fused kernels can compute the experts. Shared experts
+(DeepSeek-V3's, Qwen2-MoE's) are outside the experts module and stay local. Inference only (no autograd through the
 collectives).
 """
 
@@ -105,8 +105,9 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
                     dispatch_format) or "auto" (fused where it can and decode_tokens <=
                     moe_layer.FUSED_MAX_TOKENS, else unfused; ``ShardReport.unfused_why`` says why).
                     Prefill-size steps take the PrefillBuffer either way. docs/integrations.md
-    Returns a ``ShardReport`` (bytes of expert weights before and after). Raises UnsupportedExpertsError for
-    an experts module the door does not know, ValueError for a world size that does not divide the experts.
+    Returns a ``ShardReport`` (bytes of expert weights before and after, the layers fused). Raises
+    UnsupportedExpertsError for an experts module the door does not know (or, with layer_path="fused", one
+    the fused layer cannot compute), ValueError for a world size that does not divide the experts.
     """
     if getattr(model, "_moe_comm_door", None) is not None:
         raise ValueError("this model is already bound by shard_experts (its experts are sharded): load it again "
