@@ -112,7 +112,7 @@ def main(argv=None) -> int:
               f"the fused MoELayer" + (f" (the others unfused: {rep.unfused_why})" if rep.unfused_why else ""))
     print(f"steps: {t['prefill']} prefill-size (more than {a.decode_tokens} tokens on a rank: PrefillBuffer, "
           f"{t['chunks']} chunk(s) of at most {a.prefill_tokens} tokens per layer), {t['decode']} decode-size "
-          f"(EPBuffer)")
+          f"({'fused MoELayer' if rep.fused_layers == rep.layers else 'EPBuffer'})")
     ok = True
     for r, res in enumerate(ranks):
         want, _ = eager_generate(a.family, a.dtype, a.new_tokens, a.layers, prompts[r])
