@@ -180,12 +180,14 @@ def test_ranks_bound_with_different_settings_get_a_named_error(setting):
 
 def _killed_mid_generation(group, where):
     """World 3: rank 1 is killed in its third step: inside its first MoE layer (where="layer": the others
-    wait in the dispatch) or as it comes to the step's meeting (where="meeting": the others wait there)."""
+    wait in the dispatch; "layer-fused": in the fused MoELayer's kernels, layer_path="fused") or as it comes
+    to the step's meeting (where="meeting": the others wait there)."""
     from moe_comm.serving.hf import door as door_mod  # noqa: PLC0415
     model = tiny_model("deepseek_v3", layers=2, experts=6, experts_implementation="moe_comm")
-    hf.shard_experts(model, group, decode_tokens=8, prefill_tokens=8)
+    hf.shard_experts(model, group, decode_tokens=8, prefill_tokens=8,
+                     layer_path="fused" if where == "layer-fused" else "unfused")
     marks = _timed_steps(model)
-    if group.rank == 1 and where == "layer":
+    if group.rank == 1 and where.startswith("layer"):
         run_layer = door_mod.run_layer
 
         def dying(layer, *a):
@@ -217,7 +219,8 @@ def _killed_mid_generation(group, where):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("where", ["meeting", budget.sweep("layer", id="layer")])
+@pytest.mark.parametrize("where", ["meeting", budget.sweep("layer", id="layer"),
+                                   budget.sweep("layer-fused", id="layer-fused")])
 def test_a_rank_killed_mid_generation_is_named_by_every_survivor(where):
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_killed_mid_generation, 3, where, timeout_s=TIMEOUT_S)
