@@ -11,7 +11,9 @@ generate  World 1 on the first heap (nvshmem where nvshmem4py imports, else loop
           generate 16 greedy tokens for two prompts of different lengths through the door
           (``expert_kernel="auto"``: the masked Triton expert kernel on CUDA for the SiLU-gated experts
           without biases, the module's own gate with torch.bmm for gpt-oss; the prompts' step through the
-          PrefillBuffer in chunks, the decode steps through the EPBuffer). Every MoE call, logit and token is
+          PrefillBuffer in chunks, the decode steps through the EPBuffer), and Qwen3-MoE again with
+          ``layer_path="fused"`` (the decode steps through moe_comm.MoELayer, its kernel launches counted).
+          Every MoE call, logit and token is
           checked against transformers' "eager" run of the same model on the same GPU with the checks of the
           CPU tests (``tests/hf_cases.py``: tokens equal; logits bitwise equal once the door's expert outputs
           are replayed into transformers' model; each expert output within the bound derived from both
@@ -28,7 +30,9 @@ decode    A Qwen3-30B-A3B-shaped model in bfloat16: its MoE layers at full size 
             experts  the MoE layers' experts modules alone, on the inputs the model's routers gave them
           for transformers' experts_implementation "grouped_mm" (its fastest local path) and "eager", and
           for the door at world 1 on the first heap ("moe_comm": dispatch -> masked kernel -> combine, the
-          rows copied locally: at world 1 the door's cost on one GPU, not expert parallelism's gain). The
+          rows copied locally: at world 1 the door's cost on one GPU, not expert parallelism's gain), and
+          for the door with ``layer_path="fused"`` ("moe_comm-fused": one moe_comm.MoELayer per step and
+          layer, on a second model with the same weights, since binding is for good). The
           floor (measured first: device copy bandwidth, bench/kernels.py) is the expert weight bytes a
           step must read, the experts that got a token in each MoE layer, at that bandwidth; the step's
           floor adds every other weight but the embedding table. Each implementation's experts output is
@@ -57,9 +61,11 @@ import torch  # noqa: E402
 import moe_comm  # noqa: E402
 from bench.common import JsonLines, environment, time_us  # noqa: E402
 
-GEN_CASES = (("qwen3_moe", "float32"), ("deepseek_v3", "bfloat16"), ("gpt_oss", "bfloat16"))
+# (family, dtype, layer_path): layer_path "fused" runs the decode steps through moe_comm.MoELayer
+GEN_CASES = (("qwen3_moe", "float32", "unfused"), ("qwen3_moe", "float32", "fused"),
+             ("deepseek_v3", "bfloat16", "unfused"), ("gpt_oss", "bfloat16", "unfused"))
 GEN_TOKENS = 16
-DRY_GEN_CASES = (("qwen3_moe", "float32"),)
+DRY_GEN_CASES = (("qwen3_moe", "float32", "unfused"), ("qwen3_moe", "float32", "fused"))
 DRY_GEN_TOKENS = 2
 # Qwen3-30B-A3B's MoE and attention shapes; layers and vocabulary scaled down (module docstring).
 QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
@@ -69,6 +75,7 @@ DRY_MODEL = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
                  num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_hidden_layers=1, vocab_size=96, norm_topk_prob=True)
 LOCAL_IMPLS = ("grouped_mm", "eager")   # transformers' own, timed before the door binds the model
+FUSED_IMPL = "moe_comm-fused"   # the door with layer_path="fused" (a second model: binding is for good)
 AGREE_REL = 2.0 ** -4   # sanity gate of the decode section: |y - y_grouped_mm| <= this * max |y_grouped_mm|
 
 
@@ -134,19 +141,20 @@ def section_generate(o, out: JsonLines) -> bool:
                 ok = False
                 continue
             cases = DRY_GEN_CASES if o.dry else GEN_CASES
-            for family, dtype in cases if heap == o.heaps[0] else cases[:1]:   # the families on the first heap
-                ok &= generate_case(hf_cases, group, heap, family, dtype, o, out)
+            for family, dtype, path in cases if heap == o.heaps[0] else cases[:1]:   # the families: first heap
+                ok &= generate_case(hf_cases, group, heap, family, dtype, path, o, out)
     finally:
         for k, v in saved.items():
             setattr(matmul, k, v)
     return refused_loopback_world(o, out) and ok
 
 
-def generate_case(hf_cases, group, heap, family, dtype, o, out) -> bool:
+def generate_case(hf_cases, group, heap, family, dtype, path, o, out) -> bool:
     """One tiny model through the door at world 1, checked as the CPU tests check it; one line."""
     new = DRY_GEN_TOKENS if o.dry else GEN_TOKENS
-    case = hf_cases.config(family, 1, dtype, layers=1 if o.dry else 2, new_tokens=new, device=str(o.device))
-    head = dict(kind="generate", heap=heap, family=family, dtype=dtype, world=1, new_tokens=new)
+    case = hf_cases.config(family, 1, dtype, layers=1 if o.dry else 2, new_tokens=new, device=str(o.device),
+                           options=dict(layer_path=path))
+    head = dict(kind="generate", heap=heap, family=family, dtype=dtype, world=1, new_tokens=new, layer_path=path)
     t0 = time.perf_counter()
     try:
         res = hf_cases.rank_run(group, case)
@@ -154,12 +162,15 @@ def generate_case(hf_cases, group, heap, family, dtype, o, out) -> bool:
         taken = res["taken"]
         assert taken["prefill"] >= 1 and taken["decode"] >= 1 and taken["chunks"] > taken["prefill"], taken
         assert res["full_weights_freed"], "the full expert weights are still referenced after sharding"
+        steps = (taken["decode"] + taken["idle"]) * res["report"].fused_layers
+        assert res["fused_runs"] == dict(gate_up=steps, combine_send=steps), (res["fused_runs"], steps)
+        assert (res["report"].fused_layers > 0) == (path == "fused"), res["report"]
     except Exception as e:  # noqa: BLE001  (a failed check is this line's result; the next case runs)
         out.write(**head, ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
         print(f"generate {heap} {family} {dtype}: FAILED {type(e).__name__}: {e}", flush=True)
         return False
-    kernel = "masked" if res["masked_layers"] == res["report"].layers else "torch" if not res["masked_layers"] \
-        else "mixed"
+    kernel = "fused" if res["report"].fused_layers else "masked" if res["masked_layers"] == res["report"].layers \
+        else "torch" if not res["masked_layers"] else "mixed"
     out.write(**head, ok=True, expert_kernel=kernel, tokens=res["tokens"].tolist(), moe_calls=measured["calls"],
               max_err=measured["max_err"], max_err_over_bound=measured["max_ratio"],
               logits_vs_eager=measured["logits_vs_eager"], near_ties=measured["near_ties"], steps=taken,
@@ -236,10 +247,13 @@ def section_decode(o, out: JsonLines) -> bool:
     inputs = {b: routed_inputs(model, ids[b]) for b in o.batches}
     want = {}
     ok = True
-    for impl in (*LOCAL_IMPLS, hf.IMPLEMENTATION):
-        if impl == hf.IMPLEMENTATION:   # binding is for good: the door comes last
+    for impl in (*LOCAL_IMPLS, hf.IMPLEMENTATION, FUSED_IMPL):
+        if impl == FUSED_IMPL:   # binding is for good: a second model (the same weights) for the fused path
+            model = decode_model(o)
+            experts = experts_modules(model)
+        if impl in (hf.IMPLEMENTATION, FUSED_IMPL):   # the door comes last
             hf.shard_experts(model, world1(o.heaps[0], o), decode_tokens=max(o.batches),
-                             prefill_tokens=max(o.batches))
+                             prefill_tokens=max(o.batches), layer_path="fused" if impl == FUSED_IMPL else "unfused")
         else:
             model.set_experts_implementation(impl)
         for b in o.batches:
@@ -250,9 +264,10 @@ def section_decode(o, out: JsonLines) -> bool:
 def time_point(o, out, model, experts, impl, b, ids, inputs, want, gbps, per_expert, other) -> bool:
     """The step and the experts alone at batch ``b`` for one implementation: two lines."""
     kernel = None
-    if impl == "moe_comm":
+    if impl in ("moe_comm", FUSED_IMPL):
         door = model._moe_comm_door
-        kernel = "masked" if door.masked and door.layers[0].layout.masked else "torch"
+        kernel = "fused" if door.layers[0].fused else "masked" if door.masked and door.layers[0].layout.masked \
+            else "torch"
 
     def run_experts(i=0):
         return [m(*args) for m, args in zip(experts, inputs)]
@@ -268,7 +283,7 @@ def time_point(o, out, model, experts, impl, b, ids, inputs, want, gbps, per_exp
     floor_experts = expert_bytes / (gbps * 1e3)
     floor_step = (expert_bytes + other) / (gbps * 1e3)
     agrees = diff <= AGREE_REL
-    head = dict(kind="result", impl=impl, batch=b, heap=o.heaps[0] if impl == "moe_comm" else None,
+    head = dict(kind="result", impl=impl, batch=b, heap=o.heaps[0] if impl in ("moe_comm", FUSED_IMPL) else None,
                 expert_kernel=kernel, experts_touched=unique, expert_bytes=expert_bytes, rel_diff_vs_grouped_mm=diff,
                 agrees=agrees, config="qwen3-30b-a3b" if not o.dry else "tiny")
     for what, t, floor in (("step", step, floor_step), ("experts", alone, floor_experts)):

@@ -76,14 +76,14 @@ class _FusedEPBuffer(EPBuffer):
         for s, launches in zip(self._sets, sets):
             launches["gate_up"] = Launch(
                 moe_gate_up_kernel, g.device, lp.gate_grid, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local,
-                seq_ptr=dch.recv_seq, src_ptr=s.src, counts_ptr=s.counts, w13_ptr=layer.w13, h_ptr=self._h,
+                seq_ptr=dch.recv_seq, src_ptr=s.src, counts_ptr=s.counts, h_ptr=self._h,
                 OP=op_id("dispatch"), META=p.x_words + p.scale_words, ROW_WORDS=p.row_words,
                 CTRL_WORDS=p.dispatch_ctrl_words, BN=lp.gate_cols, SCAN=lp.scan_slots, **self._recv_put_args(p),
                 **common)
             launches["combine_send"] = Launch(
                 moe_down_combine_kernel, g.device, lp.down_grid,
                 aligned=vector_aligned(self._own_out, cch.data.local, *((cch.stage.local,) if cch.put else ())),
-                h_ptr=self._h, w2_ptr=layer.w2, counts_ptr=s.counts, src_ptr=s.src, row_of_ptr=s.row_of,
+                h_ptr=self._h, counts_ptr=s.counts, src_ptr=s.src, row_of_ptr=s.row_of,
                 src_tokens_ptr=s.src_tokens, runs_ptr=s.runs, own_codes_ptr=self._own_codes,
                 data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
                 done_ptr=cch.done, OP=op_id("combine"), EXPERTS_P2=next_pow2(p.experts_per_rank),
@@ -97,9 +97,9 @@ class _FusedEPBuffer(EPBuffer):
             super()._receive(launches, handle, xin, idx, gs)
         elif self.group.world_size == 1:   # the world-1 dispatch writes src and counts; the GEMM reads x by them
             super()._receive(launches, handle, xin, idx, gs)
-            launches["gate_up"].run(x_ptr=xin)
+            launches["gate_up"].run(x_ptr=xin, w13_ptr=self._layer.w13)
         else:                            # the GEMM first: it waits for its rows' sources, not for every one
-            launches["gate_up"].run(x_ptr=self._dummy.view(self._ep_plan.dtype))
+            launches["gate_up"].run(x_ptr=self._dummy.view(self._ep_plan.dtype), w13_ptr=self._layer.w13)
             super()._receive(launches, handle, xin, idx, gs)
 
     def _check_expert_out(self, expert_out) -> None:
@@ -113,7 +113,7 @@ class _FusedEPBuffer(EPBuffer):
             return super()._send_combine(handle, expert_out)
         self._dispatch_ch.after_previous()   # (CUDA) the activations come from this call's dispatch receive
         send = self._launches()[handle.call_index % 2]["combine_send"]
-        send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned)
+        send.run(expert_out_ptr=expert_out, w2_ptr=self._layer.w2, ALIGNED=send.aligned)
 
 
 class MoELayer:
@@ -215,7 +215,9 @@ class MoELayer:
 
     # ---- weights -----------------------------------------------------------------------------------------
     def set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Replace the experts' weights (shapes and dtype as at construction; contiguous, on group.device)."""
+        """Replace the experts' weights (shapes and dtype as at construction; contiguous, on group.device). The
+        next call uses them; no launch is rebuilt (the launches take the weights at each call), so one layer
+        can serve many model layers of one shape, each call with its own weights (the transformers door)."""
         L, H, inter = self.num_local_experts, self.hidden, self.intermediate
         fix = f"pass the local experts' weights, dtype {self.dtype}, contiguous, on {self.group.device}"
         check_tensor("w13", w13, self.group.device, (self.dtype,), (L, 2 * inter, H), fix)
@@ -223,8 +225,7 @@ class MoELayer:
         for name, w in (("w13", w13), ("w2", w2)):
             if not w.is_contiguous():
                 raise ValueError(f"{name} must be contiguous ({name}.contiguous() fixes it)")
-        self.w13, self.w2 = w13, w2
-        self.ep._launch_table = type(self.ep._launch_table)()   # launches bind the weights: rebuilt at next use
+        self.w13, self.w2 = w13, w2   # passed to the launches at each call (they bind no caller's tensor): no rebuild
 
     def _check_weights_input(self, topk_weights, T: int) -> None:
         check_tensor("topk_weights", topk_weights, self.group.device,

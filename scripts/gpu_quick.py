@@ -22,7 +22,8 @@ goes on with the next step):
   10 decode             DeepSeek-V3 decode step, batch 1 and 64: fused against sync-graphed
   11 hf-door            the transformers door on the GPU (bench/hf_door.py): world-1 generation on nvshmem
                         and loopback checked against transformers' eager run there; a Qwen3-30B-A3B-shaped
-                        decode step (batch 1, 8, 64) against transformers' grouped_mm and eager experts
+                        decode step (batch 1, 8, 64), the door unfused and fused (layer_path), against
+                        transformers' grouped_mm and eager experts
   12 moe-layer          bench/moe_layer.py: the fused MoE layer against our unfused path and against
                         dispatch + torch._grouped_mm + combine, DeepSeek-V3 and V4-Flash-like shapes, world
                         8 (emulated, a stream each) then 1, T = 1, 8, 64, 128, 512 (the fused/unfused
@@ -360,7 +361,9 @@ def judge_hf_door(d, log, rc, dry):
     for b in sorted({k[1] for k in p50}):
         if ("moe_comm", b) in p50 and ("grouped_mm", b) in p50:
             door, gmm = p50[("moe_comm", b)], p50[("grouped_mm", b)]
-            words.append(f"B={b} step: door {door['p50_us']:.0f} us ({door['x_floor']:.1f}x floor) vs grouped_mm "
+            fused = p50.get(("moe_comm-fused", b))
+            words.append(f"B={b} step: door {door['p50_us']:.0f} us ({door['x_floor']:.1f}x floor)"
+                         + (f", fused {fused['p50_us']:.0f} us" if fused else "") + f" vs grouped_mm "
                          f"{gmm['p50_us']:.0f} us")
     if errors:
         words.append(f"{len(errors)} error(s): {errors[0]['error'][:120]}")
@@ -422,8 +425,8 @@ STEPS = (
     Step("ep-rank", 30, "one real rank of EP8, 7 emulated peers, T 1/128", ep_rank, judge_kernels),
     Step("prefill", 35, "PrefillBuffer T=4096, 8 emulated ranks: link GB/s, % of floor", prefill, judge_kernels),
     Step("decode", 50, "DeepSeek-V3 decode step, batch 1/64: fused vs sync-graphed", decode, judge_decode),
-    Step("hf-door", 90, "transformers door: world-1 generation vs eager; decode step vs grouped_mm", hf_door,
-         judge_hf_door),
+    Step("hf-door", 110, "transformers door: world-1 generation vs eager; decode step (unfused, fused) vs grouped_mm",
+         hf_door, judge_hf_door),
     Step("moe-layer", 150, "fused MoE layer vs unfused vs grouped_mm, DSV3/V4-Flash, W 8/1, T 1-512", moe_layer,
          judge_moe_layer),
     Step("cold-start", 80, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,

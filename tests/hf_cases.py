@@ -39,6 +39,7 @@ import weakref
 
 import torch
 
+from moe_comm import moe_layer
 from moe_comm.reference import dequantize_fp8, quantize_fp8
 from moe_comm.serving.hf import generate as gen
 from moe_comm.serving.hf.experts import layout_of
@@ -99,6 +100,7 @@ def rank_run(group, case: dict) -> dict:
         return y
 
     door_mod.run_layer = recording
+    fused_runs, own_build = _count_fused_launches()
     try:
         mine = prompts(case, group.rank)
         tokens = logits = None
@@ -107,10 +109,36 @@ def rank_run(group, case: dict) -> dict:
         hf.finish(model)
     finally:
         door_mod.run_layer = run_layer
+        moe_layer._FusedEPBuffer._build_launches = own_build
     door = model._moe_comm_door
     return dict(tokens=tokens, logits=logits, calls=calls, report=report, taken=dict(door.taken),
                 masked_layers=sum(door.masked and layer.layout.masked for layer in door.layers),   # Triton kernel
+                fused_runs=fused_runs, shared_moe_layers=len(door.fused_layers),
                 full_weights_freed=all(r() is None for r in full), preloaded=preloaded)
+
+
+def _count_fused_launches():
+    """Count this process's launches of the fused kernels (MoELayer's gate/up and down + combine) from here on:
+    ({kernel: launches}, the original ``_FusedEPBuffer._build_launches`` to put back)."""
+    runs = dict(gate_up=0, combine_send=0)
+    build = moe_layer._FusedEPBuffer._build_launches
+
+    def counting(ep, plan):
+        sets = build(ep, plan)
+        for launches in sets if ep.fused else ():
+            for name in runs:
+                launches[name].run = _counted(launches[name].run, runs, name)
+        return sets
+
+    moe_layer._FusedEPBuffer._build_launches = counting
+    return runs, build
+
+
+def _counted(run, runs: dict, name: str):
+    def counted(**args):
+        runs[name] += 1
+        return run(**args)
+    return counted
 
 
 def check_rank(case: dict, rank: int, res: dict) -> dict:

@@ -74,12 +74,12 @@ def test_dry_run_runs_every_step_and_labels_everything(tmp_path):
     assert "2/2 steps exact" in verdicts["concurrent-ranks"]["verdict"]
     assert "without compute-sanitizer" in verdicts["sanitizers"]["verdict"]
     door_words = verdicts["hf-door"]["verdict"]
-    for words in ("generation: 1/1 equal to transformers' eager (loopback; experts: qwen3_moe torch)",
+    for words in ("generation: 2/2 equal to transformers' eager (loopback; experts: qwen3_moe fused, qwen3_moe torch)",
                   "loopback world 2 refused (one process per rank)", "B=1 step: door", "B=2 step: door"):
         assert words in door_words, door_words
     door = [r for r in _jsonl(out / "11-hf-door" / "hf_door.jsonl") if r["kind"] == "result"]
-    assert {(r["impl"], r["what"]) for r in door} == {(i, w) for i in ("grouped_mm", "eager", "moe_comm")
-                                                       for w in ("step", "experts")}
+    impls = ("grouped_mm", "eager", "moe_comm", "moe_comm-fused")
+    assert {(r["impl"], r["what"]) for r in door} == {(i, w) for i in impls for w in ("step", "experts")}
     assert all(r["agrees"] and r["floor_us"] > 0 and r["label"] == LABEL for r in door)
     cold = [r for r in _jsonl(out / "13-cold-start" / "cold_start.jsonl") if r["kind"] == "run"]
     assert [r["case"] for r in cold] == ["cold", "warm", "after-warmup"] and all(r["label"] == LABEL for r in cold)

@@ -67,6 +67,23 @@ def test_a_world_that_does_not_divide_the_experts_is_refused_with_the_fix():
         hf.shard_experts(tiny_model("mixtral", layers=1), groups[0])
 
 
+def test_a_fused_layer_path_the_kernels_cannot_compute_is_refused_with_the_fix():
+    """layer_path="fused" on gpt-oss (biases, its own clamped gate) or with an fp8 dispatch: refused before
+    anything is sharded (layer_path="auto" runs such layers unfused: tests/test_hf_door.py); a layer_path
+    that does not exist: ValueError listing those that do."""
+    model = tiny_model("gpt_oss", layers=1, experts_implementation="moe_comm")
+    with pytest.raises(hf.UnsupportedExpertsError, match=r"cannot run GptOssExperts: .*biases.*Fix: layer_path='auto'"):
+        hf.shard_experts(model, _world1(), layer_path="fused")
+    assert next(m for m in model.modules() if type(m).__name__ == "GptOssExperts").down_proj.shape[0] == 8
+    model = tiny_model("qwen3_moe", torch.bfloat16, layers=1, hidden=128, experts_implementation="moe_comm")
+    with pytest.raises(hf.UnsupportedExpertsError, match=r"dispatch_format='e4m3' \(the fused layer moves rows"):
+        hf.shard_experts(model, _world1(), layer_path="fused", dispatch_format="e4m3")
+    with pytest.raises(ValueError, match=r"layer_path must be one of \('unfused', 'fused', 'auto'\)"):
+        hf.shard_experts(model, _world1(), layer_path="fast")
+    rep = hf.shard_experts(model, _world1(), layer_path="auto", dispatch_format="e4m3")
+    assert rep.fused_layers == 0 and "dispatch_format='e4m3'" in rep.unfused_why, rep
+
+
 def test_moe_comm_without_a_bound_group_says_to_bind_it():
     model = tiny_model("qwen3_moe", layers=1, experts_implementation="moe_comm")
     with pytest.raises(hf.NotBoundError, match=r"shard_experts\(model, group\)"):
@@ -143,29 +160,34 @@ def test_ranks_that_stop_stepping_together_get_a_named_error():
     assert waited <= NAMED_WITHIN_S, f"named after {waited:.1f} s"
 
 
-def _binds_differently(group):
+def _binds_differently(group, setting):
     model = tiny_model("mixtral", layers=1, experts_implementation="moe_comm")
+    differ = dict(decode_tokens=4 + group.rank) if setting == "decode_tokens" else \
+        dict(layer_path=("unfused", "fused")[group.rank])   # other kernels on each rank: never in step
     try:
-        hf.shard_experts(model, group, decode_tokens=4 + group.rank)
+        hf.shard_experts(model, group, **differ)
     except hf.StepMismatchError as e:
         return str(e)
     return "no error"
 
 
 @pytest.mark.timeout(120)
-def test_ranks_bound_with_different_settings_get_a_named_error():
-    for r, msg in enumerate(moe_comm.launch(_binds_differently, 2, timeout_s=TIMEOUT_S)):
+@pytest.mark.parametrize("setting", ["decode_tokens", "layer_path"])
+def test_ranks_bound_with_different_settings_get_a_named_error(setting):
+    for r, msg in enumerate(moe_comm.launch(_binds_differently, 2, setting, timeout_s=TIMEOUT_S)):
         assert f"rank {1 - r} bound a different model or settings than rank {r}" in msg, msg
 
 
 def _killed_mid_generation(group, where):
     """World 3: rank 1 is killed in its third step: inside its first MoE layer (where="layer": the others
-    wait in the dispatch) or as it comes to the step's meeting (where="meeting": the others wait there)."""
+    wait in the dispatch; "layer-fused": in the fused MoELayer's kernels, layer_path="fused") or as it comes
+    to the step's meeting (where="meeting": the others wait there)."""
     from moe_comm.serving.hf import door as door_mod  # noqa: PLC0415
     model = tiny_model("deepseek_v3", layers=2, experts=6, experts_implementation="moe_comm")
-    hf.shard_experts(model, group, decode_tokens=8, prefill_tokens=8)
+    hf.shard_experts(model, group, decode_tokens=8, prefill_tokens=8,
+                     layer_path="fused" if where == "layer-fused" else "unfused")
     marks = _timed_steps(model)
-    if group.rank == 1 and where == "layer":
+    if group.rank == 1 and where.startswith("layer"):
         run_layer = door_mod.run_layer
 
         def dying(layer, *a):
@@ -197,7 +219,8 @@ def _killed_mid_generation(group, where):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("where", ["meeting", budget.sweep("layer", id="layer")])
+@pytest.mark.parametrize("where", ["meeting", budget.sweep("layer", id="layer"),
+                                   budget.sweep("layer-fused", id="layer-fused")])
 def test_a_rank_killed_mid_generation_is_named_by_every_survivor(where):
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_killed_mid_generation, 3, where, timeout_s=TIMEOUT_S)

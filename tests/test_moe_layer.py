@@ -12,7 +12,7 @@ from moe_comm import EPBuffer, MoELayer, reference
 from moe_comm.serving.experts import masked_expert_mlp
 
 from budget import sweep
-from moe_layer_cases import (CONFIGS, PAIRS, exact_inputs_hold, layer_bound, layer_inputs, make_layer,
+from moe_layer_cases import (CONFIGS, PAIRS, check_ranks, exact_inputs_hold, layer_bound, layer_inputs, make_layer,
                              run_loopback_cases, run_loopback_layers, run_shm_cases)
 
 
@@ -139,6 +139,30 @@ def test_layer_equals_the_unfused_path_bit_for_bit():
         unfused = _unfused(groups, cfg, xs, idxs, ws, w13s, w2s)
         assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
         assert any(bool((y != 0).any()) for y in fused)
+
+
+@pytest.mark.timeout(300)
+def test_switching_weights_rebuilds_no_launch_and_uses_the_new_weights(monkeypatch):
+    """One layer, two weight pairs (as one shared layer serves every MoE layer of a model, the transformers
+    door's fused path): calls with A, B, A each equal the reference with that call's weights bit for bit
+    (exact inputs), and the launches are built once (the weights are per-call launch arguments)."""
+    from moe_comm import moe_layer
+    builds = []
+    build = moe_layer._FusedEPBuffer._build_launches
+    monkeypatch.setattr(moe_layer._FusedEPBuffer, "_build_launches", lambda ep, p: builds.append(p) or build(ep, p))
+    cfg = CONFIGS[1]
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    cases = [layer_inputs(2, [3, 2], cfg.experts_per_rank, cfg.hidden, cfg.inter, cfg.topk, seed, True)
+             for seed in (5, 6)]
+    assert not torch.equal(cases[0][3][0], cases[1][3][0])
+    layers = [make_layer(g, cfg, cases[0][3][r], cases[0][4][r]) for r, g in enumerate(groups)]
+    for c in (0, 1, 0):
+        inputs = cases[c]
+        for r, layer in enumerate(layers):
+            layer.set_weights(inputs[3][r], inputs[4][r])
+        ys = run_loopback_layers(layers, *inputs[:3])
+        assert check_ranks(dict(enumerate(ys)), inputs, cfg, True, f"weights {c}") == []
+    assert len(builds) == len(layers), "a weight switch rebuilt the launches"
 
 
 # ---- memory, paths, input errors --------------------------------------------------------------------------

@@ -21,8 +21,10 @@ forever.
 A step whose largest T over the ranks is at most ``decode_tokens`` goes through the EPBuffer (decode:
 expert-major rows, the masked expert kernel); a larger one through the PrefillBuffer in
 ceil(max T / ``prefill_tokens``) chunks. The router is the model's (grouped top-k, biases, scaling
-included): the door takes its ``top_k_index`` / ``top_k_weights``. Shared experts (DeepSeek-V3's,
-Qwen2-MoE's) are outside the experts module and stay local. Inference only (no autograd through the
+included): the door takes its ``top_k_index`` / ``top_k_weights``. With ``layer_path="fused"`` (or
+"auto") a decode-size step's MoE layer is one ``moe_comm.MoELayer`` call instead (dispatch, gate/up, down
+and combine fused; ``fused.py``) wherever the fused kernels can compute the experts. Shared experts
+(DeepSeek-V3's, Qwen2-MoE's) are outside the experts module and stay local. Inference only (no autograd through the
 collectives).
 """
 
@@ -35,11 +37,12 @@ from torch import nn
 
 from .door import IMPLEMENTATION, LAYER_ATTR, Door, NotBoundError, StepOrderError, experts_forward
 from .experts import UnsupportedExpertsError, expert_weight_bytes, is_experts_module, layout_of, shard
+from .fused import LAYER_PATHS, unfusable
 from .steps import KIND_BIND, KIND_FINISH, KIND_STEP, StepMismatchError, StepPlan, StepTimeoutError, fingerprint
 
-__all__ = ["DECODE_TOKENS", "IMPLEMENTATION", "PREFILL_TOKENS", "NotBoundError", "ShardReport", "StepMismatchError",
-           "StepOrderError", "StepPlan", "StepTimeoutError", "UnsupportedExpertsError", "bound_door", "finish",
-           "idle_step", "register", "shard_experts"]
+__all__ = ["DECODE_TOKENS", "IMPLEMENTATION", "LAYER_PATHS", "PREFILL_TOKENS", "NotBoundError", "ShardReport",
+           "StepMismatchError", "StepOrderError", "StepPlan", "StepTimeoutError", "UnsupportedExpertsError",
+           "bound_door", "finish", "idle_step", "register", "shard_experts"]
 
 DECODE_TOKENS = 64     # default threshold: steps with at most this many tokens on every rank use the EPBuffer
 PREFILL_TOKENS = 512   # default PrefillBuffer capacity: tokens per rank per chunk of a larger step
@@ -54,7 +57,11 @@ class ShardReport:
     layers: int                  # MoE layers bound
     expert_bytes_before: int     # bytes of every experts module's weights before sharding (all E experts)
     expert_bytes_after: int      # the same after: this rank's experts only (before * (hi - lo) / E)
-    buffer_bytes: int            # the EPBuffer and PrefillBuffer this binding uses (allocated at their first call)
+    buffer_bytes: int            # the EPBuffer, PrefillBuffer and MoELayer this binding uses (allocated at first call)
+    fused_layers: int = 0        # MoE layers whose decode-size steps run through moe_comm.MoELayer (layer_path)
+    unfused_why: str | None = None   # why the other layers do not (None when every layer is fused)
+    fused_copy_bytes: int = 0    # bytes of weight copies made for the fused layer (transposed layouts; 0 when it
+    #                              reads the modules' own weights), on top of expert_bytes_after
 
 
 def register() -> None:
@@ -72,7 +79,7 @@ register()
 
 def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS,
                   prefill_tokens: int = PREFILL_TOKENS, dispatch_format: str | None = None,
-                  expert_kernel: str = "auto", topk: int | None = None) -> ShardReport:
+                  expert_kernel: str = "auto", topk: int | None = None, layer_path: str = "unfused") -> ShardReport:
     """Bind ``model`` to ``group``: every experts module keeps only this rank's experts and runs through
     moe-comm; sets the model's experts implementation to ``"moe_comm"``. Collective: every rank calls it
     with the same model and arguments (the ranks meet and check that they do).
@@ -90,12 +97,23 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
                     biases; others use "torch"), "torch" (the module's own gate with torch.bmm over every
                     row), or "auto" (masked on CUDA, torch on the CPU, where the kernel is interpreted)
     topk            experts per token, if the config has no ``num_experts_per_tok``
-    Returns a ``ShardReport`` (bytes of expert weights before and after). Raises UnsupportedExpertsError for
-    an experts module the door does not know, ValueError for a world size that does not divide the experts.
+    layer_path      how decode-size steps run a MoE layer: "unfused" (the default: EPBuffer dispatch, the
+                    experts by ``expert_kernel``, EPBuffer combine), "fused" (one ``moe_comm.MoELayer`` call:
+                    dispatch -> gate/up -> down + combine fused, for SiLU-gated experts with concatenated
+                    [gate; up] weights and no biases, rows in the model's dtype; raises
+                    UnsupportedExpertsError for a model it cannot compute, e.g. gpt-oss, or with an fp8
+                    dispatch_format) or "auto" (fused where it can and decode_tokens <=
+                    moe_layer.FUSED_MAX_TOKENS, else unfused; ``ShardReport.unfused_why`` says why).
+                    Prefill-size steps take the PrefillBuffer either way. docs/integrations.md
+    Returns a ``ShardReport`` (bytes of expert weights before and after, the layers fused). Raises
+    UnsupportedExpertsError for an experts module the door does not know (or, with layer_path="fused", one
+    the fused layer cannot compute), ValueError for a world size that does not divide the experts.
     """
     if getattr(model, "_moe_comm_door", None) is not None:
         raise ValueError("this model is already bound by shard_experts (its experts are sharded): load it again "
                          "to bind it to another group")
+    if layer_path not in LAYER_PATHS:
+        raise ValueError(f"layer_path must be one of {LAYER_PATHS}, got {layer_path!r}")
     if expert_kernel not in EXPERT_KERNELS:
         raise ValueError(f"expert_kernel must be one of {EXPERT_KERNELS}, got {expert_kernel!r}")
     if expert_kernel == "auto":
@@ -120,9 +138,17 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
             raise ValueError(f"{type(m).__name__} has {lay.num_experts} experts, which {W} ranks cannot share "
                              f"equally (rank r holds experts [r*E/W, (r+1)*E/W)): run on a world size that divides "
                              f"{lay.num_experts} ({', '.join(map(str, divisors))})")
-    shapes = [(lay.num_experts, lay.hidden, lay.dtype) for lay in layouts]
-    digest = fingerprint(shapes, k, decode_tokens, prefill_tokens, dispatch_format)
-    door = Door(group, k, decode_tokens, prefill_tokens, dispatch_format, digest, expert_kernel == "masked")
+    if layer_path == "fused":
+        for m, lay in zip(modules, layouts):
+            why = unfusable(lay, dispatch_format, decode_tokens, layer_path)
+            if why:
+                raise UnsupportedExpertsError(
+                    f"layer_path='fused': the fused MoE layer cannot run {type(m).__name__}: {why}. Fix: "
+                    f"layer_path='auto' (such layers run unfused) or 'unfused'")
+    shapes = [(lay.num_experts, lay.hidden, lay.intermediate, lay.dtype) for lay in layouts]
+    digest = fingerprint(shapes, k, decode_tokens, prefill_tokens, dispatch_format, layer_path)
+    door = Door(group, k, decode_tokens, prefill_tokens, dispatch_format, digest, expert_kernel == "masked",
+                layer_path)
     door.meetings.meet(KIND_BIND, 0, -1)   # every rank binds the same model with the same settings
     before = sum(expert_weight_bytes(m) for m in modules)
     lo, hi = None, None
@@ -135,9 +161,13 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
     model._moe_comm_door = door
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
-    bufs = {id(b): b for layer in door.layers for b in (layer.decode_buf, layer.prefill_buf)}
+    bufs = {id(b): b for layer in door.layers for b in (layer.decode_buf, layer.prefill_buf) if b is not None}
+    bufs.update((id(f), f) for f in door.fused_layers.values())
+    fused = [layer.fused for layer in door.layers if layer.fused is not None]
+    why = next((layer.unfused_why for layer in door.layers if layer.unfused_why), None)
     return ShardReport((lo, hi), len(modules), before, sum(expert_weight_bytes(m) for m in modules),
-                       sum(b.buffer_bytes for b in bufs.values()))
+                       sum(b.buffer_bytes for b in bufs.values()), len(fused), why,
+                       sum(f.copied_bytes for f in fused))
 
 
 def _guard(module: nn.Module) -> None:

@@ -5,7 +5,9 @@
 returns before the next layer dispatches) and one ``Layer`` per experts module, in model order.
 ``experts_forward`` is the function registered in transformers' ``ExpertsInterface``; ``run_layer`` is
 one MoE layer, and ``local_experts_decode`` / ``local_experts_prefill`` are the only places that compute
-experts (the seam where another layer implementation, e.g. a fused MoE layer, plugs in).
+experts (the seam where another layer implementation plugs in). With ``layer_path`` "fused" or "auto" a
+layer the fused kernels can express runs its decode-size steps as one ``moe_comm.MoELayer`` call instead
+(dispatch -> gate/up -> down + combine fused: ``fused.py``), one MoELayer per distinct layer shape.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ...prefill_chunks import local_experts, prefill_moe
 from ...reference import dequantize_fp8
 from ..ep_group import shared_buffer
 from .experts import ExpertsLayout, decode_experts, prefill_expert
+from .fused import FusedExperts, fused_experts, run_fused, unfusable
 from .steps import KIND_FINISH, KIND_STEP, StepMeetings, StepPlan
 
 IMPLEMENTATION = "moe_comm"   # the name registered in transformers' ExpertsInterface
@@ -42,18 +45,22 @@ class Layer:
     module: nn.Module     # the transformers experts module (sharded: experts [lo, hi) only)
     layout: ExpertsLayout
     door: "Door"
-    decode_buf: object    # EPBuffer (decode-size steps), shared with every layer of the same shape
+    decode_buf: object    # EPBuffer (decode-size steps), shared with every layer of the same shape; None if fused
     prefill_buf: object   # PrefillBuffer (prefill-size steps), likewise
+    fused: FusedExperts | None = None   # decode-size steps through a shared moe_comm.MoELayer instead
+    unfused_why: str | None = None      # why not fused (None when fused)
 
 
 class Door:
     """A model bound to a CommGroup (made by ``shard_experts``)."""
 
     def __init__(self, group, topk: int, decode_tokens: int, prefill_tokens: int, dispatch_format, digest: int,
-                 masked: bool):
+                 masked: bool, layer_path: str = "unfused"):
         self.group, self.topk, self.masked = group, topk, masked   # masked: the Triton masked expert kernel
         self.decode_tokens, self.prefill_tokens, self.dispatch_format = decode_tokens, prefill_tokens, dispatch_format
         self.meetings = StepMeetings(group, digest)
+        self.layer_path = layer_path   # "unfused", "fused" or "auto" (shard_experts)
+        self.fused_layers: dict = {}   # (E, H, I, dtype) -> the MoELayer every fused layer of that shape shares
         self.layers: list[Layer] = []
         self.steps = 0                 # steps begun
         self.plan: StepPlan | None = None
@@ -64,10 +71,16 @@ class Door:
         #                                                              PrefillBuffer chunks per layer summed
 
     def add_layer(self, module: nn.Module, layout: ExpertsLayout) -> Layer:
+        """Bind one experts module (already sharded). Collective (buffers and MoELayers are made in layer
+        order on every rank); ``shard_experts`` has checked that "fused" can fuse it."""
         g, lay = self.group, layout
-        bufs = [shared_buffer(g, lay.num_experts, lay.hidden, m, self.topk, lay.dtype, self.dispatch_format,
-                              prefill=p) for m, p in ((self.decode_tokens, False), (self.prefill_tokens, True))]
-        layer = Layer(len(self.layers), module, lay, self, *bufs)
+        why = unfusable(lay, self.dispatch_format, self.decode_tokens, self.layer_path)
+        fused = None if why else fused_experts(self.fused_layers, g, module, lay, self.topk, self.decode_tokens)
+        def buffer(tokens, prefill):
+            return shared_buffer(g, lay.num_experts, lay.hidden, tokens, self.topk, lay.dtype, self.dispatch_format,
+                                 prefill=prefill)
+        decode_buf = None if fused else buffer(self.decode_tokens, False)
+        layer = Layer(len(self.layers), module, lay, self, decode_buf, buffer(self.prefill_tokens, True), fused, why)
         self.layers.append(layer)
         return layer
 
@@ -144,7 +157,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
 @torch.no_grad()
 def run_layer(layer: Layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """One MoE layer of the current step: dispatch -> this rank's experts -> combine, through the
-    EPBuffer (decode-size step) or the PrefillBuffer in ``plan.chunks`` calls (prefill-size)."""
+    EPBuffer (decode-size step; a fused layer: its MoELayer) or the PrefillBuffer in ``plan.chunks`` calls
+    (prefill-size)."""
     door, lay = layer.door, layer.layout
     plan = door.plan
     door._next = (layer.index + 1) % len(door.layers)
@@ -154,6 +168,8 @@ def run_layer(layer: Layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     if plan.prefill:
         buf = layer.prefill_buf
         y = prefill_moe(buf, x, topk_idx, w, local_experts_prefill(layer, buf), plan.chunks)
+    elif layer.fused is not None:
+        y = run_fused(layer.fused, x, topk_idx, w)
     else:
         buf = layer.decode_buf
         d = buf.dispatch(x, topk_idx)

@@ -4,6 +4,7 @@ one process, the same prompts). Exit status 1 if any token differs.
 
     python -m moe_comm generate [--family qwen3_moe|mixtral|deepseek_v3|gpt_oss] [--world 2]
                                 [--new-tokens 8] [--dtype float32|bfloat16] [--layers 2]
+                                [--layer-path unfused|fused|auto]
 
 Runs on the shm heap in N local processes (on a machine without CUDA, moe-comm's kernels run in Triton's
 interpreter). Rank r's prompts differ in length (left-padded into one batch); the last rank has fewer.
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
                     help="steps with at most this many tokens per rank go through the EPBuffer (shard_experts)")
     ap.add_argument("--prefill-tokens", type=int, default=DEMO_PREFILL_TOKENS,
                     help="the PrefillBuffer's tokens per rank per chunk (larger steps: several chunks)")
+    ap.add_argument("--layer-path", default="unfused", choices=("unfused", "fused", "auto"),
+                    help="decode steps through the EPBuffer (unfused) or the fused MoELayer (shard_experts)")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     a = ap.parse_args(argv)
     import moe_comm  # noqa: PLC0415
@@ -104,9 +107,12 @@ def main(argv=None) -> int:
           f"{rep.expert_bytes_before:,} bytes of expert weights ({took:.0f} s, Triton interpreter on CPU)"
           if not torch.cuda.is_available() else f"({took:.0f} s)")
     t = ranks[0]["taken"]
+    if rep.fused_layers or a.layer_path != "unfused":
+        print(f"layer_path={a.layer_path!r}: {rep.fused_layers} of {rep.layers} MoE layers' decode steps through "
+              f"the fused MoELayer" + (f" (the others unfused: {rep.unfused_why})" if rep.unfused_why else ""))
     print(f"steps: {t['prefill']} prefill-size (more than {a.decode_tokens} tokens on a rank: PrefillBuffer, "
           f"{t['chunks']} chunk(s) of at most {a.prefill_tokens} tokens per layer), {t['decode']} decode-size "
-          f"(EPBuffer)")
+          f"({'fused MoELayer' if rep.fused_layers == rep.layers else 'EPBuffer'})")
     ok = True
     for r, res in enumerate(ranks):
         want, _ = eager_generate(a.family, a.dtype, a.new_tokens, a.layers, prompts[r])
@@ -122,7 +128,7 @@ def main(argv=None) -> int:
 
 def _launched(group, a, prompts):
     return rank_generate(group, a.family, a.dtype, a.new_tokens, a.layers, prompts[group.rank],
-                         dict(decode_tokens=a.decode_tokens, prefill_tokens=a.prefill_tokens))
+                         dict(decode_tokens=a.decode_tokens, prefill_tokens=a.prefill_tokens, layer_path=a.layer_path))
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ class StepMeetings:
             if digest != self.digest:
                 self._fail(StepMismatchError(
                     f"{OP}: rank {j} bound a different model or settings than rank {g.rank} (experts, hidden size, "
-                    f"top-k, dtype, MoE layers, decode_tokens, prefill_tokens or dispatch_format differ): every rank "
-                    f"loads the same model and calls shard_experts with the same arguments"))
+                    f"top-k, dtype, MoE layers, decode_tokens, prefill_tokens, dispatch_format or layer_path differ): "
+                    f"every rank loads the same model and calls shard_experts with the same arguments"))
             if (k == KIND_BIND) != (kind == KIND_BIND):
                 self._fail(StepMismatchError(
                     f"{OP}: rank {g.rank} is in {KIND_NAMES[kind]} while rank {j} is in {KIND_NAMES[k]}: every rank "
