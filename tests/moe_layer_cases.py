@@ -260,6 +260,12 @@ CONFIGS = (
     LayerConfig(1, 192, 48, 1, 6, torch.float16),
     LayerConfig(4, 64, 96, 4, 1),
 )
+# fp8 weights with block scales: hidden 192 (one and a half scale blocks), I 80 (w13's 160 rows: the up half
+# starts in block 0 and ends in block 1; w2's K is one short block); hidden 136 and I 40 in float16.
+FP8_CONFIGS = (
+    LayerConfig(2, 192, 80, 2, 5, fp8=True),
+    LayerConfig(3, 136, 40, 3, 4, torch.float16, fp8=True),
+)
 # random: distinct experts, about one slot in eight -1; one_expert: every token's slot 0 to expert 0, the
 # others -1; none: nothing routed.
 ROUTINGS = ("random", "one_expert", "none")

@@ -20,15 +20,9 @@ from moe_comm.interpret_order import ORDER_ENV, SEED_ENV
 from moe_comm.planner import FP8_WEIGHT_BLOCK, SHAPES_ENV
 
 from budget import sweep
-from moe_layer_cases import (LayerConfig, layer_inputs, make_layer, run_loopback_cases, run_loopback_layers,
-                             run_shm_cases)
+from moe_layer_cases import (FP8_CONFIGS, LayerConfig, layer_inputs, make_layer, run_loopback_cases,
+                             run_loopback_layers, run_shm_cases)
 
-# hidden 192 (one and a half scale blocks), I 80 (w13's 160 rows: the up half starts in block 0, ends in
-# block 1; w2's K is one short block); hidden 136 and I 40 in float16; 3 experts per rank, topk 1-3.
-FP8_CONFIGS = (
-    LayerConfig(2, 192, 80, 2, 5, fp8=True),
-    LayerConfig(3, 136, 40, 3, 4, torch.float16, fp8=True),
-)
 # make test's representatives: each config, each routing once (random with -1 ids, all to one expert,
 # nothing routed), exact and random inputs; T = 0, 1, odd and max over the ranks (moe_layer_cases).
 PAIRS = ((0, "random"), (0, "one_expert"), (1, "none"), (1, "random"))
