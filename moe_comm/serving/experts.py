@@ -30,6 +30,20 @@ W_BLOCK = tl.constexpr(FP8_WEIGHT_BLOCK)   # rows and columns of an fp8 weight's
 
 
 @triton.jit
+def _b_tile(ptrs, mask, bs_base, s_off, k0, col_live, W_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """A [BK, BN] weight tile at ``ptrs`` as tl.dot takes it: W_FP8, fp8 dequantized to DTYPE (float32 times
+    each column's block scale ``bs_base + s_off + k0 // 128``, rounded once); widened to float32 in the
+    interpreter (``DOT_IN_FLOAT32``)."""
+    b = tl.load(ptrs, mask=mask, other=0.0)
+    if W_FP8:
+        scale = tl.load(bs_base + s_off + k0 // W_BLOCK, mask=col_live, other=0.0)
+        b = cast_rne(b.to(tl.float32) * scale[None, :], DTYPE)
+    if DOT_IN_FLOAT32:
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
 def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
                 W_FP8: tl.constexpr = False, bs_base=None, b_row0=0, b2_row0=0):
@@ -47,6 +61,8 @@ def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk,
     rounded once. BK divides the block, so a K step reads one scale per output column."""
     rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    s_off = rn    # W_FP8: each column's row of block scales, for B and B2 (unused otherwise)
+    s2_off = rn
     if W_FP8:
         tl.static_assert(W_BLOCK % BK == 0, "the K step must lie in one fp8 scale block")
         s_cols = (K + W_BLOCK - 1) // W_BLOCK                # scale blocks per weight row
@@ -63,21 +79,13 @@ def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk,
         # Rows past the count are not read: whatever they hold gives rows that are never stored.
         a = tl.load(a_base + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
         b_mask = k_live[:, None] & (rn < N)[None, :]
-        b = tl.load(b_base + b_off, mask=b_mask, other=0.0)
-        if W_FP8:
-            scale = tl.load(bs_base + s_off + k0 // W_BLOCK, mask=rn < N, other=0.0)
-            b = cast_rne(b.to(tl.float32) * scale[None, :], a_base.dtype.element_ty)
+        DTYPE: tl.constexpr = a_base.dtype.element_ty
+        b = _b_tile(b_base + b_off, b_mask, bs_base, s_off, k0, rn < N, W_FP8, DTYPE)
         if DOT_IN_FLOAT32:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
-            b2 = tl.load(b2_base + b_off, mask=b_mask, other=0.0)
-            if W_FP8:
-                scale2 = tl.load(bs_base + s2_off + k0 // W_BLOCK, mask=rn < N, other=0.0)
-                b2 = cast_rne(b2.to(tl.float32) * scale2[None, :], a_base.dtype.element_ty)
-            if DOT_IN_FLOAT32:
-                b2 = b2.to(tl.float32)
+            b2 = _b_tile(b2_base + b_off, b_mask, bs_base, s2_off, k0, rn < N, W_FP8, DTYPE)
             acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
         a_off += BK * s_ak
         b_off += BK * s_bk
