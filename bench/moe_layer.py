@@ -8,6 +8,8 @@ on its own stream, the whole round replayed from a CUDA graph), three implementa
 and weights:
 
   fused       moe_comm.MoELayer(path="fused"): gate/up reading rows where they landed, down + combine send
+  fused_fp8   the same with the weights as fp8 e4m3 + 128x128 block scales (DeepSeek-V3's checkpoint
+              format), dequantized per tile in the kernels
   unfused     moe_comm.MoELayer(path="unfused"): EPBuffer.dispatch, the masked batched experts
               (serving/experts.py), EPBuffer.combine
   grouped_mm  EPBuffer.dispatch, the valid rows packed by expert, torch._grouped_mm for gate/up, SiLU * up,
@@ -15,10 +17,14 @@ and weights:
 
 Shapes: DeepSeek-V3 (hidden 7168, intermediate 2048, 256 experts, top-8) and a DeepSeek-V4-Flash-like one
 (hidden 4096, intermediate 2048, 256 experts, top-6); worlds 1 and 8 (8 emulated ranks on one GPU);
-T = 1, 8, 64, 128, 512 tokens per rank; bf16 weights and tokens. Routing is uniform (random top-k).
+T = 1, 8, 64, 128, 512 tokens per rank; bf16 tokens. Routing is uniform (random top-k). The weights are
+drawn as fp8 codes and block scales; every implementation but fused_fp8 takes their dequantized bf16
+values (``reference.dequantize_fp8_weight``), so all four compute the same math on the same weights and
+fused_fp8 must equal fused bit for bit.
 
 The floor of a point: the bytes the layer must move on the one device (every rank's active experts'
-weights read once: 3 * I * H * 2 bytes per active expert; the tokens read and the outputs written; every
+weights read once: ``MoELayer.weight_bytes`` per active expert, 3 * I * H * 2 bytes in bf16, half of that
+plus the scales for fused_fp8; the tokens read and the outputs written; every
 row that crosses ranks written by its sender and read by its receiver, dispatch and combine) at the
 measured copy bandwidth (bench/kernels.py's floor: read + write), plus the fused layer's launches (5 per
 rank at world > 1, 4 at world 1) at the measured empty-kernel time. Each line carries p20/p50/p80 µs,
@@ -41,6 +47,8 @@ import torch
 
 import moe_comm
 from bench import peers
+from moe_comm import reference
+from moe_comm.planner import FP8_WEIGHT_BLOCK
 from bench.common import JsonLines, environment, time_us
 from bench.kernels import graphed, measure_floor, rank_streams, run_phases
 
@@ -48,7 +56,7 @@ from bench.kernels import graphed, measure_floor, rank_streams, run_phases
 SHAPES = {"dsv3": (7168, 2048, 256, 8), "v4flash": (4096, 2048, 256, 6)}
 DRY_SHAPE = (128, 64, 8, 2)
 GPU_TOKENS, GPU_WORLDS = (1, 8, 64, 128, 512), (8, 1)   # EP8 first: a cut run keeps it
-IMPLS = ("fused", "unfused", "grouped_mm")
+IMPLS = ("fused", "fused_fp8", "unfused", "grouped_mm")
 FUSED_LAUNCHES = {1: 4, "multi": 5}   # per rank: world 1 / world > 1
 
 
@@ -123,8 +131,12 @@ class GroupedMM:
 class Layer:
     """MoELayer driven in the same three phases."""
 
-    def __init__(self, group, experts, hidden, inter, tokens, topk, w13, w2, path):
-        self.layer = moe_comm.MoELayer(group, experts, hidden, inter, tokens, topk, w13, w2, path=path)
+    def __init__(self, group, experts, hidden, inter, tokens, topk, weights, path):
+        fp8 = path == "fused_fp8"
+        w13, w2 = (weights["w13"], weights["w2"]) if fp8 else (weights["w13_bf16"], weights["w2_bf16"])
+        scales = dict(w13_scale=weights["w13_scale"], w2_scale=weights["w2_scale"]) if fp8 else {}
+        self.layer = moe_comm.MoELayer(group, experts, hidden, inter, tokens, topk, w13, w2,
+                                       path="fused" if fp8 else path, **scales)
 
     def send(self, x, idx, w):
         self.layer(x, idx, w, phase="send")
@@ -152,12 +164,12 @@ def call_all(ranks, streams, xs, idxs, ws) -> list:
     return run_phases(streams, [lambda: None for _ in ranks], [r.recv for r in ranks])
 
 
-def floor_bytes(idxs, experts: int, hidden: int, inter: int, world: int) -> int:
+def floor_bytes(idxs, experts: int, hidden: int, inter: int, world: int, fp8: bool = False) -> int:
     """Bytes the layer must move on the one device (module docstring)."""
     local = experts // world
     ids = torch.cat([i.reshape(-1) for i in idxs])
     active = int(torch.unique(ids[ids >= 0]).numel())   # each read once, by its rank
-    total = active * 3 * inter * hidden * 2
+    total = moe_comm.MoELayer.weight_bytes(active, hidden, inter, fp8=fp8)
     for r, idx in enumerate(idxs):
         owner = torch.where(idx >= 0, idx // local, -1)
         remote_slots = int(((owner >= 0) & (owner != r)).sum())
@@ -173,13 +185,15 @@ def bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen)
     ws = [torch.rand(tokens, topk, generator=gen).to(o.device) for _ in groups]
     streams = rank_streams(o.device, world)
     launches = FUSED_LAUNCHES[1 if world == 1 else "multi"] * world
-    floor_us = floor_bytes([i.cpu() for i in idxs], experts, hidden, inter, world) / (floor[0] * 1e3) + \
-        launches * floor[1]
+    floors = {fp8: floor_bytes([i.cpu() for i in idxs], experts, hidden, inter, world, fp8) / (floor[0] * 1e3)
+              + launches * floor[1] for fp8 in (False, True)}
     results, ys = {}, {}
     for impl in o.impls:
-        make = GroupedMM if impl == "grouped_mm" else Layer
-        extra = () if impl == "grouped_mm" else (impl,)
-        ranks = [make(g, experts, hidden, inter, tokens, topk, *weights[r], *extra) for r, g in enumerate(groups)]
+        if impl == "grouped_mm":
+            ranks = [GroupedMM(g, experts, hidden, inter, tokens, topk, weights[r]["w13_bf16"], weights[r]["w2_bf16"])
+                     for r, g in enumerate(groups)]
+        else:
+            ranks = [Layer(g, experts, hidden, inter, tokens, topk, weights[r], impl) for r, g in enumerate(groups)]
         ys[impl] = [y.float().cpu() for y in call_all(ranks, streams, xs, idxs, ws)]
         results[impl] = time_us(graphed(lambda i: call_all(ranks, streams, xs, idxs, ws), o.device), o.device,
                                 o.iters, o.warmup)
@@ -191,6 +205,7 @@ def bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen)
             torch.cuda.empty_cache()
     base = results.get("unfused")
     for impl, timing in results.items():
+        floor_us = floors[impl == "fused_fp8"]
         diff = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(ys[impl], ys.get("unfused", ys[impl])))
         out.write(kind="result", op="moe_layer", impl=impl, shape=name, hidden=hidden, intermediate=inter,
                   experts=experts, topk=topk, world=world, tokens=tokens, floor_us=floor_us,
@@ -201,6 +216,24 @@ def bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen)
         print(f"{name} W{world} T{tokens} {impl}: {timing['p50_us']:.1f} us, floor {floor_us:.1f} us"
               + ("" if base is None else f", x{base['p50_us'] / timing['p50_us']:.2f} vs unfused")
               + f", max |diff| vs unfused {diff:.3g}", flush=True)
+
+
+def fp8_weights(local: int, hidden: int, inter: int, device) -> dict:
+    """One rank's experts: w13 [L, 2I, H] and w2 [L, H, I] as fp8 e4m3 codes (normal draws) with float32
+    128x128 block scales (1/sqrt(K) times a uniform draw in [1/2, 3/2) per block), and their dequantized
+    bf16 values w13_bf16, w2_bf16 (``reference.dequantize_fp8_weight``, one expert at a time: its float32
+    temporary of the whole tensor would not fit beside them)."""
+    out = {}
+    for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        grid = (local, -(-n // FP8_WEIGHT_BLOCK), -(-k // FP8_WEIGHT_BLOCK))
+        q = torch.empty(local, n, k, device=device, dtype=torch.float8_e4m3fn)
+        deq = torch.empty(local, n, k, device=device, dtype=torch.bfloat16)
+        scale = (0.5 + torch.rand(grid, device=device)) / k ** 0.5
+        for e in range(local):
+            q[e] = torch.randn(n, k, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            deq[e] = reference.dequantize_fp8_weight(q[e], scale[e], torch.bfloat16)
+        out.update({name: q, f"{name}_scale": scale, f"{name}_bf16": deq})
+    return out
 
 
 def main(argv=None) -> int:
@@ -215,10 +248,8 @@ def main(argv=None) -> int:
         for world in o.worlds:
             groups = moe_comm.init(backend="loopback", world_size=world, device=o.device, timeout_s=60.0)
             local = experts // world
-            torch.manual_seed(5)   # weights drawn on the device (22 GB of DeepSeek-V3 experts in bf16)
-            weights = [(torch.randn(local, 2 * inter, hidden, device=o.device, dtype=torch.bfloat16) / hidden ** 0.5,
-                        torch.randn(local, hidden, inter, device=o.device, dtype=torch.bfloat16) / inter ** 0.5)
-                       for _ in groups]
+            torch.manual_seed(5)   # weights drawn on the device (22 GB of DeepSeek-V3 experts in bf16, 11 in fp8)
+            weights = [fp8_weights(local, hidden, inter, o.device) for _ in groups]
             for tokens in o.tokens:
                 bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen)
             for g in groups:

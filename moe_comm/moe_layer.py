@@ -23,7 +23,7 @@ from .checks import check_tensor
 from .ep import EPBuffer, EPHandle
 from .errors import GroupError, MoECommError, op_id
 from .launches import Launch
-from .planner import MoELayerPlan, next_pow2, plan_moe_layer, vector_aligned
+from .planner import FP8_WEIGHT_BLOCK, MoELayerPlan, next_pow2, plan_moe_layer, vector_aligned
 from .serving.experts import masked_expert_mlp
 from .triton_kernels.moe_down_combine import moe_down_combine_kernel
 from .triton_kernels.moe_gate_up import moe_gate_up_kernel
@@ -35,6 +35,19 @@ PATHS = ("auto", "fused", "unfused")
 # largest decode batch per rank of the issue's target (the fused Hopper port measured elsewhere loses at
 # 8192 tokens). scripts/gpu_quick.py's "moe_layer" step measures both paths to set it (bench/NOTES.md).
 FUSED_MAX_TOKENS = 128
+
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn   # fp8 expert weights (with w13_scale / w2_scale)
+
+
+def _blocks(n: int) -> int:
+    """Scale blocks along a weight dimension of n (the last one shorter)."""
+    return -(-n // FP8_WEIGHT_BLOCK)
+
+
+def _fp8_scale_grids(hidden: int, intermediate: int) -> tuple:
+    """(rows, columns) of the weights whose block scales an fp8 layer holds: w13, then w2."""
+    return (2 * intermediate, hidden), (hidden, intermediate)
 
 
 class _FusedEPBuffer(EPBuffer):
@@ -76,14 +89,14 @@ class _FusedEPBuffer(EPBuffer):
         for s, launches in zip(self._sets, sets):
             launches["gate_up"] = Launch(
                 moe_gate_up_kernel, g.device, lp.gate_grid, data_ptr=dch.data.local, ctrl_ptr=dch.ctrl.local,
-                seq_ptr=dch.recv_seq, src_ptr=s.src, counts_ptr=s.counts, h_ptr=self._h,
+                seq_ptr=dch.recv_seq, src_ptr=s.src, counts_ptr=s.counts, W_FP8=layer.fp8_weights, h_ptr=self._h,
                 OP=op_id("dispatch"), META=p.x_words + p.scale_words, ROW_WORDS=p.row_words,
                 CTRL_WORDS=p.dispatch_ctrl_words, BN=lp.gate_cols, SCAN=lp.scan_slots, **self._recv_put_args(p),
                 **common)
             launches["combine_send"] = Launch(
                 moe_down_combine_kernel, g.device, lp.down_grid,
                 aligned=vector_aligned(self._own_out, cch.data.local, *((cch.stage.local,) if cch.put else ())),
-                h_ptr=self._h, counts_ptr=s.counts, src_ptr=s.src, row_of_ptr=s.row_of,
+                h_ptr=self._h, W_FP8=layer.fp8_weights, counts_ptr=s.counts, src_ptr=s.src, row_of_ptr=s.row_of,
                 src_tokens_ptr=s.src_tokens, runs_ptr=s.runs, own_codes_ptr=self._own_codes,
                 data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs, seq_ptr=cch.send_seq,
                 done_ptr=cch.done, OP=op_id("combine"), EXPERTS_P2=next_pow2(p.experts_per_rank),
@@ -97,9 +110,9 @@ class _FusedEPBuffer(EPBuffer):
             super()._receive(launches, handle, xin, idx, gs)
         elif self.group.world_size == 1:   # the world-1 dispatch writes src and counts; the GEMM reads x by them
             super()._receive(launches, handle, xin, idx, gs)
-            launches["gate_up"].run(x_ptr=xin, w13_ptr=self._layer.w13)
+            launches["gate_up"].run(x_ptr=xin, **self._layer._gate_up_weights())
         else:                            # the GEMM first: it waits for its rows' sources, not for every one
-            launches["gate_up"].run(x_ptr=self._dummy.view(self._ep_plan.dtype), w13_ptr=self._layer.w13)
+            launches["gate_up"].run(x_ptr=self._dummy.view(self._ep_plan.dtype), **self._layer._gate_up_weights())
             super()._receive(launches, handle, xin, idx, gs)
 
     def _check_expert_out(self, expert_out) -> None:
@@ -113,7 +126,8 @@ class _FusedEPBuffer(EPBuffer):
             return super()._send_combine(handle, expert_out)
         self._dispatch_ch.after_previous()   # (CUDA) the activations come from this call's dispatch receive
         send = self._launches()[handle.call_index % 2]["combine_send"]
-        send.run(expert_out_ptr=expert_out, w2_ptr=self._layer.w2, ALIGNED=send.aligned)
+        send.run(expert_out_ptr=expert_out, w2_ptr=self._layer.w2, w2_scale_ptr=self._layer.w2_scale,
+                 ALIGNED=send.aligned)
 
 
 class MoELayer:
@@ -122,18 +136,28 @@ class MoELayer:
     each expert output tile is stored straight into the landing zone of the token's rank.
 
     ``MoELayer(group, num_experts, hidden, intermediate, max_tokens_per_rank, topk, w13, w2,
-    dtype=torch.bfloat16, path="auto", fused_max_tokens=FUSED_MAX_TOKENS)``: rank r owns experts
-    [r*E_local, (r+1)*E_local), E_local = num_experts // world.
+    dtype=torch.bfloat16, path="auto", fused_max_tokens=FUSED_MAX_TOKENS, *, w13_scale=None, w2_scale=None)``:
+    rank r owns experts [r*E_local, (r+1)*E_local), E_local = num_experts // world.
         w13  [E_local, 2 * intermediate, hidden] dtype on group.device: rows [0, I) of expert e are its gate
              projection, rows [I, 2I) its up projection (a Linear's weight layout, DeepSeek's w1 and w3)
         w2   [E_local, hidden, intermediate] dtype: the down projection
+        w13_scale, w2_scale  fp8 weights as DeepSeek-V3's checkpoints ship them: w13 and w2 float8_e4m3fn
+             (same shapes), w13_scale float32 [E_local, ceil(2I / 128), ceil(hidden / 128)] and w2_scale
+             float32 [E_local, ceil(hidden / 128), ceil(I / 128)] (``weight_scale_inv``: one scale per 128 x
+             128 block of rows x columns, the last blocks shorter). The layer then computes exactly as with
+             the weights ``reference.dequantize_fp8_weight(w, scale, dtype)`` = (fp8.float() * scale).to(dtype)
+             (one rounding): its kernels dequantize each weight tile so in registers before tl.dot, so the
+             results are those of this layer given those dequantized weights, bit for bit (tests/
+             test_moe_layer_fp8.py). Tokens, activations and output stay in dtype. Fused path only
+             (``path="auto"`` picks it; ``path="unfused"`` raises ValueError). ``layer.fp8_weights``.
         dtype  bfloat16, float16 or float32 (tokens, weights and output). hidden * element size must be a
              multiple of 16 bytes. The layer keeps references to the weights (``set_weights`` replaces them).
         path  "fused" (the kernels above), "unfused" (EPBuffer.dispatch, the masked batched experts of
              moe_comm.serving.experts, EPBuffer.combine: the same results, for large batches where the fused
              kernels' per-tile waits and row search cost more than the saved pass) or "auto": fused when
-             max_tokens_per_rank <= fused_max_tokens (FUSED_MAX_TOKENS, not yet measured on a GPU). Chosen
-             once, here: every rank must run the same kernels, and T differs between ranks. ``layer.path``.
+             max_tokens_per_rank <= fused_max_tokens (FUSED_MAX_TOKENS, not yet measured on a GPU) or the
+             weights are fp8. Chosen once, here: every rank must run the same kernels, and T differs between
+             ranks. ``layer.path``.
     Every rank builds its layer in the same order (collective); on a loopback world one per group, in rank
     order. Buffers are allocated by the first call (collective).
 
@@ -170,26 +194,35 @@ class MoELayer:
 
     Memory: ``buffer_bytes`` (``MoELayerPlan``), ``MoELayer.required_bytes(...)`` without a group: the
     EPBuffer's without d.x, plus activations [E_local, world*M, I], the own slots' rows [M*topk, hidden]
-    and their codes; at most the EPBuffer's (dispatch + combine) when I < hidden at decode shapes.
+    and their codes; at most the EPBuffer's (dispatch + combine) when I < hidden at decode shapes. The
+    weights are the caller's (``MoELayer.weight_bytes``: 3 * I * hidden * element size per local expert,
+    with fp8 weights 3 * I * hidden bytes plus 4 bytes per 128 x 128 block of scales).
     """
 
     def __init__(self, group, num_experts: int, hidden: int, intermediate: int, max_tokens_per_rank: int,
                  topk: int, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                 path: str = "auto", fused_max_tokens: int = FUSED_MAX_TOKENS):
+                 path: str = "auto", fused_max_tokens: int = FUSED_MAX_TOKENS, *,
+                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None):
         if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
             raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        # fp8 weights: the scales say so (or fp8 weights without them, which set_weights refuses, naming them)
+        self.fp8_weights = w13_scale is not None or w2_scale is not None or FP8_WEIGHT_DTYPE in (
+            getattr(w13, "dtype", None), getattr(w2, "dtype", None))
+        if self.fp8_weights and path == "unfused":
+            raise ValueError("fp8 weights (w13_scale, w2_scale) run on the fused path only: pass path='fused' "
+                             "(or 'auto'), or dequantize them (reference.dequantize_fp8_weight) for the unfused path")
         if path == "auto":
-            path = "fused" if max_tokens_per_rank <= fused_max_tokens else "unfused"
+            path = "fused" if max_tokens_per_rank <= fused_max_tokens or self.fp8_weights else "unfused"
         self.group, self.intermediate, self.dtype, self.path = group, int(intermediate), dtype, path
         self._given_weights = None
         self.ep = _FusedEPBuffer(self, group, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                  fused=path == "fused")
         self.num_experts, self.hidden, self.topk = self.ep.num_experts, self.ep.hidden, self.ep.topk
         self.max_tokens_per_rank, self.num_local_experts = self.ep.max_tokens_per_rank, self.ep.num_local_experts
-        self.w13 = self.w2 = None
-        self.set_weights(w13, w2)
+        self.w13 = self.w2 = self.w13_scale = self.w2_scale = None
+        self.set_weights(w13, w2, w13_scale, w2_scale)
         self._weights = None        # topk_weights of the call between its send and experts phases
         self._held = None           # a data error of this call's dispatch, raised at the end of the call
         group.register(self)        # reset(): a call in progress is dropped, as the ops drop theirs
@@ -213,19 +246,49 @@ class MoELayer:
         ep = EPBuffer._plan(world_size, num_experts, hidden, max_tokens_per_rank, topk, dtype, False, "cpu")
         return plan_moe_layer(ep, intermediate, "cpu").buffer_bytes if path == "fused" else ep.buffer_bytes
 
+    @staticmethod
+    def weight_bytes(num_local_experts: int, hidden: int, intermediate: int, dtype: torch.dtype = torch.bfloat16,
+                     fp8: bool = False) -> int:
+        """Bytes of one rank's expert weights (w13 and w2; with ``fp8``, float8_e4m3fn and their float32
+        block scales): what a decode step reads per active expert, the layer's floor."""
+        per_expert = 3 * intermediate * hidden * (1 if fp8 else dtype.itemsize)
+        if fp8:
+            per_expert += 4 * sum(_blocks(r) * _blocks(c) for r, c in _fp8_scale_grids(hidden, intermediate))
+        return num_local_experts * per_expert
+
     # ---- weights -----------------------------------------------------------------------------------------
-    def set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Replace the experts' weights (shapes and dtype as at construction; contiguous, on group.device). The
-        next call uses them; no launch is rebuilt (the launches take the weights at each call), so one layer
-        can serve many model layers of one shape, each call with its own weights (the transformers door)."""
+    def set_weights(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None) -> None:
+        """Replace the experts' weights (shapes and dtype as at construction, fp8 with their scales if the
+        layer's are; contiguous, on group.device). The next call uses them; no launch is rebuilt (the launches
+        take the weights at each call), so one layer can serve many model layers of one shape, each call with
+        its own weights (the transformers door)."""
         L, H, inter = self.num_local_experts, self.hidden, self.intermediate
-        fix = f"pass the local experts' weights, dtype {self.dtype}, contiguous, on {self.group.device}"
-        check_tensor("w13", w13, self.group.device, (self.dtype,), (L, 2 * inter, H), fix)
-        check_tensor("w2", w2, self.group.device, (self.dtype,), (L, H, inter), fix)
-        for name, w in (("w13", w13), ("w2", w2)):
+        wdtype = FP8_WEIGHT_DTYPE if self.fp8_weights else self.dtype
+        fix = f"pass the local experts' weights, dtype {wdtype}, contiguous, on {self.group.device}"
+        check_tensor("w13", w13, self.group.device, (wdtype,), (L, 2 * inter, H), fix)
+        check_tensor("w2", w2, self.group.device, (wdtype,), (L, H, inter), fix)
+        named = [("w13", w13), ("w2", w2)]
+        if self.fp8_weights:
+            sfix = ("pass the block scales (DeepSeek's weight_scale_inv), float32, one per 128 x 128 block of "
+                    f"rows x columns, contiguous, on {self.group.device}")
+            for name, t, (rows, cols) in zip(("w13_scale", "w2_scale"), (w13_scale, w2_scale), _fp8_scale_grids(H, inter)):
+                if t is None:
+                    raise TypeError(f"{name} is missing: fp8 weights need their block scales ({sfix})")
+                check_tensor(name, t, self.group.device, (torch.float32,), (L, _blocks(rows), _blocks(cols)), sfix)
+                named.append((name, t))
+        elif w13_scale is not None or w2_scale is not None:
+            raise TypeError(f"w13_scale/w2_scale given for a layer built with {self.dtype} weights: build the layer "
+                            "with fp8 weights and their scales, or pass no scales")
+        for name, w in named:
             if not w.is_contiguous():
                 raise ValueError(f"{name} must be contiguous ({name}.contiguous() fixes it)")
-        self.w13, self.w2 = w13, w2   # passed to the launches at each call (they bind no caller's tensor): no rebuild
+        # Passed to the launches at each call (they bind no caller's tensor): no rebuild.
+        self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, w13_scale, w2_scale
+
+    def _gate_up_weights(self) -> dict:
+        """The gate/up launch's weight arguments of this call."""
+        return dict(w13_ptr=self.w13, w13_scale_ptr=self.w13_scale)
 
     def _check_weights_input(self, topk_weights, T: int) -> None:
         check_tensor("topk_weights", topk_weights, self.group.device,

@@ -803,6 +803,12 @@ def plan_prefill(world: int, num_experts: int, hidden: int, max_tokens: int, top
 
 EXPERT_BLOCK_K = 64      # K step of every expert GEMM tile (serving/experts.py's masked kernel uses it too: the
 #                          same step gives a row the same bits in the fused and the unfused path)
+# fp8 expert weights (MoELayer's w13_scale / w2_scale): one float32 scale per block of FP8_WEIGHT_BLOCK x
+# FP8_WEIGHT_BLOCK weights, DeepSeek-V3's weight_block_size [128, 128]. A GEMM tile's K step must lie in one
+# block (BK divides it: each step loads one scale per output column); its output columns may span blocks
+# (each column's scale is loaded by its own index, so BN and a block boundary inside w13's up half are free).
+FP8_WEIGHT_BLOCK = 128
+assert FP8_WEIGHT_BLOCK % EXPERT_BLOCK_K == 0, "the fp8 weight tiles need BK to divide the scale block"
 GPU_EXPERT_ROWS = 16     # rows of a GEMM tile on a GPU (decode: few rows per expert)
 GPU_EXPERT_COLS = 64     # output columns of a GEMM tile on a GPU
 GPU_SCAN_SLOTS = 128     # landing slots per step of the gate/up kernel's row search on a GPU
@@ -825,7 +831,7 @@ class MoELayerPlan:
     block_rows: int           # BM: rows of a GEMM tile (both kernels)
     gate_cols: int            # BN of the gate/up kernel: columns of I per program
     down_cols: int            # BN of the down kernel: columns of H per program
-    block_k: int              # BK: K step of every GEMM tile (EXPERT_BLOCK_K)
+    block_k: int              # BK: K step of every GEMM tile (EXPERT_BLOCK_K; divides FP8_WEIGHT_BLOCK)
     scan_slots: int           # landing slots per step of the gate/up kernel's row search
     bookkeeping_slots: int    # slots per step of the down kernel's own-code and dropped-slot loops
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import formats
+from .planner import FP8_WEIGHT_BLOCK
 
 
 # ---- AllToAllvDynamic ----------------------------------------------------------------------------
@@ -122,10 +123,23 @@ def unpack_ue8m0(words: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """Inverse of ``quantize_fp8`` (any format: int32 scales are packed UE8M0): float32 [..., H]."""
+    """Inverse of ``quantize_fp8`` (any format: int32 scales are packed UE8M0): float32 [..., H] = q * the
+    scale of its group, one float32 product per element. Group j is columns [j * group, (j + 1) * group):
+    scales [..., ceil(H / group)] (H need not be a multiple of group: the last group is then shorter)."""
     if scales.dtype == torch.int32:
         scales = unpack_ue8m0(scales)
-    return (q.float().unflatten(-1, (-1, group)) * scales.unsqueeze(-1)).flatten(-2)
+    return q.float() * scales.repeat_interleave(group, dim=-1)[..., :q.shape[-1]]
+
+
+def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                          block: int = FP8_WEIGHT_BLOCK) -> torch.Tensor:
+    """An fp8 weight with block scales as DeepSeek-V3's checkpoints hold it (``weight_scale_inv``), in the
+    layer's dtype: w [..., N, K] float8_e4m3fn, scale float32 [..., ceil(N / block), ceil(K / block)] (block
+    (i, j) covers rows [i * block, (i + 1) * block) and columns [j * block, (j + 1) * block), the last ones
+    shorter). Returns [..., N, K] dtype = (w.float() * scale of its block).to(dtype): one float32 product,
+    one rounding. What ``MoELayer`` computes with fp8 weights (its kernels dequantize each tile so)."""
+    rows = scale.repeat_interleave(block, dim=-2)[..., :w.shape[-2], :]   # [..., N, ceil(K / block)]
+    return dequantize_fp8(w, rows, block).to(dtype)
 
 
 NVFP4_GROUP = 16          # elements per e4m3 block scale

@@ -24,7 +24,8 @@ goes on with the next step):
                         and loopback checked against transformers' eager run there; a Qwen3-30B-A3B-shaped
                         decode step (batch 1, 8, 64), the door unfused and fused (layer_path), against
                         transformers' grouped_mm and eager experts
-  12 moe-layer          bench/moe_layer.py: the fused MoE layer against our unfused path and against
+  12 moe-layer          bench/moe_layer.py: the fused MoE layer (bf16 weights, and fp8 with block scales)
+                        against our unfused path and against
                         dispatch + torch._grouped_mm + combine, DeepSeek-V3 and V4-Flash-like shapes, world
                         8 (emulated, a stream each) then 1, T = 1, 8, 64, 128, 512 (the fused/unfused
                         crossover: moe_layer.FUSED_MAX_TOKENS)
@@ -97,6 +98,7 @@ GPU_TESTS = (
     "tests/gpu/test_gpu_formats.py::test_prefill_moe_with_local_experts_on_the_device[e4m3-ue8m0]",
     "tests/gpu/test_gpu_formats.py::test_nvfp4_global_scales_that_differ_raise_compiled",
     "tests/gpu/test_gpu_moe_layer.py::test_layer_compiled_equals_the_reference_and_the_unfused_path[True-2]",
+    "tests/gpu/test_gpu_moe_layer.py::test_fp8_weights_compiled_equal_the_layer_on_dequantized_weights[False]",
 )
 FAULT_SCRIPT = "bench/timeout_repeats.py"
 SANITIZER = "compute-sanitizer"
@@ -381,9 +383,11 @@ def moe_layer(ctx: Context, d: str):
 
 def judge_moe_layer(d, log, rc, dry):
     """Per (shape, world): the fused layer's speedup over the unfused path at each T, and the first T where
-    it is slower (the crossover the layer's path="auto" should use)."""
+    it is slower (the crossover the layer's path="auto" should use); with fp8 weights, its time against the
+    bf16 fused layer's (the weight bytes halve) and its p50 / floor."""
     rows = [r for r in _jsonl(os.path.join(d, "moe_layer.jsonl")) if r.get("kind") == "result"]
     fused = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused"}
+    fp8 = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused_fp8"}
     parts = []
     for shape, world in sorted({k[:2] for k in fused}):
         ts = sorted(t for s, w, t in fused if (s, w) == (shape, world))
@@ -391,7 +395,12 @@ def judge_moe_layer(d, log, rc, dry):
         slower = [t for t in ts if speed[t] is not None and speed[t] < 1.0]
         parts.append(f"{shape} W{world}: " + ", ".join(f"T{t} x{speed[t]:.2f}" for t in ts if speed[t] is not None)
                      + (f"; unfused faster from T={slower[0]}" if slower else ""))
-    exact = all(r.get("max_abs_diff_vs_unfused", 1.0) == 0.0 for r in rows if r["impl"] == "fused")
+        f8 = [(t, fused[(shape, world, t)]["p50_us"] / fp8[(shape, world, t)]["p50_us"],
+               fp8[(shape, world, t)]["x_floor"]) for t in ts if (shape, world, t) in fp8]
+        if f8:
+            parts.append(f"{shape} W{world} fp8 weights vs bf16: " + ", ".join(f"T{t} x{x:.2f} ({fl:.2f} of floor)"
+                                                                               for t, x, fl in f8))
+    exact = all(r.get("max_abs_diff_vs_unfused", 1.0) == 0.0 for r in rows if r["impl"] in ("fused", "fused_fp8"))
     return rc == 0 and bool(rows), ("; ".join(parts) or f"no results (exit {rc})") + \
         ("" if exact else "; fused differs from unfused somewhere (max_abs_diff_vs_unfused)")
 
@@ -427,7 +436,8 @@ STEPS = (
     Step("decode", 50, "DeepSeek-V3 decode step, batch 1/64: fused vs sync-graphed", decode, judge_decode),
     Step("hf-door", 110, "transformers door: world-1 generation vs eager; decode step (unfused, fused) vs grouped_mm",
          hf_door, judge_hf_door),
-    Step("moe-layer", 150, "fused MoE layer vs unfused vs grouped_mm, DSV3/V4-Flash, W 8/1, T 1-512", moe_layer,
+    Step("moe-layer", 150, "fused MoE layer (bf16, fp8 weights) vs unfused vs grouped_mm, DSV3/V4-Flash, W 8/1, "
+         "T 1-512", moe_layer,
          judge_moe_layer),
     Step("cold-start", 80, "process start to first dispatch+combine: cold, warm, after warmup", cold_start,
          judge_cold_start),

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_comm import reference
+from moe_comm.planner import FP8_WEIGHT_BLOCK
 
 U32 = 2.0 ** -24
 SILU_SLOPE = 1.1             # max |d SiLU / dx| (1.0998 at x = 2.4)
@@ -161,10 +162,53 @@ def layer_bound(xs, idxs, ws, w13s, w2s, num_experts: int, max_tokens: int) -> l
     return out
 
 
+class LayerInputs(tuple):
+    """(xs, idxs, ws, w13s, w2s) as ``layer_inputs`` makes them, the weights as the reference takes them.
+    ``fp8``: per rank dict(w13, w2, w13_scale, w2_scale) of fp8 weights whose dequantized values
+    (``reference.dequantize_fp8_weight``) are w13s and w2s; None for weights in the dtype."""
+
+    fp8 = None
+
+
+def fp8_weights(w13s, w2s, seed: int, exact: bool):
+    """fp8 e4m3 weights with 128x128 block scales near the given ones (``LayerInputs.fp8``), and their
+    dequantized values (the reference's weights). Each block's scale is drawn: a power of two in [1/4, 4]
+    with ``exact`` (the exact weights' values divided by it are e4m3 values, so the dequantized weights are
+    the exact ones), else a float32 in [1/2, 3/2) times the block's amax / 448 (every block's different,
+    so a scale read from the wrong block changes the result)."""
+    g = torch.Generator().manual_seed(seed + 13)
+    fp8, deq13, deq2 = [], [], []
+    for w13, w2 in zip(w13s, w2s):
+        parts = {}
+        for name, w in (("w13", w13), ("w2", w2)):
+            L, N, K = w.shape
+            grid = (L, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
+            if exact:
+                scale = 2.0 ** torch.randint(-2, 3, grid, generator=g).float()
+            else:
+                blocks = torch.zeros(grid)
+                wf = w.float().abs()
+                for i in range(grid[1]):
+                    for j in range(grid[2]):
+                        blocks[:, i, j] = wf[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK,
+                                             j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK].amax(dim=(1, 2))
+                scale = blocks.clamp(min=1e-4) / 448 * (0.5 + torch.rand(grid, generator=g))
+            per_elem = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
+            q = (w.float() / per_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
+            if exact:
+                assert torch.equal(q.float() * per_elem, w.float()), "exact weights not representable in e4m3"
+            parts[name], parts[f"{name}_scale"] = q, scale
+        fp8.append(parts)
+        deq13.append(reference.dequantize_fp8_weight(parts["w13"], parts["w13_scale"], w13.dtype))
+        deq2.append(reference.dequantize_fp8_weight(parts["w2"], parts["w2_scale"], w2.dtype))
+    return fp8, deq13, deq2
+
+
 def layer_inputs(world: int, tokens: list[int], experts_per_rank: int, hidden: int, inter: int, topk: int,
-                 seed: int, exact: bool, routing: str = "random", dtype=torch.bfloat16):
-    """(xs, idxs, ws, w13s, w2s): tokens per rank ``tokens``; routing "random" (distinct experts, about one
-    slot in eight -1), "one_expert" (every routed slot to expert 0, the others -1) or "none"."""
+                 seed: int, exact: bool, routing: str = "random", dtype=torch.bfloat16, fp8: bool = False):
+    """(xs, idxs, ws, w13s, w2s) (a ``LayerInputs``): tokens per rank ``tokens``; routing "random" (distinct
+    experts, about one slot in eight -1), "one_expert" (every routed slot to expert 0, the others -1) or
+    "none"; with ``fp8``, fp8 weights with block scales (``fp8_weights``)."""
     from moe_cases import make_inputs
     E = experts_per_rank * world
     xs, idxs, ws = make_inputs(world, tokens, E, topk, hidden, seed, dtype)
@@ -177,7 +221,20 @@ def layer_inputs(world: int, tokens: list[int], experts_per_rank: int, hidden: i
             idx.fill_(-1)
     xs = make_tokens(xs, seed, exact)
     weights = make_weights(world, experts_per_rank, hidden, inter, seed, exact, dtype)
-    return xs, idxs, ws, [w[0] for w in weights], [w[1] for w in weights]
+    w13s, w2s = [w[0] for w in weights], [w[1] for w in weights]
+    quantized = None
+    if fp8:
+        quantized, w13s, w2s = fp8_weights(w13s, w2s, seed, exact)
+    out = LayerInputs((xs, idxs, ws, w13s, w2s))
+    out.fp8 = quantized
+    return out
+
+
+def layer_weights(inputs, rank: int) -> dict:
+    """Rank ``rank``'s weights as MoELayer and set_weights take them (keywords)."""
+    if inputs.fp8 is not None:
+        return inputs.fp8[rank]
+    return dict(w13=inputs[3][rank], w2=inputs[4][rank])
 
 
 # ---- running the layer ------------------------------------------------------------------------------------
@@ -192,6 +249,7 @@ class LayerConfig:
     topk: int
     max_tokens: int
     dtype: torch.dtype = torch.bfloat16
+    fp8: bool = False         # fp8 e4m3 weights with 128x128 block scales (the reference: dequantized)
 
 
 # Experts per rank 1, 3, 4 (3: not a power of two), hidden 64/128/192 (192: not a power of two), I 16..96,
@@ -201,6 +259,12 @@ CONFIGS = (
     LayerConfig(3, 64, 32, 3, 4),
     LayerConfig(1, 192, 48, 1, 6, torch.float16),
     LayerConfig(4, 64, 96, 4, 1),
+)
+# fp8 weights with block scales: hidden 192 (one and a half scale blocks), I 80 (w13's 160 rows: the up half
+# starts in block 0 and ends in block 1; w2's K is one short block); hidden 136 and I 40 in float16.
+FP8_CONFIGS = (
+    LayerConfig(2, 192, 80, 2, 5, fp8=True),
+    LayerConfig(3, 136, 40, 3, 4, torch.float16, fp8=True),
 )
 # random: distinct experts, about one slot in eight -1; one_expert: every token's slot 0 to expert 0, the
 # others -1; none: nothing routed.
@@ -214,11 +278,11 @@ def token_counts(cfg: LayerConfig, world: int, seed: int) -> list[int]:
     return [pool[(seed + r) % len(pool)] for r in range(world)]
 
 
-def case_list(world: int, configs=None, routings=ROUTINGS, pairs=None):
-    """(config index, config, routing, exact, seed): every config with every routing (or only the (config
-    index, routing) ``pairs``), exact and random inputs alternating."""
+def case_list(world: int, configs=None, routings=ROUTINGS, pairs=None, table=None):
+    """(config index, config, routing, exact, seed): every config of ``table`` (default CONFIGS) with every
+    routing (or only the (config index, routing) ``pairs``), exact and random inputs alternating."""
     seed = 1000 * world
-    for ci, cfg in enumerate(CONFIGS):
+    for ci, cfg in enumerate(CONFIGS if table is None else table):
         if configs is not None and ci not in configs:
             continue
         for routing in routings:
@@ -233,13 +297,13 @@ PAIRS = ((0, "random"), (1, "one_expert"), (2, "none"), (3, "random"))
 
 def case_inputs(cfg: LayerConfig, world: int, routing: str, exact: bool, seed: int):
     return layer_inputs(world, token_counts(cfg, world, seed), cfg.experts_per_rank, cfg.hidden, cfg.inter,
-                        cfg.topk, seed, exact, routing, cfg.dtype)
+                        cfg.topk, seed, exact, routing, cfg.dtype, cfg.fp8)
 
 
-def make_layer(group, cfg: LayerConfig, w13, w2):
+def make_layer(group, cfg: LayerConfig, w13, w2, **scales):
     from moe_comm import MoELayer
     return MoELayer(group, cfg.experts_per_rank * group.world_size, cfg.hidden, cfg.inter, cfg.max_tokens, cfg.topk,
-                    w13, w2, dtype=cfg.dtype)
+                    w13, w2, dtype=cfg.dtype, **scales)
 
 
 def check_ranks(ys: dict, inputs, cfg: LayerConfig, exact: bool, tag: str, excluded=()) -> list[str]:
@@ -274,16 +338,16 @@ def run_loopback_layers(layers, xs, idxs, ws, outs=None) -> list[torch.Tensor]:
     return [layer(phase="recv", out=None if outs is None else outs[r]) for r, layer in enumerate(layers)]
 
 
-def run_loopback_cases(groups, configs=None, routings=ROUTINGS, pairs=None) -> list[str]:
+def run_loopback_cases(groups, configs=None, routings=ROUTINGS, pairs=None, table=None) -> list[str]:
     """Every case (of ``case_list``) on a loopback world; returns the mismatches."""
     world, errs, layers = len(groups), [], {}
-    for ci, cfg, routing, exact, seed in case_list(world, configs, routings, pairs):
+    for ci, cfg, routing, exact, seed in case_list(world, configs, routings, pairs, table):
         inputs = case_inputs(cfg, world, routing, exact, seed)
         if ci not in layers:
-            layers[ci] = [make_layer(g, cfg, inputs[3][r], inputs[4][r]) for r, g in enumerate(groups)]
+            layers[ci] = [make_layer(g, cfg, **layer_weights(inputs, r)) for r, g in enumerate(groups)]
         else:
             for r, layer in enumerate(layers[ci]):
-                layer.set_weights(inputs[3][r], inputs[4][r])
+                layer.set_weights(**layer_weights(inputs, r))
         ys = run_loopback_layers(layers[ci], *inputs[:3])
         errs += check_ranks(dict(enumerate(ys)), inputs, cfg, exact, f"loopback W{world} cfg{ci} {routing} exact={exact}")
     for per_rank in layers.values():
@@ -292,16 +356,16 @@ def run_loopback_cases(groups, configs=None, routings=ROUTINGS, pairs=None) -> l
     return errs
 
 
-def run_shm_cases(group, configs=None, routings=ROUTINGS, pairs=None) -> list[str]:
+def run_shm_cases(group, configs=None, routings=ROUTINGS, pairs=None, table=None) -> list[str]:
     """Every case (of ``case_list``) on one rank of a launched group (phase='both', or split on every third)."""
     world, rank, errs, layers = group.world_size, group.rank, [], {}
-    for ci, cfg, routing, exact, seed in case_list(world, configs, routings, pairs):
+    for ci, cfg, routing, exact, seed in case_list(world, configs, routings, pairs, table):
         inputs = case_inputs(cfg, world, routing, exact, seed)
         xs, idxs, ws, w13s, w2s = inputs
         if ci not in layers:
-            layers[ci] = make_layer(group, cfg, w13s[rank], w2s[rank])
+            layers[ci] = make_layer(group, cfg, **layer_weights(inputs, rank))
         else:
-            layers[ci].set_weights(w13s[rank], w2s[rank])
+            layers[ci].set_weights(**layer_weights(inputs, rank))
         layer = layers[ci]
         out = torch.full_like(xs[rank], float("nan"))
         if seed % 3 == 0:

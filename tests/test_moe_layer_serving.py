@@ -31,7 +31,8 @@ def test_engine_on_the_layer_matches_the_reference_in_rank_processes(world):
 @pytest.mark.timeout(300)
 def test_the_layer_benchmark_dry_run(tmp_path):
     """bench/moe_layer.py without a GPU (the gpu-quick step's dry form): every implementation runs at world 1
-    and 2, the lines carry the floor and the speedup, and fused equals unfused bit for bit."""
+    and 2, the lines carry the floor and the speedup, and fused (bf16 and fp8 weights) equals unfused bit
+    for bit; the fp8 layer's floor is below the bf16 one's (half the weight bytes)."""
     import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -41,8 +42,11 @@ def test_the_layer_benchmark_dry_run(tmp_path):
                  "--out-dir", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "moe_layer.jsonl").read_text().splitlines()]
     res = [r for r in rows if r["kind"] == "result"]
-    assert {(r["impl"], r["world"]) for r in res} == {(i, w) for i in ("fused", "unfused", "grouped_mm") for w in (1, 2)}
+    impls = ("fused", "fused_fp8", "unfused", "grouped_mm")
+    assert {(r["impl"], r["world"]) for r in res} == {(i, w) for i in impls for w in (1, 2)}
     for r in res:
         assert r["dry"] and r["floor_us"] > 0 and r["speedup_vs_unfused"] > 0 and r["env"]["commit"]
-        if r["impl"] == "fused":
+        if r["impl"] in ("fused", "fused_fp8"):
             assert r["max_abs_diff_vs_unfused"] == 0.0
+    floor = {(r["impl"], r["world"]): r["floor_us"] for r in res}
+    assert all(floor[("fused_fp8", w)] < floor[("fused", w)] for w in (1, 2))

@@ -19,26 +19,55 @@ import triton
 import triton.language as tl
 
 from ..interpreter import kernel_for
-from ..planner import EXPERT_BLOCK_K
+from ..planner import EXPERT_BLOCK_K, FP8_WEIGHT_BLOCK
 from ..triton_kernels.quant import cast_rne
 from ..triton_kernels.sync import INTERPRET
 
 # Triton's interpreter multiplies bfloat16 tiles as raw 16-bit integers: there, tiles are widened to
 # float32 first (the products are exact in float32 either way; only the compiled path uses bf16 MMA).
 DOT_IN_FLOAT32 = tl.constexpr(INTERPRET)
+W_BLOCK = tl.constexpr(FP8_WEIGHT_BLOCK)   # rows and columns of an fp8 weight's scale block
+
+
+@triton.jit
+def _b_tile(ptrs, mask, bs_base, s_off, k0, col_live, W_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """A [BK, BN] weight tile at ``ptrs`` as tl.dot takes it: W_FP8, fp8 dequantized to DTYPE (float32 times
+    each column's block scale ``bs_base + s_off + k0 // 128``, rounded once); widened to float32 in the
+    interpreter (``DOT_IN_FLOAT32``)."""
+    b = tl.load(ptrs, mask=mask, other=0.0)
+    if W_FP8:
+        scale = tl.load(bs_base + s_off + k0 // W_BLOCK, mask=col_live, other=0.0)
+        b = cast_rne(b.to(tl.float32) * scale[None, :], DTYPE)
+    if DOT_IN_FLOAT32:
+        b = b.to(tl.float32)
+    return b
 
 
 @triton.jit
 def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                W_FP8: tl.constexpr = False, bs_base=None, b_row0=0, b2_row0=0):
     """float32 [BM, BN]: the rows of A that start at ``a_base + a_rows`` ([BM] element offsets; elements s_ak
     apart; rows where ``row_live``, the others read as zeros) times columns [n0, n0 + BN) of B [K, N] (at ``b_base``,
     strides s_bk, s_bn), accumulated over K in steps of BK by tl.dot; with GATED, SiLU(A @ B) * (A @ B2)
     (B2 at ``b2_base``, B's strides), in float32. The one GEMM tile of the expert kernels: the masked
     batched experts here and the fused MoE layer (``moe_comm/triton_kernels/moe_gate_up.py``,
-    ``moe_down_combine.py``), so a row's result is the same bits whichever kernel computes it."""
+    ``moe_down_combine.py``), so a row's result is the same bits whichever kernel computes it.
+
+    W_FP8: B (and B2) are float8_e4m3fn with block scales: B[k, n] is row ``b_row0 + n`` (B2: ``b2_row0 + n``),
+    column k of a weight [rows, K] whose float32 scales ``bs_base`` [ceil(rows / 128), ceil(K / 128)] (row
+    major) cover blocks of FP8_WEIGHT_BLOCK x FP8_WEIGHT_BLOCK. Each tile is dequantized in registers to A's
+    dtype before tl.dot, as ``reference.dequantize_fp8_weight``: fp8 -> float32, times its block's scale,
+    rounded once. BK divides the block, so a K step reads one scale per output column."""
     rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    s_off = rn    # W_FP8: each column's row of block scales, for B and B2 (unused otherwise)
+    s2_off = rn
+    if W_FP8:
+        tl.static_assert(W_BLOCK % BK == 0, "the K step must lie in one fp8 scale block")
+        s_cols = (K + W_BLOCK - 1) // W_BLOCK                # scale blocks per weight row
+        s_off = (b_row0 + rn) // W_BLOCK * s_cols             # [BN] each column's row of scales
+        s2_off = (b2_row0 + rn) // W_BLOCK * s_cols
     # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
     # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
     a_off = a_rows[:, None] + rk[None, :] * s_ak
@@ -50,15 +79,13 @@ def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk,
         # Rows past the count are not read: whatever they hold gives rows that are never stored.
         a = tl.load(a_base + a_off, mask=row_live[:, None] & k_live[None, :], other=0.0)
         b_mask = k_live[:, None] & (rn < N)[None, :]
-        b = tl.load(b_base + b_off, mask=b_mask, other=0.0)
+        DTYPE: tl.constexpr = a_base.dtype.element_ty
+        b = _b_tile(b_base + b_off, b_mask, bs_base, s_off, k0, rn < N, W_FP8, DTYPE)
         if DOT_IN_FLOAT32:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
-            b2 = tl.load(b2_base + b_off, mask=b_mask, other=0.0)
-            if DOT_IN_FLOAT32:
-                b2 = b2.to(tl.float32)
+            b2 = _b_tile(b2_base + b_off, b_mask, bs_base, s2_off, k0, rn < N, W_FP8, DTYPE)
             acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
         a_off += BK * s_ak
         b_off += BK * s_bk

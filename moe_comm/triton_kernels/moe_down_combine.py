@@ -32,7 +32,8 @@ At world 1 every slot is this rank's: the tiles go to expert_out, and there is n
 import triton
 import triton.language as tl
 
-from ..serving.experts import expert_tile
+from ..serving.experts import W_BLOCK, expert_tile
+from .moe_gate_up import FP8_WEIGHTS_LABEL
 from . import trace
 from .combine import _returned_rows, _run_of, _runs, _slots
 from .copy import address, store_tile
@@ -75,7 +76,8 @@ def _zero_dropped(row_of_ptr, tokens, data_ptrs_ptr, zone_off, grp, rank, n0, WO
 @triton.jit
 def moe_down_combine_kernel(
     h_ptr,            # [L, CAP, INTER] dtype: the gate/up kernel's activations (rows < counts[e])
-    w2_ptr,           # [L, HIDDEN, INTER] dtype: down projections
+    w2_ptr,           # [L, HIDDEN, INTER] dtype (W_FP8: float8_e4m3fn): down projections
+    w2_scale_ptr,     # W_FP8: float32 [L, ceil(HIDDEN / 128), ceil(INTER / 128)], w2's block scales; else None
     counts_ptr,       # int32 [L]: rows per local expert (the dispatch's d.counts)
     src_ptr,          # int32 [L * CAP]: source_rank * M + token of each row (the dispatch's d.src)
     row_of_ptr,       # int32 [WORLD * M, TOPK]: the dispatch's row e * CAP + i of slot (s, t, k); -1 not
@@ -99,6 +101,7 @@ def moe_down_combine_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, SLOT_WORDS: tl.constexpr, ZONE_SLOTS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, PRECISION: tl.constexpr,
     ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr,
+    W_FP8: tl.constexpr = False,   # fp8 weights with block scales, dequantized per tile (``expert_tile``)
 ):
     # SLOT_WORDS: words of a combine landing row (HIDDEN * element size / 4); BS: slots per step of the
     # bookkeeping loops
@@ -145,12 +148,15 @@ def moe_down_combine_kernel(
         rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), CAP)
         h_base = h_ptr + e.to(tl.int64) * CAP * INTER
         b_base = w2_ptr + e.to(tl.int64) * HIDDEN * INTER
+        s_base = w2_scale_ptr
+        if W_FP8:
+            s_base = w2_scale_ptr + e.to(tl.int64) * (tl.cdiv(HIDDEN, W_BLOCK) * tl.cdiv(INTER, W_BLOCK))
         kk = tl.arange(0, TOPK_P2)
         for m0 in range(0, rows, BM):
             i = m0 + tl.arange(0, BM)
             row_live = i < rows
             acc = expert_tile(h_base, i.to(tl.int64) * INTER, row_live, b_base, b_base, n0, INTER, HIDDEN, 1, 1, INTER,
-                              False, BM, BN, BK, PRECISION)
+                              False, BM, BN, BK, PRECISION, W_FP8, s_base, 0, 0)
             # The slot (s, t, k) of each row: s * M + t from src, k where row_of names the row.
             q = tl.minimum(tl.maximum(tl.load(src_ptr + e * CAP + i, mask=row_live, other=0), 0), WORLD * M - 1)
             s = q // M
@@ -223,17 +229,21 @@ def _compile_configs() -> list[dict]:
                  data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", stage_ptr="*i32", stage_ctrl_ptr="*i64", seq_ptr="*i64",
                  done_ptr="*i32", grp="*i64", status_ptr="*i64", rank="i32")
     out = []
-    for world, put, traced in ((8, False, False), (8, False, True), (8, True, False), (1, False, False)):
+    for world, put, traced, fp8 in ((8, False, False, False), (8, False, True, False), (8, True, False, False),
+                                    (1, False, False, False), (8, False, False, True), (8, True, False, True),
+                                    (1, False, False, True)):
         p = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
         p = p.with_put() if put else p
         lp = plan_moe_layer(p, 2048, "cuda")
-        label = f"DSV3 EP{world} bf16" + (" put" if put else "") + (" trace" if traced else "")
-        out.append(dict(kernel="moe_down_combine_kernel", label=label, types=types, nvshmem=put, constexprs=dict(
+        label = f"DSV3 EP{world} bf16" + (" put" if put else "") + (" trace" if traced else "") + \
+            (" " + FP8_WEIGHTS_LABEL if fp8 else "")
+        out.append(dict(kernel="moe_down_combine_kernel", label=label, nvshmem=put,
+                        types=dict(types, w2_ptr="*fp8e4nv", w2_scale_ptr="*fp32") if fp8 else types, constexprs=dict(
             OP=3, WORLD=world, WORLD_P2=next_pow2(world), M=128, CAP=p.capacity, TOPK=8, TOPK_P2=8,
             EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), HIDDEN=7168, INTER=2048,
             SLOT_WORDS=p.combine_words, ZONE_SLOTS=max(1, p.combine_zone_slots), BM=lp.block_rows, BN=lp.down_cols,
             BK=lp.block_k, BS=lp.bookkeeping_slots, PRECISION="tf32", ALIGNED=True, PUT=put, TRACE=traced,
-            TRACE_N=64)))
+            TRACE_N=64, W_FP8=fp8, **({} if fp8 else dict(w2_scale_ptr=None)))))
     return out
 
 

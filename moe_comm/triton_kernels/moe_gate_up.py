@@ -36,7 +36,7 @@ counts, and the rows are read from the tokens x (row i of expert e is x[src[e, i
 import triton
 import triton.language as tl
 
-from ..serving.experts import expert_tile
+from ..serving.experts import W_BLOCK, expert_tile
 from ..triton_kernels.quant import cast_rne
 from .sync import S_EPOCH, flag_value, group_failed, is_live, wait_flags
 
@@ -72,12 +72,13 @@ def _landing_rows(data_ptr, zone, e, i, live, bases, counts, tokens, s_first, s_
 
 
 @triton.jit
-def _tile(a_base, a_rows, live, i, b_base, h_base, n0, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+def _tile(a_base, a_rows, live, i, b_base, s_base, h_base, n0, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr):
     """SiLU(A @ gate) * (A @ up) of the rows at ``a_base + a_rows`` ([BM] element offsets; where ``live``),
-    columns [n0, n0 + BN) of I, rounded once and stored to rows ``i`` of h (``h_base``: expert e's rows)."""
+    columns [n0, n0 + BN) of I, rounded once and stored to rows ``i`` of h (``h_base``: expert e's rows).
+    W_FP8: expert e's w13 is fp8 with its block scales at ``s_base`` (the up rows are w13's rows I + n)."""
     acc = expert_tile(a_base, a_rows, live, b_base, b_base + INTER * HIDDEN, n0, HIDDEN, INTER, 1, 1, HIDDEN, True, BM, BN,
-                      BK, PRECISION)
+                      BK, PRECISION, W_FP8, s_base, 0, INTER)
     rn = n0 + tl.arange(0, BN)
     tl.store(h_base + i[:, None].to(tl.int64) * INTER + rn[None, :], cast_rne(acc, h_base.dtype.element_ty),
              mask=live[:, None] & (rn < INTER)[None, :])
@@ -91,7 +92,9 @@ def moe_gate_up_kernel(
     x_ptr,        # [T, HIDDEN] dtype: the tokens (WORLD == 1 only)
     src_ptr,      # int32 [L * CAP]: token of each d.x row (WORLD == 1 only; the world-1 dispatch wrote it)
     counts_ptr,   # int32 [L]: rows per local expert (WORLD == 1 only)
-    w13_ptr,      # [L, 2 * INTER, HIDDEN] dtype: gate (rows [0, INTER)) and up (rows [INTER, 2 * INTER))
+    w13_ptr,      # [L, 2 * INTER, HIDDEN] dtype (W_FP8: float8_e4m3fn): gate (rows [0, INTER)) and up (rows
+    #               [INTER, 2 * INTER))
+    w13_scale_ptr,  # W_FP8: float32 [L, ceil(2 * INTER / 128), ceil(HIDDEN / 128)], w13's block scales; else None
     h_ptr,        # out [L, CAP, INTER] dtype: SiLU(x @ gate.T) * (x @ up.T) of rows < the expert's count
     grp, status_ptr, rank,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
@@ -99,10 +102,14 @@ def moe_gate_up_kernel(
     ROW_WORDS: tl.constexpr, CTRL_WORDS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCAN: tl.constexpr, PRECISION: tl.constexpr,
     PUT: tl.constexpr,  # META: the routing words' first word in a landing row (payload words before it)
+    W_FP8: tl.constexpr = False,   # fp8 weights with block scales, dequantized per tile (``expert_tile``)
 ):
     n0 = tl.program_id(0) * BN
     e = tl.program_id(1)
     b_base = w13_ptr + e.to(tl.int64) * (2 * INTER * HIDDEN)
+    s_base = w13_scale_ptr
+    if W_FP8:
+        s_base = w13_scale_ptr + e.to(tl.int64) * (tl.cdiv(2 * INTER, W_BLOCK) * tl.cdiv(HIDDEN, W_BLOCK))
     h_base = h_ptr + e.to(tl.int64) * CAP * INTER
     if WORLD == 1:
         rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), CAP)
@@ -110,7 +117,8 @@ def moe_gate_up_kernel(
             i = m0 + tl.arange(0, BM)
             live = i < rows
             t = tl.minimum(tl.maximum(tl.load(src_ptr + e * CAP + i, mask=live, other=0), 0), M - 1)
-            _tile(x_ptr, t.to(tl.int64) * HIDDEN, live, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
+            _tile(x_ptr, t.to(tl.int64) * HIDDEN, live, i, b_base, s_base, h_base, n0, HIDDEN, INTER, BM, BN, BK,
+                  PRECISION, W_FP8)
     elif group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0:   # a failed group's kernels neither wait nor send
         call = tl.load(seq_ptr) + 1
         zone = call % 2
@@ -148,8 +156,8 @@ def moe_gate_up_kernel(
                         rows, found = _landing_rows(data_ptr, zone, e, i, i < end, bases, counts, tokens, s_first,
                                                     s, WORLD, WORLD_P2, M, TOPK, TOPK_P2, EXPERTS_PER_RANK,
                                                     ROW_WORDS, META, BM, SCAN)
-                        _tile(rows_of, rows * WORD_ELEMS, found, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK,
-                              PRECISION)
+                        _tile(rows_of, rows * WORD_ELEMS, found, i, b_base, s_base, h_base, n0, HIDDEN, INTER, BM, BN,
+                              BK, PRECISION, W_FP8)
                         m0 += BM
                         s_first = s
         end = tl.minimum(known, CAP)
@@ -158,7 +166,8 @@ def moe_gate_up_kernel(
             rows, found = _landing_rows(data_ptr, zone, e, i, i < end, bases, counts, tokens, s_first,
                                         WORLD - 1, WORLD, WORLD_P2, M, TOPK, TOPK_P2, EXPERTS_PER_RANK, ROW_WORDS,
                                         META, BM, SCAN)
-            _tile(rows_of, rows * WORD_ELEMS, found, i, b_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION)
+            _tile(rows_of, rows * WORD_ELEMS, found, i, b_base, s_base, h_base, n0, HIDDEN, INTER, BM, BN, BK, PRECISION,
+                  W_FP8)
 
 
 def _compile_configs() -> list[dict]:
@@ -175,13 +184,20 @@ def _compile_configs() -> list[dict]:
         p = plan_ep(world, 256, 7168, 128, 8, torch.bfloat16, False, "cuda")
         p = p.with_put() if put else p
         lp = plan_moe_layer(p, 2048, "cuda")
-        out.append(dict(kernel="moe_gate_up_kernel", label=f"DSV3 EP{world} bf16" + (" put" if put else ""),
-                        types=types, nvshmem=put, constexprs=dict(
-                            OP=2, WORLD=world, WORLD_P2=next_pow2(world), M=128, CAP=p.capacity, TOPK=8, TOPK_P2=8,
-                            EXPERTS_PER_RANK=p.experts_per_rank, META=p.x_words + p.scale_words, ROW_WORDS=p.row_words,
-                            CTRL_WORDS=p.dispatch_ctrl_words, HIDDEN=7168, INTER=2048, BM=lp.block_rows,
-                            BN=lp.gate_cols, BK=lp.block_k, SCAN=lp.scan_slots, PRECISION="tf32", PUT=put)))
+        for fp8 in (False, True):   # bf16 weights, or DeepSeek's fp8 weights with 128x128 block scales
+            out.append(dict(kernel="moe_gate_up_kernel", label=f"DSV3 EP{world} bf16" + (" put" if put else "")
+                            + (" " + FP8_WEIGHTS_LABEL if fp8 else ""),
+                            types=dict(types, w13_ptr="*fp8e4nv", w13_scale_ptr="*fp32") if fp8 else types,
+                            nvshmem=put, constexprs=dict(
+                                OP=2, WORLD=world, WORLD_P2=next_pow2(world), M=128, CAP=p.capacity, TOPK=8, TOPK_P2=8,
+                                EXPERTS_PER_RANK=p.experts_per_rank, META=p.x_words + p.scale_words,
+                                ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, HIDDEN=7168, INTER=2048,
+                                BM=lp.block_rows, BN=lp.gate_cols, BK=lp.block_k, SCAN=lp.scan_slots, PRECISION="tf32",
+                                PUT=put, W_FP8=fp8, **({} if fp8 else dict(w13_scale_ptr=None)))))
     return out
+
+
+FP8_WEIGHTS_LABEL = "e4m3-weights"   # the label word of the W_FP8 configs (the tokens stay bf16)
 
 
 COMPILE_CONFIGS = _compile_configs()
