@@ -9,6 +9,9 @@ barrier path (``group._fail_group``), the same record a kernel's timed-out wait 
   timeout naming rank 2, at once (well before its own timeout), so ``exclude([err.peer])`` works on B.
   (Before, B adopted S's record and raised a CommTimeoutError naming itself, which it cannot exclude.)
 - ``before``: S's record was there when B's wait began: B is the late rank and adopts it (names itself).
+- A rank that waits for the recording rank itself adopts its record (two ranks waiting for each other in
+  different ops: every rank raises the same error): tests/test_emulated_nodes.py::
+  test_a_failure_found_on_one_node_reaches_the_other_by_puts (rank 0 in a barrier, rank 1 waiting for it).
 
 What this can show: the wait's decision on the interpreter (shm world 3, one process per rank). What it
 cannot: the same race on a GPU (the decision reads the status once per poll, as every failed-group check
