@@ -609,12 +609,16 @@ class EPBuffer(OpBuffer):
         if g.world_size > 1 and not p.combine_fp8:   # the send copies its rows as words (at world 1,
             check_words("expert_out", expert_out)      # and quantizing them, it reads elements)
 
-    def _send_combine(self, handle: EPHandle, expert_out: torch.Tensor, ready: bool = False) -> None:
-        """Launch the send phase of a combine (nothing at world 1 without ready words: the receive reads every
-        row in place)."""
-        if ready or self.group.world_size > 1:
-            send = self._launches()[handle.call_index % 2]["combine_send_ready" if ready else "combine_send"]
+    def _send_combine(self, handle: EPHandle, expert_out: torch.Tensor) -> None:
+        """Launch the send phase of a combine (nothing at world 1: the receive reads every row in place)."""
+        if self.group.world_size > 1:
+            send = self._launches()[handle.call_index % 2]["combine_send"]
             send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
+
+    def _send_combine_ready(self, handle: EPHandle, expert_out: torch.Tensor) -> None:
+        """Launch the send phase of a combine with ready words (at every world size: at world 1 it only waits)."""
+        send = self._launches()[handle.call_index % 2]["combine_send_ready"]
+        send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
 
     def ready_words(self) -> ReadyWords:
         """The ready words of this buffer (``ReadyWords``): pass them as ``combine(..., ready=words)`` and
@@ -666,7 +670,10 @@ class EPBuffer(OpBuffer):
             op.validate(check)
             op.before_send()
             expert_out = expert_out.contiguous()
-            self._send_combine(handle, expert_out, ready is not None)
+            if ready is None:
+                self._send_combine(handle, expert_out)
+            else:
+                self._send_combine_ready(handle, expert_out)
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None
