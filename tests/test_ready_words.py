@@ -242,7 +242,9 @@ def _named(err, expert, rank=0):
 @pytest.mark.timeout(120)
 def test_an_expert_never_signalled_is_named_on_every_rank_and_reset_recovers():
     """Rank 0 never signals its local expert 1 (world 2): rank 0's send times out naming it, rank 1 gets
-    the same named error (the group's status), and after reset() the next call is exact on both."""
+    the same named error (the group's status), and after reset() the next call is exact on both. (Loopback
+    runs rank 1's receive after rank 0's send has timed out, so rank 1 adopts the record; on a GPU its own
+    wait for rank 0's flag may time out first and name rank 0 instead: docs/moe-layer.md.)"""
     groups, eps = _loopback(2, SHORT_TIMEOUT_S)
     assert _signalled_call(eps, groups, 2, 1) == ([None, None], [])
     got, bad = _signalled_call(eps, groups, 2, 2, missing=(1,))
