@@ -124,26 +124,24 @@ class ReadyWords:
             so read it in a kernel ordered after the previous combine call
     state   int64: the group state (its epoch: the flag is ``epoch << EPOCH_SHIFT | call + 1``, so a signal of
             an earlier call or epoch never satisfies a wait)
-    every   int64 [E_local]: 0 .. E_local - 1 (``signal()``'s default)
     """
 
     words: torch.Tensor
     call: torch.Tensor
     state: torch.Tensor
-    every: torch.Tensor
 
     def signal(self, experts: torch.Tensor | None = None) -> None:
         """Mark local experts ready from the current stream (after the work queued on it, e.g. a torch GEMM
         of those experts): ``experts`` an int64 tensor of local expert ids on the group's device (None:
         every one). One small kernel: the flag is computed on the device (nothing is read on the host),
         each word stored with a release at system scope. Capturable."""
-        ids = self.every if experts is None else experts
+        ids = self.words if experts is None else experts   # (all: not read)
         if ids.dtype != torch.int64 or ids.device != self.words.device or ids.dim() != 1:
             raise TypeError(f"experts must be a 1-d int64 tensor of local expert ids on {self.words.device}, "
                             f"got {ids.dtype} {tuple(ids.shape)} on {ids.device}")
         kernel_for(signal_kernel, self.words.device)[(1,)](self.words, ids, ids.numel(), self.state, self.call,
                                                          EXPERTS=self.words.numel(),
-                                                         BLOCK=next_pow2(self.words.numel()))
+                                                         BLOCK=next_pow2(self.words.numel()), ALL=experts is None)
 
 
 def check_global_scale(global_scale, nvfp4: bool, device) -> None:
@@ -626,8 +624,7 @@ class EPBuffer(OpBuffer):
         first dispatch has run (it allocates the buffers); the same tensors every call."""
         if not self._allocated:
             raise RuntimeError("ready_words(): call dispatch first (the first dispatch allocates the buffers)")
-        return ReadyWords(self._ready, self._combine_ch.send_seq, self.group.state,
-                          torch.arange(self._ep_plan.experts_per_rank, dtype=torch.int64, device=self.group.device))
+        return ReadyWords(self._ready, self._combine_ch.send_seq, self.group.state)
 
     def _check_ready(self, ready) -> None:
         if not isinstance(ready, ReadyWords) or ready.words is not self._ready:

@@ -201,8 +201,13 @@ def test_ready_combine_in_adversarial_program_order_and_over_puts(monkeypatch, o
 
 
 def _signal_all_but(ep, missing):
+    """``ReadyWords.signal`` from the host's stream: every local expert (no ids given), or all but ``missing``
+    (and an id out of range, which is ignored)."""
     rw = ep.ready_words()
-    rw.signal(torch.tensor([e for e in range(L) if e not in missing], dtype=torch.int64))
+    if not missing:
+        rw.signal()
+    else:
+        rw.signal(torch.tensor([e for e in range(L) if e not in missing] + [L], dtype=torch.int64))
 
 
 def _dispatch_all(eps, xs, idxs):

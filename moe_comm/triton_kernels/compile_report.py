@@ -203,9 +203,10 @@ def _ep_configs() -> list[KernelConfig]:
             if not combine_fp8:
                 out.append(KernelConfig("combine", "combine_send_kernel", f"DSV3 EP{world} {fmt} ready",
                                         dict(send, ready_ptr="*i64"), c))
-    out.append(KernelConfig("ready", "signal_kernel", "DSV3 EP8 32 local experts", dict(
-        words_ptr="*i64", experts_ptr="*i64", n="i32", state_ptr="*i64", call_ptr="*i64"), dict(EXPERTS=32, BLOCK=32),
-        num_warps=1))
+    for every in (False, True):   # ReadyWords.signal(ids), signal() (every local expert)
+        out.append(KernelConfig("ready", "signal_kernel", "DSV3 EP8 32 local experts" + (" all" if every else ""),
+                                dict(words_ptr="*i64", experts_ptr="*i64", n="i32", state_ptr="*i64",
+                                     call_ptr="*i64"), dict(EXPERTS=32, BLOCK=32, ALL=every), num_warps=1))
     p = _dispatch_plan(8, None)
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
