@@ -279,3 +279,33 @@ def test_a_stale_signal_of_the_previous_call_or_epoch_does_not_satisfy_the_wait(
     assert words.tolist() == [(1 << EPOCH_SHIFT) | 1] * 2 + [1] and _named(got[0], 2), got
     groups[0].reset()
     assert _signalled_call(eps, groups, 1, 4) == ([None], [])
+
+
+def _shm_never_signalled(group):
+    """shm: rank 0 never signals its local expert 1; returns what each step showed on this rank."""
+    world = group.world_size
+    ep = EPBuffer(group, L * world, H, M, K)
+    seen = []
+    for seed, missing in ((1, ()), (2, (1,))):
+        xs, idxs, ws = _inputs(world, seed)
+        d = _dispatch_all([ep], [xs[group.rank]], [idxs[group.rank]])[0]
+        _signal_all_but(ep, missing if group.rank == 0 else ())
+        try:
+            ep.combine(_expected_out(d), ws[group.rank], d.handle, ready=ep.ready_words())
+            seen.append(None)
+        except CommTimeoutError as e:
+            seen.append((e.op, e.rank, e.expert if e.op == "combine_ready" else e.peer))
+    group.reset()
+    errs = _happy_calls([ep], world, [group.rank], calls=(3,))
+    return seen, errs
+
+
+@pytest.mark.timeout(300)
+@budget.SWEEP
+def test_an_expert_never_signalled_across_processes():
+    """shm world 2 (the ranks run at once): rank 0 names its expert 1; rank 1 raises that record, or, if
+    its own wait for rank 0's flag timed out first, the combine's timeout naming rank 0; after reset()
+    the next call is exact on both."""
+    out = moe_comm.launch(_shm_never_signalled, 2, backend="shm", timeout_s=2.0)
+    assert out[0] == ([None, ("combine_ready", 0, 1)], []), out
+    assert out[1][1] == [] and out[1][0][0] is None and out[1][0][1] in (("combine_ready", 0, 1), ("combine", 1, 0)), out

@@ -40,14 +40,19 @@ def signal_expert(words_ptr, e, flag):
 
 
 @triton.jit
-def signal_kernel(words_ptr, experts_ptr, n, state_ptr, call_ptr, EXPERTS: tl.constexpr, BLOCK: tl.constexpr):
+def signal_kernel(words_ptr, experts_ptr, n, state_ptr, call_ptr, EXPERTS: tl.constexpr, BLOCK: tl.constexpr,
+                  ALL: tl.constexpr):
     """``ReadyWords.signal``: mark local experts ready, in one program: ``experts_ptr[:n]`` (int64 ids; one
     outside [0, EXPERTS) is ignored: nothing is stored out of bounds, and the expert it meant is named by
-    the combine's timeout), after the work queued before this launch on its stream. Grid (1,)."""
+    the combine's timeout), or with ALL every one (0 .. n - 1, nothing loaded), after the work queued
+    before this launch on its stream. Grid (1,)."""
     flag = ready_flag(state_ptr, call_ptr)
     for i0 in range(0, n, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
-        e = tl.load(experts_ptr + i, mask=i < n, other=-1)
+        if ALL:
+            e = tl.where(i < n, i, -1).to(tl.int64)
+        else:
+            e = tl.load(experts_ptr + i, mask=i < n, other=-1)
         ok = (e >= 0) & (e < EXPERTS)
         publish_many(words_ptr + tl.where(ok, e, 0), flag, ok)
 
