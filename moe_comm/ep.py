@@ -468,7 +468,7 @@ class EPBuffer(OpBuffer):
     def _build_launches(self, p: EPPlan) -> tuple[dict, dict]:
         """For each metadata set: kernel name -> ``Launch`` of every kernel a call of this world size makes,
         with every argument but the call's tensors, their sizes and their alignment."""
-        g, dev, dch, cch = self.group, self.group.device, self._dispatch_ch, self._combine_ch
+        g, dev, dch = self.group, self.group.device, self._dispatch_ch
         sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank)
         common = dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
                       TOPK_P2=next_pow2(p.topk))
