@@ -6,7 +6,7 @@ interpreter, chosen per launch (``moe_comm.interpreter``), and kernels on CUDA t
 
 from . import metrics, reference
 from .alltoallv import A2AHandle, A2AResult, AllToAllvDynamic
-from .ep import ArrivalWords, DispatchResult, EPBuffer, EPHandle
+from .ep import ArrivalWords, DispatchResult, EPBuffer, EPHandle, ReadyWords
 from .errors import (CapacityError, ClosedError, CommAbortedError, CommDesyncError, CommTimeoutError, ExcludedError,
                      GlobalScaleError, GroupError, InvalidIndexError, LaunchError, MoECommError)
 from .group import CommGroup, init, launch
@@ -38,6 +38,7 @@ __all__ = [
     "MoELayer",
     "PrefillBuffer",
     "PrefillDispatchResult",
+    "ReadyWords",
     "PrefillHandle",
     "init",
     "launch",

@@ -16,6 +16,7 @@ from . import formats
 from .channel import Channel
 from .checks import check_tensor, check_words
 from .errors import ClosedError, op_id
+from .interpreter import kernel_for
 from .launches import Launch, LaunchTable
 from .op_buffer import OpBuffer
 from .phased import PhasedOp
@@ -23,6 +24,7 @@ from .planner import VEC_BYTES, EPPlan, check_replaced_plan, next_pow2, plan_ep,
 from .triton_kernels.combine import combine_recv_kernel, combine_send_kernel
 from .triton_kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
 from .triton_kernels.dispatch_local import dispatch_local_kernel
+from .triton_kernels.ready import signal_kernel
 from .triton_kernels.routing import histogram_bins
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -107,6 +109,41 @@ class ArrivalWords:
     x: torch.Tensor
 
 
+@dataclass
+class ReadyWords:
+    """Where a kernel of your own (the expert GEMM writing ``expert_out``) marks each local expert ready, so
+    that ``combine(..., ready=words, phase="send")`` can be launched before every expert is done
+    (``EPBuffer.ready_words``, docs/moe-layer.md "Ready words", the Triton helpers of
+    ``moe_comm.triton_kernels.ready``). All tensors on the group's device; the same every call.
+
+    words   int64 [E_local]: words[e] = the flag of the combine call that sends expert e's rows
+            (``ready.ready_flag``), stored with a release at system scope once ALL of e's rows of expert_out
+            are written (``ready.signal_expert``, or ``signal``). Set every local expert once per call
+            (one with no rows too): the send finishes only once each one is
+    call    int64 [1]: the combine's send count (advanced at the end of each send): the flag's call is call + 1,
+            so read it in a kernel ordered after the previous combine call
+    state   int64: the group state (its epoch: the flag is ``epoch << EPOCH_SHIFT | call + 1``, so a signal of
+            an earlier call or epoch never satisfies a wait)
+    """
+
+    words: torch.Tensor
+    call: torch.Tensor
+    state: torch.Tensor
+
+    def signal(self, experts: torch.Tensor | None = None) -> None:
+        """Mark local experts ready from the current stream (after the work queued on it, e.g. a torch GEMM
+        of those experts): ``experts`` an int64 tensor of local expert ids on the group's device (None:
+        every one). One small kernel: the flag is computed on the device (nothing is read on the host),
+        each word stored with a release at system scope. Capturable."""
+        ids = self.words if experts is None else experts   # (all: not read)
+        if ids.dtype != torch.int64 or ids.device != self.words.device or ids.dim() != 1:
+            raise TypeError(f"experts must be a 1-d int64 tensor of local expert ids on {self.words.device}, "
+                            f"got {ids.dtype} {tuple(ids.shape)} on {ids.device}")
+        kernel_for(signal_kernel, self.words.device)[(1,)](self.words, ids, ids.numel(), self.state, self.call,
+                                                         EXPERTS=self.words.numel(),
+                                                         BLOCK=next_pow2(self.words.numel()), ALL=experts is None)
+
+
 def check_global_scale(global_scale, nvfp4: bool, device) -> None:
     """The nvfp4 dispatch's ``global_scale``: required there (float32, one element, on ``device``), refused
     elsewhere (it would be ignored)."""
@@ -188,7 +225,7 @@ class EPBuffer(OpBuffer):
         ``moe_comm.formats`` and reference.quantize_fp8), with nvfp4 to TensorRT-LLM's NVFP4
         (reference.quantize_nvfp4). See DispatchResult for the outputs.
 
-    combine(expert_out, topk_weights, handle, *, out=None, phase="both") -> [T, hidden] dtype
+    combine(expert_out, topk_weights, handle, *, out=None, phase="both", ready=None) -> [T, hidden] dtype
         expert_out    [E_local, R, hidden] dtype: row i of expert e is the output for d.x[e, i] (only
                       rows i < counts[e] are read); on a word boundary at world > 1, as x
         topk_weights  [T, topk] floating, the dispatch's T and topk
@@ -200,6 +237,14 @@ class EPBuffer(OpBuffer):
         as reference.fp8_round_trip of it (sent as float8_e4m3fn + a float32 scale per 128 columns;
         the token's rank's own rows quantized the same way): still reproducible across runs and world
         sizes, about half the bytes, and the error docs/formats.md measures.
+        ready         optional ``ReadyWords`` of this buffer (``ready_words()``): expert_out need not be
+                      written yet when the send phase is launched. The send (a kernel at every world size
+                      then, world 1 included) reads expert e's rows only once words[e] holds this call's
+                      flag, and ends only once every local expert's does, so the receive (ordered after the
+                      send) reads this rank's own rows in place once they are ready. A local expert not
+                      signalled within group.timeout_s fails the group: CommTimeoutError of op
+                      "combine_ready" naming the rank and expert (``err.expert``), on every rank, until
+                      group.reset(). Same results, bit for bit, as without it.
 
     Phases: ``phase="send"`` then ``phase="recv"`` split a call for overlap (the receive phase takes no
     tensors; the ones given to the send phase are used, except that ``topk_weights``/``out`` may be
@@ -349,6 +394,9 @@ class EPBuffer(OpBuffer):
             self._scales = (torch.empty((*shape, p.scale_words), dtype=p.scale_dtype, device=dev) if p.fp8
                             else None)
         self._sets = [_Set(p, dev), _Set(p, dev)]
+        # ready words (``ReadyWords``): int64 [E_local], words[e] = the flag of the combine call whose expert e
+        # is ready; one set (the flag carries the call)
+        self._ready = torch.zeros(p.experts_per_rank, dtype=torch.int64, device=dev)
         self._dummy = torch.zeros(p.scratch_words, dtype=torch.int32, device=dev)
         self._allocated = True
 
@@ -420,7 +468,7 @@ class EPBuffer(OpBuffer):
     def _build_launches(self, p: EPPlan) -> tuple[dict, dict]:
         """For each metadata set: kernel name -> ``Launch`` of every kernel a call of this world size makes,
         with every argument but the call's tensors, their sizes and their alignment."""
-        g, dev, dch, cch = self.group, self.group.device, self._dispatch_ch, self._combine_ch
+        g, dev, dch = self.group, self.group.device, self._dispatch_ch
         sig = dict(grp=g.state, status_ptr=g.status.local, rank=g.rank)
         common = dict(WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size), M=p.max_tokens, TOPK=p.topk,
                       TOPK_P2=next_pow2(p.topk))
@@ -432,12 +480,13 @@ class EPBuffer(OpBuffer):
         rows = p.experts_per_rank * p.capacity
         x_words = self._x if p.fp8 else self._x.view(torch.int32)
         scales = self._scales if p.fp8 else self._dummy if self._scales is None else self._scales.view(torch.int32)
-        combine = dict(SLOT_WORDS=p.combine_words, FP8=p.combine_fp8)
         sets = []
         for s in self._sets:
             combine_recv = self._combine_recv_launch(p, s, s.row_of, rows)
+            # With ready words the send runs at every world size (at world 1 it only waits for them).
+            send_ready = self._combine_send_launch(p, s, rows, self._ready)
             if g.world_size == 1:  # one kernel per call: no landing zone, no flags
-                sets.append(dict(combine_recv=combine_recv, dispatch_local=Launch(
+                sets.append(dict(combine_recv=combine_recv, combine_send_ready=send_ready, dispatch_local=Launch(
                     dispatch_local_kernel, dev, p.local_grid if self._copies_rows else (p.local_grid[0], 1),
                     aligned=vector_aligned(x_words, self._scales),
                     out_x_ptr=x_words, out_scales_ptr=scales, out_src_ptr=s.src, out_counts_ptr=s.counts,
@@ -465,16 +514,22 @@ class EPBuffer(OpBuffer):
                     ROW_WORDS=p.row_words, CTRL_WORDS=p.dispatch_ctrl_words, BS=p.recv_block_slots,
                     BW=p.recv_block_words, NVFP4=p.nvfp4, COPY=self._copies_rows, **sig, **common,
                     **dch.trace_args(recv=True)),
-                combine_send=Launch(
-                    combine_send_kernel, dev, (p.recv_programs,), row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens,
-                    runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,
-                    seq_ptr=cch.send_seq, done_ptr=cch.done, ZONE_SLOTS=p.combine_zone_slots,
-                    EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity,
-                    ROWS=rows, X_WORDS=p.out_words, BS=p.block_slots, NBLK=p.recv_programs, HIDDEN=p.hidden,
-                    BW=p.out_block_words * 4 // p.elem_size if p.combine_fp8 else p.out_block_words,  # fp8: elements
-                    OP=op_id("combine"), **combine, **cch.put_args(), **sig, **common,
-                    **cch.trace_args(recv=False))))
+                combine_send=self._combine_send_launch(p, s, rows, None), combine_send_ready=send_ready))
         return tuple(sets)
+
+    def _combine_send_launch(self, p: EPPlan, s: _Set, rows: int, ready: torch.Tensor | None) -> Launch:
+        """The combine send of metadata set ``s``; with ``ready`` (the ready words) its READY variant."""
+        g, cch = self.group, self._combine_ch
+        return Launch(
+            combine_send_kernel, g.device, (p.recv_programs,), row_of_ptr=s.row_of, src_tokens_ptr=s.src_tokens,
+            runs_ptr=s.runs, data_ptrs_ptr=cch.data.peer_ptrs, ctrl_ptrs_ptr=cch.ctrl.peer_ptrs,
+            seq_ptr=cch.send_seq, done_ptr=cch.done, ready_ptr=ready, ZONE_SLOTS=p.combine_zone_slots,
+            EXPERTS_PER_RANK=p.experts_per_rank, EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity,
+            ROWS=rows, X_WORDS=p.out_words, BS=p.block_slots, NBLK=p.recv_programs, HIDDEN=p.hidden,
+            BW=p.out_block_words * 4 // p.elem_size if p.combine_fp8 else p.out_block_words,  # fp8: elements
+            OP=op_id("combine"), SLOT_WORDS=p.combine_words, FP8=p.combine_fp8, **cch.put_args(), grp=g.state,
+            status_ptr=g.status.local, rank=g.rank, WORLD=g.world_size, WORLD_P2=next_pow2(g.world_size),
+            M=p.max_tokens, TOPK=p.topk, TOPK_P2=next_pow2(p.topk), **cch.trace_args(recv=False))
 
     # ---- dispatch --------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None, *,
@@ -558,12 +613,41 @@ class EPBuffer(OpBuffer):
             send = self._launches()[handle.call_index % 2]["combine_send"]
             send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
 
+    def _send_combine_ready(self, handle: EPHandle, expert_out: torch.Tensor) -> None:
+        """Launch the send phase of a combine with ready words (at every world size: at world 1 it only waits)."""
+        send = self._launches()[handle.call_index % 2]["combine_send_ready"]
+        send.run(expert_out_ptr=expert_out, ALIGNED=send.aligned_with(expert_out))
+
+    def ready_words(self) -> ReadyWords:
+        """The ready words of this buffer (``ReadyWords``): pass them as ``combine(..., ready=words)`` and
+        signal each local expert from the kernel that writes its rows of expert_out. Available once the
+        first dispatch has run (it allocates the buffers); the same tensors every call."""
+        if not self._allocated:
+            raise RuntimeError("ready_words(): call dispatch first (the first dispatch allocates the buffers)")
+        return ReadyWords(self._ready, self._combine_ch.send_seq, self.group.state)
+
+    def _check_ready(self, ready) -> None:
+        if not isinstance(ready, ReadyWords) or ready.words is not self._ready:
+            raise TypeError(f"ready must be this EPBuffer's ready_words() (or None), got {type(ready).__name__}")
+
     def combine(self, expert_out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                 handle: EPHandle | None = None, *, out: torch.Tensor | None = None,
-                phase: str = "both") -> torch.Tensor | None:
+                phase: str = "both", ready: ReadyWords | None = None) -> torch.Tensor | None:
         """Return expert outputs to their tokens and reduce them with ``topk_weights`` (see the class
-        docstring). phase="recv" ignores ``expert_out`` and ``handle``; ``topk_weights`` and ``out`` may be
-        given at either phase (at the receive they replace those of the send)."""
+        docstring). phase="recv" ignores ``expert_out``, ``handle`` and ``ready``; ``topk_weights`` and
+        ``out`` may be given at either phase (at the receive they replace those of the send).
+
+        ready (``ready_words()``): expert_out [E_local, R, hidden] may still be being written when the send
+        phase is launched; its rows i < counts[e] of expert e must all be written before e is signalled.
+        Overlap: launch your GEMM of expert_out on one stream and ``combine(..., ready=words,
+        phase="send")`` on another (the send then waits, bounded, on the device: keep the GEMM's grid such
+        that the send's programs get SMs, and the other way round), signal each local expert from the GEMM
+        (``ready.signal_expert``) or after it on its stream (``words.signal(ids)``), then
+        ``combine(phase="recv")``. Each signal must be issued after the previous combine call's send has
+        ended (the flag it computes is ``epoch << EPOCH_SHIFT | call + 1``): any kernel ordered after this
+        call's dispatch is. With phase="both" the send and the receive are launched together: the expert
+        outputs must then be signalled by work already queued or running elsewhere. Graph capture: as
+        without it (the words and counters are on the device, the flag is computed there)."""
         if self._closed:
             raise ClosedError("EPBuffer: used after close()")
         if self._calls == 0:
@@ -575,10 +659,18 @@ class EPBuffer(OpBuffer):
                 self._check_handle(handle)
                 self._check_expert_out(expert_out)
                 self._check_combine_recv_inputs(handle.num_tokens, topk_weights, out)
+                if ready is not None:
+                    self._check_ready(ready)
+                    if not expert_out.is_contiguous():   # a copy would be taken before the rows are ready
+                        raise ValueError("with ready=, expert_out must be contiguous (a copy would read it "
+                                         "before its experts are signalled): pass the tensor your GEMM writes")
             op.validate(check)
             op.before_send()
             expert_out = expert_out.contiguous()
-            self._send_combine(handle, expert_out)
+            if ready is None:
+                self._send_combine(handle, expert_out)
+            else:
+                self._send_combine_ready(handle, expert_out)
             op.sent((handle, expert_out, topk_weights, out))
             if not do_recv:
                 return None

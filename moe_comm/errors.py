@@ -39,9 +39,17 @@ class CommTimeoutError(GroupError):
     """A bounded device wait expired: ``rank`` waited for ``peer`` in ``op`` and gave up."""
 
     missing: list[int] | None = None   # a recovery meeting (reset, exchange): every rank its decision left out
+    expert: int | None = None          # op "combine_ready": the local expert of ``rank`` never signalled ready
 
-    def __init__(self, op: str, rank: int, peer: int, timeout_s: float):
-        self.op, self.rank, self.peer, self.timeout_s = op, rank, peer, timeout_s
+    def __init__(self, op: str, rank: int, peer: int, timeout_s: float, expert: int | None = None):
+        self.op, self.rank, self.peer, self.timeout_s, self.expert = op, rank, peer, timeout_s, expert
+        if expert is not None:
+            super().__init__(
+                f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for its local expert {expert} to be "
+                f"signalled ready (EPBuffer.combine(..., ready=words)): signal every local expert once per "
+                f"combine call after its rows of expert_out are written (ReadyWords.signal, or "
+                f"ready.signal_expert in your kernel); the group is failed until group.reset()")
+            return
         super().__init__(
             f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for peer rank {peer} "
             f"(peer dead, stuck, or not calling the same op); the group is failed until group.reset() "
@@ -166,7 +174,8 @@ GROUP_CODES = (ERR_TIMEOUT, ERR_ABORTED, ERR_DESYNC)   # group-wide: sticky unti
 
 # Op ids the kernels record; index = id.
 OPS = ("alltoallv", "alltoallv.combine", "dispatch", "combine", "barrier", "prefill.dispatch", "prefill.combine",
-       "deep_ep.dispatch")
+       "deep_ep.dispatch", "combine_ready")
+READY_OP = "combine_ready"   # a combine send's wait for a local expert's ready word (peer field: the expert)
 
 
 def op_id(name: str) -> int:
@@ -180,6 +189,8 @@ def decode_error(word, timeout_s: float) -> MoECommError | None:
         return None
     name = OPS[op] if 0 <= op < len(OPS) else f"op#{op}"
     if code == ERR_TIMEOUT:
+        if name == READY_OP:   # this rank waited for its own expert ``peer``: not a peer rank's fault
+            return CommTimeoutError(name, rank, rank, timeout_s, expert=peer)
         return CommTimeoutError(name, rank, peer, timeout_s)
     if code == ERR_CAPACITY:
         return CapacityError(name, rank, peer, value, bound)

@@ -216,8 +216,9 @@ class EPPlan:
         staging  dispatch          2 * W * M * (p + 4*K + 4)  as its landing zone, + 2 * W * (L + 3) * 8
                  combine           2 * W * M * K * c          a run per destination, + 2 * W * 2 * 8
       local      d.x (+ d.scales)  L * W*M * p                one set, reused by every call
-                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4 + W*(L+1)*4 + W*8) + L*8
-                                   (the last two: rows per (source, local expert) and the arrival words)
+                 routing metadata  2 * (L*W*M*4 + L*4 + W*M*K*4 + W*4 + M*K*4 + W*(L+1)*4 + W*8) + 2*L*8
+                                   (the last two in the sets: rows per (source, local expert) and the arrival
+                                   words; then the expert row counts and the combine's ready words)
                  counters, scratch 2 * (16 + 4*(W+3)) + 8 + 4*max(H, K)
 
     The DeepSeek-V3 decode shape (W=8, M=128, K=8, L=32, H=7168, bf16) needs 0.49 GiB per GPU (0.28 GiB
@@ -399,7 +400,7 @@ class EPPlan:
     def local_bytes(self) -> int:
         L, cap, w, m, k = self.experts_per_rank, self.capacity, self.world, self.max_tokens, self.topk
         outputs = L * cap * 4 * (self.x_words + self.scale_words)
-        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4 + w * (L + 1) * 4 + w * 8) + L * 8
+        metadata = 2 * (L * cap * 4 + L * 4 + w * m * k * 4 + w * 4 + m * k * 4 + w * (L + 1) * 4 + w * 8) + 2 * L * 8
         if self.put:   # per set: slot keys (m * k), the id histogram (bins)
             metadata += 2 * 4 * (m * k + max(32, next_pow2(self.num_experts)))
         # two channels of (send count, receive count, arrival counters); excluded-slot count; launch scratch

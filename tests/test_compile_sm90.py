@@ -22,12 +22,12 @@ from run_once import run_once
 
 pytestmark = pytest.mark.ptx
 
-OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "sync", "copy_rows",
+OP_MODULES = ("alltoallv", "routing", "dispatch", "dispatch_local", "combine", "ready", "sync", "copy_rows",
               "prefill_dispatch", "prefill_combine", "capacity", "moe_comm.serving.experts", "moe_gate_up",
               "moe_down_combine")
 SIGNALLING = {"a2a_send_kernel", "dispatch_send_kernel", "combine_send_kernel", "abort_kernel",
               "prefill_dispatch_send_kernel", "prefill_combine_send_kernel", "prefill_combine_recv_kernel",
-              "prefill_release_kernel", "prefill_dispatch_pull_kernel"}
+              "prefill_release_kernel", "prefill_dispatch_pull_kernel", "signal_kernel"}
 WAITING = {"a2a_recv_kernel", "dispatch_recv_kernel", "drain_kernel", "prefill_dispatch_send_kernel",
            "prefill_dispatch_recv_kernel", "prefill_combine_recv_kernel", "prefill_dispatch_pull_kernel",
            "prefill_combine_forward_kernel"}
@@ -177,6 +177,20 @@ def test_every_publish_follows_a_cta_barrier_and_every_acquire_precedes_its_read
         multi = [r for r in by_kernel[k] if "EP1" not in r["label"].split()]
         assert multi and all(r[what] >= 1 for r in multi) and (what != "publishes" or all(
             r["barriers"] >= 1 for r in multi)), by_kernel[k]
+
+
+@pytest.mark.timeout(900)
+def test_the_ready_send_waits_per_expert_and_the_plain_send_does_not(report):
+    """combine_send_kernel with ready words (``ready=``, EP8, EP8 over puts, EP1) acquires the words (more
+    acquires than the plain send, whose code is the same as before the ready words came: the variant is
+    ``ready_ptr`` given, None compiles it out); both pass the ordering and uniformity rules (above)."""
+    sends = {r["label"]: r for r in report if r["kernel"] == "combine_send_kernel"}
+    assert {"DSV3 EP8 bf16 ready", "DSV3 EP1 bf16 ready"} <= sends.keys()
+    for label, r in sends.items():
+        assert r["divergent_barriers"] == [] and r["ordering_problems"] == [], r
+        if label.endswith(" ready") or " ready " in label:
+            plain = sends[label.replace(" ready", "")] if "EP1" not in label else None
+            assert r["acquires"] >= 1 and (plain is None or r["acquires"] > plain["acquires"]), (r, plain)
 
 
 @pytest.mark.timeout(900)

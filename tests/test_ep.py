@@ -448,7 +448,7 @@ def test_buffer_bytes_counts_what_is_allocated(monkeypatch, fp8, world, put):
         ep.dispatch(phase="recv")
     ep = eps[0]
     nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-    held = [ep._x, ep._stats, ep._excluded, ep._dummy] + ([ep._scales] if fp8 else [])
+    held = [ep._x, ep._stats, ep._excluded, ep._dummy, ep._ready] + ([ep._scales] if fp8 else [])
     held += [t for s in ep._sets for t in (s.src, s.counts, s.row_of, s.src_tokens, s.routed, s.runs, s.arrival)]
     if put:
         held += [t for s in ep._sets for t in (s.slot_key, s.id_base)]

@@ -183,7 +183,7 @@ def test_the_layer_needs_no_more_memory_than_dispatch_and_combine(world, tokens,
 def _allocated_bytes(layer) -> int:
     """Bytes of every tensor the layer's buffers hold (symmetric and local)."""
     ep, seen, total = layer.ep, set(), 0
-    tensors = [ep._x, ep._stats, ep._excluded, ep._dummy] + ([] if ep._scales is None else [ep._scales])
+    tensors = [ep._x, ep._stats, ep._excluded, ep._dummy, ep._ready] + ([] if ep._scales is None else [ep._scales])
     for s in ep._sets:
         tensors += [s.src, s.counts, s.row_of, s.src_tokens, s.routed, s.runs, s.arrival, s.slot_key, s.id_base]
     for ch in (ep._dispatch_ch, ep._combine_ch):

@@ -50,6 +50,7 @@ from .copy import address, as_words, copy_rows, load_tile, store_tile
 from .quant import cast_rne, dequantize_e4m3_groups, quantize_e4m3_groups
 from .transport import flush, order_transports, put_peers, stage_zone, store_only
 from . import trace
+from .ready import wait_ready
 from .sync import (S_EPOCH, arrive, as_ptr, check_failed, flag_value, group_failed, is_live, live_ranks,
                    publish_many, wait_flags)
 
@@ -153,11 +154,15 @@ def expert_rows(expert_out_ptr, row, X_WORDS: tl.constexpr, HIDDEN: tl.constexpr
 def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
                EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CAP: tl.constexpr,
                X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
-               ALIGNED: tl.constexpr, SLOT_WORDS: tl.constexpr, HIDDEN: tl.constexpr, FP8: tl.constexpr):
+               ALIGNED: tl.constexpr, SLOT_WORDS: tl.constexpr, HIDDEN: tl.constexpr, FP8: tl.constexpr,
+               ready_ptr, flag, grp, status_ptr, rank, WORLD: tl.constexpr, PUT: tl.constexpr):
     """This program's share of rank p's run, staged at ``stage`` (int32 words [M * TOPK, SLOT_WORDS]): row i
     is the i-th of p's slots here in (local expert, dispatch row) order, i.e. expert_out[e, base_e + j]
     with base_e = rows of expert e from ranks before p (the dispatch placed p's rows there), as an fp8 row
-    with FP8; a row past the capacity (dropped by the dispatch) is staged as zeros."""
+    with FP8; a row past the capacity (dropped by the dispatch) is staged as zeros. With ``ready_ptr``, each
+    block first waits for its rows' experts (``ready.wait_ready``); returns False if a wait failed (then
+    nothing more is read: the call is failed and its last program publishes nothing)."""
+    ready = blk >= 0   # True
     w = tl.arange(0, WORLD_P2)
     rows_p = tl.sum(tl.where((w == p)[:, None], rows, 0), axis=0)             # [EXPERTS_P2]
     first = tl.sum(tl.where((w < p)[:, None], rows, 0), axis=0)               # row of p's first, per expert
@@ -170,9 +175,14 @@ def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: t
         pick = e[:, None] == tl.arange(0, EXPERTS_P2)[None, :]
         row = tl.sum(tl.where(pick, first[None, :] + rows_p[None, :] - end[None, :], 0), axis=1) + i
         has_row = ok & (row < CAP)
+        if ready_ptr is not None:   # read expert e's rows only once e is signalled ready
+            ready = ready & wait_ready(ready_ptr, e, tl.where(ready, has_row, False), flag, grp, status_ptr, rank,
+                                       WORLD, WORLD_P2, EXPERTS_PER_RANK, EXPERTS_P2, PUT)
+            has_row = tl.where(ready, has_row, False)
         src = expert_rows(expert_out_ptr, e.to(tl.int64) * CAP + tl.where(has_row, row, 0), X_WORDS, HIDDEN, FP8)
         copy_rows(src, has_row, address(stage + i.to(tl.int64) * SLOT_WORDS)[:, None], ok[:, None],
                   HIDDEN if FP8 else X_WORDS, BW, 1, 1, ALIGNED, FP8)
+    return ready
 
 
 @triton.jit
@@ -210,6 +220,8 @@ def combine_send_kernel(
     grp, status_ptr,  # group state and this rank's status buffer (moe_comm/protocol.py)
     rank,
     trace_ptr,        # int64 [TRACE_N, record words]: the channel's flight recorder (TRACE only)
+    ready_ptr,        # None, or int64 [EXPERTS_PER_RANK]: the ready words (``ready.py``): the send reads expert
+    #                   e's rows only once ready_ptr[e] is this call's flag, and finishes only once every one is
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr, X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
     ALIGNED: tl.constexpr, PUT: tl.constexpr, TRACE: tl.constexpr, TRACE_N: tl.constexpr, OP: tl.constexpr,
@@ -236,6 +248,11 @@ def combine_send_kernel(
                                     returned)
             trace.store_peer_words(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w, returned, w < WORLD,
                                    TRACE)
+    ready = blk >= 0   # True; with ready_ptr: False once a wait for an expert failed (nothing more is read)
+    if ready_ptr is not None:
+        flag = flag_value(tl.load(grp + S_EPOCH), call)
+    else:
+        flag = call
     # An excluded or failed token rank has no tokens here (tokens = 0), so nothing goes to it.
     for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
         q, k, s, t, valid = _slots(i0 + tl.arange(0, BS), tokens, w, WORLD, M, TOPK, TOPK_P2)
@@ -245,6 +262,11 @@ def combine_send_kernel(
         code = tl.load(row_of_ptr + q * TOPK + k, mask=live_slot, other=-1)
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
+        if ready_ptr is not None:   # read expert e's rows (codes e * CAP + i) only once e is signalled ready
+            ready = ready & wait_ready(ready_ptr, code // CAP, tl.where(ready, has_row, False), flag, grp,
+                                       status_ptr, rank, WORLD, WORLD_P2, EXPERTS_PER_RANK, EXPERTS_P2, PUT)
+            send = tl.where(ready, send, False)
+            has_row = tl.where(ready, has_row, False)
         src = expert_rows(expert_out_ptr, tl.where(has_row, code, 0), X_WORDS, HIDDEN, FP8)
         # Slot (t, k) of rank s, in s's landing zone.
         zone_off = zone.to(tl.int64) * ZONE_SLOTS * SLOT_WORDS
@@ -256,13 +278,25 @@ def combine_send_kernel(
         rows, _ = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
         for p in range(WORLD):
             if (p != rank) & is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT) & (failed == 0):
-                _stage_run(expert_out_ptr, stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS, rows, p, blk,
-                           WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2, CAP, X_WORDS, BS, BW, NBLK, ALIGNED,
-                           SLOT_WORDS, HIDDEN, FP8)
+                staged = _stage_run(expert_out_ptr, stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS, rows,
+                                    p, blk, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2, CAP, X_WORDS, BS, BW,
+                                    NBLK, ALIGNED, SLOT_WORDS, HIDDEN, FP8, ready_ptr, flag, grp, status_ptr, rank,
+                                    WORLD, PUT)
+                if ready_ptr is not None:
+                    ready = ready & staged
     # The last program publishes to every live rank, unless a program skipped its part because the group
-    # failed, and advances the send count.
-    last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
+    # failed (or, with ready_ptr, a wait for an expert failed), and advances the send count.
+    if ready_ptr is not None:
+        last, skipped = arrive(done_ptr + WORLD, NBLK, failed | (ready == 0))
+    else:
+        last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:
+        if ready_ptr is not None:   # every local expert, also those whose rows go nowhere or are read in place
+            if skipped == 0:
+                e = tl.arange(0, EXPERTS_P2)
+                ready = wait_ready(ready_ptr, e, e < EXPERTS_PER_RANK, flag, grp, status_ptr, rank, WORLD, WORLD_P2,
+                                   EXPERTS_PER_RANK, EXPERTS_P2, PUT)
+                skipped = ready == 0
         if skipped == 0:
             flag = flag_value(tl.load(grp + S_EPOCH), call)
             ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + w, mask=live, other=0), tl.int64) + (zone * WORLD + rank) * 2

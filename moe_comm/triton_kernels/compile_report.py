@@ -176,7 +176,6 @@ def _ep_configs() -> list[KernelConfig]:
             num_warps=p1.send_warps))
     for combine_fp8 in (False, True):
         p = _dispatch_plan(8, None, "e4m3" if combine_fp8 else None)
-        rows = p.experts_per_rank * p.capacity
         fmt = "fp8" if combine_fp8 else "bf16"
         quant = dict(SLOT_WORDS=p.combine_words, FP8=combine_fp8)
         for world in (8, 1):
@@ -188,13 +187,26 @@ def _ep_configs() -> list[KernelConfig]:
                 OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8, TOPK_P2=8,
                 HIDDEN=7168, BT=pw.block_tokens, BH=pw.block_hidden, NBLK=pw.reduce_programs, ALIGNED=True,
                 ZONE_SLOTS=pw.combine_zone_slots, BINS=bins, **quant), num_warps=pw.reduce_warps))
-        out.append(KernelConfig("combine", "combine_send_kernel", f"DSV3 EP8 {fmt}", dict(
-            expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32", data_ptrs_ptr="*i64",
-            ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE), dict(
-            OP=3, WORLD=8, WORLD_P2=8, M=128, ROWS=rows, TOPK=8, TOPK_P2=8, X_WORDS=p.out_words, BS=p.block_slots,
-            BW=p.out_block_words * 4 // p.elem_size if combine_fp8 else p.out_block_words, NBLK=p.recv_programs,
-            ALIGNED=True, PUT=False, ZONE_SLOTS=p.combine_zone_slots, EXPERTS_PER_RANK=p.experts_per_rank,
-            EXPERTS_P2=next_pow2(p.experts_per_rank), CAP=p.capacity, HIDDEN=7168, **quant)))
+        for world in (8, 1) if not combine_fp8 else (8,):   # with ready words (``ready=``), also at world 1
+            pw = _dispatch_plan(world, None, "e4m3" if combine_fp8 else None)
+            send = dict(expert_out_ptr="*bf16", row_of_ptr="*i32", src_tokens_ptr="*i32", runs_ptr="*i32",
+                        data_ptrs_ptr="*i64", ctrl_ptrs_ptr="*i64", seq_ptr="*i64", done_ptr="*i32", **SIGNAL, **STAGE)
+            c = dict(OP=3, WORLD=world, WORLD_P2=world, M=128, ROWS=pw.experts_per_rank * pw.capacity, TOPK=8,
+                     TOPK_P2=8, X_WORDS=pw.out_words, BS=pw.block_slots,
+                     BW=pw.out_block_words * 4 // pw.elem_size if combine_fp8 else pw.out_block_words,
+                     NBLK=pw.recv_programs, ALIGNED=True, PUT=False, ZONE_SLOTS=pw.combine_zone_slots,
+                     EXPERTS_PER_RANK=pw.experts_per_rank, EXPERTS_P2=next_pow2(pw.experts_per_rank), CAP=pw.capacity,
+                     HIDDEN=7168, **quant)
+            if world > 1:
+                out.append(KernelConfig("combine", "combine_send_kernel", f"DSV3 EP{world} {fmt}", send,
+                                        dict(c, ready_ptr=None)))
+            if not combine_fp8:
+                out.append(KernelConfig("combine", "combine_send_kernel", f"DSV3 EP{world} {fmt} ready",
+                                        dict(send, ready_ptr="*i64"), c))
+    for every in (False, True):   # ReadyWords.signal(ids), signal() (every local expert)
+        out.append(KernelConfig("ready", "signal_kernel", "DSV3 EP8 32 local experts" + (" all" if every else ""),
+                                dict(words_ptr="*i64", experts_ptr="*i64", n="i32", state_ptr="*i64",
+                                     call_ptr="*i64"), dict(EXPERTS=32, BLOCK=32, ALL=every), num_warps=1))
     p = _dispatch_plan(8, None)
     out.append(KernelConfig("routing", "routing_kernel", "DSV3 EP8", dict(
         idx_ptr="*i64", expert_counts_ptr="*i32", rank_tokens_ptr="*i32", position_ptr="*i32",
@@ -304,7 +316,7 @@ PUT_CONFIGS = {  # (kernel, label) of the store-path configs compiled again with
     # the status record to the peers reached by puts (the receive kernels also read the put layout)
     ("a2a_send_kernel", "fwd 7168 bf16 EP8"), ("dispatch_send_kernel", "DSV3 EP8 bf16"),
     ("combine_send_kernel", "DSV3 EP8 bf16"), ("combine_send_kernel", "DSV3 EP8 fp8"),
-    ("abort_kernel", "EP8 dispatch channel"),
+    ("combine_send_kernel", "DSV3 EP8 bf16 ready"), ("abort_kernel", "EP8 dispatch channel"),
     ("a2a_recv_kernel", "fwd 7168 bf16 EP8"), ("dispatch_recv_kernel", "DSV3 EP8 bf16"),
     ("dispatch_recv_kernel", "DSV3 EP8 nvfp4"),   # EPBuffer's nvfp4 runs across nodes: the scales' check
     ("combine_recv_kernel", "DSV3 EP8 bf16"), ("drain_kernel", "EP8 dispatch channel"),
