@@ -70,7 +70,7 @@ def wait_ready(words_ptr, expert, use, flag, grp, status_ptr, rank, WORLD: tl.co
     ok = tl.max(need.to(tl.int32)) == 0
     if ok == 0:   # decided on plain loads (the dispatch's metadata): block-uniform
         got = wait_flags(words_ptr + e, flag, need, e, grp, status_ptr, OP_READY, rank, WORLD, WORLD_P2, PUT=PUT,
-                         RECORD_TIMEOUT=False)
+                         RECORD_TIMEOUT=False, RANK_LANES=False)
         ok = tl.min(tl.where(need, got, True).to(tl.int32)) > 0
         if (ok == 0) & (group_failed(grp, status_ptr, WORLD, WORLD_P2) == 0):   # it timed out
             v = read_once(words_ptr + e, e < EXPERTS_PER_RANK)

@@ -366,7 +366,7 @@ def check_failed(grp, status_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
 @triton.jit
 def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD: tl.constexpr,
                WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False, seen_ptr=None, seen_mask=None,
-               PUT: tl.constexpr = False, RECORD_TIMEOUT: tl.constexpr = True):
+               PUT: tl.constexpr = False, RECORD_TIMEOUT: tl.constexpr = True, RANK_LANES: tl.constexpr = True):
     """Wait until every flag at ``flag_ptrs`` (a vector, this rank's memory; lanes where ``mask``; lane i
     is rank ``peers[i]``'s flag) equals ``target``: every pending flag is polled at once, one vector of
     acquire loads (system scope) per poll, so N flags cost one round trip, not N.
@@ -387,6 +387,8 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
 
     ``PUT`` (constexpr): the error a failed wait records also reaches the peers reached by puts
     (``record_group_error``); launch with the put transport's arguments when the group uses puts.
+    ``RANK_LANES`` False: the lanes are not ranks (``ready.wait_ready``'s are local experts): a group failure
+    is always adopted, and ``peers`` only orders the lanes.
     ``RECORD_TIMEOUT`` False: a timeout, or a peer's timeout naming this rank come while it waited,
     returns with the missing lanes False and records nothing (the caller names whom to blame and records
     it: ``prefill_dispatch``'s wait at a rail, which reads ``group_failed`` before it and asks
@@ -399,7 +401,10 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
     if tl.max(pending.to(tl.int32)) > 0:
         timeout_ns = tl.load(grp + S_TIMEOUT_NS)
         t0 = now_ns()
-        failed_before = group_failed(grp, status_ptr, WORLD, WORLD_P2)   # before this wait began
+        if RANK_LANES:
+            failed_before = group_failed(grp, status_ptr, WORLD, WORLD_P2)   # before this wait began
+        else:   # lanes are not ranks: a record naming this rank is adopted (``blocked_elsewhere`` is False)
+            failed_before = True
         state = 0  # 0 waiting, 1 arrived, 2 failed
         while state == 0:
             done = v == target
