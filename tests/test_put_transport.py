@@ -139,6 +139,29 @@ def test_a_put_outside_symmetric_memory_is_refused():
         peer_map.peer_address(addr, 1)
 
 
+def test_a_collection_inside_register_does_not_hang(monkeypatch):
+    """A symmetric buffer collected while another registers (a garbage collection that runs inside
+    ``register``, under its lock) must not wait for that lock: a make test run hung here (a finalizer of
+    the collected buffer took the lock). Its memory is then ordinary memory, as above."""
+    import threading
+    from moe_comm.heap import peer_map
+    store = peer_map._store
+    monkeypatch.setattr(peer_map, "_store", lambda entries: (store(entries), gc.collect()))
+    heaps = [g.heap for g in moe_comm.init(backend="loopback", world_size=2, device="cpu")]
+    cycle = {"heaps": heaps, "bufs": [h.alloc("cyclic", (1024,), torch.float32) for h in heaps]}
+    cycle["self"] = cycle                     # freed only by a collection: the one inside the next register
+    addr = cycle["bufs"][0].local.data_ptr()
+    assert peer_map.peer_address(addr, 1) == cycle["bufs"][1].local.data_ptr()
+    del cycle, heaps
+    other = moe_comm.init(backend="loopback", world_size=1, device="cpu")[0].heap
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (other.alloc("next", (16,), torch.float32), done.set()), daemon=True)
+    t.start()
+    assert done.wait(60), "register waited for its own lock"
+    with pytest.raises(ValueError, match="not in a registered symmetric buffer"):
+        peer_map.peer_address(addr, 1)
+
+
 # ---- the ops over puts: loopback worlds and shm processes, exact against the references ------------
 
 def nvshmem_events(monkeypatch) -> list:

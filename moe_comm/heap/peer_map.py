@@ -12,32 +12,30 @@ mapped here (``peer_ptrs`` entry 0: another emulated node) is reached through th
 from __future__ import annotations
 
 import bisect
-import itertools
 import threading
 import weakref
 
 _lock = threading.Lock()
 _starts: list[int] = []     # sorted start addresses
-_entries: list[tuple] = []  # (start, end, peer_ptrs, allocation index, wire, key, weakref to local), by start
-_keys = itertools.count()   # one key per registration, so a stale finalizer never drops a newer entry
+_entries: list[tuple] = []  # (start, end, peer_ptrs, allocation index, wire, weakref to local), by start
 wires: set = set()          # every wire a registered buffer uses (``quiet`` completes them all)
 
 
 def register(local, peer_ptrs, index=None, wire=None) -> None:
     """Register the local copy ``local`` (a CPU tensor), allocation ``index`` of its heap, whose unmapped
     peers are reached through ``wire``. The entry lives as long as ``local`` does: once the tensor is
-    collected its memory may be reused by any allocation, which must not look symmetric. An older entry
-    that overlaps it belonged to freed memory and is dropped."""
+    collected its memory may be reused by any allocation, which must not look symmetric (``_entry`` treats
+    a collected buffer's entry as absent; registering drops it). An older entry that overlaps it belonged
+    to freed memory and is dropped. No finalizer: one can run inside this function (a collection while it
+    holds the lock) and would wait for the lock forever."""
     start = local.data_ptr()
     end = start + local.numel() * local.element_size()
-    key = next(_keys)
     with _lock:
-        keep = [e for e in _entries if e[1] <= start or e[0] >= end]
-        keep.append((start, end, peer_ptrs, index, wire, key, weakref.ref(local)))
+        keep = [e for e in _entries if (e[1] <= start or e[0] >= end) and e[5]() is not None]
+        keep.append((start, end, peer_ptrs, index, wire, weakref.ref(local)))
         _store(keep)
         if wire is not None:
             wires.add(wire)
-    weakref.finalize(local, _unregister, key)
 
 
 def _store(entries: list[tuple]) -> None:
@@ -46,14 +44,9 @@ def _store(entries: list[tuple]) -> None:
     _starts[:] = [e[0] for e in entries]
 
 
-def _unregister(key: int) -> None:
-    with _lock:
-        _store([e for e in _entries if e[5] != key])
-
-
 def _entry(addr: int) -> tuple:
     i = bisect.bisect_right(_starts, addr) - 1
-    if i < 0 or addr >= _entries[i][1]:
+    if i < 0 or addr >= _entries[i][1] or _entries[i][5]() is None:
         raise ValueError(f"address {addr:#x} is not in a registered symmetric buffer of this process "
                          f"(a put's destination must be symmetric memory)")
     return _entries[i]
@@ -87,4 +80,4 @@ def owner(addr: int):
         i = bisect.bisect_right(_starts, addr) - 1
         if i < 0 or addr >= _entries[i][1]:
             return None
-        return _entries[i][6]()
+        return _entries[i][5]()
