@@ -117,26 +117,36 @@ def _rows_by_owner(routed_ptr, num_tokens, TOPK: tl.constexpr, TOPK_P2: tl.const
 
 
 @triton.jit
+def _clamp_rows(n, M: tl.constexpr, TOPK: tl.constexpr):
+    """A row count or run base of the dispatch's ``runs``, clamped to [0, M * TOPK]: no value steers a copy
+    or put out of bounds."""
+    return tl.minimum(tl.maximum(n, 0), M * TOPK)
+
+
+@triton.jit
 def _runs(runs_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
           EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr):
     """(rows [WORLD_P2, EXPERTS_P2], run base [WORLD_P2]), int32: the dispatch's rows per (source, local
-    expert) and the sources' run bases, clamped so that no value steers a copy or put out of bounds."""
+    expert) and the sources' run bases, clamped (``_clamp_rows``)."""
     w = tl.arange(0, WORLD_P2)
     e = tl.arange(0, EXPERTS_P2)
     rows = tl.load(runs_ptr + w[:, None] * (EXPERTS_PER_RANK + 1) + e[None, :],
                    mask=(w < WORLD)[:, None] & (e < EXPERTS_PER_RANK)[None, :], other=0)
     base = tl.load(runs_ptr + w * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK, mask=w < WORLD, other=0)
-    return tl.minimum(tl.maximum(rows, 0), M * TOPK), tl.minimum(tl.maximum(base, 0), M * TOPK)
+    return _clamp_rows(rows, M, TOPK), _clamp_rows(base, M, TOPK)
 
 
 @triton.jit
-def _run_of(rows, base, p, rank, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
-            EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr):
+def _run_of(runs_ptr, p, rank, M: tl.constexpr, TOPK: tl.constexpr, EXPERTS_PER_RANK: tl.constexpr,
+            EXPERTS_P2: tl.constexpr):
     """(run base, rows) of rank p's run: its slots this rank's experts got, at [base, base + rows) of the
-    sorted half of p's landing zone; no rows for this rank's own slots (read in place)."""
-    w = tl.arange(0, WORLD_P2)
-    b = tl.sum(tl.where(w == p, base, 0))
-    n = tl.sum(tl.sum(tl.where((w == p)[:, None], rows, 0), axis=1))
+    sorted half of p's landing zone; no rows for this rank's own slots (read in place). Row p of ``_runs``,
+    loaded alone: called per put peer around NVSHMEM calls, it keeps no [WORLD_P2, EXPERTS_P2] table live
+    across them (what Triton 3.9's PTX otherwise spills)."""
+    e = tl.arange(0, EXPERTS_P2)
+    rows = tl.load(runs_ptr + p * (EXPERTS_PER_RANK + 1) + e, mask=e < EXPERTS_PER_RANK, other=0)
+    b = _clamp_rows(tl.load(runs_ptr + p * (EXPERTS_PER_RANK + 1) + EXPERTS_PER_RANK), M, TOPK)
+    n = tl.sum(_clamp_rows(rows, M, TOPK))
     return b, tl.where(p == rank, 0, tl.minimum(n, M * TOPK - b))
 
 
@@ -291,6 +301,12 @@ def combine_send_kernel(
     else:
         last, skipped = arrive(done_ptr + WORLD, NBLK, failed)
     if last:
+        # The call, zone and live ranks read again (the send count is written by this kernel's last program
+        # only, below; the group state holds still during a launch): kept live across the copies, they
+        # spill Triton 3.9's put build past its bound (PUT_SPILL_BYTES).
+        call = tl.load(seq_ptr) + 1
+        zone = call % 2
+        live = live_ranks(grp, WORLD, WORLD_P2)
         if ready_ptr is not None:   # every local expert, also those whose rows go nowhere or are read in place
             if skipped == 0:
                 e = tl.arange(0, EXPERTS_P2)
@@ -306,10 +322,9 @@ def combine_send_kernel(
             if PUT:  # each put rank's run in one put whose signal is the flag (own slots: read in place)
                 own_flag = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + (zone * WORLD + rank) * 2 + 1
                 own_runs = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone.to(tl.int64) * ZONE_SLOTS * SLOT_WORDS
-                rows, bases = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
                 for p in range(WORLD):
                     if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
-                        base, n = _run_of(rows, bases, p, rank, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
+                        base, n = _run_of(runs_ptr, p, rank, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
                         flush(own_runs, own_runs, 0, own_runs + (M * TOPK + base).to(tl.int64) * SLOT_WORDS,
                               stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS,
                               n.to(tl.int64) * SLOT_WORDS * 4, own_flag, flag, p)

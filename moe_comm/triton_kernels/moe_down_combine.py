@@ -206,11 +206,9 @@ def moe_down_combine_kernel(
                 if PUT:  # each put rank's run in one put whose signal is the flag (own slots: read in place)
                     own_flag = as_ptr(tl.load(ctrl_ptrs_ptr + rank), tl.int64) + (call % 2 * WORLD + rank) * 2 + 1
                     own_runs = as_ptr(tl.load(data_ptrs_ptr + rank), tl.int32) + zone_off // 4
-                    rows_tab, bases = _runs(runs_ptr, WORLD, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
                     for p in range(WORLD):
                         if is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT):
-                            base, n = _run_of(rows_tab, bases, p, rank, WORLD_P2, M, TOPK, EXPERTS_PER_RANK,
-                                              EXPERTS_P2)
+                            base, n = _run_of(runs_ptr, p, rank, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2)
                             flush(own_runs, own_runs, 0, own_runs + (M * TOPK + base).to(tl.int64) * SLOT_WORDS,
                                   stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS,
                                   n.to(tl.int64) * ROW_BYTES, own_flag, flag, p)

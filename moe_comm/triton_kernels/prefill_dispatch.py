@@ -314,6 +314,10 @@ def prefill_dispatch_send_kernel(
     # send count.
     last, skipped = arrive(done_ptr + WORLD, NBLK * tl.num_programs(1), failed)
     if last:
+        # The call and zone read again (the send count is written by this kernel's last program only, below):
+        # kept live across the copy, they spill Triton 3.9's put build past its bound (PUT_SPILL_BYTES).
+        call = tl.load(seq_ptr) + 1
+        zone = call % 2
         if skipped == 0:
             ctrl = as_ptr(tl.load(ctrl_ptrs_ptr + peer, mask=near_live, other=0), tl.int64)
             order_transports(grp, peer_live, WORLD, WORLD_P2, PUT)
