@@ -80,6 +80,20 @@ def test_fp8_layer_equals_the_layer_on_dequantized_weights_bit_for_bit(cfg):
     assert all(bool((y != 0).any()) for y in got)
 
 
+# I > 128: w2's K (the intermediate size) spans two scale blocks, the second 8 wide, and its rows (hidden 136)
+# two more; w13's up half starts in its second row block. FP8_CONFIGS have I < 128 (one k-block of w2), so an
+# expert stride or k-block of w2's scales read wrong shows only here.
+WIDE_I = LayerConfig(2, 136, 136, 2, 3, fp8=True)
+
+
+@pytest.mark.timeout(600)
+def test_fp8_w2_scales_over_several_k_blocks():
+    """World 2 (every expert with rows), exact and random inputs: equal to the reference on the dequantized
+    weights (one layer, set_weights with the next case's fp8 weights and scales between calls)."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    assert run_loopback_cases(groups, table=(WIDE_I,), routings=("random", "one_expert")) == []
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("order,seed,world", [sweep("reverse", 0, 2), sweep("random", 1, 3)])
 def test_fp8_program_orders_with_gpu_shapes(monkeypatch, order, seed, world):
