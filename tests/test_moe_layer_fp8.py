@@ -164,3 +164,40 @@ def test_weight_bytes_halve_with_fp8_plus_the_scales():
     assert bf16 == 32 * 3 * 2048 * 7168 * 2
     assert fp8 == bf16 // 2 + 32 * (32 * 56 + 56 * 16) * 4
     assert MoELayer.weight_bytes(1, 192, 80, fp8=True) == 3 * 192 * 80 + (2 * 2 + 2 * 1) * 4   # ceil per grid
+
+
+def _block_quantize(w):
+    """w [E, N, K] -> (float8_e4m3fn, float32 scales [E, ceil(N / 128), ceil(K / 128)]): each block's amax / 448."""
+    E, N, K = w.shape
+    grid = (E, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
+    scale = torch.zeros(grid)
+    for i in range(grid[1]):
+        for j in range(grid[2]):
+            blk = w[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK, j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK]
+            scale[:, i, j] = blk.float().abs().amax(dim=(1, 2)).clamp(min=1e-4) / 448
+    per = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
+    return (w.float() / per).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.xfail(strict=True, reason="w13_scale's rows are ceil(2I/128) blocks over [gate; up] as one matrix; "
+                   "checkpoints and engines hold gate (w1) and up (w3) scales separately: 2 * ceil(I/128) rows")
+def test_fp8_w13_scales_as_checkpoints_hold_them_with_i_not_a_multiple_of_128():
+    """DeepSeek-V3's checkpoints quantize gate_proj (w1) and up_proj (w3) separately, each in its own 128 x 128
+    blocks; vLLM's and SGLang's fused w13_weight_scale_inv is [E, 2 * ceil(I / 128), ceil(H / 128)]: w1's block
+    rows, then w3's. The layer reads w13_scale as [E, ceil(2I / 128), ...] over the concatenated rows, so up row
+    I + n takes block (I + n) // 128. Equal when 128 divides I; at I = 80 the shapes agree (2 block rows) and
+    up rows 80..127 take gate's scale: the result differs from the layer given the dequantized weights, silently.
+    (At I mod 128 <= 64 the engines' scales are refused by shape instead.)"""
+    E, H, I, M, K = 2, 64, 80, 4, 2
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    inputs = layer_inputs(1, [M], E, H, I, K, 7, exact=False)
+    xs, idxs, ws, w13s, w2s = inputs
+    gate, up = w13s[0][:, :I], w13s[0][:, I:] * 7   # up's blocks with other scales than gate's
+    (q1, s1), (q3, s3), (q2, s2) = _block_quantize(gate), _block_quantize(up), _block_quantize(w2s[0])
+    w13q, w13_scale = torch.cat([q1, q3], 1).contiguous(), torch.cat([s1, s3], 1).contiguous()
+    deq13 = torch.cat([reference.dequantize_fp8_weight(q1, s1, torch.bfloat16),
+                       reference.dequantize_fp8_weight(q3, s3, torch.bfloat16)], 1).contiguous()
+    deq2 = reference.dequantize_fp8_weight(q2, s2, torch.bfloat16)
+    fp8 = MoELayer(g, E, H, I, M, K, w13q, q2, w13_scale=w13_scale, w2_scale=s2)
+    plain = MoELayer(g, E, H, I, M, K, deq13, deq2, path="fused")
+    assert torch.equal(fp8(xs[0], idxs[0], ws[0]), plain(xs[0], idxs[0], ws[0]))
