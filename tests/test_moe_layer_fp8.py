@@ -6,7 +6,7 @@ tl.dot. So: against ``reference.moe_layer`` on those weights bit for bit on exac
 scales) and within the derived bound on random ones (scales drawn per block, all different, so a scale
 read from another block shows); and against the bf16 layer given the dequantized weights bit for bit on
 random inputs (the same GEMM tile on the same values). Sizes that are not multiples of 128 (the last
-scale blocks shorter; w13's up half starting inside a block). Worlds 1 and 2 (loopback and rank
+scale blocks shorter; w13's gate and up halves each in their own blocks, as checkpoints hold them). Worlds 1 and 2 (loopback and rank
 processes) in make test; more worlds, 2x2 emulated nodes, puts and program orders under ``sweep``.
 What the emulations can show is in test_moe_layer_matrix.py's docstring."""
 
@@ -81,7 +81,7 @@ def test_fp8_layer_equals_the_layer_on_dequantized_weights_bit_for_bit(cfg):
 
 
 # I > 128: w2's K (the intermediate size) spans two scale blocks, the second 8 wide, and its rows (hidden 136)
-# two more; w13's up half starts in its second row block. FP8_CONFIGS have I < 128 (one k-block of w2), so an
+# two more; w13's gate and up halves two block rows each. FP8_CONFIGS have I < 128 (one k-block of w2), so an
 # expert stride or k-block of w2's scales read wrong shows only here.
 WIDE_I = LayerConfig(2, 136, 136, 2, 3, fp8=True)
 
@@ -179,15 +179,12 @@ def _block_quantize(w):
     return (w.float() / per).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
-@pytest.mark.xfail(strict=True, reason="w13_scale's rows are ceil(2I/128) blocks over [gate; up] as one matrix; "
-                   "checkpoints and engines hold gate (w1) and up (w3) scales separately: 2 * ceil(I/128) rows")
 def test_fp8_w13_scales_as_checkpoints_hold_them_with_i_not_a_multiple_of_128():
     """DeepSeek-V3's checkpoints quantize gate_proj (w1) and up_proj (w3) separately, each in its own 128 x 128
     blocks; vLLM's and SGLang's fused w13_weight_scale_inv is [E, 2 * ceil(I / 128), ceil(H / 128)]: w1's block
-    rows, then w3's. The layer reads w13_scale as [E, ceil(2I / 128), ...] over the concatenated rows, so up row
-    I + n takes block (I + n) // 128. Equal when 128 divides I; at I = 80 the shapes agree (2 block rows) and
-    up rows 80..127 take gate's scale: the result differs from the layer given the dequantized weights, silently.
-    (At I mod 128 <= 64 the engines' scales are refused by shape instead.)"""
+    rows, then w3's; the layer takes that layout. At I = 80, bit for bit against the layer given the dequantized
+    weights. (When the layer read w13_scale as [E, ceil(2I / 128), ...] over the concatenated rows, up rows
+    80..127 took gate's scale here, silently: the shapes agree at I = 80.)"""
     E, H, I, M, K = 2, 64, 80, 4, 2
     (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
     inputs = layer_inputs(1, [M], E, H, I, K, 7, exact=False)
