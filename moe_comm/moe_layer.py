@@ -185,7 +185,8 @@ class MoELayer:
     Valid rows and async semantics: y is complete when the recv phase's kernels are (on CUDA, in stream
     order; every launch of the layer waits for its previous one on this rank, whatever streams they are
     on). Graph semantics: every launch has a fixed shape, counts are read only on the device, call counters
-    live on the device: a captured call replays with new inputs. Run one eager call before capturing.
+    live on the device: a captured call replays with new inputs (and the weights it was captured with:
+    ``set_weights``). Run one eager call before capturing.
 
     Faults: as for EPBuffer (docs/faults.md). Every wait is bounded (group.timeout_s); a peer that never
     sends makes every rank that waits for it record CommTimeoutError naming it, raised at the end of the
@@ -265,7 +266,10 @@ class MoELayer:
         """Replace the experts' weights (shapes and dtype as at construction, fp8 with their scales if the
         layer's are; contiguous, on group.device). The next call uses them; no launch is rebuilt (the launches
         take the weights at each call), so one layer can serve many model layers of one shape, each call with
-        its own weights (the transformers door)."""
+        its own weights (the transformers door). Graphs: a launch takes the weights' addresses when it is
+        issued, so a captured call replays with the tensors current at its capture (``set_weights`` after
+        the capture changes no replay; an in-place copy into those tensors does). Capture each model layer's
+        call after its own ``set_weights``."""
         L, H, inter = self.num_local_experts, self.hidden, self.intermediate
         wdtype = FP8_WEIGHT_DTYPE if self.fp8_weights else self.dtype
         fix = f"pass the local experts' weights, dtype {wdtype}, contiguous, on {self.group.device}"
