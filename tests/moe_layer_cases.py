@@ -170,6 +170,28 @@ class LayerInputs(tuple):
     fp8 = None
 
 
+def fp8_block_quantize(w, g, exact: bool):
+    """w [L, N, K] -> (float8_e4m3fn codes, float32 scales [L, ceil(N / 128), ceil(K / 128)]), scales drawn
+    from generator ``g`` as ``fp8_weights`` says."""
+    L, N, K = w.shape
+    grid = (L, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
+    if exact:
+        scale = 2.0 ** torch.randint(-2, 3, grid, generator=g).float()
+    else:
+        blocks = torch.zeros(grid)
+        wf = w.float().abs()
+        for i in range(grid[1]):
+            for j in range(grid[2]):
+                blocks[:, i, j] = wf[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK,
+                                     j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK].amax(dim=(1, 2))
+        scale = blocks.clamp(min=1e-4) / 448 * (0.5 + torch.rand(grid, generator=g))
+    per_elem = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
+    q = (w.float() / per_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if exact:
+        assert torch.equal(q.float() * per_elem, w.float()), "exact weights not representable in e4m3"
+    return q, scale
+
+
 def fp8_weights(w13s, w2s, seed: int, exact: bool):
     """fp8 e4m3 weights with 128x128 block scales near the given ones (``LayerInputs.fp8``; w13's gate and up
     halves each in their own blocks, ``reference.dequantize_fp8_w13``), and their
@@ -178,30 +200,10 @@ def fp8_weights(w13s, w2s, seed: int, exact: bool):
     the exact ones), else a float32 in [1/2, 3/2) times the block's amax / 448 (every block's different,
     so a scale read from the wrong block changes the result)."""
     g = torch.Generator().manual_seed(seed + 13)
-
-    def quantized(w):   # [L, N, K] -> fp8 codes, float32 scales [L, ceil(N / 128), ceil(K / 128)]
-        L, N, K = w.shape
-        grid = (L, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
-        if exact:
-            scale = 2.0 ** torch.randint(-2, 3, grid, generator=g).float()
-        else:
-            blocks = torch.zeros(grid)
-            wf = w.float().abs()
-            for i in range(grid[1]):
-                for j in range(grid[2]):
-                    blocks[:, i, j] = wf[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK,
-                                         j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK].amax(dim=(1, 2))
-            scale = blocks.clamp(min=1e-4) / 448 * (0.5 + torch.rand(grid, generator=g))
-        per_elem = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
-        q = (w.float() / per_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
-        if exact:
-            assert torch.equal(q.float() * per_elem, w.float()), "exact weights not representable in e4m3"
-        return q, scale
-
     fp8, deq13, deq2 = [], [], []
     for w13, w2 in zip(w13s, w2s):
         inter = w13.shape[1] // 2   # gate and up quantized separately, as checkpoints hold them
-        (qg, sg), (qu, su), (q2, s2) = quantized(w13[:, :inter]), quantized(w13[:, inter:]), quantized(w2)
+        (qg, sg), (qu, su), (q2, s2) = (fp8_block_quantize(w, g, exact) for w in (w13[:, :inter], w13[:, inter:], w2))
         parts = dict(w13=torch.cat([qg, qu], 1).contiguous(), w13_scale=torch.cat([sg, su], 1).contiguous(),
                      w2=q2, w2_scale=s2)
         fp8.append(parts)

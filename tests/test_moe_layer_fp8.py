@@ -20,8 +20,8 @@ from moe_comm.interpret_order import ORDER_ENV, SEED_ENV
 from moe_comm.planner import FP8_WEIGHT_BLOCK, SHAPES_ENV
 
 from budget import sweep
-from moe_layer_cases import (FP8_CONFIGS, LayerConfig, layer_inputs, make_layer, run_loopback_cases,
-                             run_loopback_layers, run_shm_cases)
+from moe_layer_cases import (FP8_CONFIGS, LayerConfig, fp8_block_quantize, layer_inputs, make_layer,
+                             run_loopback_cases, run_loopback_layers, run_shm_cases)
 
 # make test's representatives: each config, each routing once (random with -1 ids, all to one expert,
 # nothing routed), exact and random inputs; T = 0, 1, odd and max over the ranks (moe_layer_cases).
@@ -166,19 +166,6 @@ def test_weight_bytes_halve_with_fp8_plus_the_scales():
     assert MoELayer.weight_bytes(1, 192, 80, fp8=True) == 3 * 192 * 80 + (2 * 2 + 2 * 1) * 4   # ceil per grid
 
 
-def _block_quantize(w):
-    """w [E, N, K] -> (float8_e4m3fn, float32 scales [E, ceil(N / 128), ceil(K / 128)]): each block's amax / 448."""
-    E, N, K = w.shape
-    grid = (E, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
-    scale = torch.zeros(grid)
-    for i in range(grid[1]):
-        for j in range(grid[2]):
-            blk = w[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK, j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK]
-            scale[:, i, j] = blk.float().abs().amax(dim=(1, 2)).clamp(min=1e-4) / 448
-    per = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
-    return (w.float() / per).clamp(-448, 448).to(torch.float8_e4m3fn), scale
-
-
 def test_fp8_w13_scales_as_checkpoints_hold_them_with_i_not_a_multiple_of_128():
     """DeepSeek-V3's checkpoints quantize gate_proj (w1) and up_proj (w3) separately, each in its own 128 x 128
     blocks; vLLM's and SGLang's fused w13_weight_scale_inv is [E, 2 * ceil(I / 128), ceil(H / 128)]: w1's block
@@ -190,7 +177,8 @@ def test_fp8_w13_scales_as_checkpoints_hold_them_with_i_not_a_multiple_of_128():
     inputs = layer_inputs(1, [M], E, H, I, K, 7, exact=False)
     xs, idxs, ws, w13s, w2s = inputs
     gate, up = w13s[0][:, :I], w13s[0][:, I:] * 7   # up's blocks with other scales than gate's
-    (q1, s1), (q3, s3), (q2, s2) = _block_quantize(gate), _block_quantize(up), _block_quantize(w2s[0])
+    g13 = torch.Generator().manual_seed(8)
+    (q1, s1), (q3, s3), (q2, s2) = (fp8_block_quantize(w, g13, False) for w in (gate, up, w2s[0]))
     w13q, w13_scale = torch.cat([q1, q3], 1).contiguous(), torch.cat([s1, s3], 1).contiguous()
     deq13 = torch.cat([reference.dequantize_fp8_weight(q1, s1, torch.bfloat16),
                        reference.dequantize_fp8_weight(q3, s3, torch.bfloat16)], 1).contiguous()
