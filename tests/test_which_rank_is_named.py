@@ -26,6 +26,7 @@ import torch
 import moe_comm
 from moe_comm import AllToAllvDynamic, CommDesyncError, CommTimeoutError, GroupError, LaunchError
 from moe_comm.errors import ERR_ABORTED, ERR_DESYNC, OPS
+from moe_comm.interpret_order import ORDER_ENV
 from moe_comm.interpreter import kernel_for
 from moe_comm.triton_kernels.sync import fail_group_kernel
 
@@ -75,9 +76,13 @@ def _blocked(group, when):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["asis", "reverse"])
 @pytest.mark.parametrize("when, record", [("during", (B, DEAD)), ("before", (S, B)), ("mutual", (S, B))])
-def test_a_blocked_rank_names_whom_it_waits_for(when, record):
-    """B's CommTimeoutError: ``record`` (the rank that timed out, the rank it names)."""
+def test_a_blocked_rank_names_whom_it_waits_for(monkeypatch, when, record, order):
+    """B's CommTimeoutError: ``record`` (the rank that timed out, the rank it names). The receive's programs
+    wait for one source each: in reverse order the program waiting for the dead rank meets S's record first,
+    and B still sees that its launch waits for S too (a GPU runs them at once: any may see it first)."""
+    monkeypatch.setenv(ORDER_ENV, order)
     with pytest.raises(LaunchError) as info:
         moe_comm.launch(_blocked, 3, when, backend="shm", timeout_s=TIMEOUT_S, grace_s=120)
     err = info.value
