@@ -225,13 +225,15 @@ def fp8_weights(local: int, hidden: int, inter: int, device) -> dict:
     temporary of the whole tensor would not fit beside them)."""
     out = {}
     for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-        grid = (local, -(-n // FP8_WEIGHT_BLOCK), -(-k // FP8_WEIGHT_BLOCK))
+        halves = 2 if name == "w13" else 1   # w13: gate's block rows, then up's (MoELayer's w13_scale)
+        grid = (local, halves * -(-(n // halves) // FP8_WEIGHT_BLOCK), -(-k // FP8_WEIGHT_BLOCK))
         q = torch.empty(local, n, k, device=device, dtype=torch.float8_e4m3fn)
         deq = torch.empty(local, n, k, device=device, dtype=torch.bfloat16)
         scale = (0.5 + torch.rand(grid, device=device)) / k ** 0.5
         for e in range(local):
             q[e] = torch.randn(n, k, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-            deq[e] = reference.dequantize_fp8_weight(q[e], scale[e], torch.bfloat16)
+            deq[e] = (reference.dequantize_fp8_w13 if name == "w13" else reference.dequantize_fp8_weight)(
+                q[e], scale[e], torch.bfloat16)
         out.update({name: q, f"{name}_scale": scale, f"{name}_bf16": deq})
     return out
 

@@ -46,8 +46,9 @@ def _blocks(n: int) -> int:
 
 
 def _fp8_scale_grids(hidden: int, intermediate: int) -> tuple:
-    """(rows, columns) of the weights whose block scales an fp8 layer holds: w13, then w2."""
-    return (2 * intermediate, hidden), (hidden, intermediate)
+    """(block rows, block columns) of the block scales an fp8 layer holds: w13 (gate's block rows, then
+    up's: ``reference.dequantize_fp8_w13``), then w2."""
+    return (2 * _blocks(intermediate), _blocks(hidden)), (_blocks(hidden), _blocks(intermediate))
 
 
 class _FusedEPBuffer(EPBuffer):
@@ -142,10 +143,12 @@ class MoELayer:
              projection, rows [I, 2I) its up projection (a Linear's weight layout, DeepSeek's w1 and w3)
         w2   [E_local, hidden, intermediate] dtype: the down projection
         w13_scale, w2_scale  fp8 weights as DeepSeek-V3's checkpoints ship them: w13 and w2 float8_e4m3fn
-             (same shapes), w13_scale float32 [E_local, ceil(2I / 128), ceil(hidden / 128)] and w2_scale
+             (same shapes), w13_scale float32 [E_local, 2 * ceil(I / 128), ceil(hidden / 128)] (gate's block rows, then up's, as
+             vLLM's and SGLang's w13_weight_scale_inv: gate and up quantized separately) and w2_scale
              float32 [E_local, ceil(hidden / 128), ceil(I / 128)] (``weight_scale_inv``: one scale per 128 x
              128 block of rows x columns, the last blocks shorter). The layer then computes exactly as with
              the weights ``reference.dequantize_fp8_weight(w, scale, dtype)`` = (fp8.float() * scale).to(dtype)
+             (w13: ``reference.dequantize_fp8_w13``, each half by its own blocks)
              (one rounding): its kernels dequantize each weight tile so in registers before tl.dot, so the
              results are those of this layer given those dequantized weights, bit for bit (tests/
              test_moe_layer_fp8.py). Tokens, activations and output stay in dtype. Fused path only
@@ -182,7 +185,8 @@ class MoELayer:
     Valid rows and async semantics: y is complete when the recv phase's kernels are (on CUDA, in stream
     order; every launch of the layer waits for its previous one on this rank, whatever streams they are
     on). Graph semantics: every launch has a fixed shape, counts are read only on the device, call counters
-    live on the device: a captured call replays with new inputs. Run one eager call before capturing.
+    live on the device: a captured call replays with new inputs (and the weights it was captured with:
+    ``set_weights``). Run one eager call before capturing.
 
     Faults: as for EPBuffer (docs/faults.md). Every wait is bounded (group.timeout_s); a peer that never
     sends makes every rank that waits for it record CommTimeoutError naming it, raised at the end of the
@@ -253,7 +257,7 @@ class MoELayer:
         block scales): what a decode step reads per active expert, the layer's floor."""
         per_expert = 3 * intermediate * hidden * (1 if fp8 else dtype.itemsize)
         if fp8:
-            per_expert += 4 * sum(_blocks(r) * _blocks(c) for r, c in _fp8_scale_grids(hidden, intermediate))
+            per_expert += 4 * sum(r * c for r, c in _fp8_scale_grids(hidden, intermediate))
         return num_local_experts * per_expert
 
     # ---- weights -----------------------------------------------------------------------------------------
@@ -262,7 +266,10 @@ class MoELayer:
         """Replace the experts' weights (shapes and dtype as at construction, fp8 with their scales if the
         layer's are; contiguous, on group.device). The next call uses them; no launch is rebuilt (the launches
         take the weights at each call), so one layer can serve many model layers of one shape, each call with
-        its own weights (the transformers door)."""
+        its own weights (the transformers door). Graphs: a launch takes the weights' addresses when it is
+        issued, so a captured call replays with the tensors current at its capture (``set_weights`` after
+        the capture changes no replay; an in-place copy into those tensors does). Capture each model layer's
+        call after its own ``set_weights``."""
         L, H, inter = self.num_local_experts, self.hidden, self.intermediate
         wdtype = FP8_WEIGHT_DTYPE if self.fp8_weights else self.dtype
         fix = f"pass the local experts' weights, dtype {wdtype}, contiguous, on {self.group.device}"
@@ -275,7 +282,7 @@ class MoELayer:
             for name, t, (rows, cols) in zip(("w13_scale", "w2_scale"), (w13_scale, w2_scale), _fp8_scale_grids(H, inter)):
                 if t is None:
                     raise TypeError(f"{name} is missing: fp8 weights need their block scales ({sfix})")
-                check_tensor(name, t, self.group.device, (torch.float32,), (L, _blocks(rows), _blocks(cols)), sfix)
+                check_tensor(name, t, self.group.device, (torch.float32,), (L, rows, cols), sfix)
                 named.append((name, t))
         elif w13_scale is not None or w2_scale is not None:
             raise TypeError(f"w13_scale/w2_scale given for a layer built with {self.dtype} weights: build the layer "

@@ -142,6 +142,17 @@ def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return dequantize_fp8(w, rows, block).to(dtype)
 
 
+def dequantize_fp8_w13(w13: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                       block: int = FP8_WEIGHT_BLOCK) -> torch.Tensor:
+    """``dequantize_fp8_weight`` of a gate/up pair as checkpoints hold it (gate_proj and up_proj quantized
+    separately) and engines fuse it (vLLM's and SGLang's ``w13_weight_scale_inv``): w13 [..., 2I, K]
+    float8_e4m3fn (gate rows, then up rows), scale float32 [..., 2 * ceil(I / block), ceil(K / block)]
+    (gate's block rows, then up's: no block spans both halves). Returns [..., 2I, K] dtype."""
+    inter, nb = w13.shape[-2] // 2, scale.shape[-2] // 2
+    return torch.cat([dequantize_fp8_weight(w13[..., :inter, :], scale[..., :nb, :], dtype, block),
+                      dequantize_fp8_weight(w13[..., inter:, :], scale[..., nb:, :], dtype, block)], dim=-2)
+
+
 NVFP4_GROUP = 16          # elements per e4m3 block scale
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)           # magnitude code 0..7

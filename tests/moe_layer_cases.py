@@ -170,8 +170,31 @@ class LayerInputs(tuple):
     fp8 = None
 
 
+def fp8_block_quantize(w, g, exact: bool):
+    """w [L, N, K] -> (float8_e4m3fn codes, float32 scales [L, ceil(N / 128), ceil(K / 128)]), scales drawn
+    from generator ``g`` as ``fp8_weights`` says."""
+    L, N, K = w.shape
+    grid = (L, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
+    if exact:
+        scale = 2.0 ** torch.randint(-2, 3, grid, generator=g).float()
+    else:
+        blocks = torch.zeros(grid)
+        wf = w.float().abs()
+        for i in range(grid[1]):
+            for j in range(grid[2]):
+                blocks[:, i, j] = wf[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK,
+                                     j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK].amax(dim=(1, 2))
+        scale = blocks.clamp(min=1e-4) / 448 * (0.5 + torch.rand(grid, generator=g))
+    per_elem = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
+    q = (w.float() / per_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if exact:
+        assert torch.equal(q.float() * per_elem, w.float()), "exact weights not representable in e4m3"
+    return q, scale
+
+
 def fp8_weights(w13s, w2s, seed: int, exact: bool):
-    """fp8 e4m3 weights with 128x128 block scales near the given ones (``LayerInputs.fp8``), and their
+    """fp8 e4m3 weights with 128x128 block scales near the given ones (``LayerInputs.fp8``; w13's gate and up
+    halves each in their own blocks, ``reference.dequantize_fp8_w13``), and their
     dequantized values (the reference's weights). Each block's scale is drawn: a power of two in [1/4, 4]
     with ``exact`` (the exact weights' values divided by it are e4m3 values, so the dequantized weights are
     the exact ones), else a float32 in [1/2, 3/2) times the block's amax / 448 (every block's different,
@@ -179,27 +202,12 @@ def fp8_weights(w13s, w2s, seed: int, exact: bool):
     g = torch.Generator().manual_seed(seed + 13)
     fp8, deq13, deq2 = [], [], []
     for w13, w2 in zip(w13s, w2s):
-        parts = {}
-        for name, w in (("w13", w13), ("w2", w2)):
-            L, N, K = w.shape
-            grid = (L, -(-N // FP8_WEIGHT_BLOCK), -(-K // FP8_WEIGHT_BLOCK))
-            if exact:
-                scale = 2.0 ** torch.randint(-2, 3, grid, generator=g).float()
-            else:
-                blocks = torch.zeros(grid)
-                wf = w.float().abs()
-                for i in range(grid[1]):
-                    for j in range(grid[2]):
-                        blocks[:, i, j] = wf[:, i * FP8_WEIGHT_BLOCK:(i + 1) * FP8_WEIGHT_BLOCK,
-                                             j * FP8_WEIGHT_BLOCK:(j + 1) * FP8_WEIGHT_BLOCK].amax(dim=(1, 2))
-                scale = blocks.clamp(min=1e-4) / 448 * (0.5 + torch.rand(grid, generator=g))
-            per_elem = scale.repeat_interleave(FP8_WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(FP8_WEIGHT_BLOCK, 2)[..., :K]
-            q = (w.float() / per_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
-            if exact:
-                assert torch.equal(q.float() * per_elem, w.float()), "exact weights not representable in e4m3"
-            parts[name], parts[f"{name}_scale"] = q, scale
+        inter = w13.shape[1] // 2   # gate and up quantized separately, as checkpoints hold them
+        (qg, sg), (qu, su), (q2, s2) = (fp8_block_quantize(w, g, exact) for w in (w13[:, :inter], w13[:, inter:], w2))
+        parts = dict(w13=torch.cat([qg, qu], 1).contiguous(), w13_scale=torch.cat([sg, su], 1).contiguous(),
+                     w2=q2, w2_scale=s2)
         fp8.append(parts)
-        deq13.append(reference.dequantize_fp8_weight(parts["w13"], parts["w13_scale"], w13.dtype))
+        deq13.append(reference.dequantize_fp8_w13(parts["w13"], parts["w13_scale"], w13.dtype))
         deq2.append(reference.dequantize_fp8_weight(parts["w2"], parts["w2_scale"], w2.dtype))
     return fp8, deq13, deq2
 
@@ -260,8 +268,8 @@ CONFIGS = (
     LayerConfig(1, 192, 48, 1, 6, torch.float16),
     LayerConfig(4, 64, 96, 4, 1),
 )
-# fp8 weights with block scales: hidden 192 (one and a half scale blocks), I 80 (w13's 160 rows: the up half
-# starts in block 0 and ends in block 1; w2's K is one short block); hidden 136 and I 40 in float16.
+# fp8 weights with block scales: hidden 192 (one and a half scale blocks), I 80 (gate's and up's 80 rows: one
+# short block each; w2's K is one short block); hidden 136 and I 40 in float16.
 FP8_CONFIGS = (
     LayerConfig(2, 192, 80, 2, 5, fp8=True),
     LayerConfig(3, 136, 40, 3, 4, torch.float16, fp8=True),

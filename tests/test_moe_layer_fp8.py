@@ -6,7 +6,7 @@ tl.dot. So: against ``reference.moe_layer`` on those weights bit for bit on exac
 scales) and within the derived bound on random ones (scales drawn per block, all different, so a scale
 read from another block shows); and against the bf16 layer given the dequantized weights bit for bit on
 random inputs (the same GEMM tile on the same values). Sizes that are not multiples of 128 (the last
-scale blocks shorter; w13's up half starting inside a block). Worlds 1 and 2 (loopback and rank
+scale blocks shorter; w13's gate and up halves each in their own blocks, as checkpoints hold them). Worlds 1 and 2 (loopback and rank
 processes) in make test; more worlds, 2x2 emulated nodes, puts and program orders under ``sweep``.
 What the emulations can show is in test_moe_layer_matrix.py's docstring."""
 
@@ -20,8 +20,8 @@ from moe_comm.interpret_order import ORDER_ENV, SEED_ENV
 from moe_comm.planner import FP8_WEIGHT_BLOCK, SHAPES_ENV
 
 from budget import sweep
-from moe_layer_cases import (FP8_CONFIGS, LayerConfig, layer_inputs, make_layer, run_loopback_cases,
-                             run_loopback_layers, run_shm_cases)
+from moe_layer_cases import (FP8_CONFIGS, LayerConfig, fp8_block_quantize, layer_inputs, make_layer,
+                             run_loopback_cases, run_loopback_layers, run_shm_cases)
 
 # make test's representatives: each config, each routing once (random with -1 ids, all to one expert,
 # nothing routed), exact and random inputs; T = 0, 1, odd and max over the ranks (moe_layer_cases).
@@ -78,6 +78,20 @@ def test_fp8_layer_equals_the_layer_on_dequantized_weights_bit_for_bit(cfg):
     got, want = run_loopback_layers(fp8, xs, idxs, ws), run_loopback_layers(plain, xs, idxs, ws)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(bool((y != 0).any()) for y in got)
+
+
+# I > 128: w2's K (the intermediate size) spans two scale blocks, the second 8 wide, and its rows (hidden 136)
+# two more; w13's gate and up halves two block rows each. FP8_CONFIGS have I < 128 (one k-block of w2), so an
+# expert stride or k-block of w2's scales read wrong shows only here.
+WIDE_I = LayerConfig(2, 136, 136, 2, 3, fp8=True)
+
+
+@pytest.mark.timeout(600)
+def test_fp8_w2_scales_over_several_k_blocks():
+    """World 2 (every expert with rows), exact and random inputs: equal to the reference on the dequantized
+    weights (one layer, set_weights with the next case's fp8 weights and scales between calls)."""
+    groups = moe_comm.init(backend="loopback", world_size=2, device="cpu")
+    assert run_loopback_cases(groups, table=(WIDE_I,), routings=("random", "one_expert")) == []
 
 
 @pytest.mark.timeout(900)
@@ -150,3 +164,25 @@ def test_weight_bytes_halve_with_fp8_plus_the_scales():
     assert bf16 == 32 * 3 * 2048 * 7168 * 2
     assert fp8 == bf16 // 2 + 32 * (32 * 56 + 56 * 16) * 4
     assert MoELayer.weight_bytes(1, 192, 80, fp8=True) == 3 * 192 * 80 + (2 * 2 + 2 * 1) * 4   # ceil per grid
+
+
+def test_fp8_w13_scales_as_checkpoints_hold_them_with_i_not_a_multiple_of_128():
+    """DeepSeek-V3's checkpoints quantize gate_proj (w1) and up_proj (w3) separately, each in its own 128 x 128
+    blocks; vLLM's and SGLang's fused w13_weight_scale_inv is [E, 2 * ceil(I / 128), ceil(H / 128)]: w1's block
+    rows, then w3's; the layer takes that layout. At I = 80, bit for bit against the layer given the dequantized
+    weights. (When the layer read w13_scale as [E, ceil(2I / 128), ...] over the concatenated rows, up rows
+    80..127 took gate's scale here, silently: the shapes agree at I = 80.)"""
+    E, H, I, M, K = 2, 64, 80, 4, 2
+    (g,) = moe_comm.init(backend="loopback", world_size=1, device="cpu")
+    inputs = layer_inputs(1, [M], E, H, I, K, 7, exact=False)
+    xs, idxs, ws, w13s, w2s = inputs
+    gate, up = w13s[0][:, :I], w13s[0][:, I:] * 7   # up's blocks with other scales than gate's
+    g13 = torch.Generator().manual_seed(8)
+    (q1, s1), (q3, s3), (q2, s2) = (fp8_block_quantize(w, g13, False) for w in (gate, up, w2s[0]))
+    w13q, w13_scale = torch.cat([q1, q3], 1).contiguous(), torch.cat([s1, s3], 1).contiguous()
+    deq13 = torch.cat([reference.dequantize_fp8_weight(q1, s1, torch.bfloat16),
+                       reference.dequantize_fp8_weight(q3, s3, torch.bfloat16)], 1).contiguous()
+    deq2 = reference.dequantize_fp8_weight(q2, s2, torch.bfloat16)
+    fp8 = MoELayer(g, E, H, I, M, K, w13q, q2, w13_scale=w13_scale, w2_scale=s2)
+    plain = MoELayer(g, E, H, I, M, K, deq13, deq2, path="fused")
+    assert torch.equal(fp8(xs[0], idxs[0], ws[0]), plain(xs[0], idxs[0], ws[0]))

@@ -46,7 +46,7 @@ def _b_tile(ptrs, mask, bs_base, s_off, k0, col_live, W_FP8: tl.constexpr, DTYPE
 @triton.jit
 def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk, s_bn, GATED: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                W_FP8: tl.constexpr = False, bs_base=None, b_row0=0, b2_row0=0):
+                W_FP8: tl.constexpr = False, bs_base=None, b_block0=0, b2_block0=0):
     """float32 [BM, BN]: the rows of A that start at ``a_base + a_rows`` ([BM] element offsets; elements s_ak
     apart; rows where ``row_live``, the others read as zeros) times columns [n0, n0 + BN) of B [K, N] (at ``b_base``,
     strides s_bk, s_bn), accumulated over K in steps of BK by tl.dot; with GATED, SiLU(A @ B) * (A @ B2)
@@ -54,9 +54,10 @@ def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk,
     batched experts here and the fused MoE layer (``moe_comm/triton_kernels/moe_gate_up.py``,
     ``moe_down_combine.py``), so a row's result is the same bits whichever kernel computes it.
 
-    W_FP8: B (and B2) are float8_e4m3fn with block scales: B[k, n] is row ``b_row0 + n`` (B2: ``b2_row0 + n``),
-    column k of a weight [rows, K] whose float32 scales ``bs_base`` [ceil(rows / 128), ceil(K / 128)] (row
-    major) cover blocks of FP8_WEIGHT_BLOCK x FP8_WEIGHT_BLOCK. Each tile is dequantized in registers to A's
+    W_FP8: B (and B2) are float8_e4m3fn with block scales: B[k, n] is column k of row n of a weight [N, K]
+    whose float32 scales start at block row ``b_block0`` (B2: ``b2_block0``) of ``bs_base`` [block rows,
+    ceil(K / 128)] (row major; w13's up half has its own blocks after gate's), blocks of FP8_WEIGHT_BLOCK x
+    FP8_WEIGHT_BLOCK. Each tile is dequantized in registers to A's
     dtype before tl.dot, as ``reference.dequantize_fp8_weight``: fp8 -> float32, times its block's scale,
     rounded once. BK divides the block, so a K step reads one scale per output column."""
     rn = n0 + tl.arange(0, BN)
@@ -66,8 +67,8 @@ def expert_tile(a_base, a_rows, row_live, b_base, b2_base, n0, K, N, s_ak, s_bk,
     if W_FP8:
         tl.static_assert(W_BLOCK % BK == 0, "the K step must lie in one fp8 scale block")
         s_cols = (K + W_BLOCK - 1) // W_BLOCK                # scale blocks per weight row
-        s_off = (b_row0 + rn) // W_BLOCK * s_cols             # [BN] each column's row of scales
-        s2_off = (b2_row0 + rn) // W_BLOCK * s_cols
+        s_off = (b_block0 + rn // W_BLOCK) * s_cols           # [BN] each column's row of scales
+        s2_off = (b2_block0 + rn // W_BLOCK) * s_cols
     # Scalar int64 bases and int32 tile offsets advanced by BK per step (Triton 3.9 has no block
     # pointers; per-element int64 pointer tiles for gate and up spilled on sm_90).
     a_off = a_rows[:, None] + rk[None, :] * s_ak

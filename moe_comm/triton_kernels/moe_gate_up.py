@@ -76,9 +76,9 @@ def _tile(a_base, a_rows, live, i, b_base, s_base, h_base, n0, HIDDEN: tl.conste
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr):
     """SiLU(A @ gate) * (A @ up) of the rows at ``a_base + a_rows`` ([BM] element offsets; where ``live``),
     columns [n0, n0 + BN) of I, rounded once and stored to rows ``i`` of h (``h_base``: expert e's rows).
-    W_FP8: expert e's w13 is fp8 with its block scales at ``s_base`` (the up rows are w13's rows I + n)."""
+    W_FP8: expert e's w13 is fp8 with its block scales at ``s_base`` (up's block rows follow gate's)."""
     acc = expert_tile(a_base, a_rows, live, b_base, b_base + INTER * HIDDEN, n0, HIDDEN, INTER, 1, 1, HIDDEN, True, BM, BN,
-                      BK, PRECISION, W_FP8, s_base, 0, INTER)
+                      BK, PRECISION, W_FP8, s_base, 0, tl.cdiv(INTER, W_BLOCK))
     rn = n0 + tl.arange(0, BN)
     tl.store(h_base + i[:, None].to(tl.int64) * INTER + rn[None, :], cast_rne(acc, h_base.dtype.element_ty),
              mask=live[:, None] & (rn < INTER)[None, :])
@@ -94,7 +94,8 @@ def moe_gate_up_kernel(
     counts_ptr,   # int32 [L]: rows per local expert (WORLD == 1 only)
     w13_ptr,      # [L, 2 * INTER, HIDDEN] dtype (W_FP8: float8_e4m3fn): gate (rows [0, INTER)) and up (rows
     #               [INTER, 2 * INTER))
-    w13_scale_ptr,  # W_FP8: float32 [L, ceil(2 * INTER / 128), ceil(HIDDEN / 128)], w13's block scales; else None
+    w13_scale_ptr,  # W_FP8: float32 [L, 2 * ceil(INTER / 128), ceil(HIDDEN / 128)], w13's block scales (gate's
+    #                 block rows, then up's); else None
     h_ptr,        # out [L, CAP, INTER] dtype: SiLU(x @ gate.T) * (x @ up.T) of rows < the expert's count
     grp, status_ptr, rank,
     OP: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, M: tl.constexpr, CAP: tl.constexpr,
@@ -109,7 +110,7 @@ def moe_gate_up_kernel(
     b_base = w13_ptr + e.to(tl.int64) * (2 * INTER * HIDDEN)
     s_base = w13_scale_ptr
     if W_FP8:
-        s_base = w13_scale_ptr + e.to(tl.int64) * (tl.cdiv(2 * INTER, W_BLOCK) * tl.cdiv(HIDDEN, W_BLOCK))
+        s_base = w13_scale_ptr + e.to(tl.int64) * (2 * tl.cdiv(INTER, W_BLOCK) * tl.cdiv(HIDDEN, W_BLOCK))
     h_base = h_ptr + e.to(tl.int64) * CAP * INTER
     if WORLD == 1:
         rows = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), CAP)

@@ -315,7 +315,9 @@ def adopt_group_error(grp, status_ptr, source, WORLD: tl.constexpr):
 def blocked_elsewhere(status_ptr, source, rank, failed_before, pending, peers, WORLD: tl.constexpr):
     """True (block-uniform) when rank ``source``'s broadcast record (its tag set) is a timeout naming ``rank``
     that came while this rank waited (the group was not failed when the wait began: ``failed_before``)
-    for flags of other ranks than ``source`` only (``pending`` lanes, rank ``peers[i]``): a peer whose wait
+    for flags of other ranks than ``source`` only (``pending`` lanes, rank ``peers[i]``: every lane the
+    launch waits for, not only this program's, as ``missing_lanes``; a program that does not wait for
+    ``source`` while another program of the launch does is in the mutual wait too): a peer whose wait
     depended on this rank gave up on it while it was blocked on a third rank. Such a rank names whom it
     waits for, not itself (docs/faults.md, "Which rank is named"). A rank that was late when its wait
     began, or that waits for ``source`` itself, adopts the record: every rank raises the same error."""
@@ -338,14 +340,16 @@ def named_while_blocked(grp, status_ptr, rank, failed_before, pending, peers, WO
 
 
 @triton.jit
-def failure_seen(grp, status_ptr, rank, failed_before, pending, peers, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
-    """A pending wait's view of the group (block-uniform): NOT_FAILED; FAILED_NAMING_ME (``blocked_elsewhere``:
-    nothing adopted, the wait records its own timeout); or FAILED_ADOPTED (any other group-wide error, now in
-    this rank's error word too, as ``check_failed``)."""
+def failure_seen(grp, status_ptr, rank, failed_before, flag_ptrs, target, peers, WORLD: tl.constexpr,
+                 WORLD_P2: tl.constexpr, ABORT_ARRIVES: tl.constexpr):
+    """A pending wait's view of the group (block-uniform): NOT_FAILED; FAILED_NAMING_ME (``blocked_elsewhere``
+    on the launch's missing lanes, ``missing_lanes``: nothing adopted, the wait records its own timeout); or
+    FAILED_ADOPTED (any other group-wide error, now in this rank's error word too, as ``check_failed``)."""
     source = failed_source(grp, status_ptr, WORLD, WORLD_P2)
     out = NOT_FAILED
     if source < WORLD:
-        if blocked_elsewhere(status_ptr, source, rank, failed_before, pending, peers, WORLD):
+        missing, _ = missing_lanes(flag_ptrs, target, peers, grp, WORLD, ABORT_ARRIVES)
+        if blocked_elsewhere(status_ptr, source, rank, failed_before, missing, peers, WORLD):
             out = FAILED_NAMING_ME
         else:
             adopt_group_error(grp, status_ptr, source, WORLD)
@@ -429,7 +433,8 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
                                    PUT)
                 state = 2
             else:
-                failed = failure_seen(grp, status_ptr, rank, failed_before, pending, peers, WORLD, WORLD_P2)
+                failed = failure_seen(grp, status_ptr, rank, failed_before, flag_ptrs, target, peers, WORLD, WORLD_P2,
+                                      ABORT_ARRIVES)
                 if failed == FAILED_ADOPTED:
                     state = 2
                 elif (failed == FAILED_NAMING_ME) | block_any(now_ns() - t0 > timeout_ns):   # each thread: own clock
@@ -451,6 +456,19 @@ def wait_flags(flag_ptrs, target, mask, peers, grp, status_ptr, op, rank, WORLD:
 
 
 @triton.jit
+def missing_lanes(flag_ptrs, target, peers, grp, WORLD: tl.constexpr, ABORT_ARRIVES: tl.constexpr = False):
+    """(missing, v): int1 per lane, a live peer's lane (``peers`` below WORLD) whose flag is not ``target`` now
+    (nor its ABORT, with ``ABORT_ARRIVES``), every lane, waited for by this program or not; and the flags
+    read (acquire: one atomic per lane, its value broadcast, so block-uniform)."""
+    known = (peers < WORLD) & (tl.load(grp + S_LIVE + peers, mask=peers < WORLD, other=0) != 0)
+    v = tl.atomic_add(flag_ptrs, 0, mask=known, sem="acquire", scope="sys")
+    done = v == target
+    if ABORT_ARRIVES:
+        done = done | (v == (target | ABORT_BIT))
+    return known & (done == 0), v
+
+
+@triton.jit
 def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
                    ABORT_ARRIVES: tl.constexpr = False):
     """Whom a timed-out wait names, and that peer's flag's call: the lowest live rank among ``peers``
@@ -459,13 +477,9 @@ def lowest_missing(flag_ptrs, target, peers, first_peer, seen, grp, WORLD: tl.co
     different peers and the first to time out records the group's error: naming the lowest missing
     peer of all makes it the same whichever program that is (with two peers dead, always the lower).
     ``first_peer``/``seen``: the waited lanes' answer, kept if every flag arrived meanwhile."""
-    known = (peers < WORLD) & (tl.load(grp + S_LIVE + peers, mask=peers < WORLD, other=0) != 0)
-    v = tl.atomic_add(flag_ptrs, 0, mask=known, sem="acquire", scope="sys")
-    done = v == target
-    if ABORT_ARRIVES:
-        done = done | (v == (target | ABORT_BIT))
-    late = tl.min(tl.where(known & (done == 0), peers, WORLD_P2))
-    late_seen = tl.max(tl.where(known & (peers == late), v & CALL_MASK, 0))
+    missing, v = missing_lanes(flag_ptrs, target, peers, grp, WORLD, ABORT_ARRIVES)
+    late = tl.min(tl.where(missing, peers, WORLD_P2))
+    late_seen = tl.max(tl.where(missing & (peers == late), v & CALL_MASK, 0))
     if late >= WORLD_P2:
         late = first_peer
         late_seen = seen
