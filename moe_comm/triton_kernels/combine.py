@@ -161,11 +161,18 @@ def expert_rows(expert_out_ptr, row, X_WORDS: tl.constexpr, HIDDEN: tl.constexpr
 
 
 @triton.jit
+def _send_flag(grp, seq_ptr):
+    """This send's flag, read where it is used (kept live across the copies it spills Triton 3.9's put build):
+    the send count is advanced only by this kernel's last program, at its end."""
+    return flag_value(tl.load(grp + S_EPOCH), tl.load(seq_ptr) + 1)
+
+
+@triton.jit
 def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: tl.constexpr, TOPK: tl.constexpr,
                EXPERTS_PER_RANK: tl.constexpr, EXPERTS_P2: tl.constexpr, CAP: tl.constexpr,
                X_WORDS: tl.constexpr, BS: tl.constexpr, BW: tl.constexpr, NBLK: tl.constexpr,
                ALIGNED: tl.constexpr, SLOT_WORDS: tl.constexpr, HIDDEN: tl.constexpr, FP8: tl.constexpr,
-               ready_ptr, flag, grp, status_ptr, rank, WORLD: tl.constexpr, PUT: tl.constexpr):
+               ready_ptr, seq_ptr, grp, status_ptr, rank, WORLD: tl.constexpr, PUT: tl.constexpr):
     """This program's share of rank p's run, staged at ``stage`` (int32 words [M * TOPK, SLOT_WORDS]): row i
     is the i-th of p's slots here in (local expert, dispatch row) order, i.e. expert_out[e, base_e + j]
     with base_e = rows of expert e from ranks before p (the dispatch placed p's rows there), as an fp8 row
@@ -186,7 +193,8 @@ def _stage_run(expert_out_ptr, stage, rows, p, blk, WORLD_P2: tl.constexpr, M: t
         row = tl.sum(tl.where(pick, first[None, :] + rows_p[None, :] - end[None, :], 0), axis=1) + i
         has_row = ok & (row < CAP)
         if ready_ptr is not None:   # read expert e's rows only once e is signalled ready
-            ready = ready & wait_ready(ready_ptr, e, tl.where(ready, has_row, False), flag, grp, status_ptr, rank,
+            ready = ready & wait_ready(ready_ptr, e, tl.where(ready, has_row, False), _send_flag(grp, seq_ptr), grp,
+                                       status_ptr, rank,
                                        WORLD, WORLD_P2, EXPERTS_PER_RANK, EXPERTS_P2, PUT)
             has_row = tl.where(ready, has_row, False)
         src = expert_rows(expert_out_ptr, e.to(tl.int64) * CAP + tl.where(has_row, row, 0), X_WORDS, HIDDEN, FP8)
@@ -259,10 +267,6 @@ def combine_send_kernel(
             trace.store_peer_words(trace.sent_rows_ptr(trace_ptr, call, WORLD, TRACE_N), w, returned, w < WORLD,
                                    TRACE)
     ready = blk >= 0   # True; with ready_ptr: False once a wait for an expert failed (nothing more is read)
-    if ready_ptr is not None:
-        flag = flag_value(tl.load(grp + S_EPOCH), call)
-    else:
-        flag = call
     # An excluded or failed token rank has no tokens here (tokens = 0), so nothing goes to it.
     for i0 in range(blk * BS, WORLD * M * TOPK_P2, NBLK * BS):
         q, k, s, t, valid = _slots(i0 + tl.arange(0, BS), tokens, w, WORLD, M, TOPK, TOPK_P2)
@@ -273,7 +277,8 @@ def combine_send_kernel(
         send = code != -1
         has_row = (code >= 0) & (code < ROWS)
         if ready_ptr is not None:   # read expert e's rows (codes e * CAP + i) only once e is signalled ready
-            ready = ready & wait_ready(ready_ptr, code // CAP, tl.where(ready, has_row, False), flag, grp,
+            ready = ready & wait_ready(ready_ptr, code // CAP, tl.where(ready, has_row, False),
+                                       _send_flag(grp, seq_ptr), grp,
                                        status_ptr, rank, WORLD, WORLD_P2, EXPERTS_PER_RANK, EXPERTS_P2, PUT)
             send = tl.where(ready, send, False)
             has_row = tl.where(ready, has_row, False)
@@ -290,7 +295,7 @@ def combine_send_kernel(
             if (p != rank) & is_live(grp, p) & put_peers(grp, p, True, WORLD, PUT) & (failed == 0):
                 staged = _stage_run(expert_out_ptr, stage_ptr + tl.cast(p, tl.int64) * M * TOPK * SLOT_WORDS, rows,
                                     p, blk, WORLD_P2, M, TOPK, EXPERTS_PER_RANK, EXPERTS_P2, CAP, X_WORDS, BS, BW,
-                                    NBLK, ALIGNED, SLOT_WORDS, HIDDEN, FP8, ready_ptr, flag, grp, status_ptr, rank,
+                                    NBLK, ALIGNED, SLOT_WORDS, HIDDEN, FP8, ready_ptr, seq_ptr, grp, status_ptr, rank,
                                     WORLD, PUT)
                 if ready_ptr is not None:
                     ready = ready & staged
@@ -310,8 +315,8 @@ def combine_send_kernel(
         if ready_ptr is not None:   # every local expert, also those whose rows go nowhere or are read in place
             if skipped == 0:
                 e = tl.arange(0, EXPERTS_P2)
-                ready = wait_ready(ready_ptr, e, e < EXPERTS_PER_RANK, flag, grp, status_ptr, rank, WORLD, WORLD_P2,
-                                   EXPERTS_PER_RANK, EXPERTS_P2, PUT)
+                ready = wait_ready(ready_ptr, e, e < EXPERTS_PER_RANK, _send_flag(grp, seq_ptr), grp, status_ptr, rank,
+                                   WORLD, WORLD_P2, EXPERTS_PER_RANK, EXPERTS_P2, PUT)
                 skipped = ready == 0
         if skipped == 0:
             flag = flag_value(tl.load(grp + S_EPOCH), call)
