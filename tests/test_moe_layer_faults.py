@@ -18,6 +18,7 @@ from moe_comm import (CapacityError, CommAbortedError, CommTimeoutError, GroupEr
 from moe_comm.planner import SHAPES_ENV
 from moe_comm.recovery import recover
 from moe_comm.trace import analyze
+from moe_comm.trace.recorder import channel_records
 
 from budget import SWEEP, sweep
 from moe_layer_cases import (CONFIGS, LayerConfig, case_inputs, check_ranks, layer_inputs, make_layer,
@@ -238,3 +239,32 @@ def test_a_tile_is_computed_once_its_sources_are_there_and_the_rest_waits(monkey
     u = xs[0].float() @ w13s[0][0, cfg.inter:].float().T
     assert torch.equal(h[0, :16], (g * torch.sigmoid(g) * u).to(h.dtype))
     assert bool(h[0, 16:].isnan().all()) and bool(h[1].isnan().all())
+
+
+@pytest.mark.timeout(120)
+def test_the_recorder_holds_the_fused_calls_and_names_a_rank_that_never_sent_its_expert_rows(tmp_path, monkeypatch):
+    """The down kernel is the combine's send: with the recorder on, each rank's records of an exact call are
+    those of EPBuffer's ops (dispatch and combine "ok", the combine sending back the rows the dispatch
+    received and receiving the ones it sent, its send's start before its end). Then rank 1 dispatches but
+    never runs its experts: rank 0's combine receive times out, and the analyzer says rank 1 never
+    published that combine call, rank 0 having waited for it."""
+    monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(tmp_path))
+    groups, layers = _world(2, trace=8)
+    assert _exact_call(layers, 1) == []
+    routed = 0
+    for layer in layers:
+        (d,), (c,) = channel_records(layer.ep._dispatch_ch), channel_records(layer.ep._combine_ch)
+        assert (d.op, d.call, d.outcome, c.op, c.call, c.outcome) == ("dispatch", 1, "ok", "combine", 1, "ok")
+        assert c.sent_rows == d.recv_rows and c.recv_rows == d.sent_rows, (d, c)
+        assert 0 < c.send_start <= c.send_end, c
+        routed += sum(d.sent_rows)
+    assert routed > 0   # rows crossed (a rank with T = 0 routes none)
+    xs, idxs, ws = _call_inputs(2, 2)
+    for r in range(2):
+        layers[r](xs[r], idxs[r], ws[r], phase="send")
+    layers[0](phase="experts")
+    with pytest.raises(CommTimeoutError, match="combine: rank 0 timed out .* waiting for peer rank 1"):
+        layers[0](phase="recv")
+    diag = analyze.analyze(analyze.load_dumps(str(tmp_path)))
+    never = [(x["rank"], x["op"], x["call"], x["waiters"]) for x in diag.never_published]
+    assert never == [(1, "combine", 2, [0])], diag.lines
