@@ -268,3 +268,43 @@ def test_the_recorder_holds_the_fused_calls_and_names_a_rank_that_never_sent_its
     diag = analyze.analyze(analyze.load_dumps(str(tmp_path)))
     never = [(x["rank"], x["op"], x["call"], x["waiters"]) for x in diag.never_published]
     assert never == [(1, "combine", 2, [0])], diag.lines
+
+
+def _bad_out_call(group):
+    """Rank 1 passes an out of the wrong shape to a phase="both" call: it must raise ValueError having taken part
+    (abort), rank 0 CommAbortedError naming it; after reset() the next call is exact on both ranks."""
+    me, world = group.rank, group.world_size
+    inputs = case_inputs(CFG, world, "random", True, 5)
+    layer = make_layer(group, CFG, inputs[3][me], inputs[4][me])
+    x = inputs[0][me]
+    out = torch.empty(x.shape[0] + 1, CFG.hidden, dtype=x.dtype) if me == 1 else None
+    try:
+        layer(x, inputs[1][me], inputs[2][me], out=out)
+        got = "no error"
+    except (ValueError, CommAbortedError) as err:
+        got = f"{type(err).__name__}: {err}"
+    group.reset()
+    y = layer(x, inputs[1][me], inputs[2][me], out=torch.empty_like(x))
+    return got, check_ranks({me: y}, inputs, CFG, True, "after reset")
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_out_is_refused_before_the_call_runs_on_every_rank():
+    """``out`` of a phase="both" call is checked with the send's inputs: refused there, the rank takes part by
+    aborting and nothing is left pending (refused only at the receive, the call would have run, its
+    receive stayed pending and every later call of that rank refused to start, its peers then timing out).
+    World 1 (the next call exact with no reset) and world 2 over shared memory."""
+    (group,) = moe_comm.init(backend="loopback", world_size=1, device="cpu", timeout_s=TIMEOUT_S)
+    inputs = case_inputs(CFG, 1, "random", True, 3)
+    layer = make_layer(group, CFG, inputs[3][0], inputs[4][0])
+    x, idx, w = inputs[0][0], inputs[1][0], inputs[2][0]
+    for bad, err in ((torch.empty(x.shape[0] + 1, CFG.hidden, dtype=x.dtype), ValueError),
+                     (torch.empty(x.shape[0], CFG.hidden, dtype=torch.float32), TypeError),
+                     (torch.empty(CFG.hidden, x.shape[0], dtype=x.dtype).T, ValueError)):
+        with pytest.raises(err, match="out"):
+            layer(x, idx, w, out=bad)
+        assert check_ranks({0: layer(x, idx, w)}, inputs, CFG, True, "next call") == []
+    results = moe_comm.launch(_bad_out_call, 2, backend="shm", timeout_s=30.0)
+    assert results[1][0].startswith("ValueError: out has shape"), results
+    assert results[0][0].startswith("CommAbortedError") and "peer rank 1" in results[0][0], results
+    assert [errs for _, errs in results] == [[], []]
