@@ -308,3 +308,32 @@ def test_a_bad_out_is_refused_before_the_call_runs_on_every_rank():
     assert results[1][0].startswith("ValueError: out has shape"), results
     assert results[0][0].startswith("CommAbortedError") and "peer rank 1" in results[0][0], results
     assert [errs for _, errs in results] == [[], []]
+
+
+@pytest.mark.timeout(300)
+def test_an_excluded_rank_is_neither_waited_for_nor_sent_to_in_the_fused_kernels():
+    """make test's representative of exclusion (the rank-process kill above is a sweep): loopback world 3,
+    rank 2 skips a call, ranks 0 and 1 time out naming it, exclude it and reset; then three calls of the two
+    survivors are exact against the reference without rank 2 (its experts not routed, its tokens gone): the
+    gate/up kernels wait for no flag of rank 2 and the down kernels send it nothing. What it cannot show: a
+    dead process (the sweep's shm test kills one)."""
+    groups, layers = _world(3)
+    xs, idxs, ws = _call_inputs(3, 2)
+    for r in (0, 1):
+        layers[r](xs[r], idxs[r], ws[r], phase="send")
+    for r in (0, 1):
+        with pytest.raises(CommTimeoutError, match="peer rank 2"):
+            layers[r](phase="experts")
+    assert [groups[r].exclude([2]) for r in (0, 1)] == [[2], [2]]
+    for r in (0, 1):
+        groups[r].reset()
+    for seed in (3, 4, 5):
+        inputs = case_inputs(CFG, 3, "random", True, seed)
+        for r in (0, 1):
+            layers[r].set_weights(inputs[3][r], inputs[4][r])
+        for r in (0, 1):
+            layers[r](inputs[0][r], inputs[1][r], inputs[2][r], phase="send")
+        for r in (0, 1):
+            layers[r](phase="experts")
+        ys = {r: layers[r](phase="recv") for r in (0, 1)}
+        assert check_ranks(ys, inputs, CFG, True, f"seed {seed}", excluded=(2,)) == []
