@@ -38,6 +38,10 @@ on the same dequantized operands: 0 expected).
 Order (a step cut by its time budget keeps what it finished): world 8 first, T = 128 and 512 first (the
 crossover of ``path="auto"``, ``moe_layer.FUSED_MAX_TOKENS`` = 128, lies between them or not), then the
 decode sizes; per point ``unfused`` first, and each implementation's line written as soon as it is timed.
+Compiling dominates a first run: a point at world 8 launches about 30 kernel variants not compiled before
+(each kernel per rank class: rank 0, 1, other; every T is another specialization), one at world 1 about 10,
+so the whole grid is ~200 compiles per shape (counted by recording the launches on the CPU), minutes on a
+GPU machine; the gpu-quick step's 150 s holds the first two or three points.
 An implementation that runs out of GPU memory is recorded as a ``skip`` line (what it needed) and the run
 goes on.
 
@@ -66,7 +70,9 @@ from bench.kernels import graphed, measure_floor, rank_streams, run_phases
 SHAPES = {"dsv3": (7168, 2048, 256, 8), "v4flash": (4096, 2048, 256, 6)}
 DRY_SHAPE = (128, 64, 8, 2)
 GPU_TOKENS, GPU_WORLDS = (128, 512, 1, 64, 8), (8, 1)   # EP8 and the crossover's bracket first: a cut run keeps them
-IMPLS = ("unfused", "fused", "fused_fp8", "grouped_mm")   # unfused first: every later line carries its speedup
+# unfused first: every later line carries its speedup; grouped_mm compiles nothing new (unfused's EPBuffer
+# kernels), fused_fp8 its own gate/up and down variants: last
+IMPLS = ("unfused", "fused", "grouped_mm", "fused_fp8")
 FUSED_LAUNCHES = {1: 4, "multi": 5}   # per rank: world 1 / world > 1
 
 

@@ -434,7 +434,7 @@ def test_moe_layer_dry_writes_each_impl_with_its_speedup_and_the_fp8_bits(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(s) for s in open(tmp_path / "moe_layer.jsonl")]
     res = {r["impl"]: r for r in rows if r["kind"] == "result"}
-    assert list(res) == ["unfused", "fused", "fused_fp8", "grouped_mm"]
+    assert list(res) == ["unfused", "fused", "grouped_mm", "fused_fp8"]
     assert all(r["dry"] and r["speedup_vs_unfused"] > 0 and r["max_abs_diff_vs_unfused"] is not None for r in res.values())
     assert res["fused"]["max_abs_diff_vs_unfused"] == 0.0 and res["fused_fp8"]["max_abs_diff_vs_fused"] == 0.0
     assert res["fused"]["streams"] == "one (ranks in turn)"
