@@ -48,18 +48,24 @@ def _call_inputs(world, seed):
     return case_inputs(CFG, world, "random", True, seed)[:3]
 
 
-@pytest.mark.timeout(120)
-def test_a_peer_that_never_sends_is_named_on_every_rank_and_reset_makes_the_next_call_exact():
-    """Rank 2 skips a call: the gate/up kernels of ranks 0 and 1 wait for its dispatch flag, time out, and
-    both ranks raise CommTimeoutError naming rank 2 (rank 0 waited; rank 1 adopts its record); rank 2 and
-    every later call raise it too (sticky); after reset() the next calls are exact on every rank."""
-    groups, layers = _world(3)
+def _rank_2_skips_a_call(layers):
+    """Ranks 0 and 1 of a world-3 loopback call, rank 2 skipping it: both raise CommTimeoutError naming rank 2
+    from their experts phase (rank 0's gate/up kernel waited; rank 1 adopts its record)."""
     xs, idxs, ws = _call_inputs(3, 2)
     for r in (0, 1):
         layers[r](xs[r], idxs[r], ws[r], phase="send")
     for r in (0, 1):
         with pytest.raises(CommTimeoutError, match="dispatch: rank 0 timed out .* waiting for peer rank 2"):
             layers[r](phase="experts")
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_never_sends_is_named_on_every_rank_and_reset_makes_the_next_call_exact():
+    """Rank 2 skips a call: the gate/up kernels of ranks 0 and 1 wait for its dispatch flag, time out, and
+    both ranks raise CommTimeoutError naming rank 2 (rank 0 waited; rank 1 adopts its record); rank 2 and
+    every later call raise it too (sticky); after reset() the next calls are exact on every rank."""
+    groups, layers = _world(3)
+    _rank_2_skips_a_call(layers)
     xs, idxs, ws = _call_inputs(3, 3)
     for r in range(3):
         layers[r](xs[r], idxs[r], ws[r], phase="send")
@@ -318,12 +324,7 @@ def test_an_excluded_rank_is_neither_waited_for_nor_sent_to_in_the_fused_kernels
     gate/up kernels wait for no flag of rank 2 and the down kernels send it nothing. What it cannot show: a
     dead process (the sweep's shm test kills one)."""
     groups, layers = _world(3)
-    xs, idxs, ws = _call_inputs(3, 2)
-    for r in (0, 1):
-        layers[r](xs[r], idxs[r], ws[r], phase="send")
-    for r in (0, 1):
-        with pytest.raises(CommTimeoutError, match="peer rank 2"):
-            layers[r](phase="experts")
+    _rank_2_skips_a_call(layers)
     assert [groups[r].exclude([2]) for r in (0, 1)] == [[2], [2]]
     for r in (0, 1):
         groups[r].reset()
