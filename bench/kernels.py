@@ -275,6 +275,7 @@ def graphed(fn, device: torch.device):
         return fn
     fn(0)
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()   # the eager call's cached temporaries: the capture's private pool needs its own
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(0)

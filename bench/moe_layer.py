@@ -27,9 +27,23 @@ weights read once: ``MoELayer.weight_bytes`` per active expert, 3 * I * H * 2 by
 plus the scales for fused_fp8; the tokens read and the outputs written; every
 row that crosses ranks written by its sender and read by its receiver, dispatch and combine) at the
 measured copy bandwidth (bench/kernels.py's floor: read + write), plus the fused layer's launches (5 per
-rank at world > 1, 4 at world 1) at the measured empty-kernel time. Each line carries p20/p50/p80 µs,
-the floor, p50 / floor, the speedup over ``unfused``, and the largest |difference| from ``unfused`` (the
-three compute the same math; fused and unfused use the same GEMM tile and K step).
+rank at world > 1, 4 at world 1, on the critical path: with a stream per rank the ranks' launches overlap,
+so a round's floor counts one rank's, and W times that only where the ranks run in turn) at the measured
+empty-kernel time. Each line carries p20/p50/p80 µs, the floor, p50 / floor, the speedup over
+``unfused``, and the largest |difference| from ``unfused`` (the four compute the same math; the fused
+kernels use 16-row GEMM tiles on a GPU, the masked experts 64-row ones once an expert's capacity exceeds
+16 rows, EP8 T >= 8, so there the last bits may differ) and, for fused_fp8, from ``fused`` (the same tiles
+on the same dequantized operands: 0 expected).
+
+Order (a step cut by its time budget keeps what it finished): world 8 first, T = 128 and 512 first (the
+crossover of ``path="auto"``, ``moe_layer.FUSED_MAX_TOKENS`` = 128, lies between them or not), then the
+decode sizes; per point ``unfused`` first, and each implementation's line written as soon as it is timed.
+Compiling dominates a first run: a point at world 8 launches about 30 kernel variants not compiled before
+(each kernel per rank class: rank 0, 1, other; every T is another specialization), one at world 1 about 10,
+so the whole grid is ~200 compiles per shape (counted by recording the launches on the CPU), minutes on a
+GPU machine; the gpu-quick step's 150 s holds the first two or three points.
+An implementation that runs out of GPU memory is recorded as a ``skip`` line (what it needed) and the run
+goes on.
 
 A --dry run proves the script's logic on tiny shapes; its numbers mean nothing about a GPU.
 """
@@ -55,8 +69,10 @@ from bench.kernels import graphed, measure_floor, rank_streams, run_phases
 # name -> (hidden, intermediate, experts, topk)
 SHAPES = {"dsv3": (7168, 2048, 256, 8), "v4flash": (4096, 2048, 256, 6)}
 DRY_SHAPE = (128, 64, 8, 2)
-GPU_TOKENS, GPU_WORLDS = (1, 8, 64, 128, 512), (8, 1)   # EP8 first: a cut run keeps it
-IMPLS = ("fused", "fused_fp8", "unfused", "grouped_mm")
+GPU_TOKENS, GPU_WORLDS = (128, 512, 1, 64, 8), (8, 1)   # EP8 and the crossover's bracket first: a cut run keeps them
+# unfused first: every later line carries its speedup; grouped_mm compiles nothing new (unfused's EPBuffer
+# kernels), fused_fp8 its own gate/up and down variants: last
+IMPLS = ("unfused", "fused", "grouped_mm", "fused_fp8")
 FUSED_LAUNCHES = {1: 4, "multi": 5}   # per rank: world 1 / world > 1
 
 
@@ -66,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--shapes", default="dsv3,v4flash")
     p.add_argument("--worlds", default=None, help="comma separated (default 8,1; dry 1,2)")
-    p.add_argument("--tokens", default=None, help="comma separated tokens per rank (default 1,8,64,128,512; dry 1,3)")
+    p.add_argument("--tokens", default=None,
+                   help="comma separated tokens per rank, timed in this order (default 128,512,1,64,8; dry 1,3)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -184,38 +201,60 @@ def bench_point(o, out, floor, name, shape, world, tokens, groups, weights, gen)
     idxs = [peers.random_topk(tokens, experts, topk, gen).to(o.device) for _ in groups]
     ws = [torch.rand(tokens, topk, generator=gen).to(o.device) for _ in groups]
     streams = rank_streams(o.device, world)
-    launches = FUSED_LAUNCHES[1 if world == 1 else "multi"] * world
+    launches = FUSED_LAUNCHES[1 if world == 1 else "multi"] * (1 if streams else world)   # on the critical path
     floors = {fp8: floor_bytes([i.cpu() for i in idxs], experts, hidden, inter, world, fp8) / (floor[0] * 1e3)
               + launches * floor[1] for fp8 in (False, True)}
+    sizes = dict(op="moe_layer", shape=name, hidden=hidden, intermediate=inter, experts=experts, topk=topk,
+                 world=world, tokens=tokens)
     results, ys = {}, {}
     for impl in o.impls:
-        if impl == "grouped_mm":
-            ranks = [GroupedMM(g, experts, hidden, inter, tokens, topk, weights[r]["w13_bf16"], weights[r]["w2_bf16"])
-                     for r, g in enumerate(groups)]
-        else:
-            ranks = [Layer(g, experts, hidden, inter, tokens, topk, weights[r], impl) for r, g in enumerate(groups)]
-        ys[impl] = [y.float().cpu() for y in call_all(ranks, streams, xs, idxs, ws)]
-        results[impl] = time_us(graphed(lambda i: call_all(ranks, streams, xs, idxs, ws), o.device), o.device,
-                                o.iters, o.warmup)
+        ranks = []
+        try:
+            if impl == "grouped_mm":
+                ranks = [GroupedMM(g, experts, hidden, inter, tokens, topk, weights[r]["w13_bf16"],
+                                   weights[r]["w2_bf16"]) for r, g in enumerate(groups)]
+            else:
+                ranks = [Layer(g, experts, hidden, inter, tokens, topk, weights[r], impl) for r, g in enumerate(groups)]
+            ys[impl] = [y.float().cpu() for y in call_all(ranks, streams, xs, idxs, ws)]
+            results[impl] = time_us(graphed(lambda i: call_all(ranks, streams, xs, idxs, ws), o.device), o.device,
+                                    o.iters, o.warmup)
+        except torch.OutOfMemoryError as e:   # this point does not fit beside the weights: the run goes on
+            held = f"{torch.cuda.memory_allocated(o.device) / 2**30:.1f} GiB held" if o.device.type == "cuda" else ""
+            out.write(kind="skip", impl=impl, why=f"out of GPU memory ({held}): {str(e)[:300]}", **sizes)
+            print(f"{name} W{world} T{tokens} {impl}: skipped, out of GPU memory ({held})", flush=True)
+            ys.pop(impl, None)
+        finally:
+            for r in reversed(ranks):
+                r.close()
+            if o.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if impl not in results:
+            continue
         for g in groups:
             g.check()
-        for r in reversed(ranks):
-            r.close()
-        if o.device.type == "cuda":
-            torch.cuda.empty_cache()
-    base = results.get("unfused")
-    for impl, timing in results.items():
-        floor_us = floors[impl == "fused_fp8"]
-        diff = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(ys[impl], ys.get("unfused", ys[impl])))
-        out.write(kind="result", op="moe_layer", impl=impl, shape=name, hidden=hidden, intermediate=inter,
-                  experts=experts, topk=topk, world=world, tokens=tokens, floor_us=floor_us,
-                  x_floor=timing["p50_us"] / floor_us,
-                  speedup_vs_unfused=None if base is None else base["p50_us"] / timing["p50_us"],
-                  max_abs_diff_vs_unfused=diff, streams="one per rank" if streams else "one (ranks in turn)",
-                  heap="loopback (emulated on one device)" if world > 1 else "loopback", **timing)
-        print(f"{name} W{world} T{tokens} {impl}: {timing['p50_us']:.1f} us, floor {floor_us:.1f} us"
-              + ("" if base is None else f", x{base['p50_us'] / timing['p50_us']:.2f} vs unfused")
-              + f", max |diff| vs unfused {diff:.3g}", flush=True)
+        _write_result(out, impl, results, ys, floors[impl == "fused_fp8"], streams, sizes)
+
+
+def _max_diff(ys, a, b):
+    """Largest |y_a - y_b| over every rank's rows (None when either was not run)."""
+    if a not in ys or b not in ys:
+        return None
+    return max((float((p - q).abs().max()) if p.numel() else 0.0 for p, q in zip(ys[a], ys[b])), default=0.0)
+
+
+def _write_result(out, impl, results, ys, floor_us, streams, sizes):
+    timing, base = results[impl], results.get("unfused")
+    diff = _max_diff(ys, impl, "unfused")
+    fp8_diff = _max_diff(ys, impl, "fused") if impl == "fused_fp8" else None
+    out.write(kind="result", impl=impl, floor_us=floor_us, x_floor=timing["p50_us"] / floor_us,
+              speedup_vs_unfused=None if base is None else base["p50_us"] / timing["p50_us"],
+              max_abs_diff_vs_unfused=diff, max_abs_diff_vs_fused=fp8_diff,
+              streams="one per rank" if streams else "one (ranks in turn)",
+              heap="loopback (emulated on one device)" if sizes["world"] > 1 else "loopback", **sizes, **timing)
+    print(f"{sizes['shape']} W{sizes['world']} T{sizes['tokens']} {impl}: {timing['p50_us']:.1f} us, floor "
+          f"{floor_us:.1f} us" + ("" if base is None else f", x{base['p50_us'] / timing['p50_us']:.2f} vs unfused")
+          + ("" if diff is None else f", max |diff| vs unfused {diff:.3g}")
+          + ("" if fp8_diff is None else f", vs fused {fp8_diff:.3g}"), flush=True)
 
 
 def fp8_weights(local: int, hidden: int, inter: int, device) -> dict:

@@ -74,6 +74,9 @@ class _FusedEPBuffer(EPBuffer):
     def _check_dispatch_inputs(self, x, topk_idx, global_scale) -> int:
         T = super()._check_dispatch_inputs(x, topk_idx, global_scale)
         self._layer._check_weights_input(self._layer._given_weights, T)
+        # phase="both": a bad out is refused here, where the rank can still take part by aborting (at the
+        # receive the call has run: its recv would stay pending and the next call would refuse to start)
+        self._check_combine_recv_inputs(T, None, self._layer._given_out)
         return T
 
     def _build_launches(self, p) -> tuple[dict, dict]:
@@ -221,6 +224,7 @@ class MoELayer:
             path = "fused" if max_tokens_per_rank <= fused_max_tokens or self.fp8_weights else "unfused"
         self.group, self.intermediate, self.dtype, self.path = group, int(intermediate), dtype, path
         self._given_weights = None
+        self._given_out = None      # out of a phase="both" call, checked with the send's inputs
         self.ep = _FusedEPBuffer(self, group, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                  fused=path == "fused")
         self.num_experts, self.hidden, self.topk = self.ep.num_experts, self.ep.hidden, self.ep.topk
@@ -312,22 +316,22 @@ class MoELayer:
             raise ValueError("loopback groups hold every rank in one process: call phase='send' on every rank, "
                              "then phase='experts' on every rank, then phase='recv' on every rank")
         if phase in ("send", "both"):
-            self._send(x, topk_idx, topk_weights)
+            self._send(x, topk_idx, topk_weights, out if phase == "both" else None)
         if phase in ("experts", "both"):
             self._experts()
         if phase in ("recv", "both"):
             return self._recv(out)
         return None
 
-    def _send(self, x, topk_idx, topk_weights) -> None:
+    def _send(self, x, topk_idx, topk_weights, out=None) -> None:
         ep = self.ep
         if ep._allocated:
             ep._combine_ch.after_previous()   # (CUDA) this call's rows overwrite what the last call's kernels read
-        self._given_weights = topk_weights
+        self._given_weights, self._given_out = topk_weights, out
         try:
             ep.dispatch(x, topk_idx, phase="send")
         finally:
-            self._given_weights = None
+            self._given_weights = self._given_out = None
         self._weights = topk_weights.contiguous() if topk_weights.shape[0] else topk_weights
 
     def _experts(self) -> None:

@@ -381,28 +381,76 @@ def moe_layer(ctx: Context, d: str):
     return [_py(ctx, "bench/moe_layer.py", "--iters", "10", "--warmup", "3", "--out-dir", d)]
 
 
+def fused_max_tokens() -> int:
+    """``moe_layer.FUSED_MAX_TOKENS`` as the measured tree has it (read from the source: no import here)."""
+    with open(os.path.join(REPO, "moe_comm", "moe_layer.py")) as f:
+        for line in f:
+            if line.startswith("FUSED_MAX_TOKENS = "):
+                return int(line.split("=")[1].split("#")[0])
+    raise ValueError("moe_comm/moe_layer.py has no FUSED_MAX_TOKENS")
+
+
+def moe_layer_crossover(speed: dict) -> str:
+    """Words for the fused/unfused crossover from {T: fused speedup over unfused} (the T measured): the
+    largest T where fused is faster below the smallest where it is slower, against FUSED_MAX_TOKENS."""
+    ts = sorted(speed)
+    slower = [t for t in ts if speed[t] < 1.0]
+    faster_below = [t for t in ts if speed[t] >= 1.0 and (not slower or t < slower[0])]
+    limit = fused_max_tokens()
+    if not slower:
+        return (f"fused faster at every T measured (up to {ts[-1]}): crossover above {ts[-1]}; FUSED_MAX_TOKENS "
+                f"= {limit}" + (" is below it (auto picks unfused where fused was faster)" if limit < ts[-1] else ""))
+    if not faster_below:
+        return f"unfused faster from the smallest T measured ({slower[0]}); FUSED_MAX_TOKENS = {limit}"
+    lo, hi = faster_below[-1], slower[0]
+    fits = lo <= limit < hi
+    words = (f"crossover between T={lo} (fused faster) and T={hi} (unfused faster): FUSED_MAX_TOKENS = {limit} "
+             + ("fits it" if fits else f"does not (set it in [{lo}, {hi}))"))
+    if any(speed[t] >= 1.0 for t in ts if t > hi):
+        words += "; not monotone (fused faster again above it)"
+    return words
+
+
 def judge_moe_layer(d, log, rc, dry):
-    """Per (shape, world): the fused layer's speedup over the unfused path at each T, and the first T where
-    it is slower (the crossover the layer's path="auto" should use); with fp8 weights, its time against the
-    bf16 fused layer's (the weight bytes halve) and its p50 / floor."""
-    rows = [r for r in _jsonl(os.path.join(d, "moe_layer.jsonl")) if r.get("kind") == "result"]
-    fused = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused"}
-    fp8 = {(r["shape"], r["world"], r["tokens"]): r for r in rows if r["impl"] == "fused_fp8"}
+    """Per (shape, world): the fused layer's speedup over the unfused path at each T and the crossover
+    (``moe_layer_crossover``), grouped_mm's speedup over unfused, the fp8-weight layer's time against the
+    bf16 fused layer's and whether it gave the fused layer's bits (it must); the T not measured (a cut run)
+    and the points skipped for memory. Passes on a full run whose fp8 layer equals the fused one."""
+    all_rows = _jsonl(os.path.join(d, "moe_layer.jsonl"))
+    rows = [r for r in all_rows if r.get("kind") == "result"]
+    by = {(r["shape"], r["world"], r["tokens"], r["impl"]): r for r in rows}
     parts = []
-    for shape, world in sorted({k[:2] for k in fused}):
-        ts = sorted(t for s, w, t in fused if (s, w) == (shape, world))
-        speed = {t: fused[(shape, world, t)].get("speedup_vs_unfused") for t in ts}
-        slower = [t for t in ts if speed[t] is not None and speed[t] < 1.0]
-        parts.append(f"{shape} W{world}: " + ", ".join(f"T{t} x{speed[t]:.2f}" for t in ts if speed[t] is not None)
-                     + (f"; unfused faster from T={slower[0]}" if slower else ""))
-        f8 = [(t, fused[(shape, world, t)]["p50_us"] / fp8[(shape, world, t)]["p50_us"],
-               fp8[(shape, world, t)]["x_floor"]) for t in ts if (shape, world, t) in fp8]
+    for shape, world in sorted({(r["shape"], r["world"]) for r in rows}):
+        ts = sorted({r["tokens"] for r in rows if (r["shape"], r["world"]) == (shape, world)})
+        speed = {t: by[(shape, world, t, "fused")]["speedup_vs_unfused"] for t in ts
+                 if by.get((shape, world, t, "fused"), {}).get("speedup_vs_unfused") is not None}
+        words = [f"fused vs unfused " + ", ".join(f"T{t} x{speed[t]:.2f}" for t in sorted(speed))] if speed else []
+        if speed:
+            words.append(moe_layer_crossover(speed))
+        gmm = {t: by[(shape, world, t, "grouped_mm")].get("speedup_vs_unfused") for t in ts
+               if (shape, world, t, "grouped_mm") in by}
+        if any(v is not None for v in gmm.values()):
+            words.append("grouped_mm vs unfused " + ", ".join(f"T{t} x{v:.2f}" for t, v in gmm.items() if v is not None))
+        f8 = [(t, by[(shape, world, t, "fused")]["p50_us"] / by[(shape, world, t, "fused_fp8")]["p50_us"],
+               by[(shape, world, t, "fused_fp8")]["x_floor"]) for t in ts
+              if (shape, world, t, "fused") in by and (shape, world, t, "fused_fp8") in by]
         if f8:
-            parts.append(f"{shape} W{world} fp8 weights vs bf16: " + ", ".join(f"T{t} x{x:.2f} ({fl:.2f} of floor)"
-                                                                               for t, x, fl in f8))
-    exact = all(r.get("max_abs_diff_vs_unfused", 1.0) == 0.0 for r in rows if r["impl"] in ("fused", "fused_fp8"))
-    return rc == 0 and bool(rows), ("; ".join(parts) or f"no results (exit {rc})") + \
-        ("" if exact else "; fused differs from unfused somewhere (max_abs_diff_vs_unfused)")
+            words.append("fp8 weights vs bf16 fused " + ", ".join(f"T{t} x{x:.2f} ({fl:.2f}x floor)" for t, x, fl in f8))
+        missing = [t for t in (1, 8, 64, 128, 512) if t not in ts]
+        if missing and not dry:
+            words.append("not measured: T " + ",".join(map(str, missing)))
+        parts.append(f"{shape} W{world}: " + "; ".join(words))
+    fp8_bits = [r for r in rows if r["impl"] == "fused_fp8" and r.get("max_abs_diff_vs_fused") not in (None, 0.0)]
+    if fp8_bits:
+        parts.append(f"fused_fp8 differs from fused at {len(fp8_bits)} point(s) (it must not: same tiles, same "
+                     "dequantized operands)")
+    if any(r.get("max_abs_diff_vs_unfused") not in (None, 0.0) for r in rows if r["impl"] == "fused"):
+        parts.append("fused differs from unfused in the last bits somewhere (16-row against 64-row GEMM tiles)")
+    skips = [r for r in all_rows if r.get("kind") == "skip"]
+    if skips:
+        parts.append("skipped: " + ", ".join(f"{r['shape']} W{r['world']} T{r['tokens']} {r['impl']}" for r in skips)
+                     + f" ({skips[0]['why'][:80]})")
+    return rc == 0 and bool(rows) and not fp8_bits, "; ".join(parts) or f"no results (exit {rc})"
 
 
 def cold_start(ctx: Context, d: str):

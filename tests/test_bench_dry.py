@@ -421,3 +421,20 @@ def test_cpu_runs_are_labelled_and_counted_in_their_file(tmp_path, capsys):
     assert "every step eager (no CUDA graphs on a CPU)" in second and "on a GPU the step runs" in second
     assert GRAPH_MODES["graph"] in second and "one CUDA graph" not in second.split("on a GPU the step runs")[0]
     assert len(list(tmp_path.glob("*.png"))) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--dry is for machines without a GPU")
+@pytest.mark.timeout(300)
+def test_moe_layer_dry_writes_each_impl_with_its_speedup_and_the_fp8_bits(tmp_path):
+    """bench/moe_layer.py --dry at world 2: one labelled line per implementation, unfused timed first so every
+    line carries its speedup, fused_fp8's difference from fused (0: the same tiles on the same dequantized
+    operands)."""
+    proc = _run("bench/moe_layer.py", "--dry", "--shapes", "dsv3", "--worlds", "2", "--tokens", "1", "--iters", "1",
+                "--warmup", "0", "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(s) for s in open(tmp_path / "moe_layer.jsonl")]
+    res = {r["impl"]: r for r in rows if r["kind"] == "result"}
+    assert list(res) == ["unfused", "fused", "grouped_mm", "fused_fp8"]
+    assert all(r["dry"] and r["speedup_vs_unfused"] > 0 and r["max_abs_diff_vs_unfused"] is not None for r in res.values())
+    assert res["fused"]["max_abs_diff_vs_unfused"] == 0.0 and res["fused_fp8"]["max_abs_diff_vs_fused"] == 0.0
+    assert res["fused"]["streams"] == "one (ranks in turn)"

@@ -236,3 +236,28 @@ def test_publish_writes_both_tables_with_device_and_commit(tmp_path):
     # publishing again changes nothing
     gpu_summary.publish([], root=str(tmp_path))
     assert (tmp_path / "README.md").read_text() == readme
+
+
+def test_the_moe_layer_judge_reads_the_crossover_from_the_data(tmp_path):
+    """judge_moe_layer: the crossover of path="auto" from the measured speedups (against FUSED_MAX_TOKENS as
+    the tree has it), the T a cut run did not reach, memory skips, and a failed verdict when the fp8-weight
+    layer's bits differ from the bf16 fused layer's (same tiles, same dequantized operands)."""
+    limit = gpu_quick.fused_max_tokens()
+    row = dict(kind="result", shape="dsv3", world=8, p50_us=100.0, x_floor=2.0, max_abs_diff_vs_unfused=0.0)
+    speeds = {1: 1.2, 128: 1.05, 512: 0.8}
+    rows = [dict(row, impl="fused", tokens=t, speedup_vs_unfused=x) for t, x in speeds.items()]
+    rows += [dict(row, impl="fused_fp8", tokens=t, max_abs_diff_vs_fused=0.0, speedup_vs_unfused=2.0) for t in speeds]
+    rows += [dict(kind="skip", shape="dsv3", world=8, tokens=512, impl="grouped_mm", why="out of GPU memory (x)")]
+    (tmp_path / "moe_layer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok, words = gpu_quick.judge_moe_layer(str(tmp_path), "", 0, False)
+    assert ok, words
+    assert f"crossover between T=128 (fused faster) and T=512 (unfused faster): FUSED_MAX_TOKENS = {limit}" in words
+    assert "not measured: T 8,64" in words and "skipped: dsv3 W8 T512 grouped_mm" in words
+    rows[3]["max_abs_diff_vs_fused"] = 0.5
+    (tmp_path / "moe_layer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok, words = gpu_quick.judge_moe_layer(str(tmp_path), "", 0, False)
+    assert not ok and "fused_fp8 differs from fused at 1 point" in words
+    assert gpu_quick.moe_layer_crossover({1: 1.3, 64: 0.9}) == (
+        f"crossover between T=1 (fused faster) and T=64 (unfused faster): FUSED_MAX_TOKENS = {limit} "
+        + ("fits it" if 1 <= limit < 64 else "does not (set it in [1, 64))"))
+    assert gpu_quick.moe_layer_crossover({1: 1.3, 512: 1.1}).startswith("fused faster at every T measured (up to 512)")

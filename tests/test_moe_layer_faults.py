@@ -18,6 +18,7 @@ from moe_comm import (CapacityError, CommAbortedError, CommTimeoutError, GroupEr
 from moe_comm.planner import SHAPES_ENV
 from moe_comm.recovery import recover
 from moe_comm.trace import analyze
+from moe_comm.trace.recorder import channel_records
 
 from budget import SWEEP, sweep
 from moe_layer_cases import (CONFIGS, LayerConfig, case_inputs, check_ranks, layer_inputs, make_layer,
@@ -47,18 +48,24 @@ def _call_inputs(world, seed):
     return case_inputs(CFG, world, "random", True, seed)[:3]
 
 
-@pytest.mark.timeout(120)
-def test_a_peer_that_never_sends_is_named_on_every_rank_and_reset_makes_the_next_call_exact():
-    """Rank 2 skips a call: the gate/up kernels of ranks 0 and 1 wait for its dispatch flag, time out, and
-    both ranks raise CommTimeoutError naming rank 2 (rank 0 waited; rank 1 adopts its record); rank 2 and
-    every later call raise it too (sticky); after reset() the next calls are exact on every rank."""
-    groups, layers = _world(3)
+def _rank_2_skips_a_call(layers):
+    """Ranks 0 and 1 of a world-3 loopback call, rank 2 skipping it: both raise CommTimeoutError naming rank 2
+    from their experts phase (rank 0's gate/up kernel waited; rank 1 adopts its record)."""
     xs, idxs, ws = _call_inputs(3, 2)
     for r in (0, 1):
         layers[r](xs[r], idxs[r], ws[r], phase="send")
     for r in (0, 1):
         with pytest.raises(CommTimeoutError, match="dispatch: rank 0 timed out .* waiting for peer rank 2"):
             layers[r](phase="experts")
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_never_sends_is_named_on_every_rank_and_reset_makes_the_next_call_exact():
+    """Rank 2 skips a call: the gate/up kernels of ranks 0 and 1 wait for its dispatch flag, time out, and
+    both ranks raise CommTimeoutError naming rank 2 (rank 0 waited; rank 1 adopts its record); rank 2 and
+    every later call raise it too (sticky); after reset() the next calls are exact on every rank."""
+    groups, layers = _world(3)
+    _rank_2_skips_a_call(layers)
     xs, idxs, ws = _call_inputs(3, 3)
     for r in range(3):
         layers[r](xs[r], idxs[r], ws[r], phase="send")
@@ -238,3 +245,96 @@ def test_a_tile_is_computed_once_its_sources_are_there_and_the_rest_waits(monkey
     u = xs[0].float() @ w13s[0][0, cfg.inter:].float().T
     assert torch.equal(h[0, :16], (g * torch.sigmoid(g) * u).to(h.dtype))
     assert bool(h[0, 16:].isnan().all()) and bool(h[1].isnan().all())
+
+
+@pytest.mark.timeout(120)
+def test_the_recorder_holds_the_fused_calls_and_names_a_rank_that_never_sent_its_expert_rows(tmp_path, monkeypatch):
+    """The down kernel is the combine's send: with the recorder on, each rank's records of an exact call are
+    those of EPBuffer's ops (dispatch and combine "ok", the combine sending back the rows the dispatch
+    received and receiving the ones it sent, its send's start before its end). Then rank 1 dispatches but
+    never runs its experts: rank 0's combine receive times out, and the analyzer says rank 1 never
+    published that combine call, rank 0 having waited for it."""
+    monkeypatch.setenv("MOE_COMM_TRACE_DIR", str(tmp_path))
+    groups, layers = _world(2, trace=8)
+    assert _exact_call(layers, 1) == []
+    routed = 0
+    for layer in layers:
+        (d,), (c,) = channel_records(layer.ep._dispatch_ch), channel_records(layer.ep._combine_ch)
+        assert (d.op, d.call, d.outcome, c.op, c.call, c.outcome) == ("dispatch", 1, "ok", "combine", 1, "ok")
+        assert c.sent_rows == d.recv_rows and c.recv_rows == d.sent_rows, (d, c)
+        assert 0 < c.send_start <= c.send_end, c
+        routed += sum(d.sent_rows)
+    assert routed > 0   # rows crossed (a rank with T = 0 routes none)
+    xs, idxs, ws = _call_inputs(2, 2)
+    for r in range(2):
+        layers[r](xs[r], idxs[r], ws[r], phase="send")
+    layers[0](phase="experts")
+    with pytest.raises(CommTimeoutError, match="combine: rank 0 timed out .* waiting for peer rank 1"):
+        layers[0](phase="recv")
+    diag = analyze.analyze(analyze.load_dumps(str(tmp_path)))
+    never = [(x["rank"], x["op"], x["call"], x["waiters"]) for x in diag.never_published]
+    assert never == [(1, "combine", 2, [0])], diag.lines
+
+
+def _bad_out_call(group):
+    """Rank 1 passes an out of the wrong shape to a phase="both" call: it must raise ValueError having taken part
+    (abort), rank 0 CommAbortedError naming it; after reset() the next call is exact on both ranks."""
+    me, world = group.rank, group.world_size
+    inputs = case_inputs(CFG, world, "random", True, 5)
+    layer = make_layer(group, CFG, inputs[3][me], inputs[4][me])
+    x = inputs[0][me]
+    out = torch.empty(x.shape[0] + 1, CFG.hidden, dtype=x.dtype) if me == 1 else None
+    try:
+        layer(x, inputs[1][me], inputs[2][me], out=out)
+        got = "no error"
+    except (ValueError, CommAbortedError) as err:
+        got = f"{type(err).__name__}: {err}"
+    group.reset()
+    y = layer(x, inputs[1][me], inputs[2][me], out=torch.empty_like(x))
+    return got, check_ranks({me: y}, inputs, CFG, True, "after reset")
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_out_is_refused_before_the_call_runs_on_every_rank():
+    """``out`` of a phase="both" call is checked with the send's inputs: refused there, the rank takes part by
+    aborting and nothing is left pending (refused only at the receive, the call would have run, its
+    receive stayed pending and every later call of that rank refused to start, its peers then timing out).
+    World 1 (the next call exact with no reset) and world 2 over shared memory."""
+    (group,) = moe_comm.init(backend="loopback", world_size=1, device="cpu", timeout_s=TIMEOUT_S)
+    inputs = case_inputs(CFG, 1, "random", True, 3)
+    layer = make_layer(group, CFG, inputs[3][0], inputs[4][0])
+    x, idx, w = inputs[0][0], inputs[1][0], inputs[2][0]
+    for bad, err in ((torch.empty(x.shape[0] + 1, CFG.hidden, dtype=x.dtype), ValueError),
+                     (torch.empty(x.shape[0], CFG.hidden, dtype=torch.float32), TypeError),
+                     (torch.empty(CFG.hidden, x.shape[0], dtype=x.dtype).T, ValueError)):
+        with pytest.raises(err, match="out"):
+            layer(x, idx, w, out=bad)
+        assert check_ranks({0: layer(x, idx, w)}, inputs, CFG, True, "next call") == []
+    results = moe_comm.launch(_bad_out_call, 2, backend="shm", timeout_s=30.0)
+    assert results[1][0].startswith("ValueError: out has shape"), results
+    assert results[0][0].startswith("CommAbortedError") and "peer rank 1" in results[0][0], results
+    assert [errs for _, errs in results] == [[], []]
+
+
+@pytest.mark.timeout(300)
+def test_an_excluded_rank_is_neither_waited_for_nor_sent_to_in_the_fused_kernels():
+    """make test's representative of exclusion (the rank-process kill above is a sweep): loopback world 3,
+    rank 2 skips a call, ranks 0 and 1 time out naming it, exclude it and reset; then three calls of the two
+    survivors are exact against the reference without rank 2 (its experts not routed, its tokens gone): the
+    gate/up kernels wait for no flag of rank 2 and the down kernels send it nothing. What it cannot show: a
+    dead process (the sweep's shm test kills one)."""
+    groups, layers = _world(3)
+    _rank_2_skips_a_call(layers)
+    assert [groups[r].exclude([2]) for r in (0, 1)] == [[2], [2]]
+    for r in (0, 1):
+        groups[r].reset()
+    for seed in (3, 4, 5):
+        inputs = case_inputs(CFG, 3, "random", True, seed)
+        for r in (0, 1):
+            layers[r].set_weights(inputs[3][r], inputs[4][r])
+        for r in (0, 1):
+            layers[r](inputs[0][r], inputs[1][r], inputs[2][r], phase="send")
+        for r in (0, 1):
+            layers[r](phase="experts")
+        ys = {r: layers[r](phase="recv") for r in (0, 1)}
+        assert check_ranks(ys, inputs, CFG, True, f"seed {seed}", excluded=(2,)) == []

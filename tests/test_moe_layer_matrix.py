@@ -18,7 +18,8 @@ from moe_comm.interpret_order import ORDER_ENV, SEED_ENV
 from moe_comm.planner import SHAPES_ENV
 
 from budget import sweep
-from moe_layer_cases import ROUTINGS, LayerConfig, run_loopback_cases, run_shm_cases
+from moe_layer_cases import (ROUTINGS, LayerConfig, check_ranks, layer_inputs, make_layer, run_loopback_cases,
+                             run_loopback_layers, run_shm_cases)
 from shm_files import own_shm_files
 
 # An expert with more rows than a 16-row GPU tile: full tiles computed as their sources arrive, then the
@@ -91,3 +92,22 @@ def test_program_orders_in_rank_processes(monkeypatch, order):
     monkeypatch.setenv(SHAPES_ENV, "gpu")
     errs = moe_comm.launch(_shm, 2, (0,), ("random", "one_expert"), backend="shm", timeout_s=180)
     assert [e for r in errs for e in r] == []
+
+
+@pytest.mark.timeout(300)
+def test_a_tile_straddling_two_sources_finds_the_rows_of_both(monkeypatch):
+    """GPU launch shapes (16-row tiles), world 3, tokens 3 / 16 / 16 all to expert 0: its rows are source 0's 3,
+    source 1's 16, source 2's 16. Tile 0 (rows 0-15) is computed once source 1 is seen; tile 1 (rows 16-31)
+    holds source 1's last 3 rows and source 2's first 13, so once source 2 is seen its landing-row search must
+    still cover source 1 (the search starts at the source of the tile's first row, not at the newest one);
+    then the partial tile. Exact inputs: bit for bit against the reference, programs in reverse order."""
+    monkeypatch.setenv(SHAPES_ENV, "gpu")
+    monkeypatch.setenv(ORDER_ENV, "reverse")
+    world = 3
+    groups = moe_comm.init(backend="loopback", world_size=world, device="cpu")
+    inputs = layer_inputs(world, [3, 16, 16], DEEP.experts_per_rank, DEEP.hidden, DEEP.inter, DEEP.topk, 5, True,
+                          "one_expert")
+    layers = [make_layer(g, DEEP, inputs[3][r], inputs[4][r]) for r, g in enumerate(groups)]
+    assert layers[0].plan.block_rows == 16 and layers[0].ep.plan.capacity >= 35
+    ys = run_loopback_layers(layers, *inputs[:3])
+    assert check_ranks(dict(enumerate(ys)), inputs, DEEP, True, "straddle") == []
