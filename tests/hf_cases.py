@@ -97,13 +97,14 @@ def rank_run(group, case: dict) -> dict:
     full = [weakref.ref(p) for m in model.modules() if type(m).__name__.endswith("Experts")
             for p in m.parameters(recurse=False)]
     report = hf.shard_experts(model, group, **case["options"])   # the full weights: freed by refcount, no gc
-    calls = []
+    calls, call_steps = [], []
     run_layer = door_mod.run_layer
 
     def recording(layer, x, idx, w):
         y = run_layer(layer, x, idx, w)
         if x.shape[0]:
             calls.append((x.clone(), idx.clone(), w.clone(), y.clone()))
+            call_steps.append((layer.door.steps - 1, layer.index, layer.door.plan.prefill))
         return y
 
     door_mod.run_layer = recording
@@ -118,7 +119,7 @@ def rank_run(group, case: dict) -> dict:
         door_mod.run_layer = run_layer
         moe_layer._FusedEPBuffer._build_launches = own_build
     door = model._moe_comm_door
-    return dict(tokens=tokens, logits=logits, calls=calls, report=report, taken=dict(door.taken),
+    return dict(tokens=tokens, logits=logits, calls=calls, call_steps=call_steps, report=report, taken=dict(door.taken),
                 masked_layers=sum(door.masked and layer.layout.masked for layer in door.layers),   # Triton kernel
                 fused_runs=fused_runs, shared_moe_layers=len(door.fused_layers),
                 full_weights_freed=all(r() is None for r in full), preloaded=preloaded)

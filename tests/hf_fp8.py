@@ -69,14 +69,24 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)
 
 
+def _varied(w: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """w [E, out, in] with each 128 x 128 block times its own factor in [1/2, 2): block scales that differ by up
+    to 4x between experts, blocks and gate / up halves (random weights' blocks have nearly equal maxima, so a
+    scale read from the wrong block would hide within the bound)."""
+    E, N, K = w.shape
+    f = 2.0 ** (2 * torch.rand(E, -(-N // BLOCK[0]), -(-K // BLOCK[1]), generator=g) - 1)
+    return w * f.repeat_interleave(BLOCK[0], 1)[:, :N].repeat_interleave(BLOCK[1], 2)[..., :K]
+
+
 def checkpoint_experts(module: nn.Module, config, quantizer: str, seed: int) -> dict:
-    """A bf16/fp32 experts module's weights as an fp8 checkpoint holds them, merged as transformers loads them:
-    {gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv} and the dequantized
-    {gate_up_proj, down_proj} transformers computes with on a CPU ('deq_' prefix)."""
+    """A bf16/fp32 experts module's weights (each block varied: ``_varied``) as an fp8 checkpoint holds them,
+    merged as transformers loads them: {gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv}
+    and the dequantized {gate_up_proj, down_proj} transformers computes with on a CPU ('deq_' prefix)."""
     I = module.gate_up_proj.shape[1] // 2
     dtype = module.gate_up_proj.dtype
+    g = torch.Generator().manual_seed(seed)
     parts = [module.gate_up_proj.detach()[:, :I], module.gate_up_proj.detach()[:, I:], module.down_proj.detach()]
-    qs = [quantize_projection(p.float(), config, quantizer, seed + i) for i, p in enumerate(parts)]
+    qs = [quantize_projection(_varied(p.float(), g), config, quantizer, seed + i) for i, p in enumerate(parts)]
     deq = [dequantize(q, s, dtype) for q, s in qs]
     return dict(gate_up_proj=torch.cat([qs[0][0], qs[1][0]], 1), gate_up_proj_scale_inv=torch.cat([qs[0][1], qs[1][1]], 1),
                 down_proj=qs[2][0], down_proj_scale_inv=qs[2][1],

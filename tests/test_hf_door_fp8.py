@@ -29,7 +29,8 @@ pytest.importorskip("transformers")
 import hf_cases  # noqa: E402
 import hf_fp8  # noqa: E402
 import moe_comm.serving.hf as hf  # noqa: E402
-from moe_comm import reference  # noqa: E402
+from moe_comm import MoELayer, reference  # noqa: E402
+from moe_layer_cases import run_loopback_layers  # noqa: E402
 from moe_comm.serving.hf import generate as gen  # noqa: E402
 
 TIMEOUT_S = 60.0
@@ -63,6 +64,7 @@ SWEEP = [budget.sweep(c, id=_id(c)) for c in (
 def test_fp8_generation_equals_transformers(case):
     results = moe_comm.launch(hf_cases.rank_run, case["world"], case, timeout_s=TIMEOUT_S)
     measured = [hf_cases.check_rank(case, r, res) for r, res in enumerate(results)]
+    model = hf_cases.build(case, "moe_comm")   # the ranks' model (all experts): sizes and weights to replay
     assert all(m["calls"] > 0 for r, m in enumerate(measured) if r != case["idle_rank"])
     for res in results:
         rep = res["report"]
@@ -70,18 +72,51 @@ def test_fp8_generation_equals_transformers(case):
         assert res["full_weights_freed"], "the full expert weights are still referenced after sharding"
         assert rep.fused_layers == rep.layers and rep.unfused_why is None, rep
         # in place: only ue8m0 scales are copied (widened to float32), 4 bytes per scale of this rank
-        scales = sum(t.numel() for t in _scales(case, res))
+        scales = sum(t.numel() for t in _scales(case, model))
         assert rep.fused_copy_bytes == (4 * scales if case["fp8"]["scale_fmt"] == "ue8m0" else 0), rep
         steps = res["taken"]["decode"] + res["taken"]["idle"]
         assert res["taken"]["decode"] >= 1, res["taken"]
         assert res["fused_runs"] == dict(gate_up=steps * rep.layers, combine_send=steps * rep.layers), (
             res["fused_runs"], steps)
     assert all(res["taken"] == results[0]["taken"] for res in results)
+    assert _replay_on_dequantized_weights(case, results, model) > 0
 
 
-def _scales(case, res):
-    """This rank's share of the case's scale tensors (from the model, not the rank: sizes only)."""
-    model = hf_cases.build(case, "moe_comm")
+def _replay_on_dequantized_weights(case, results, model) -> int:
+    """Every decode-size MoE call of the ranks again, here, through our MoELayer on a loopback world of the
+    case's size given the weights ``reference.dequantize_fp8_w13`` / ``dequantize_fp8_weight`` make of each
+    rank's fp8 experts: each rank's output must be the recorded one bit for bit (the fused fp8 kernels
+    dequantize each tile so; the bound above cannot see a scale read from a block whose magnitude is
+    close, e.g. gate's for up's in bf16). Returns the calls compared."""
+    W, dtype = case["world"], gen.DTYPES[case["dtype"]]
+    groups = moe_comm.init(backend="loopback", world_size=W)
+    experts = [m for _, m in hf_fp8.experts_modules(model)]
+    E, H, I = experts[0].down_proj.shape[0], experts[0].down_proj.shape[1], experts[0].down_proj.shape[2]
+    L, K, M = E // W, model.config.num_experts_per_tok, case["options"]["decode_tokens"]
+
+    def weights(m, r):
+        sl = slice(r * L, (r + 1) * L)
+        return (reference.dequantize_fp8_w13(m.gate_up_proj.detach()[sl], m.gate_up_proj_scale_inv[sl].float(), dtype),
+                reference.dequantize_fp8_weight(m.down_proj.detach()[sl], m.down_proj_scale_inv[sl].float(), dtype))
+    layers = [MoELayer(g, E, H, I, M, K, *weights(experts[0], r), dtype=dtype, path="fused") for r, g in enumerate(groups)]
+    per_rank = [{s: c for s, c in zip(res["call_steps"], res["calls"])} for res in results]
+    keys = sorted({s for calls in per_rank for s in calls if not s[2]})   # (step, MoE layer, prefill=False)
+    empty = (torch.empty(0, H, dtype=dtype), torch.empty(0, K, dtype=torch.int64), torch.empty(0, K))
+    for step, index, _ in keys:
+        for r, layer in enumerate(layers):
+            layer.set_weights(*weights(experts[index], r))
+        ins = [calls.get((step, index, False), empty)[:3] for calls in per_rank]
+        ys = run_loopback_layers(layers, *zip(*ins))
+        for r, (calls, y) in enumerate(zip(per_rank, ys)):
+            if (step, index, False) in calls:
+                assert torch.equal(y, calls[(step, index, False)][3]), (
+                    f"rank {r}: step {step} MoE layer {index}: the door's fused fp8 call differs from MoELayer on "
+                    f"the dequantized weights by {(y - calls[(step, index, False)][3]).abs().max().item():.3g}")
+    return len(keys)
+
+
+def _scales(case, model):
+    """This rank's share of the model's scale tensors (sizes only)."""
     n = case["world"]
     return [getattr(m, s)[: m.down_proj.shape[0] // n] for _, m in hf_fp8.experts_modules(model)
             for s in ("gate_up_proj_scale_inv", "down_proj_scale_inv")]
