@@ -23,7 +23,9 @@ expert-major rows, the masked expert kernel); a larger one through the PrefillBu
 ceil(max T / ``prefill_tokens``) chunks. The router is the model's (grouped top-k, biases, scaling
 included): the door takes its ``top_k_index`` / ``top_k_weights``. With ``layer_path="fused"`` (or
 "auto") a decode-size step's MoE layer is one ``moe_comm.MoELayer`` call instead (dispatch, gate/up, down
-and combine fused; ``fused.py``) wherever the fused kernels can compute the experts. Shared experts
+and combine fused; ``fused.py``) wherever the fused kernels can compute the experts; fp8 checkpoints'
+experts (transformers' FP8Experts, 128 x 128 block scales) run there only, their weights kept in fp8
+(``layer_path="fused"`` or "auto"). Shared experts
 (DeepSeek-V3's, Qwen2-MoE's) are outside the experts module and stay local. Inference only (no autograd through the
 collectives).
 """
