@@ -88,7 +88,8 @@ def checkpoint_experts(module: nn.Module, config, quantizer: str, seed: int) -> 
     parts = [module.gate_up_proj.detach()[:, :I], module.gate_up_proj.detach()[:, I:], module.down_proj.detach()]
     qs = [quantize_projection(_varied(p.float(), g), config, quantizer, seed + i) for i, p in enumerate(parts)]
     deq = [dequantize(q, s, dtype) for q, s in qs]
-    return dict(gate_up_proj=torch.cat([qs[0][0], qs[1][0]], 1), gate_up_proj_scale_inv=torch.cat([qs[0][1], qs[1][1]], 1),
+    return dict(gate_up_proj=torch.cat([qs[0][0], qs[1][0]], 1),
+                gate_up_proj_scale_inv=torch.cat([qs[0][1], qs[1][1]], 1),
                 down_proj=qs[2][0], down_proj_scale_inv=qs[2][1],
                 deq_gate_up_proj=torch.cat(deq[:2], 1), deq_down_proj=deq[2])
 

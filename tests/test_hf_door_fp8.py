@@ -100,7 +100,8 @@ def _replay_on_dequantized_weights(case, results, model) -> int:
         sl = slice(r * L, (r + 1) * L)
         return (reference.dequantize_fp8_w13(m.gate_up_proj.detach()[sl], m.gate_up_proj_scale_inv[sl].float(), dtype),
                 reference.dequantize_fp8_weight(m.down_proj.detach()[sl], m.down_proj_scale_inv[sl].float(), dtype))
-    layers = [MoELayer(g, E, H, I, M, K, *weights(experts[0], r), dtype=dtype, path="fused") for r, g in enumerate(groups)]
+    layers = [MoELayer(g, E, H, I, M, K, *weights(experts[0], r), dtype=dtype, path="fused")
+              for r, g in enumerate(groups)]
     per_rank = [{s: c for s, c in zip(res["call_steps"], res["calls"])} for res in results]
     keys = sorted({s for calls in per_rank for s in calls if not s[2]})   # (step, MoE layer, prefill=False)
     empty = (torch.empty(0, H, dtype=dtype), torch.empty(0, K, dtype=torch.int64), torch.empty(0, K))
@@ -150,7 +151,9 @@ def test_fp8_door_equals_the_door_on_dequantized_weights_bit_for_bit():
     for layer in fp8._moe_comm_door.layers:   # in place: the module's own fp8 weights and scales
         f, m = layer.fused, layer.module
         assert f.layer.fp8_weights and f.w13.data_ptr() == m.gate_up_proj.data_ptr()
-        assert f.w2.data_ptr() == m.down_proj.data_ptr() and f.w13_scale.data_ptr() == m.gate_up_proj_scale_inv.data_ptr()
+        assert f.w2.data_ptr() == m.down_proj.data_ptr()
+        assert f.w13_scale.data_ptr() == m.gate_up_proj_scale_inv.data_ptr()
+        assert f.w2_scale.data_ptr() == m.down_proj_scale_inv.data_ptr()
     prompts = gen.prompts_for(0, 1)
     outs = []
     for m in (fp8, plain):

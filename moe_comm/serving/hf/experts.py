@@ -11,8 +11,9 @@ model's and only the layout work is ours.
 fp8 checkpoints (``FineGrainedFP8Config``: DeepSeek-V3, Qwen3-*-FP8) load as transformers' ``FP8Experts``:
 weights float8_e4m3fn with one scale per 128 x 128 block (``gate_up_proj_scale_inv``,
 ``down_proj_scale_inv``: float32, or float8_e8m0fnu with ``scale_fmt="ue8m0"``). ``layout_of`` takes them
-(``ExpertsLayout.fp8``) where the fused MoE layer computes them exactly (scales as ``moe_layer.fp8_scale_grids``) (``fp8_refusal`` says where not),
-and the prefill path dequantizes the experts it runs, per call (``experts_mlp``).
+(``ExpertsLayout.fp8``) where the fused MoE layer computes them exactly (block 128 x 128, scale grids as
+``moe_layer.fp8_scale_grids``; ``fp8_refusal`` and the grid check say where not, with the fix), and the
+prefill path dequantizes the experts it runs, per call (``experts_mlp``).
 """
 
 from __future__ import annotations
