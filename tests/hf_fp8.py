@@ -6,6 +6,9 @@ into gate_up_proj / gate_up_proj_scale_inv by concatenation, as transformers' we
 checkpoint's), and the model transformers computes for such a checkpoint on a CPU: the same model with
 those weights dequantized by transformers' own ``Fp8Dequantize`` (its CPU load path: ``validate_environment``
 sets ``dequantize=True`` without a GPU, and the dequantization runs per projection, before the merge).
+Not ``_dequantize_fp8_weight``: that is its backward pass's helper, which rounds each scale to the model's
+dtype before the product (in bf16 a different weight, by up to one unit in the last place; in float32 the
+same) and reads gate_up's grid over the concatenated rows.
 
 Quantizer: transformers' own ``Fp8Quantize`` where it quantizes (a projection whose rows and columns are
 multiples of 128; ``scale_fmt`` "float" or "ue8m0"); an expert width that is not (I = 80 here) it passes
