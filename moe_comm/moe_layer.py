@@ -45,7 +45,7 @@ def _blocks(n: int) -> int:
     return -(-n // FP8_WEIGHT_BLOCK)
 
 
-def _fp8_scale_grids(hidden: int, intermediate: int) -> tuple:
+def fp8_scale_grids(hidden: int, intermediate: int) -> tuple:
     """(block rows, block columns) of the block scales an fp8 layer holds: w13 (gate's block rows, then
     up's: ``reference.dequantize_fp8_w13``), then w2."""
     return (2 * _blocks(intermediate), _blocks(hidden)), (_blocks(hidden), _blocks(intermediate))
@@ -261,7 +261,7 @@ class MoELayer:
         block scales): what a decode step reads per active expert, the layer's floor."""
         per_expert = 3 * intermediate * hidden * (1 if fp8 else dtype.itemsize)
         if fp8:
-            per_expert += 4 * sum(r * c for r, c in _fp8_scale_grids(hidden, intermediate))
+            per_expert += 4 * sum(r * c for r, c in fp8_scale_grids(hidden, intermediate))
         return num_local_experts * per_expert
 
     # ---- weights -----------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ class MoELayer:
         if self.fp8_weights:
             sfix = ("pass the block scales (DeepSeek's weight_scale_inv), float32, one per 128 x 128 block of "
                     f"rows x columns, contiguous, on {self.group.device}")
-            for name, t, (rows, cols) in zip(("w13_scale", "w2_scale"), (w13_scale, w2_scale), _fp8_scale_grids(H, inter)):
+            for name, t, (rows, cols) in zip(("w13_scale", "w2_scale"), (w13_scale, w2_scale), fp8_scale_grids(H, inter)):
                 if t is None:
                     raise TypeError(f"{name} is missing: fp8 weights need their block scales ({sfix})")
                 check_tensor(name, t, self.group.device, (torch.float32,), (L, rows, cols), sfix)

@@ -39,6 +39,7 @@ import weakref
 
 import torch
 
+import hf_fp8
 from moe_comm import moe_layer
 from moe_comm.reference import dequantize_fp8, quantize_fp8
 from moe_comm.serving.hf import generate as gen
@@ -57,23 +58,29 @@ def gamma(n: int) -> float:
 
 def config(family: str, world: int, dtype: str = "float32", layers: int = 2, new_tokens: int = 16,
            options: dict | None = None, seed: int = 0, hidden: int = 64, idle_rank: int | None = None,
-           device: str = "cpu") -> dict:
+           device: str = "cpu", intermediate: int | None = None, fp8: dict | None = None) -> dict:
     """One case. Experts: 8, or 6 at world 3 (a world must divide them). decode_tokens 4 and prefill_tokens
     4 unless ``options`` say otherwise: prompts (up to 2 x 6 tokens on a rank) go through the PrefillBuffer
     in several chunks, the decode steps (1-2 tokens per rank) through the EPBuffer. ``idle_rank``: a rank
     with no prompts (it takes part in every step through ``finish``). ``device``: where the models run
-    (the rank's group's device; transformers' reference runs there too)."""
+    (the rank's group's device; transformers' reference runs there too). ``fp8``: the experts as an fp8
+    checkpoint's (``hf_fp8.fp8_model``: dict(scale_fmt, quantizer)): the ranks run transformers' FP8Experts,
+    the reference transformers' eager experts on the weights its CPU load dequantizes."""
     opts = dict(decode_tokens=4, prefill_tokens=4)
     opts.update(options or {})
     return dict(family=family, world=world, dtype=dtype, layers=layers, new_tokens=new_tokens, options=opts,
-                seed=seed, idle_rank=idle_rank, device=device,
-                model=dict(layers=layers, experts=6 if world % 3 == 0 else 8, hidden=hidden))
+                seed=seed, idle_rank=idle_rank, device=device, fp8=fp8,
+                model=dict(layers=layers, experts=6 if world % 3 == 0 else 8, hidden=hidden, intermediate=intermediate))
 
 
 def build(case: dict, impl: str = "eager"):
-    """The case's model (the same random weights in every process), on the case's device."""
-    return tiny_model(case["family"], gen.DTYPES[case["dtype"]], case["seed"], experts_implementation=impl,
-                      **case["model"]).to(case["device"])
+    """The case's model (the same random weights in every process), on the case's device; an fp8 case's
+    "eager" model is transformers' CPU computation of its checkpoint (``hf_fp8.fp8_model``)."""
+    model = tiny_model(case["family"], gen.DTYPES[case["dtype"]], case["seed"], experts_implementation=impl,
+                       **case["model"])
+    if case.get("fp8"):
+        model = hf_fp8.fp8_model(model, case["fp8"], case["seed"], eager_reference=impl == "eager")
+    return model.to(case["device"])
 
 
 def prompts(case: dict, rank: int) -> list[list[int]]:
@@ -90,13 +97,14 @@ def rank_run(group, case: dict) -> dict:
     full = [weakref.ref(p) for m in model.modules() if type(m).__name__.endswith("Experts")
             for p in m.parameters(recurse=False)]
     report = hf.shard_experts(model, group, **case["options"])   # the full weights: freed by refcount, no gc
-    calls = []
+    calls, call_steps = [], []
     run_layer = door_mod.run_layer
 
     def recording(layer, x, idx, w):
         y = run_layer(layer, x, idx, w)
         if x.shape[0]:
             calls.append((x.clone(), idx.clone(), w.clone(), y.clone()))
+            call_steps.append((layer.door.steps - 1, layer.index, layer.door.plan.prefill))
         return y
 
     door_mod.run_layer = recording
@@ -111,7 +119,7 @@ def rank_run(group, case: dict) -> dict:
         door_mod.run_layer = run_layer
         moe_layer._FusedEPBuffer._build_launches = own_build
     door = model._moe_comm_door
-    return dict(tokens=tokens, logits=logits, calls=calls, report=report, taken=dict(door.taken),
+    return dict(tokens=tokens, logits=logits, calls=calls, call_steps=call_steps, report=report, taken=dict(door.taken),
                 masked_layers=sum(door.masked and layer.layout.masked for layer in door.layers),   # Triton kernel
                 fused_runs=fused_runs, shared_moe_layers=len(door.fused_layers),
                 full_weights_freed=all(r() is None for r in full), preloaded=preloaded)

@@ -23,7 +23,9 @@ expert-major rows, the masked expert kernel); a larger one through the PrefillBu
 ceil(max T / ``prefill_tokens``) chunks. The router is the model's (grouped top-k, biases, scaling
 included): the door takes its ``top_k_index`` / ``top_k_weights``. With ``layer_path="fused"`` (or
 "auto") a decode-size step's MoE layer is one ``moe_comm.MoELayer`` call instead (dispatch, gate/up, down
-and combine fused; ``fused.py``) wherever the fused kernels can compute the experts. Shared experts
+and combine fused; ``fused.py``) wherever the fused kernels can compute the experts; fp8 checkpoints'
+experts (transformers' FP8Experts, 128 x 128 block scales) run there only, their weights kept in fp8
+(``layer_path="fused"`` or "auto"). Shared experts
 (DeepSeek-V3's, Qwen2-MoE's) are outside the experts module and stay local. Inference only (no autograd through the
 collectives).
 """
@@ -36,8 +38,8 @@ import torch
 from torch import nn
 
 from .door import IMPLEMENTATION, LAYER_ATTR, Door, NotBoundError, StepOrderError, experts_forward
-from .experts import UnsupportedExpertsError, expert_weight_bytes, is_experts_module, layout_of, shard
-from .fused import LAYER_PATHS, unfusable
+from .experts import UnsupportedExpertsError, expert_weight_bytes, is_experts_module, layout_of, rows_dtype, shard
+from .fused import LAYER_PATHS, fp8_refusal_message, unfusable
 from .steps import KIND_BIND, KIND_FINISH, KIND_STEP, StepMismatchError, StepPlan, StepTimeoutError, fingerprint
 
 __all__ = ["DECODE_TOKENS", "IMPLEMENTATION", "LAYER_PATHS", "PREFILL_TOKENS", "NotBoundError", "ShardReport",
@@ -60,8 +62,8 @@ class ShardReport:
     buffer_bytes: int            # the EPBuffer, PrefillBuffer and MoELayer this binding uses (allocated at first call)
     fused_layers: int = 0        # MoE layers whose decode-size steps run through moe_comm.MoELayer (layer_path)
     unfused_why: str | None = None   # why the other layers do not (None when every layer is fused)
-    fused_copy_bytes: int = 0    # bytes of weight copies made for the fused layer (transposed layouts; 0 when it
-    #                              reads the modules' own weights), on top of expert_bytes_after
+    fused_copy_bytes: int = 0    # bytes of weight copies made for the fused layer (transposed layouts, ue8m0 scales
+    #                              widened to float32; 0 when it reads the modules' own), on top of expert_bytes_after
 
 
 def register() -> None:
@@ -72,6 +74,11 @@ def register() -> None:
         raise ImportError(f"moe_comm.serving.hf needs transformers >= 5.24 ({e}): pip install "
                           f"'moe-comm[transformers]'") from e
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    try:   # fp8 checkpoints' FP8Experts look their implementation up in a registry of their own
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface  # noqa: PLC0415
+    except ImportError:
+        return
+    FP8ExpertsInterface.register(IMPLEMENTATION, experts_forward)
 
 
 register()
@@ -104,6 +111,8 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
                     UnsupportedExpertsError for a model it cannot compute, e.g. gpt-oss, or with an fp8
                     dispatch_format) or "auto" (fused where it can and decode_tokens <=
                     moe_layer.FUSED_MAX_TOKENS, else unfused; ``ShardReport.unfused_why`` says why).
+                    fp8 experts (transformers' FP8Experts, 128 x 128 block scales) run fused only: "auto"
+                    fuses them at any decode_tokens, "unfused" raises UnsupportedExpertsError.
                     Prefill-size steps take the PrefillBuffer either way. docs/integrations.md
     Returns a ``ShardReport`` (bytes of expert weights before and after, the layers fused). Raises
     UnsupportedExpertsError for an experts module the door does not know (or, with layer_path="fused", one
@@ -126,7 +135,8 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
         raise UnsupportedExpertsError(f"{type(model).__name__} has no MoE experts module (nothing decorated by "
                                       f"transformers' @use_experts_implementation): it is not an MoE model the door "
                                       f"can shard; run it without moe-comm")
-    layouts = [layout_of(m) for m in modules]
+    dtype = rows_dtype(model)
+    layouts = [layout_of(m, dtype) for m in modules]
     config = getattr(model, "config", None)
     k = topk if topk is not None else getattr(config, "num_experts_per_tok", None)
     if not isinstance(k, int) or k < 1:
@@ -138,14 +148,15 @@ def shard_experts(model: nn.Module, group, *, decode_tokens: int = DECODE_TOKENS
             raise ValueError(f"{type(m).__name__} has {lay.num_experts} experts, which {W} ranks cannot share "
                              f"equally (rank r holds experts [r*E/W, (r+1)*E/W)): run on a world size that divides "
                              f"{lay.num_experts} ({', '.join(map(str, divisors))})")
-    if layer_path == "fused":
-        for m, lay in zip(modules, layouts):
-            why = unfusable(lay, dispatch_format, decode_tokens, layer_path)
-            if why:
-                raise UnsupportedExpertsError(
-                    f"layer_path='fused': the fused MoE layer cannot run {type(m).__name__}: {why}. Fix: "
-                    f"layer_path='auto' (such layers run unfused) or 'unfused'")
-    shapes = [(lay.num_experts, lay.hidden, lay.intermediate, lay.dtype) for lay in layouts]
+    for m, lay in zip(modules, layouts):
+        why = unfusable(lay, dispatch_format, decode_tokens, layer_path) if layer_path == "fused" or lay.fp8 else None
+        if why and lay.fp8:
+            raise UnsupportedExpertsError(fp8_refusal_message(m, why, layer_path))
+        if why:
+            raise UnsupportedExpertsError(
+                f"layer_path='fused': the fused MoE layer cannot run {type(m).__name__}: {why}. Fix: "
+                f"layer_path='auto' (such layers run unfused) or 'unfused'")
+    shapes = [(lay.num_experts, lay.hidden, lay.intermediate, lay.dtype, lay.fp8) for lay in layouts]
     digest = fingerprint(shapes, k, decode_tokens, prefill_tokens, dispatch_format, layer_path)
     door = Door(group, k, decode_tokens, prefill_tokens, dispatch_format, digest, expert_kernel == "masked",
                 layer_path)

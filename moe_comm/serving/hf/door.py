@@ -60,7 +60,7 @@ class Door:
         self.decode_tokens, self.prefill_tokens, self.dispatch_format = decode_tokens, prefill_tokens, dispatch_format
         self.meetings = StepMeetings(group, digest)
         self.layer_path = layer_path   # "unfused", "fused" or "auto" (shard_experts)
-        self.fused_layers: dict = {}   # (E, H, I, dtype) -> the MoELayer every fused layer of that shape shares
+        self.fused_layers: dict = {}   # (E, H, I, dtype, fp8) -> the MoELayer every fused layer of that shape shares
         self.layers: list[Layer] = []
         self.steps = 0                 # steps begun
         self.plan: StepPlan | None = None

@@ -14,15 +14,17 @@ VOCAB = 96
 INIT_RANGE = 0.2   # weights ~ N(0, 0.2): logits spread enough that greedy choices are not near-ties
 
 
-def tiny_config(family: str, layers: int = 2, hidden: int = 64, experts: int = 8, topk: int = 2):
+def tiny_config(family: str, layers: int = 2, hidden: int = 64, experts: int = 8, topk: int = 2,
+                intermediate: int | None = None):
     """A transformers config of ``family`` with ``layers`` decoder layers (for DeepSeek-V3 the first is
-    dense when layers > 1, as its checkpoints have), ``experts`` experts of width hidden / 2, top-``topk``."""
+    dense when layers > 1, as its checkpoints have), ``experts`` experts of width ``intermediate`` (default
+    hidden / 2), top-``topk``."""
     import transformers  # noqa: PLC0415
     common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=INIT_RANGE,
                   num_experts_per_tok=topk, eos_token_id=None, bos_token_id=None, pad_token_id=0,
                   tie_word_embeddings=False)
-    inter = hidden // 2
+    inter = intermediate or hidden // 2
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, head_dim=hidden // 4, intermediate_size=hidden,
                                            moe_intermediate_size=inter, num_experts=experts, norm_topk_prob=True)
