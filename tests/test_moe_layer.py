@@ -180,6 +180,20 @@ def test_the_layer_needs_no_more_memory_than_dispatch_and_combine(world, tokens,
     assert MoELayer.required_bytes(world, 256, hidden, inter, tokens, topk, path="unfused") == ep
 
 
+@pytest.mark.parametrize("experts,hidden,inter,topk", [(8, 4096, 14336, 2), (128, 2048, 768, 8), (256, 7168, 2048, 8)],
+                         ids=["Mixtral-8x7B", "Qwen3-30B-A3B", "DeepSeek-V3"])
+@pytest.mark.parametrize("world,tokens", [(1, 1), (2, 128), (8, 512)])
+def test_the_layer_needs_no_more_memory_than_the_unfused_path(experts, hidden, inter, topk, world, tokens):
+    """Any width, I >= H too (Mixtral: the activations [E_local, W*M, I] are larger than the d.x they
+    replace, so the layer can exceed the EPBuffer alone): the fused layer is never larger than what the
+    unfused path holds at its peak, the EPBuffer plus the masked experts' activations [E_local, W*M, I]
+    and outputs [E_local, W*M, H] (serving/experts.masked_bmm allocates both per call)."""
+    fused = MoELayer.required_bytes(world, experts, hidden, inter, tokens, topk)
+    L, cap = experts // world, world * tokens
+    unfused_peak = EPBuffer.required_bytes(world, experts, hidden, tokens, topk) + L * cap * (inter + hidden) * 2
+    assert fused <= unfused_peak
+
+
 def _allocated_bytes(layer) -> int:
     """Bytes of every tensor the layer's buffers hold (symmetric and local): every tensor attribute of its
     EPBuffer (so a buffer added without its place in the plan is counted here, and fails the test)."""
