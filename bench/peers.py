@@ -59,8 +59,9 @@ def init_world1(device: torch.device) -> None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = dict(device_id=device) if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60), **kw)
+    from moe_comm.group import init_process_group  # noqa: PLC0415  (one that destroy_process_group ends)
+    init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                       timeout=datetime.timedelta(seconds=60), **kw)
 
 
 def nccl_alltoallv(send: torch.Tensor, out: torch.Tensor, send_counts: torch.Tensor,

@@ -556,7 +556,7 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
     owns = False
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=max(timeout_s, 10.0)))
+        init_process_group(pg_backend, timeout=datetime.timedelta(seconds=max(timeout_s, 10.0)))
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -583,6 +583,26 @@ def init(backend: str = "auto", *, timeout_s: float = 30.0, world_size: int | No
         from .heap.nvshmem import NvshmemHeap  # noqa: PLC0415
         heap = NvshmemHeap(rank, world, dev, timeout_s, store)
     return CommGroup(heap, backend, timeout_s, owns_dist=owns, trace=trace)
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)``, made so that ``destroy_process_group``
+    really ends the group: the process groups it made are destroyed there, their threads (gloo's workers and
+    its transport loop) joined, none left running into interpreter finalization. Every process group
+    moe-comm makes itself is made here; ``CommGroup.close`` destroys it (``init``'s group).
+
+    Why: ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as the default argument of ten
+    functions when it is first imported. Imported after the default group exists (torch._dynamo's import
+    does it: a TorchFunctionMode, torch.compile), those defaults hold the default ProcessGroup, and
+    ``destroy_process_group`` only drops torch's own references: the C++ group, its gloo worker threads
+    included, lives until the interpreter finalizes. A worker that then releases the last reference to a
+    finished work's tensor, whose Python object the tensor keeps, must take the GIL; a finalizing Python
+    ends that thread (``pthread_exit``) inside a noexcept destructor and the process aborts ("terminate
+    called without an active exception"; seen on a torchrun rank that exited right after its last
+    collective). Imported before the group exists, those defaults are None (the default group)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.nn  # noqa: F401, PLC0415  (first: see above)
+    dist.init_process_group(backend, **kwargs)
 
 
 # ---- launch ------------------------------------------------------------------------------------

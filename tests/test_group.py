@@ -254,3 +254,32 @@ def test_the_fork_servers_moe_comm_is_used_only_under_its_import_time_environmen
     assert moe_comm.launch(_kernels_as_imported, 2, backend="shm", timeout_s=20) == [(0, True), (1, True)]
     monkeypatch.delenv("TRITON_INTERPRET")
     assert moe_comm.launch(_kernels_as_imported, 2, backend="shm", timeout_s=20) == [(0, False), (1, False)]
+
+
+def _gloo_threads_after_close(group):
+    """What the decode bench's ranks do (step_profile's TorchFunctionMode imports torch._dynamo, which imports
+    torch.distributed.nn, after the group exists), a collective, then close: the threads left."""
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.nn  # noqa: F401, PLC0415
+    dist.barrier()
+    group.close()
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:   # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if "gloo" in n)
+
+
+def test_close_ends_the_process_groups_threads():
+    """The process group init() made is really destroyed by close(): none of gloo's threads (its workers,
+    its transport loop) is left to run while the interpreter finalizes, where a worker releasing a Python
+    tensor aborts the process ("terminate called without an active exception", group.init_process_group)."""
+    left = moe_comm.launch(_gloo_threads_after_close, 2, backend="shm", timeout_s=20)
+    if left == [None, None]:
+        pytest.skip("no /proc/self/task to list a process's threads")
+    assert left == [[], []]

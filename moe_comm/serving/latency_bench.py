@@ -289,8 +289,9 @@ def _run(opts) -> list[dict] | None:
             res = _work(opts)([group], opts)
             gathered = [None] * group.world_size if group.rank == 0 else None
             dist.gather_object(res, gathered, dst=0)
-            # Every rank's part of the gather complete before any rank tears its process group down (a
-            # rank that destroyed gloo with the gather still in flight was seen to abort at exit).
+            # Every rank's part of the gather complete before any rank tears its process group down; the
+            # group's close then destroys it, its gloo threads joined before the interpreter finalizes
+            # (``moe_comm.group.init_process_group`` says why that needed care: an abort at exit).
             dist.barrier()
         return gathered
     if opts.heap == "loopback":
@@ -301,9 +302,10 @@ def _run(opts) -> list[dict] | None:
         if opts.world != 1:
             raise SystemExit("several ranks on GPUs: use torchrun (one GPU per rank) or --heap loopback on one GPU")
         import torch.distributed as dist  # noqa: PLC0415
+        from moe_comm.group import init_process_group  # noqa: PLC0415  (one that destroy really ends)
         # A one-rank process group so the sync/padded baselines really call NCCL's all_to_all_single.
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                           device_id=torch.device("cuda", 0))
         try:
             with moe_comm.init(opts.heap, timeout_s=opts.timeout_s) as group:
                 return [_work(opts)([group], opts)]
