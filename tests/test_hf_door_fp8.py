@@ -292,8 +292,9 @@ def _per_expert(E, hidden, inter, scale_dtype, device, g=None):
     ("deepseek_v3", 7168, 2048, "ue8m0"),   # DeepSeek-V3 / R1 (and Kimi K2's expert sizes)
     ("qwen3_moe", 2048, 768, "float"),      # Qwen3-30B-A3B-FP8
     ("qwen3_moe", 4096, 1536, "float"),     # Qwen3-235B-A22B-FP8
-    ("qwen3_moe", 256, 96, "float"),        # an expert width that is not a multiple of 128
-], ids=["deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "I96"])
+    ("qwen3_moe", 256, 96, "float"),        # expert widths that are not a multiple of 128 (and load:
+    ("qwen3_moe", 256, 200, "float"),       # 2 ceil(I/128) = ceil(2I/128))
+], ids=["deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "I96", "I200"])
 def test_fp8_real_checkpoint_sizes_load_into_the_grid_the_door_takes(family, hidden, inter, scale_fmt):
     """At real checkpoints' sizes (meta tensors: shapes only), transformers' own loading merges a checkpoint's
     per-expert gate_proj / up_proj / down_proj weight_scale_inv into exactly the FP8Experts parameters it
@@ -314,6 +315,7 @@ def test_fp8_real_checkpoint_sizes_load_into_the_grid_the_door_takes(family, hid
     assert tuple(experts.down_proj_scale_inv.shape) == (E, r2, c2)
 
 
+# (not I = 200: transformers' Fp8Dequantize takes its block rows from the grid, rows / ceil(I/128) = 100, not 128)
 @pytest.mark.parametrize("inter,scale_fmt", [(256, "ue8m0"), (96, "float")])
 def test_fp8_checkpoint_merge_is_gate_blocks_then_up_blocks(inter, scale_fmt):
     """transformers' own merge of a checkpoint's per-expert codes and scales (its converters' operations, real
