@@ -599,7 +599,11 @@ def init_process_group(backend: str, **kwargs) -> None:
     finished work's tensor, whose Python object the tensor keeps, must take the GIL; a finalizing Python
     ends that thread (``pthread_exit``) inside a noexcept destructor and the process aborts ("terminate
     called without an active exception"; seen on a torchrun rank that exited right after its last
-    collective). Imported before the group exists, those defaults are None (the default group)."""
+    collective). Imported before the group exists, those defaults are None (the default group). Two other
+    torch modules bind it so (torch 2.13 and 2.15): ``distributed.optim.zero_redundancy_optimizer`` and
+    ``distributed.fsdp.sharded_grad_scaler``, training code that nothing on moe-comm's paths imports (not
+    transformers, torch._dynamo or moe-comm); not imported here (``torch.distributed.optim`` takes ~0.8 s), so
+    a process that imports either after ``init`` keeps the group alive past ``close`` again."""
     import torch.distributed as dist  # noqa: PLC0415
     import torch.distributed.nn  # noqa: F401, PLC0415  (first: see above)
     dist.init_process_group(backend, **kwargs)

@@ -278,8 +278,12 @@ def _gloo_threads_after_close(group):
 def test_close_ends_the_process_groups_threads():
     """The process group init() made is really destroyed by close(): none of gloo's threads (its workers,
     its transport loop) is left to run while the interpreter finalizes, where a worker releasing a Python
-    tensor aborts the process ("terminate called without an active exception", group.init_process_group)."""
-    left = moe_comm.launch(_gloo_threads_after_close, 2, backend="shm", timeout_s=20)
+    tensor aborts the process ("terminate called without an active exception", group.init_process_group).
+    The ranks are spawned (fresh interpreters): a forked rank inherits what the fork server preloaded, and
+    with moe_comm.serving.hf collected in the session (any hf test module) that includes
+    torch.distributed.nn, imported before any group, where the group outlives close() with or without the fix
+    (this test then passed on a broken init_process_group)."""
+    left = moe_comm.launch(_gloo_threads_after_close, 2, backend="shm", timeout_s=30, start_method="spawn")
     if left == [None, None]:
         pytest.skip("no /proc/self/task to list a process's threads")
     assert left == [[], []]

@@ -229,3 +229,123 @@ def test_fp8_clamped_gate_refused_and_auto_fuses_at_any_decode_tokens():
     big = hf_cases.moe_layer.FUSED_MAX_TOKENS + 1
     rep = hf.shard_experts(_fp8_model(), group, decode_tokens=big, layer_path="auto")
     assert rep.fused_layers == 1 and rep.unfused_why is None, rep
+
+
+def _checkpoint_merge(experts, scale_fmt, per_expert):
+    """transformers' own loading of an fp8 checkpoint's experts into ``experts``: the converters its fp8
+    quantizer makes of the model's conversion mapping (``update_weight_conversions``: a copy of each weight
+    converter for its ``weight_scale_inv``), their operations run on ``per_expert`` ({checkpoint name pattern:
+    one tensor per expert}). Returns {experts' parameter name: merged tensor}."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: PLC0415
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer  # noqa: PLC0415
+    holder = torch.nn.Module()
+    holder.mlp, holder.config = torch.nn.Module(), experts.config
+    holder.mlp.experts = experts
+    quantizer = FineGrainedFP8HfQuantizer(hf_fp8.fp8_config(scale_fmt))
+    quantizer.pre_quantized = True
+    merged = {}
+    for c in quantizer.update_weight_conversions(get_checkpoint_conversion_mapping("qwen2_moe"), holder):
+        if not hasattr(c, "operations") or not all(p in per_expert for p in c.source_patterns):
+            continue
+        d = {p: list(per_expert[p]) for p in c.source_patterns}
+        for op in c.operations:
+            d = op.convert(d, source_patterns=c.source_patterns, target_patterns=c.target_patterns)
+        (target, t), = d.items()
+        merged[target.rpartition(".")[2]] = t
+    return merged
+
+
+def _fp8_experts(family, hidden, inter, scale_fmt, device="meta", experts=8):
+    """transformers' FP8Experts of ``family`` at these sizes, built as its loading builds them (weights
+    allocated, not initialized)."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts  # noqa: PLC0415
+    from transformers.integrations.moe import use_experts_implementation  # noqa: PLC0415
+    from moe_comm.serving.hf.tiny import tiny_config  # noqa: PLC0415
+    config = tiny_config(family, layers=1, hidden=hidden, experts=experts, intermediate=inter)
+    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    with torch.device(device):
+        return cls(config=config, block_size=hf_fp8.BLOCK, scale_fmt=scale_fmt)
+
+
+def _per_expert(E, hidden, inter, scale_dtype, device, g=None):
+    """An fp8 checkpoint's experts (DeepSeek-V3's names): per expert, gate_proj / up_proj [I, H] and down_proj
+    [H, I] float8_e4m3fn, each with its own weight_scale_inv [ceil(out/128), ceil(in/128)]; on the CPU random
+    codes and scales that differ per expert, block and projection (powers of two for ue8m0)."""
+    cdiv = lambda a: -(-a // hf_fp8.BLOCK[0])   # noqa: E731
+
+    def t(shape, dtype, lo=0):
+        if device == "meta":
+            return torch.empty(shape, dtype=dtype, device="meta")
+        if dtype == torch.float8_e4m3fn:
+            return (torch.randn(shape, generator=g) * 64).to(dtype)
+        return (2.0 ** torch.randint(lo - 8, lo, shape, generator=g).float()).to(dtype)
+    out = {}
+    for n, (o, i), lo in (("gate_proj", (inter, hidden), 0), ("up_proj", (inter, hidden), 8),
+                          ("down_proj", (hidden, inter), 16)):
+        out[f"mlp.experts.*.{n}.weight"] = [t((o, i), torch.float8_e4m3fn) for _ in range(E)]
+        out[f"mlp.experts.*.{n}.weight_scale_inv"] = [t((cdiv(o), cdiv(i)), scale_dtype, lo) for _ in range(E)]
+    return out
+
+
+@pytest.mark.parametrize("family,hidden,inter,scale_fmt", [
+    ("deepseek_v3", 7168, 2048, "ue8m0"),   # DeepSeek-V3 / R1 (and Kimi K2's expert sizes)
+    ("qwen3_moe", 2048, 768, "float"),      # Qwen3-30B-A3B-FP8
+    ("qwen3_moe", 4096, 1536, "float"),     # Qwen3-235B-A22B-FP8
+    ("qwen3_moe", 256, 96, "float"),        # expert widths that are not a multiple of 128 (and load:
+    ("qwen3_moe", 256, 200, "float"),       # 2 ceil(I/128) = ceil(2I/128))
+], ids=["deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "I96", "I200"])
+def test_fp8_real_checkpoint_sizes_load_into_the_grid_the_door_takes(family, hidden, inter, scale_fmt):
+    """At real checkpoints' sizes (meta tensors: shapes only), transformers' own loading merges a checkpoint's
+    per-expert gate_proj / up_proj / down_proj weight_scale_inv into exactly the FP8Experts parameters it
+    allocates, and the door takes that module with the grid ``moe_layer.fp8_scale_grids`` reads (gate's block
+    rows, then up's)."""
+    E = 8
+    experts = _fp8_experts(family, hidden, inter, scale_fmt)
+    scale_dtype = torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32
+    merged = _checkpoint_merge(experts, scale_fmt, _per_expert(E, hidden, inter, scale_dtype, "meta"))
+    assert sorted(merged) == ["down_proj", "down_proj_scale_inv", "gate_up_proj", "gate_up_proj_scale_inv"]
+    for n, t in merged.items():
+        p = getattr(experts, n)
+        assert (tuple(t.shape), t.dtype) == (tuple(p.shape), p.dtype), (n, t.shape, p.shape)
+    lay = hf.layout_of(experts, torch.bfloat16)
+    assert (lay.fp8, lay.masked, lay.num_experts, lay.hidden, lay.intermediate) == (True, True, E, hidden, inter)
+    (r13, c13), (r2, c2) = hf_cases.moe_layer.fp8_scale_grids(hidden, inter)
+    assert tuple(experts.gate_up_proj_scale_inv.shape) == (E, r13, c13)
+    assert tuple(experts.down_proj_scale_inv.shape) == (E, r2, c2)
+
+
+# (not I = 200: transformers' Fp8Dequantize takes its block rows from the grid, rows / ceil(I/128) = 100, not 128)
+@pytest.mark.parametrize("inter,scale_fmt", [(256, "ue8m0"), (96, "float")])
+def test_fp8_checkpoint_merge_is_gate_blocks_then_up_blocks(inter, scale_fmt):
+    """transformers' own merge of a checkpoint's per-expert codes and scales (its converters' operations, real
+    values at a small hidden size), dequantized as the fused layer computes (``reference.dequantize_fp8_w13``
+    / ``dequantize_fp8_weight``), gives each projection's own dequantization by transformers
+    (``Fp8Dequantize``, its CPU load path) bit for bit: the door's grid is the checkpoint's."""
+    E, H = 4, 256
+    experts = _fp8_experts("qwen3_moe", H, inter, scale_fmt, experts=E)
+    scale_dtype = torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32
+    ck = _per_expert(E, H, inter, scale_dtype, "cpu", torch.Generator().manual_seed(3))
+    merged = _checkpoint_merge(experts, scale_fmt, ck)
+    from moe_comm.serving.hf.experts import fp8_scales  # noqa: PLC0415
+    w13 = reference.dequantize_fp8_w13(merged["gate_up_proj"], fp8_scales(merged["gate_up_proj_scale_inv"]),
+                                       torch.bfloat16)
+    w2 = reference.dequantize_fp8_weight(merged["down_proj"], fp8_scales(merged["down_proj_scale_inv"]),
+                                         torch.bfloat16)
+
+    def deq(n):
+        return torch.stack([hf_fp8.dequantize(q, s, torch.bfloat16) for q, s in
+                            zip(ck[f"mlp.experts.*.{n}.weight"], ck[f"mlp.experts.*.{n}.weight_scale_inv"])])
+    assert torch.equal(w13, torch.cat([deq("gate_proj"), deq("up_proj")], 1))
+    assert torch.equal(w2, deq("down_proj"))
+
+
+def test_fp8_quantized_after_the_merge_refused_at_its_allocated_grid():
+    """A bf16 model quantized at loading (``FineGrainedFP8Config`` on a bf16 checkpoint) with an expert width
+    that is not a multiple of 128 but 2I is (I = 192): FP8Experts allocates ceil(2I/128) = 3 block rows over
+    the concatenated [gate; up] rows (transformers' Fp8Quantize fills them so), one of them across gate and up
+    rows: refused saying the fix, not computed with a wrong scale."""
+    experts = _fp8_experts("qwen3_moe", 256, 192, "float")
+    assert tuple(experts.gate_up_proj_scale_inv.shape) == (8, 3, 2)
+    with pytest.raises(hf.UnsupportedExpertsError, match=r"\[8, 3, 2\], not \[8, 4, 2\].*" + DEQUANTIZE):
+        hf.layout_of(experts, torch.bfloat16)
