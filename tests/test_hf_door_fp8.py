@@ -218,6 +218,15 @@ def test_fp8_edge_cases_refused_saying_the_fix(config, options, match):
     _refused(_fp8_model(**config), match, **options)
 
 
+def test_fp8_experts_stored_transposed_refused():
+    """An fp8 experts module flagged is_transposed: the fused layer would take a transposed copy of the weights
+    but the scales' grid as it is (one scale per wrong block): refused before anything is sharded."""
+    model = _fp8_model()
+    (_, m), = hf_fp8.experts_modules(model)
+    m.is_transposed = True
+    _refused(model, r"stored transposed.*" + DEQUANTIZE, layer_path="fused")
+
+
 def test_fp8_scales_over_the_concatenated_rows_refused():
     """I = 64: transformers' Fp8Quantize of the merged gate_up_proj [E, 128, 128] gives one block row over gate
     and up rows together ([E, 1, 1]), not gate's then up's ([E, 2, 1]): refused, naming the grid."""

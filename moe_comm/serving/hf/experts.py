@@ -176,6 +176,9 @@ def fp8_refusal(module: nn.Module, up_name: str) -> str | None:
     if w.dtype != FP8_WEIGHT_DTYPE or module.down_proj.dtype != FP8_WEIGHT_DTYPE:
         return (f"its weights are {w.dtype} and {module.down_proj.dtype}, not {FP8_WEIGHT_DTYPE}. Fix: "
                 f"{DEQUANTIZE_FIX}")
+    if getattr(module, "is_transposed", False):
+        return (f"its weights are stored transposed ([E, in, out]; FP8Experts holds [E, out, in]): their block "
+                f"scales would not follow a transposed copy. Fix: {DEQUANTIZE_FIX}")
     block = getattr(module, "block_size", None)
     if block is None or tuple(block) != FP8_BLOCK:
         return (f"block_size={block} (the fused kernels read one scale per {FP8_BLOCK[0]} x {FP8_BLOCK[1]} "
